@@ -1,0 +1,50 @@
+"""`nano-miles` command line: one subcommand per concept, each living in its own module.
+
+Every subcommand module exposes `add_arguments(parser)` and `run(args) -> int`; this file only
+wires them together, importing a module when its subcommand is used (torch imports are slow).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> (module, one-line help)
+SUBCOMMANDS = {
+    "prepare-model": ("nano_miles.models", "materialise a model into the local cache and print its path"),
+    "serve": ("nano_miles.engine.server", "start the SGLang-compatible inference engine server"),
+    "tasks": ("nano_miles.tasks", "list the shell tasks and their splits"),
+    "rollout": ("nano_miles.rollout_cli", "run multi-turn rollouts and write trajectories as JSONL"),
+    "eval": ("nano_miles.evaluate", "pass@1 / pass@K of a model on a task split"),
+    "train": ("nano_miles.train", "GRPO training: rollout, update, weight sync, telemetry"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="nano-miles", description="Agentic GRPO on Linux shell tasks.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    argv = sys.argv[1:] if argv is None else argv
+    # Only import the module of the subcommand being run; list the others by name.
+    wanted = next((a for a in argv if not a.startswith("-")), None)
+    modules = {}
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == wanted:
+            try:
+                module = importlib.import_module(module_name)
+            except ModuleNotFoundError as e:
+                if e.name == module_name:
+                    print(f"nano-miles: '{name}' is not available in this build", file=sys.stderr)
+                    return 2
+                raise
+            module.add_arguments(p)
+            modules[name] = module
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return int(modules[args.command].run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
