@@ -1,0 +1,126 @@
+"""The trajectory record and build_rollout_batch: padding plus the shift-by-one alignment.
+
+A trajectory is one episode as the policy saw it, token by token:
+
+    prompt_ids | response_ids = act_1, obs_1, act_2, obs_2, ..., act_K
+
+Per-token fields (response_logprobs, response_mask) describe response_ids only: model tokens carry
+the engine's log-prob and mask True; observation tokens carry 0.0 and mask False.
+
+Collation writes per-token fields at PREDICTION positions: logits[:, t] predict tokens[:, t+1], so a
+response of length R after a prompt of length P is predicted by positions [P-1, P+R-1). That is why
+loss_mask and rollout_logprobs are [B, L-1] while tokens are [B, L]: the trainer computes
+log_softmax(logits[:, :-1]).gather(tokens[:, 1:]) and lines it up with them directly.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+
+@dataclass
+class Trajectory:
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_logprobs: list[float]
+    response_mask: list[bool]
+    reward: float = 0.0
+    reward_components: dict = field(default_factory=dict)
+    num_turns: int = 0
+    finish_reason: str = ""
+    task_id: str = ""
+    group_id: str = ""
+    weight_versions: list[str] = field(default_factory=list)  # one per model turn
+
+    def validate(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError(f"trajectory {self.group_id}/{self.task_id}: empty prompt_ids "
+                             "(the first response token needs a prompt position to be predicted from)")
+        r = len(self.response_ids)
+        if len(self.response_logprobs) != r or len(self.response_mask) != r:
+            raise ValueError(
+                f"trajectory {self.group_id}/{self.task_id}: response_ids has {r} tokens but "
+                f"response_logprobs has {len(self.response_logprobs)} and response_mask "
+                f"{len(self.response_mask)}; all three must be equal")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Trajectory":
+        missing = [k for k in ("prompt_ids", "response_ids", "response_logprobs", "response_mask") if k not in d]
+        if missing:
+            raise ValueError(f"trajectory record lacks {missing}; has {sorted(d)}")
+        known = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
+        known["response_mask"] = [bool(m) for m in known["response_mask"]]
+        return cls(**known)
+
+
+def load_trajectories(path: str) -> list[Trajectory]:
+    """Read a rollout JSONL file (one trajectory per line)."""
+    out = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                out.append(Trajectory.from_dict(json.loads(line)))
+            except (json.JSONDecodeError, ValueError, TypeError) as e:
+                raise ValueError(f"{path}:{lineno}: not a trajectory record: {e}") from e
+    return out
+
+
+@dataclass
+class RolloutBatch:
+    tokens: torch.Tensor            # [B, L] long, right-padded with pad_id
+    attention_mask: torch.Tensor    # [B, L] bool, True on real tokens
+    loss_mask: torch.Tensor         # [B, L-1] bool, at prediction positions; True only on model tokens
+    rollout_logprobs: torch.Tensor  # [B, L-1] float32, engine log-probs at the same positions, 0 elsewhere
+    rewards: torch.Tensor           # [B] float32
+    group_ids: list[str]
+    task_ids: list[str]
+    prompt_lens: list[int]
+    response_lens: list[int]
+    weight_versions: list[list[str]]
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+
+def build_rollout_batch(trajectories: list, pad_id: int = 0) -> RolloutBatch:
+    """Pad trajectories (Trajectory objects or JSONL dicts) into one RolloutBatch."""
+    if not trajectories:
+        raise ValueError("build_rollout_batch needs at least one trajectory")
+    trajs = [t if isinstance(t, Trajectory) else Trajectory.from_dict(t) for t in trajectories]
+    for t in trajs:
+        t.validate()
+    B = len(trajs)
+    L = max(len(t.prompt_ids) + len(t.response_ids) for t in trajs)
+    L = max(L, 2)  # at least one prediction position, so [B, L-1] is never empty-shaped
+    tokens = torch.full((B, L), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, L), dtype=torch.bool)
+    loss_mask = torch.zeros((B, L - 1), dtype=torch.bool)
+    rollout_logprobs = torch.zeros((B, L - 1), dtype=torch.float32)
+    for i, t in enumerate(trajs):
+        P, R = len(t.prompt_ids), len(t.response_ids)
+        tokens[i, :P + R] = torch.tensor(t.prompt_ids + t.response_ids, dtype=torch.long)
+        attention_mask[i, :P + R] = True
+        # Shift by one: the token at sequence position P+j is predicted by logits at P+j-1.
+        loss_mask[i, P - 1:P + R - 1] = torch.tensor(t.response_mask, dtype=torch.bool)
+        rollout_logprobs[i, P - 1:P + R - 1] = torch.tensor(t.response_logprobs, dtype=torch.float32)
+    # Observation log-probs are 0.0 by contract; zero anything unmasked so stray values never leak.
+    rollout_logprobs = rollout_logprobs.masked_fill(~loss_mask, 0.0)
+    return RolloutBatch(
+        tokens=tokens,
+        attention_mask=attention_mask,
+        loss_mask=loss_mask,
+        rollout_logprobs=rollout_logprobs,
+        rewards=torch.tensor([float(t.reward) for t in trajs], dtype=torch.float32),
+        group_ids=[t.group_id for t in trajs],
+        task_ids=[t.task_id for t in trajs],
+        prompt_lens=[len(t.prompt_ids) for t in trajs],
+        response_lens=[len(t.response_ids) for t in trajs],
+        weight_versions=[list(t.weight_versions) for t in trajs],
+    )
