@@ -1,0 +1,137 @@
+"""Run telemetry: the live per-step table, metrics.jsonl, TensorBoard scalars and PNG curves.
+
+metrics.jsonl is the source of truth (one JSON object per step, flushed as it is written);
+TensorBoard and the PNG curves are derived views of the same numbers.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import psutil
+import torch
+
+REQUIRED_KEYS = (
+    "step", "reward_mean", "acc", "pg_loss", "clip_frac", "parity_mean", "parity_max",
+    "sync_ms", "mem_gb", "step_s", "weight_version",
+)
+
+# (metrics key, column title, format): the seed's table plus throughput, turns and staleness.
+COLUMNS = (
+    ("step", "step", "{:>4d}"),
+    ("reward_mean", "reward", "{:>+7.3f}"),
+    ("acc", "acc", "{:>6.1%}"),
+    ("pg_loss", "pg_loss", "{:>+8.4f}"),
+    ("clip_frac", "clip", "{:>5.2f}"),
+    ("parity_mean", "parity", "{:>8.2e}"),
+    ("sync_ms", "sync_ms", "{:>8.1f}"),
+    ("mem_gb", "mem_GB", "{:>6.2f}"),
+    ("step_s", "step_s", "{:>6.1f}"),
+    ("tokens_per_s", "tok/s", "{:>7.0f}"),
+    ("turns_mean", "turns", "{:>5.2f}"),
+    ("staleness_max", "stale", "{:>5d}"),
+)
+
+
+def memory_gb(device: torch.device | str) -> float:
+    """Peak trainer memory: CUDA max allocated on GPU, resident set size on CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return psutil.Process(os.getpid()).memory_info().rss / 2**30
+
+
+def format_row(metrics: dict) -> str:
+    cells = []
+    for key, title, fmt in COLUMNS:
+        value = metrics.get(key)
+        width = max(len(title), len(fmt.format(0) if "d" in fmt else fmt.format(0.0)))
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            cells.append("-".rjust(width))
+        else:
+            cells.append(fmt.format(int(value) if "d" in fmt else float(value)).rjust(width))
+    return " ".join(cells)
+
+
+def format_header() -> str:
+    widths = [max(len(t), len(f.format(0) if "d" in f else f.format(0.0))) for _, t, f in COLUMNS]
+    return " ".join(t.rjust(w) for (_, t, _), w in zip(COLUMNS, widths))
+
+
+class MetricsLog:
+    """Appends one object per step to run_dir/metrics.jsonl and mirrors scalars to TensorBoard."""
+
+    def __init__(self, run_dir: str | Path, resume_after_step: int | None = None, echo=print):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / "metrics.jsonl"
+        self.echo = echo
+        if resume_after_step is not None and self.path.exists():
+            # A run killed after logging step k but before checkpointing it will redo step k:
+            # drop lines past the checkpoint so no step appears twice.
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] <= resume_after_step]
+            self.path.write_text("".join(line + "\n" for line in kept))
+        self._file = open(self.path, "a", buffering=1)
+        from torch.utils.tensorboard import SummaryWriter  # slow import: only when a run starts
+
+        self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+        self._header_printed = False
+
+    def log(self, metrics: dict) -> None:
+        missing = [k for k in REQUIRED_KEYS if k not in metrics]
+        if missing:
+            raise ValueError(f"metrics for step {metrics.get('step')} lack keys {missing}")
+        self._file.write(json.dumps(metrics, sort_keys=True) + "\n")
+        step = int(metrics["step"])
+        for key, value in metrics.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                self._tb.add_scalar(key, value, step)
+        self._tb.flush()
+        if not self._header_printed:
+            self.echo(format_header())
+            self._header_printed = True
+        self.echo(format_row(metrics))
+
+    def close(self) -> None:
+        self._file.close()
+        self._tb.close()
+        write_curves(self.path, self.run_dir)
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def write_curves(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
+    """PNG curves of reward, accuracy and parity over steps."""
+    rows = read_metrics(metrics_path)
+    if not rows:
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    steps = [r["step"] for r in rows]
+    for key, title in (("reward_mean", "mean reward"), ("acc", "accuracy"), ("parity_mean", "log-prob parity (mean |diff|)")):
+        values = [r.get(key) for r in rows]
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot(steps, [float("nan") if v is None else v for v in values], marker="o")
+        if key == "parity_mean":
+            ax.set_yscale("log")
+        ax.set_xlabel("step")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path = Path(out_dir) / f"{key}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written
