@@ -1,0 +1,186 @@
+"""Shell tasks: a setup that prepares an episode's workspace, an instruction, and a verifier.
+
+Ground truth is never hard-coded: each task's setup runs real commands in the episode's sandbox
+(sha256sum, wc, tar, python3 ...) and keeps their output as the expected answer. Every parameter
+(strings, numbers, file contents) comes from a per-episode seed, so answers cannot be memorised.
+
+A task also carries a scripted solution (real commands; the last one prints the answer), used by
+the tests to prove every task is solvable through the environment and the real sandbox.
+
+    nano-miles tasks list [--split train|heldout|seed] [--json]
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shlex
+from dataclasses import dataclass, field
+from typing import Callable
+
+SPLITS = ("train", "heldout")
+
+
+class SetupError(RuntimeError):
+    """A setup command failed: the sandbox (infrastructure), not the policy, is at fault."""
+
+
+@dataclass
+class TaskInstance:
+    instruction: str
+    expected: str                  # ground truth, computed by running commands at setup
+    kind: str = "text"             # how an answer is compared: text | int | lower | hex
+    check: str | None = None       # a command that must exit 0 (workspace state) for success
+    solution: list[str] = field(default_factory=list)  # scripted policy; last stdout = answer
+
+
+@dataclass(frozen=True)
+class Task:
+    id: str
+    family: str
+    split: str                     # train | heldout
+    summary: str
+    setup: Callable[["Workspace", random.Random], TaskInstance]
+    seed_task: bool = False        # one of the four tasks of the original system
+
+
+class Workspace:
+    """What a task's setup sees: files in the episode's workspace and a way to run commands there."""
+
+    def __init__(self, sandbox, path: str, timeout: float = 20.0):
+        self.sandbox, self.path, self.timeout = sandbox, path, timeout
+
+    def write(self, rel: str, data: str | bytes, mode: int = 0o644) -> None:
+        """Write a file from the host, owned like the workspace (the sandbox may run as another uid)."""
+        full = os.path.join(self.path, rel)
+        if os.path.isabs(rel) or not os.path.realpath(full).startswith(os.path.realpath(self.path) + os.sep):
+            raise ValueError(f"task files must stay inside the workspace: {rel!r}")
+        owner = os.stat(self.path)
+        d = os.path.dirname(full)
+        missing = []
+        while not os.path.isdir(d):
+            missing.append(d)
+            d = os.path.dirname(d)
+        for d in reversed(missing):
+            os.mkdir(d)
+            self._own(d, owner)
+        with open(full, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+        os.chmod(full, mode)
+        self._own(full, owner)
+
+    @staticmethod
+    def _own(path: str, owner: os.stat_result) -> None:
+        if os.geteuid() == 0 and (owner.st_uid, owner.st_gid) != (0, 0):
+            os.chown(path, owner.st_uid, owner.st_gid)
+
+    def run(self, cmd: str) -> str:
+        """Run a setup command in the sandbox; its stdout with the trailing newline removed."""
+        r = self.sandbox.exec(cmd, timeout=self.timeout)
+        if r.exit_code != 0 or r.timed_out:
+            raise SetupError(f"setup command failed (exit {r.exit_code}, timed_out={r.timed_out}): "
+                             f"{cmd!r}: {r.stderr.strip()[:300]}")
+        return r.stdout.rstrip("\n")
+
+    def ok(self, cmd: str) -> bool:
+        r = self.sandbox.exec(cmd, timeout=self.timeout)
+        return r.exit_code == 0 and not r.timed_out
+
+
+def normalize(answer: str, kind: str) -> str | None:
+    """Canonical form of an answer for comparison; None if it cannot be read as `kind`."""
+    a = answer.strip()
+    # Tolerate one layer of quoting/code formatting around a bare value.
+    for q in ("```", "`", '"', "'"):
+        if len(a) >= 2 * len(q) and a.startswith(q) and a.endswith(q):
+            a = a[len(q):-len(q)].strip()
+    if kind == "int":
+        try:
+            return str(int(a.replace(",", "")))
+        except ValueError:
+            return None
+    if kind in ("lower", "hex"):
+        return a.lower()
+    return a
+
+
+def verify(inst: TaskInstance, answer: str | None, ws: Workspace) -> bool:
+    """True when the answer matches the ground truth and the workspace passes the task's check."""
+    if answer is None:
+        return False
+    got = normalize(answer, inst.kind)
+    if got is None or got == "" or got != normalize(inst.expected, inst.kind):
+        return False
+    return inst.check is None or ws.ok(inst.check)
+
+
+# ---- the registry -------------------------------------------------------------------------------
+
+TASKS: dict[str, Task] = {}
+
+
+def task(id: str, family: str, split: str, summary: str, seed_task: bool = False):
+    if split not in SPLITS:
+        raise ValueError(f"task {id}: split must be one of {SPLITS}, not {split!r}")
+
+    def register(fn):
+        if id in TASKS:
+            raise ValueError(f"duplicate task id {id!r}")
+        TASKS[id] = Task(id=id, family=family, split=split, summary=summary, setup=fn, seed_task=seed_task)
+        return fn
+    return register
+
+
+def all_tasks() -> list[Task]:
+    from nano_miles import task_catalog  # noqa: F401  (registers the tasks)
+    return list(TASKS.values())
+
+
+def get_task(task_id: str) -> Task:
+    tasks = {t.id: t for t in all_tasks()}
+    if task_id not in tasks:
+        raise KeyError(f"unknown task {task_id!r}; known: {', '.join(sorted(tasks))}")
+    return tasks[task_id]
+
+
+def select_tasks(which: str) -> list[Task]:
+    """'seed' (the four original tasks), 'train', 'heldout', 'all', or comma-separated task ids."""
+    tasks = all_tasks()
+    if which == "seed":
+        return [t for t in tasks if t.seed_task]
+    if which in SPLITS:
+        return [t for t in tasks if t.split == which]
+    if which == "all":
+        return tasks
+    return [get_task(i.strip()) for i in which.split(",") if i.strip()]
+
+
+def q(s: str) -> str:
+    return shlex.quote(s)
+
+
+# ---- CLI ------------------------------------------------------------------------------------------
+
+def add_arguments(parser) -> None:
+    sub = parser.add_subparsers(dest="tasks_command", metavar="ACTION")
+    p = sub.add_parser("list", help="list tasks with their split and family")
+    p.add_argument("--split", default="all", help="seed | train | heldout | all (default)")
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+
+
+def run(args) -> int:
+    if getattr(args, "tasks_command", None) != "list":
+        print("usage: nano-miles tasks list [--split S] [--json]")
+        return 2
+    tasks = select_tasks(args.split)
+    if args.json:
+        for t in tasks:
+            print(json.dumps({"id": t.id, "split": t.split, "family": t.family,
+                              "seed_task": t.seed_task, "summary": t.summary}))
+        return 0
+    print(f"{'id':<24} {'split':<8} {'family':<12} summary")
+    for t in tasks:
+        print(f"{t.id:<24} {t.split:<8} {t.family:<12} {t.summary}")
+    counts = {s: sum(t.split == s for t in tasks) for s in SPLITS}
+    print(f"{len(tasks)} tasks: " + ", ".join(f"{n} {s}" for s, n in counts.items()))
+    return 0
