@@ -1,0 +1,293 @@
+"""The trainer: FP32 log-probs of the sampled tokens, micro-batches, FP32 master weights, AdamW.
+
+- Log-probs: the decoder runs on a micro-batch of right-padded sequences (causal attention means a
+  real token never sees the padding after it, so no attention mask is needed); then only the hidden
+  states of the positions that are scored go through lm_head, a chunk of tokens at a time, with
+  log_softmax in float32. Each chunk is checkpointed, so neither the forward nor the backward ever
+  holds [batch, length, vocab] logits: at most [chunk, vocab].
+- Master weights: with dtype bfloat16 an lr 1e-6 AdamW step is far below a bf16 weight's spacing
+  (2^-8 relative), so a bf16 parameter would never move. The optimizer therefore owns FP32 copies
+  of every parameter (and FP32 moments); gradients are accumulated into them in FP32 after every
+  micro-batch, and after each step the compute model receives masters.to(bfloat16). With dtype
+  float32 the masters are the model's own parameters.
+- One optimizer step per train_step. Unless old log-probs are passed in, the policy that sampled
+  the batch is the current one, so the PPO ratio is exactly 1 and old = logprobs.detach().
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from nano_miles.algorithms import LossConfig, loss_normalizer, policy_loss
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0  # clip the global FP32 gradient norm; 0 disables clipping
+
+    def __post_init__(self):
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"optim.lr must be a positive number, got {self.lr}")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ValueError(f"optim betas must be in [0, 1), got {self.beta1}, {self.beta2}")
+        if self.eps <= 0 or self.weight_decay < 0 or self.max_grad_norm < 0:
+            raise ValueError("optim.eps must be > 0, weight_decay and max_grad_norm >= 0")
+
+
+@dataclass
+class TrainerConfig:
+    model: str = ""               # HF folder (see nano_miles.models.resolve_model)
+    device: str = "cpu"
+    dtype: str = "float32"        # compute dtype: float32 | bfloat16 (masters and AdamW state are FP32)
+    micro_batch_size: int = 1     # sequences per forward/backward
+    logprob_chunk: int = 1024     # tokens per lm_head -> float32 log_softmax chunk
+    gradient_checkpointing: bool = False  # recompute decoder layers in backward (long sequences)
+    compute_entropy: bool = True  # report the policy entropy (one more pass over each chunk's logits)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.micro_batch_size < 1 or self.logprob_chunk < 1:
+            raise ValueError("micro_batch_size and logprob_chunk must be >= 1")
+
+
+def _chunk_logprobs(hidden, targets, weight, with_entropy: bool):
+    """log p(target) in float32 for hidden [N, H]; the [N, V] logits live only inside this call."""
+    logits = F.linear(hidden, weight).float()  # lm_head in compute dtype, then FP32, like the engine
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
+    if not with_entropy:
+        return logp, torch.zeros_like(logp)
+    return logp, -(logp_all.exp() * logp_all).sum(-1)
+
+
+class Trainer:
+    def __init__(self, cfg: TrainerConfig, model: torch.nn.Module | None = None):
+        self.cfg = cfg
+        self.device = torch.device(cfg.device)
+        self.dtype = DTYPES[cfg.dtype]
+        if model is None:
+            if not cfg.model:
+                raise ValueError("TrainerConfig.model must name an HF model folder")
+            from transformers import AutoModelForCausalLM
+            model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=self.dtype)
+        self.model = model.to(device=self.device, dtype=self.dtype)
+        self.model.config.use_cache = False
+        self.model.train()  # Qwen2/Llama have no dropout; train() is what enables HF checkpointing
+        if cfg.gradient_checkpointing:
+            kwargs = {"use_reentrant": False}
+            if hasattr(self.model, "activation_checkpointing_enable"):  # its name from transformers 5.2x on
+                self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        # named_parameters() lists a tied weight once (embed_tokens, not lm_head).
+        self.names, self.params = zip(*[(n, p) for n, p in self.model.named_parameters() if p.requires_grad])
+        if self.dtype == torch.float32:
+            self.masters = list(self.params)
+        else:
+            self.masters = [p.detach().float().clone().requires_grad_(True) for p in self.params]
+        o = cfg.optim
+        self.optimizer = torch.optim.AdamW(self.masters, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                           weight_decay=o.weight_decay, foreach=True)
+        self.step = 0
+
+    # ------------------------------------------------------------------ log-probs
+
+    def _micro_batches(self, batch):
+        """Row indices per micro-batch, sorted by length so that padding stays small."""
+        lengths = batch.attention_mask.sum(-1)
+        order = torch.argsort(lengths, descending=True, stable=True).tolist()
+        mbs = self.cfg.micro_batch_size
+        return [order[i:i + mbs] for i in range(0, len(order), mbs)], lengths
+
+    def _logprobs(self, tokens, score_mask, need_grad: bool, with_entropy: bool):
+        """Log-probs [b, l-1] (float32, 0 where score_mask is False) and entropy (or None)."""
+        tokens = tokens.to(self.device, non_blocking=True)
+        score_mask = score_mask.to(self.device, non_blocking=True)
+        hidden = self.model.base_model(input_ids=tokens).last_hidden_state[:, :-1]  # position t predicts t+1
+        rows, cols = score_mask.nonzero(as_tuple=True)
+        h, targets = hidden[rows, cols], tokens[:, 1:][rows, cols]
+        weight = self.model.get_output_embeddings().weight
+        logps, ents = [], []
+        for s in range(0, h.shape[0], self.cfg.logprob_chunk):
+            args = (h[s:s + self.cfg.logprob_chunk], targets[s:s + self.cfg.logprob_chunk], weight, with_entropy)
+            if need_grad:  # recompute the chunk's logits in backward instead of keeping them
+                lp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
+            else:
+                lp, ent = _chunk_logprobs(*args)
+            logps.append(lp)
+            ents.append(ent)
+        out = torch.zeros(score_mask.shape, dtype=torch.float32, device=self.device)
+        out = out.index_put((rows, cols), torch.cat(logps) if logps else out.new_zeros(0))
+        entropy = None
+        if with_entropy:
+            entropy = torch.zeros_like(out).index_put((rows, cols), torch.cat(ents) if ents else out.new_zeros(0))
+        return out, entropy
+
+    def _check_batch(self, batch):
+        tokens, attn, mask = batch.tokens, batch.attention_mask, batch.loss_mask
+        B, L = tokens.shape
+        if attn.shape != (B, L) or mask.shape != (B, L - 1) or batch.rollout_logprobs.shape != (B, L - 1):
+            raise ValueError(f"batch shapes disagree: tokens {tuple(tokens.shape)}, attention_mask "
+                             f"{tuple(attn.shape)}, loss_mask {tuple(mask.shape)} (need [B, L-1])")
+        lengths = attn.sum(-1)
+        right_padded = attn == (torch.arange(L)[None, :] < lengths[:, None])
+        if not bool(right_padded.all()):
+            raise ValueError("batch must be right-padded (attention_mask True then False in every row)")
+        if bool((mask & ~attn[:, 1:]).any()):
+            raise ValueError("loss_mask marks padding positions")
+
+    @torch.no_grad()
+    def logprobs(self, batch, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """FP32 log-probs [B, L-1] of tokens[:, 1:] at the positions in `mask` (default batch.loss_mask;
+        pass batch.attention_mask[:, 1:] for every real token), 0.0 elsewhere."""
+        self._check_batch(batch)
+        mask = batch.loss_mask if mask is None else mask
+        out = torch.zeros(mask.shape, dtype=torch.float32)
+        groups, lengths = self._micro_batches(batch)
+        for idx in groups:
+            n = int(lengths[idx].max())
+            lp, _ = self._logprobs(batch.tokens[idx, :n], mask[idx, :n - 1], need_grad=False, with_entropy=False)
+            out[idx, :n - 1] = lp.cpu()
+        return out
+
+    # ------------------------------------------------------------------ the step
+
+    def train_step(self, batch, advantages, old_logprobs=None, ref_logprobs=None) -> dict:
+        """One optimizer step on the whole batch (accumulated over micro-batches). Returns metrics."""
+        self._check_batch(batch)
+        t0 = time.perf_counter()
+        B = batch.tokens.shape[0]
+        advantages = torch.as_tensor(advantages, dtype=torch.float32)
+        if advantages.shape not in ((B,), tuple(batch.loss_mask.shape)):
+            raise ValueError(f"advantages must be [B] or [B, L-1] for B={B}, got {tuple(advantages.shape)}")
+        if not bool(torch.isfinite(advantages).all()):
+            raise ValueError("advantages must be finite")
+        cfg = self.cfg.loss
+        normalizer = loss_normalizer(batch.loss_mask, cfg)
+        with_entropy = self.cfg.compute_entropy or cfg.entropy_coef > 0
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+        sums, tokens, pg_loss, ratio_max = {}, 0, 0.0, 1.0
+        diff_sum, diff_max = 0.0, 0.0
+        groups, lengths = self._micro_batches(batch)
+        for idx in groups:
+            n = int(lengths[idx].max())
+            mask = batch.loss_mask[idx, :n - 1].to(self.device)
+            logp, entropy = self._logprobs(batch.tokens[idx, :n], mask, need_grad=True, with_entropy=with_entropy)
+            if entropy is not None and cfg.entropy_coef == 0:
+                entropy = entropy.detach()
+            rollout = batch.rollout_logprobs[idx, :n - 1].to(self.device)
+            adv = advantages[idx] if advantages.dim() == 1 else advantages[idx, :n - 1]
+            old = logp.detach() if old_logprobs is None else old_logprobs[idx, :n - 1].to(self.device)
+            ref = None if ref_logprobs is None else ref_logprobs[idx, :n - 1].to(self.device)
+            loss, m = policy_loss(logp, old, adv.to(self.device), mask, cfg, normalizer=normalizer,
+                                  rollout_logprobs=rollout, ref_logprobs=ref, entropy=entropy)
+            loss.backward()
+            self._accumulate_master_grads()
+
+            # Train/inference parity, before the update: |trainer - engine| over response tokens.
+            diff = (logp.detach() - rollout).abs()[mask]
+            if diff.numel():
+                diff_sum += float(diff.double().sum())
+                diff_max = max(diff_max, float(diff.max()))
+            pg_loss += m.pop("pg_loss")
+            ratio_max = max(ratio_max, m.pop("ratio_max"))
+            n_tok = m.pop("tokens")
+            tokens += n_tok
+            for k, v in m.items():
+                sums[k] = sums.get(k, 0.0) + v * n_tok
+
+        grad_norm = self._clip_and_step()
+        metrics = {k: v / max(tokens, 1) for k, v in sums.items()}
+        metrics.update(
+            step=self.step, pg_loss=pg_loss, ratio_max=ratio_max, grad_norm=grad_norm,
+            lr=self.optimizer.param_groups[0]["lr"], response_tokens=tokens,
+            logprob_diff_mean=diff_sum / max(tokens, 1), logprob_diff_max=diff_max,
+            step_ms=(time.perf_counter() - t0) * 1000.0,
+        )
+        if self.device.type == "cuda":
+            metrics["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        return metrics
+
+    def _accumulate_master_grads(self):
+        if self.masters[0] is self.params[0]:
+            return  # float32: the model's own .grad is the master gradient
+        with torch.no_grad():
+            for p, m in zip(self.params, self.masters):
+                if p.grad is None:
+                    continue
+                if m.grad is None:
+                    m.grad = p.grad.float()
+                else:
+                    m.grad.add_(p.grad)  # FP32 += bf16: accumulation keeps FP32 precision
+                p.grad = None
+
+    def _clip_and_step(self) -> float:
+        grads = [m.grad for m in self.masters if m.grad is not None]
+        if not grads:
+            self.step += 1
+            return 0.0
+        max_norm = self.cfg.optim.max_grad_norm
+        if max_norm > 0:
+            norm = float(torch.nn.utils.clip_grad_norm_(self.masters, max_norm))
+        else:
+            norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+        if not math.isfinite(norm):
+            # A NaN/inf gradient would poison the masters and the moments for good: skip the update.
+            self.optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(f"non-finite gradient norm ({norm}) at step {self.step}; update skipped")
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._copy_masters_to_model()
+        self.step += 1
+        return norm
+
+    @torch.no_grad()
+    def _copy_masters_to_model(self):
+        if self.masters[0] is not self.params[0]:
+            torch._foreach_copy_(list(self.params), self.masters)  # FP32 -> bf16, round to nearest
+
+    # ------------------------------------------------------------------ weights and checkpoints
+
+    def named_weights(self):
+        """(name, tensor) of the compute model in HF names: what the inference engine should serve."""
+        return [(n, p.detach()) for n, p in zip(self.names, self.params)]
+
+    def state_dict(self) -> dict:
+        return {
+            "masters": {n: m.detach().clone() for n, m in zip(self.names, self.masters)},
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+            "dtype": self.cfg.dtype,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        masters = state["masters"]
+        missing = [n for n in self.names if n not in masters]
+        unexpected = [n for n in masters if n not in set(self.names)]
+        if missing or unexpected:
+            raise ValueError(f"checkpoint does not fit this model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        with torch.no_grad():
+            for n, m in zip(self.names, self.masters):
+                if masters[n].shape != m.shape:
+                    raise ValueError(f"checkpoint tensor {n}: shape {tuple(masters[n].shape)} != {tuple(m.shape)}")
+                m.copy_(masters[n])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self._copy_masters_to_model()
+        self.step = int(state["step"])
