@@ -233,13 +233,14 @@ class Policy:
                      [r for r in self._wild if r.matches_host(h) and not is_ip(h)]
         if not candidates:
             return Decision(False, None, f"no rule matches host {h}")
-        first_refusal = None
+        best = None  # the refusal from the rule that came closest (port, then method, then path)
         for r in candidates:
             refusal = _refusal(r, method, port, path)
             if refusal is None:
                 return self._check_addresses(r, h, addresses)
-            first_refusal = first_refusal or Decision(False, r.name, refusal)
-        return first_refusal
+            if best is None or refusal[0] > best[0]:
+                best = (refusal[0], Decision(False, r.name, refusal[1]))
+        return best[1]
 
     def _check_addresses(self, rule: Rule, host: str, addresses) -> Decision:
         if addresses is None and is_ip(host):
@@ -252,16 +253,17 @@ class Policy:
         return Decision(True, rule.name, f"allowed by rule {rule.name!r}")
 
 
-def _refusal(r: Rule, method: str, port: int, path: str | None) -> str | None:
-    if method not in r.methods:
-        return f"method {method} not allowed by rule {r.name!r} (allows {', '.join(r.methods)})"
+def _refusal(r: Rule, method: str, port: int, path: str | None) -> tuple[int, str] | None:
+    """None if the rule allows it, else (how far it got: 0 port, 1 method, 2 path, reason)."""
     if port not in r.ports:
-        return f"port {port} not allowed by rule {r.name!r} (allows {', '.join(map(str, r.ports))})"
+        return 0, f"port {port} not allowed by rule {r.name!r} (allows {', '.join(map(str, r.ports))})"
+    if method not in r.methods:
+        return 1, f"method {method} not allowed by rule {r.name!r} (allows {', '.join(r.methods)})"
     if path is None:
         if r.paths != DEFAULT_PATHS:
-            return f"rule {r.name!r} restricts paths, which a CONNECT tunnel cannot be checked against"
+            return 2, f"rule {r.name!r} restricts paths, which a CONNECT tunnel cannot be checked against"
     elif not r.path_allowed(path):
-        return f"path {path} not allowed by rule {r.name!r} (allows {', '.join(r.paths)})"
+        return 2, f"path {path} not allowed by rule {r.name!r} (allows {', '.join(r.paths)})"
     return None
 
 

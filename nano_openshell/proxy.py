@@ -298,7 +298,7 @@ def _parse_request(head: bytes) -> dict:
     method, target, version = parts
     if not target.isprintable():
         raise BadRequest(400, "malformed request target", method)
-    headers = _parse_headers(lines[1:], method)
+    headers, raw_headers = _parse_headers(lines[1:], method)
 
     if target.startswith("/"):  # origin-form: only the supervisor handshake is served this way
         if method == "GET" and target == HANDSHAKE_PATH:
@@ -329,21 +329,21 @@ def _parse_request(head: bytes) -> dict:
     drop = set(_HOP_BY_HOP)
     for v in headers.get("connection", []):
         drop |= {t.strip().lower() for t in v.split(",")}
-    for name, values in headers.items():
-        if name not in drop:
-            out += [f"{name}: {v}" for v in values]
+    out += [f"{name}: {v}" for name, v in raw_headers if name.lower() not in drop]
     if "host" not in headers:
-        out.append(f"host: {_hostport(host, port, 80)}")
-    out.append("connection: close")
+        out.append(f"Host: {_hostport(host, port, 80)}")
+    out.append("Connection: close")
     upstream_head = ("\r\n".join(out) + "\r\n\r\n").encode("ascii")
     return {"kind": "http", "method": method, "host": host, "port": port, "path": path,
             "length": length, "upstream_head": upstream_head}
 
 
-def _parse_headers(lines: list[str], method: str) -> dict[str, list[str]]:
+def _parse_headers(lines: list[str], method: str):
+    """-> ({lower-case name: [values]}, [(name as sent, value)])."""
     if len(lines) > MAX_HEADERS:
         raise BadRequest(400, f"more than {MAX_HEADERS} header lines", method)
     headers: dict[str, list[str]] = {}
+    raw: list[tuple[str, str]] = []
     for line in lines:
         name, sep, value = line.partition(":")
         if not sep or not _TOKEN.fullmatch(name):  # also refuses obs-fold and "Name :" forms
@@ -352,7 +352,8 @@ def _parse_headers(lines: list[str], method: str) -> dict[str, list[str]]:
         if not value.isprintable():
             raise BadRequest(400, f"control characters in header {name}", method)
         headers.setdefault(name.lower(), []).append(value)
-    return headers
+        raw.append((name, value))
+    return headers, raw
 
 
 def _authority(text: str, default_port, method: str) -> tuple[str, int]:
