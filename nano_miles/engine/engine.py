@@ -1,0 +1,276 @@
+"""Engine: the in-process API the HTTP server wraps.
+
+    eng = Engine(EngineConfig(model="/path/hf_folder", device="cpu"))
+    eng.add_request("r1", input_ids, SamplingParams(max_new_tokens=32))
+    while eng.has_unfinished():
+        for done in eng.step(): ...
+
+Single-threaded by design: the caller serialises add/step/abort/load_weights.
+"""
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from nano_miles.engine.kv_cache import BlockManager, KVCache
+from nano_miles.engine.model import Batch, CausalLM, ModelConfig, load_safetensors, skip_weight_name
+from nano_miles.engine.sampling import SamplingParams, sample
+from nano_miles.engine.scheduler import Scheduler, Sequence
+
+__all__ = ["Engine", "EngineConfig", "SamplingParams", "FinishedRequest"]
+
+
+@dataclass
+class EngineConfig:
+    model: str                          # a local Hugging Face folder (config.json + *.safetensors)
+    device: str = "cpu"                 # "cpu" | "cuda" | "cuda:N"
+    dtype: str = "auto"                 # "float32" | "bfloat16" | "float16" | "auto" (bf16 on GPU, fp32 on CPU)
+    max_running_requests: int = 256
+    block_size: int = 16
+    num_kv_blocks: int | None = None    # None: fill kv_cache_memory_fraction of free GPU memory / a CPU cap
+    max_model_len: int | None = None    # None: the config's max_position_embeddings, capped at 32768
+    max_num_batched_tokens: int = 8192  # prefill token budget of one step (longer prompts are chunked)
+    cuda_graph: bool = True             # capture decode steps (GPU only)
+    kv_cache_memory_fraction: float = 0.85
+    cpu_kv_cache_bytes: int = 2 << 30
+    seed: int = 0
+
+
+@dataclass
+class FinishedRequest:
+    rid: str
+    output_ids: list
+    output_logprobs: list | None
+    finish_reason: dict                 # {"type": "stop", "matched": id} | {"type": "length", "length": n} | {"type": "abort", "message": s}
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in table:
+        raise ValueError(f"dtype must be one of {sorted(table) + ['auto']}, got {name!r}")
+    return table[name]
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = torch.device(config.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        if not os.path.isdir(config.model):
+            raise FileNotFoundError(f"model folder {config.model!r} does not exist")
+        self.model_config = mc = ModelConfig.from_pretrained(config.model)
+        self.vocab_size = mc.vocab_size
+        self.eos_token_ids = list(mc.eos_token_ids)
+        self.max_model_len = min(config.max_model_len or 32768, mc.max_position_embeddings)
+        self.weight_version = "default"
+        self.tokenizer = self._load_tokenizer(config.model)
+
+        with torch.device(self.device):
+            self.model = CausalLM(mc).to(self.dtype)
+        load_safetensors(self.model, config.model)
+        self.model.eval().requires_grad_(False)
+        self.model.init_rope(self.max_model_len, self.device, self.dtype)
+
+        self.num_kv_blocks = config.num_kv_blocks or self._auto_num_blocks()
+        self.kv = KVCache(mc.num_layers, self.num_kv_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
+                          self.dtype, self.device)
+        self.blocks = BlockManager(self.num_kv_blocks, config.block_size)
+        self.scheduler = Scheduler(self.blocks, config.max_running_requests, config.max_num_batched_tokens)
+        self.seqs: dict[str, Sequence] = {}
+        self.pending: list[FinishedRequest] = []     # aborted requests, returned by the next step()
+        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.graphs = None
+        if config.cuda_graph and self.device.type == "cuda":
+            from nano_miles.engine.cuda_graph import DecodeGraphs
+            self.graphs = DecodeGraphs(self)
+
+    # ---- setup helpers -------------------------------------------------------------------------
+    @staticmethod
+    def _load_tokenizer(folder):
+        if not any(os.path.exists(os.path.join(folder, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+            return None
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(folder)
+
+    def _auto_num_blocks(self) -> int:
+        mc, bs = self.model_config, self.config.block_size
+        per_block = KVCache.bytes_per_block(mc.num_layers, bs, mc.num_kv_heads, mc.head_dim, self.dtype)
+        wanted = self.config.max_running_requests * ((self.max_model_len + bs - 1) // bs)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            # leave room for activations, logits of a full prefill chunk, sampling and CUDA graphs
+            reserve = 4 * self.config.max_num_batched_tokens * mc.vocab_size + (2 << 30)
+            budget = int(free * self.config.kv_cache_memory_fraction) - reserve
+        else:
+            budget = self.config.cpu_kv_cache_bytes
+        return max(1, min(wanted, budget // per_block))
+
+    # ---- requests -------------------------------------------------------------------------------
+    def add_request(self, rid: str, input_ids: list, params: SamplingParams, return_logprob: bool = True):
+        if not isinstance(rid, str) or not rid:
+            raise ValueError("rid must be a non-empty string")
+        if rid in self.seqs:
+            raise ValueError(f"request id {rid!r} is already running")
+        if not isinstance(input_ids, (list, tuple)) or len(input_ids) == 0:
+            raise ValueError("input_ids must be a non-empty list of token ids")
+        for t in input_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"input_ids contains {t!r}, not a token id in [0, {self.vocab_size})")
+        params.validate(self.vocab_size)
+        total = len(input_ids) + params.max_new_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"prompt ({len(input_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) "
+                             f"exceeds the context length {self.max_model_len}")
+        if self.blocks.blocks_needed(total) > self.num_kv_blocks:
+            raise ValueError(f"request needs {self.blocks.blocks_needed(total)} KV blocks; the cache has {self.num_kv_blocks}")
+        seq = Sequence(rid=rid, token_ids=list(input_ids), num_prompt_tokens=len(input_ids), params=params,
+                       return_logprob=return_logprob)
+        if params.sampling_seed is not None:
+            seq.generator = torch.Generator(device=self.device).manual_seed(params.sampling_seed)
+        self.seqs[rid] = seq
+        self.scheduler.add(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.pending) or self.scheduler.has_unfinished()
+
+    def abort_request(self, rid: str, message: str = "aborted by request") -> bool:
+        seq = self.seqs.get(rid)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq)
+        self.pending.append(self._finish(seq, {"type": "abort", "message": message}))
+        return True
+
+    def abort_all(self, message: str = "aborted by request") -> int:
+        rids = list(self.seqs)
+        for rid in rids:
+            self.abort_request(rid, message)
+        return len(rids)
+
+    # ---- weights ---------------------------------------------------------------------------------
+    def named_parameters(self):
+        return self.model.named_parameters()
+
+    def load_weights(self, named_tensors) -> None:
+        """Validate every (name, tensor) first, then copy all in place. Floating-point tensors of any
+        dtype are accepted and cast (as SGLang's loaders do); names, shapes and non-float dtypes are
+        checked. On any error nothing has changed. Any subset of the parameters may be sent."""
+        items = list(named_tensors)
+        params = dict(self.model.named_parameters())
+        todo = []
+        for name, t in items:
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"weight {name!r}: expected a tensor, got {type(t).__name__}")
+            if name not in params:
+                if skip_weight_name(name, self.model_config):
+                    continue
+                raise ValueError(f"unknown weight name {name!r}")
+            p = params[name]
+            if tuple(t.shape) != tuple(p.shape):
+                raise ValueError(f"weight {name!r}: shape {tuple(t.shape)} != expected {tuple(p.shape)}")
+            if not t.is_floating_point():
+                raise ValueError(f"weight {name!r}: dtype {t.dtype} is not a floating-point dtype (engine holds {p.dtype})")
+            todo.append((p, t))
+        with torch.no_grad():
+            for p, t in todo:
+                p.copy_(t)
+        self.flush_cache()
+
+    def flush_cache(self) -> None:
+        self.blocks.flush()
+
+    # ---- the step -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list:
+        finished, self.pending = self.pending, []
+        kind, work = self.scheduler.schedule()
+        if kind is None:
+            return finished
+        batch = self._prepare(work)
+        if kind == "decode" and self.graphs is not None and self.graphs.can_run(batch):
+            logits = self.graphs.run(batch)
+        else:
+            logits = self.model(batch, self.kv.k, self.kv.v)
+        sampled_rows = []
+        for i, (seq, n) in enumerate(work):
+            seq.num_computed_tokens += n
+            self.blocks.publish(seq)
+            if seq.num_computed_tokens == len(seq.token_ids):
+                sampled_rows.append(i)
+        if not sampled_rows:
+            return finished
+        seqs = [work[i][0] for i in sampled_rows]
+        if len(sampled_rows) < len(work):
+            logits = logits[torch.tensor(sampled_rows, device=self.device)]
+        tokens, logprobs = self._sample(logits, seqs)
+        for seq, tok, lp in zip(seqs, tokens, logprobs):
+            seq.token_ids.append(tok)
+            if seq.return_logprob:
+                seq.output_logprobs.append(lp)
+            reason = self._finish_reason(seq, tok)
+            if reason is not None:
+                self.scheduler.finish(seq)
+                finished.append(self._finish(seq, reason))
+        return finished
+
+    def _prepare(self, work) -> Batch:
+        bs = self.config.block_size
+        trash = self.kv.trash_block
+        Q = max(n for _, n in work)
+        N = max(self.blocks.blocks_needed(s.num_computed_tokens + n) for s, n in work)
+        ids, pos, slots, tables, last = [], [], [], [], []
+        for seq, n in work:
+            start = seq.num_computed_tokens
+            p = list(range(start, start + n))
+            table = seq.block_table
+            ids.append(seq.token_ids[start:start + n] + [0] * (Q - n))
+            pos.append(p + [0] * (Q - n))
+            slots.append([table[x // bs] * bs + x % bs for x in p] + [trash * bs] * (Q - n))
+            used = self.blocks.blocks_needed(start + n)
+            tables.append(table[:used] + [trash] * (N - used))
+            last.append(n - 1)
+
+        def t(x):
+            return torch.tensor(x, dtype=torch.int64).to(self.device, non_blocking=True)
+        return Batch(t(ids), t(pos), t(slots), t(tables), t(last))
+
+    def _sample(self, logits, seqs):
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            if len(seq.output_ids) < p.min_new_tokens:
+                stops = list(p.stop_token_ids or []) + ([] if p.ignore_eos else self.eos_token_ids)
+                if stops:
+                    logits[i, stops] = float("-inf")
+        temps = torch.tensor([s.params.temperature for s in seqs], dtype=torch.float32).to(self.device)
+        top_ps = torch.tensor([s.params.top_p for s in seqs], dtype=torch.float32).to(self.device)
+        top_ks = torch.tensor([s.params.top_k for s in seqs], dtype=torch.int64).to(self.device)
+        tokens, logprobs = sample(logits, temps, top_ps, top_ks, [s.generator for s in seqs], self.generator)
+        out = torch.stack([tokens.double(), logprobs.double()]).cpu()  # the step's one host sync
+        return [int(x) for x in out[0].tolist()], out[1].tolist()
+
+    def _finish_reason(self, seq, tok):
+        p = seq.params
+        n_out = len(seq.token_ids) - seq.num_prompt_tokens
+        if n_out >= p.max_new_tokens:
+            return {"type": "length", "length": p.max_new_tokens}
+        if not p.ignore_eos and (tok in (p.stop_token_ids or ()) or tok in self.eos_token_ids):
+            return {"type": "stop", "matched": tok}
+        if len(seq.token_ids) >= self.max_model_len:
+            return {"type": "length", "length": n_out}
+        return None
+
+    def _finish(self, seq, reason) -> FinishedRequest:
+        del self.seqs[seq.rid]
+        out = list(seq.output_ids)
+        return FinishedRequest(rid=seq.rid, output_ids=out,
+                               output_logprobs=list(seq.output_logprobs) if seq.return_logprob else None,
+                               finish_reason=reason, prompt_tokens=seq.num_prompt_tokens,
+                               completion_tokens=len(out), cached_tokens=seq.num_cached_tokens)

@@ -1,0 +1,142 @@
+"""Paged KV cache: the tensors, and a block manager with prefix caching.
+
+A block holds `block_size` consecutive tokens of one sequence. A FULL block is identified by a chain
+hash of (hash of the previous block, its token ids), so two sequences sharing a prefix share blocks
+(refcounted). Freed blocks keep their hash until they are reused for something else, so a later
+request with the same prefix can revive them. `flush()` forgets every hash: nothing computed before a
+weight update can be found again.
+"""
+
+from collections import OrderedDict
+
+import torch
+
+
+def block_hash(prev_hash: int, token_ids) -> int:
+    return hash((prev_hash, tuple(token_ids)))
+
+
+class KVCache:
+    """K and V for every layer: [num_layers, num_blocks + 1, block_size, kv_heads, head_dim].
+    The extra last block is the trash block that padded rows write into."""
+
+    def __init__(self, num_layers, num_blocks, block_size, kv_heads, head_dim, dtype, device):
+        shape = (num_layers, num_blocks + 1, block_size, kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.trash_block = num_blocks
+
+    @staticmethod
+    def bytes_per_block(num_layers, block_size, kv_heads, head_dim, dtype) -> int:
+        return 2 * num_layers * block_size * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.ref_count = [0] * num_blocks
+        self.block_hash = [None] * num_blocks         # hash of the full block's content, or None
+        self.block_tokens = [None] * num_blocks       # its token ids, to rule out hash collisions
+        self.hash_to_block: dict[int, int] = {}
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU first
+        self.epoch = 0  # bumped by flush(); sequences from an older epoch never publish hashes
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return (num_tokens + self.block_size - 1) // self.block_size
+
+    def _take_free(self) -> int:
+        block, _ = self.free.popitem(last=False)
+        self._forget(block)
+        self.ref_count[block] = 1
+        return block
+
+    def _forget(self, block: int):
+        h = self.block_hash[block]
+        if h is not None and self.hash_to_block.get(h) == block:
+            del self.hash_to_block[h]
+        self.block_hash[block] = None
+        self.block_tokens[block] = None
+
+    def match_prefix(self, token_ids) -> list[int]:
+        """Cached blocks for the longest full-block prefix of token_ids[:-1] (the last token is always
+        computed: its logits are needed). Does not take references."""
+        blocks, h = [], 0
+        usable = len(token_ids) - 1
+        for start in range(0, usable - usable % self.block_size, self.block_size):
+            chunk = token_ids[start:start + self.block_size]
+            h = block_hash(h, chunk)
+            block = self.hash_to_block.get(h)
+            if block is None or self.block_tokens[block] != tuple(chunk):
+                break
+            blocks.append(block)
+        return blocks
+
+    def can_allocate(self, token_ids, reserve: int = 0) -> bool:
+        cached = self.match_prefix(token_ids)
+        revived = sum(1 for b in cached if self.ref_count[b] == 0)
+        need = self.blocks_needed(len(token_ids)) - len(cached) + revived
+        return need + reserve <= self.num_free
+
+    def allocate(self, seq) -> int:
+        """Give `seq` blocks for all its tokens, reusing cached prefix blocks. Returns the number of
+        tokens whose KV was found in the cache (they count as computed)."""
+        assert not seq.block_table
+        cached = self.match_prefix(seq.token_ids)
+        for b in cached:
+            if self.ref_count[b] == 0:
+                del self.free[b]
+            self.ref_count[b] += 1
+        seq.block_table = list(cached)
+        seq.prefix_hash = self.block_hash[cached[-1]] if cached else 0
+        seq.num_hashed_blocks = len(cached)
+        seq.num_computed_tokens = len(cached) * self.block_size
+        seq.cache_epoch = self.epoch
+        while len(seq.block_table) < self.blocks_needed(len(seq.token_ids)):
+            seq.block_table.append(self._take_free())
+        return seq.num_computed_tokens
+
+    def ensure_slots(self, seq, num_tokens: int) -> bool:
+        """Make seq's blocks cover num_tokens tokens. False (nothing taken) if out of blocks."""
+        need = self.blocks_needed(num_tokens) - len(seq.block_table)
+        if need > self.num_free:
+            return False
+        for _ in range(need):
+            seq.block_table.append(self._take_free())
+        return True
+
+    def publish(self, seq) -> None:
+        """Register hashes of seq's blocks that are now full and computed."""
+        if seq.cache_epoch != self.epoch:
+            return
+        full = seq.num_computed_tokens // self.block_size
+        while seq.num_hashed_blocks < full:
+            i = seq.num_hashed_blocks
+            chunk = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            h = block_hash(seq.prefix_hash, chunk)
+            block = seq.block_table[i]
+            if h not in self.hash_to_block:
+                self.block_hash[block], self.block_tokens[block] = h, chunk
+                self.hash_to_block[h] = block
+            seq.prefix_hash = h
+            seq.num_hashed_blocks += 1
+
+    def free_seq(self, seq) -> None:
+        # Release in reverse so a sequence's tail is recycled before its (more shareable) head.
+        for b in reversed(seq.block_table):
+            self.ref_count[b] -= 1
+            if self.ref_count[b] == 0:
+                self.free[b] = None
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_hashed_blocks = 0
+
+    def flush(self) -> None:
+        self.hash_to_block.clear()
+        self.block_hash = [None] * self.num_blocks
+        self.block_tokens = [None] * self.num_blocks
+        self.epoch += 1

@@ -1,0 +1,254 @@
+"""Qwen2 / Llama decoder over a paged KV cache.
+
+Module and parameter names follow the Hugging Face checkpoints exactly (model.layers.0.self_attn.q_proj
+.weight, ...), so a trainer's named_parameters() load 1:1 and safetensors files load by name.
+
+One forward serves prefill and decode. The batch is padded to [B, Q] (Q = 1 for decode): every query
+token writes its K/V into the cache at `slot_mapping`, then attends over its sequence's pages gathered
+through `block_tables`, masked by `key_index <= position` (causal and length mask in one).
+Padded query rows use position 0 and write into a spare "trash" block, so shapes stay static for CUDA
+graphs and no row is ever fully masked.
+"""
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    attention_bias: bool
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    eos_token_ids: tuple
+
+    @classmethod
+    def from_pretrained(cls, folder: str) -> "ModelConfig":
+        path = os.path.join(folder, "config.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no config.json in model folder {folder!r}")
+        with open(path) as f:
+            c = json.load(f)
+        arch = (c.get("architectures") or ["?"])[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {arch!r}; supported: {SUPPORTED_ARCHITECTURES}")
+        rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"unsupported rope_type {rope_type!r} (only 'default')")
+        rope_theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
+        if c.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {c.get('hidden_act')!r} (only 'silu')")
+        heads = c["num_attention_heads"]
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        if is_qwen2 and c.get("use_sliding_window") and c.get("sliding_window"):
+            raise ValueError("sliding-window attention is not supported")
+        eos = c.get("eos_token_id")
+        gen_path = os.path.join(folder, "generation_config.json")
+        if os.path.isfile(gen_path):  # generation_config's eos list (e.g. <|im_end|>) is the one generate uses
+            with open(gen_path) as f:
+                eos = json.load(f).get("eos_token_id", eos)
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        return cls(
+            architecture=arch,
+            vocab_size=c["vocab_size"],
+            hidden_size=c["hidden_size"],
+            intermediate_size=c["intermediate_size"],
+            num_layers=c["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=c.get("num_key_value_heads") or heads,
+            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            attention_bias=True if is_qwen2 else bool(c.get("attention_bias", False)),
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            max_position_embeddings=c.get("max_position_embeddings", 2048),
+            eos_token_ids=eos_ids,
+        )
+
+
+@dataclass
+class Batch:
+    """Inputs of one forward. All tensors live on the model's device."""
+    input_ids: torch.Tensor      # [B, Q] int64
+    positions: torch.Tensor      # [B, Q] int64, absolute position of each query token
+    slot_mapping: torch.Tensor   # [B, Q] int64, flat cache slot (block * block_size + offset) to write
+    block_tables: torch.Tensor   # [B, N] int64, the sequence's blocks (padding: the trash block)
+    last_index: torch.Tensor     # [B] int64, which query column to take logits from
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        # Same op order as HF: normalise in fp32, cast back, then scale.
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.group = cfg.num_heads // cfg.num_kv_heads
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, batch: Batch, k_cache, v_cache, key_mask):
+        B, Q, _ = x.shape
+        H, KV, D, G = self.num_heads, self.num_kv_heads, self.head_dim, self.group
+        q = self.q_proj(x).view(B, Q, H, D)
+        k = self.k_proj(x).view(B, Q, KV, D)
+        v = self.v_proj(x).view(B, Q, KV, D)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        # k_cache: [num_blocks, block_size, KV, D]; write this step's keys/values, then read the pages.
+        slots = batch.slot_mapping.reshape(-1)
+        k_cache.view(-1, KV, D).index_copy_(0, slots, k.reshape(-1, KV, D).to(k_cache.dtype))
+        v_cache.view(-1, KV, D).index_copy_(0, slots, v.reshape(-1, KV, D).to(v_cache.dtype))
+        N = batch.block_tables.shape[1]
+        keys = k_cache[batch.block_tables].view(B, N * k_cache.shape[1], KV, D).transpose(1, 2)
+        vals = v_cache[batch.block_tables].view(B, N * v_cache.shape[1], KV, D).transpose(1, 2)
+        # GQA without repeating K/V: fold each KV head's G query heads into the query-length axis,
+        # rows ordered (query token, head in group), so one SDPA call covers prefill and decode.
+        q = q.view(B, Q, KV, G, D).permute(0, 2, 1, 3, 4).reshape(B, KV, Q * G, D)
+        out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=key_mask)
+        out = out.view(B, KV, Q, G, D).permute(0, 2, 1, 3, 4).reshape(B, Q, H * D)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, batch, k_cache, v_cache, key_mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, k_cache, v_cache, key_mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """model.* + lm_head (absent when tied: the logits use model.embed_tokens.weight, as HF does)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rope_cache = None  # (cos, sin) [max_pos, D], built on the right device by init_rope
+
+    def init_rope(self, max_positions: int, device, dtype):
+        D = self.config.head_dim
+        inv_freq = 1.0 / (self.config.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64, device=device).float() / D))
+        t = torch.arange(max_positions, device=device, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.rope_cache = (emb.cos().to(dtype), emb.sin().to(dtype))
+
+    def lm_head_weight(self):
+        return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    def forward(self, batch: Batch, k_caches, v_caches) -> torch.Tensor:
+        """Returns fp32 logits [B, V] of the query column `batch.last_index` of each row."""
+        cos, sin = self.rope_cache
+        cos = cos[batch.positions].unsqueeze(2)  # [B, Q, 1, D], broadcast over heads
+        sin = sin[batch.positions].unsqueeze(2)
+        B, Q = batch.input_ids.shape
+        L = batch.block_tables.shape[1] * k_caches[0].shape[1]
+        G = self.config.num_heads // self.config.num_kv_heads
+        key_pos = torch.arange(L, device=batch.positions.device)
+        # [B, 1, Q*G, L]: query row (token q, head g) sees keys at positions <= positions[q]
+        key_mask = (key_pos.view(1, 1, L) <= batch.positions.unsqueeze(-1))
+        key_mask = key_mask.unsqueeze(2).expand(B, Q, G, L).reshape(B, 1, Q * G, L)
+        x = self.model.embed_tokens(batch.input_ids)
+        for layer, kc, vc in zip(self.model.layers, k_caches, v_caches):
+            x = layer(x, cos, sin, batch, kc, vc, key_mask)
+        x = x[torch.arange(B, device=x.device), batch.last_index]  # [B, hidden]
+        x = self.model.norm(x)
+        return F.linear(x, self.lm_head_weight()).float()
+
+
+def load_safetensors(model: CausalLM, folder: str):
+    """Load every *.safetensors in `folder` into `model` by HF name; missing or unexpected names raise."""
+    from safetensors import safe_open
+
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {folder!r}")
+    params = dict(model.named_parameters())
+    seen = set()
+    with torch.no_grad():
+        for fname in files:
+            with safe_open(os.path.join(folder, fname), framework="pt") as f:
+                for name in f.keys():
+                    if name not in params:
+                        if skip_weight_name(name, model.config):
+                            continue
+                        raise ValueError(f"unexpected weight {name!r} in {fname}")
+                    t = f.get_tensor(name)
+                    if tuple(t.shape) != tuple(params[name].shape):
+                        raise ValueError(f"weight {name!r}: shape {tuple(t.shape)} != {tuple(params[name].shape)}")
+                    params[name].copy_(t)
+                    seen.add(name)
+    missing = set(params) - seen
+    if missing:
+        raise ValueError(f"weights missing from {folder!r}: {sorted(missing)[:5]}...")
+
+
+def skip_weight_name(name: str, cfg: ModelConfig) -> bool:
+    """Names a checkpoint may carry that have no parameter here (SGLang skips the same)."""
+    if "rotary_emb.inv_freq" in name:
+        return True
+    return cfg.tie_word_embeddings and name == "lm_head.weight"

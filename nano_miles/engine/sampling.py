@@ -1,0 +1,82 @@
+"""Sampling parameters, and sampling of one token per row with its log-prob.
+
+The log-prob returned is SGLang's: log_softmax(logits / temperature) in FP32 at the sampled token,
+WITHOUT renormalising over the top-p/top-k survivors (SGLang computes it the same way). At
+temperature 1 with no top-p/top-k that is exactly the model's log-prob, which is what RL needs.
+Temperature 0 is greedy (argmax); like SGLang (which turns it into temperature 1 + top_k 1) its
+log-prob is the plain log_softmax(logits).
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1                    # -1 (or 0) = off
+    stop_token_ids: list = field(default_factory=list)
+    ignore_eos: bool = False           # as in SGLang: also disables stop_token_ids
+    sampling_seed: int | None = None   # per-request reproducible sampling
+    min_new_tokens: int = 0            # stop tokens are masked out until this many were generated
+
+    def validate(self, vocab_size: int):
+        def bad(msg):
+            raise ValueError(f"invalid sampling params: {msg}")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            bad(f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
+        if not self.temperature >= 0:
+            bad(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k not in (-1, 0)):
+            bad(f"top_k must be -1 (off) or a positive int, got {self.top_k!r}")
+        if not isinstance(self.min_new_tokens, int) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            bad(f"min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens!r}")
+        for t in self.stop_token_ids or []:
+            if not isinstance(t, int) or not 0 <= t < vocab_size:
+                bad(f"stop_token_ids entry {t!r} is not a token id in [0, {vocab_size})")
+        if self.sampling_seed is not None and not isinstance(self.sampling_seed, int):
+            bad(f"sampling_seed must be an int or None, got {self.sampling_seed!r}")
+
+
+def sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tensor, top_ks: torch.Tensor,
+           generators: list, default_generator: torch.Generator | None):
+    """logits: [B, V] fp32. temperatures/top_ps: [B] fp32; top_ks: [B] int64 (<= 0 = off).
+    generators: per row, a torch.Generator or None (use default_generator).
+    Returns (tokens [B] int64, logprobs [B] fp32)."""
+    greedy = temperatures == 0
+    temps = torch.where(greedy, torch.ones_like(temperatures), temperatures)
+    logprobs = torch.log_softmax(logits / temps.unsqueeze(1), dim=-1)
+    tokens = logits.argmax(dim=-1)
+    if not bool(greedy.all()):
+        probs = logprobs.exp()
+        use_top_k = bool((top_ks > 0).any())
+        if use_top_k or bool((top_ps < 1).any()):
+            probs = filter_top_k_top_p(probs, top_ks, top_ps)
+        # Gumbel-max in its exponential form: argmax(p / E), E ~ Exp(1), is a draw from p.
+        noise = torch.empty_like(probs)
+        noise.exponential_(generator=default_generator)
+        for i, g in enumerate(generators):
+            if g is not None:
+                noise[i].exponential_(generator=g)
+        sampled = (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)
+        tokens = torch.where(greedy, tokens, sampled)
+    return tokens, logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+
+
+def filter_top_k_top_p(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    """Zero the probabilities outside each row's top-k and top-p nucleus (the top token always stays)."""
+    V = probs.shape[-1]
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(V, device=probs.device).unsqueeze(0)
+    k = torch.where(top_ks > 0, top_ks, torch.full_like(top_ks, V)).unsqueeze(1)
+    # a token is outside the nucleus when the mass before it already exceeds top_p (SGLang's rule);
+    # rows with top_p == 1 skip the test, so FP32 cumsum drift above 1.0 cannot cut their tail
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop = (rank >= k) | ((mass_before > top_ps.unsqueeze(1)) & (top_ps < 1).unsqueeze(1))
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+    return torch.zeros_like(probs).scatter_(1, order, sorted_probs)

@@ -1,0 +1,109 @@
+"""Continuous batching: which sequences run in the next forward, and with how many tokens.
+
+Every step is either a PREFILL step (sequences with more than one uncomputed token, chunked under a
+token budget) or a DECODE step (every running sequence computes its one newest token). Requests join
+the running set as soon as blocks allow and leave the moment they finish. When decode runs out of
+blocks, the most recently admitted sequence is preempted: its blocks are freed and it goes back to
+the front of the queue to be recomputed (its generated tokens are kept).
+"""
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from nano_miles.engine.kv_cache import BlockManager
+
+
+@dataclass
+class Sequence:
+    rid: str
+    token_ids: list            # prompt + generated so far
+    num_prompt_tokens: int
+    params: object             # SamplingParams
+    return_logprob: bool = True
+    output_logprobs: list = field(default_factory=list)
+    generator: object = None   # torch.Generator for a per-request sampling_seed
+    # cache state (owned by BlockManager)
+    block_table: list = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0     # prompt tokens served from the prefix cache at first admission
+    num_hashed_blocks: int = 0
+    prefix_hash: int = 0
+    cache_epoch: int = -1
+    admitted: bool = False
+
+    @property
+    def output_ids(self):
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed(self):
+        return len(self.token_ids) - self.num_computed_tokens
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_running: int, max_batched_tokens: int):
+        self.blocks = blocks
+        self.max_running = max_running
+        self.max_batched_tokens = max_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence):
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self):
+        """Returns ("prefill" | "decode", [(seq, num_tokens)]) or (None, []) when idle."""
+        self._admit()
+        prefill, budget = [], self.max_batched_tokens
+        for seq in self.running:
+            if seq.num_uncomputed > 1 and budget > 0:
+                n = min(seq.num_uncomputed, budget)
+                prefill.append((seq, n))
+                budget -= n
+        if prefill:
+            return "prefill", prefill
+        decode = []
+        for seq in list(self.running):
+            if seq not in self.running:  # preempted below while making room for an earlier one
+                continue
+            while not self.blocks.ensure_slots(seq, len(seq.token_ids)):
+                victim = self.running[-1]
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                decode.append((seq, 1))
+        return ("decode", decode) if decode else (None, [])
+
+    def _admit(self):
+        while self.waiting and len(self.running) < self.max_running:
+            seq = self.waiting[0]
+            # Keep one free block per running sequence so admitting does not force an immediate preemption.
+            if not self.blocks.can_allocate(seq.token_ids, reserve=len(self.running) if self.running else 0):
+                if not self.running and not self.blocks.can_allocate(seq.token_ids):
+                    raise RuntimeError(
+                        f"request {seq.rid!r} needs {self.blocks.blocks_needed(len(seq.token_ids))} KV blocks, "
+                        f"the cache has {self.blocks.num_blocks}")
+                break
+            self.waiting.popleft()
+            cached = self.blocks.allocate(seq)
+            if not seq.admitted:  # a preempted sequence keeps its first admission's figure
+                seq.admitted = True
+                seq.num_cached_tokens = cached
+            self.running.append(seq)
+
+    def preempt(self, seq: Sequence):
+        self.running.remove(seq)
+        self.blocks.free_seq(seq)
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence):
+        """Remove seq from wherever it is and release its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self.blocks.free_seq(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
