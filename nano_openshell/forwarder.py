@@ -91,14 +91,29 @@ def _pipe(a: socket.socket, b: socket.socket) -> None:
         b.close()
 
 
+def _refuse(conn: socket.socket, reason: str) -> None:
+    body = (reason + "\n").encode()
+    try:
+        conn.sendall(b"HTTP/1.1 502 Bad Gateway\r\nContent-Type: text/plain\r\nConnection: close\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        conn.shutdown(socket.SHUT_WR)
+        conn.settimeout(1.0)
+        while conn.recv(CHUNK):  # drain what the client sent, so closing does not reset
+            pass
+    except OSError:
+        pass
+    finally:
+        conn.close()
+
+
 def _serve(conn: socket.socket, socket_path: str, slots: threading.BoundedSemaphore) -> None:
     try:
         up = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             up.connect(socket_path)
-        except OSError:
+        except OSError as e:
             up.close()
-            conn.close()
+            _refuse(conn, f"the supervisor proxy is unreachable: {e}")
             return
         _pipe(conn, up)
     finally:
