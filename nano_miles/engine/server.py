@@ -1,0 +1,699 @@
+"""`nano-miles serve`: the engine behind SGLang's HTTP protocol (aiohttp).
+
+Threads: the aiohttp event loop parses requests and answers them; ONE engine thread owns the Engine
+and loops step(). Handlers talk to it through a queue of commands and await futures that the engine
+thread resolves with loop.call_soon_threadsafe. Weight updates, cache flushes and checksums run ON the
+engine thread between two steps, so the engine is never touched by two threads.
+
+Weight updates follow SGLang: decode/receive the new tensors first (off the event loop, into fresh
+buffers), then, unless generation is paused, stop admitting new requests and let in-flight ones
+drain (abort them first with abort_all_requests), swap all weights at once, flush every cached
+KV/prefix block, bump weight_version, and admit what queued meanwhile. A payload that does not fit
+the model is refused before anything changes (HTTP 400, old weights and version kept).
+
+Errors: /generate and control routes answer 400 with {"error": {"message": ...}}; weight routes
+answer {"success": false, "message": ...} with 400, both as SGLang does.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+import uuid
+
+from aiohttp import web
+
+from nano_miles.engine import weights as W
+from nano_miles.engine.protocol import RequestError, parse_generate
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="model name (see prepare-model), HF folder or hub id")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000, help="0 picks a free port (printed in the ready line)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--max-running-requests", type=int, default=256)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--no-cuda-graph", action="store_true", help="run decode eagerly on GPU")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--weight-version", default="0", help="initial weight_version")
+    p.add_argument("--dist-timeout", type=float, default=300.0,
+                   help="seconds before a weight-update group rendezvous or broadcast gives up")
+
+
+# ----------------------------------------------------------------------------- the engine thread
+
+
+def _resolve(loop, fut, value=None, error=None):
+    def apply():
+        if not fut.done():
+            fut.set_exception(error) if error is not None else fut.set_result(value)
+    loop.call_soon_threadsafe(apply)
+
+
+class EngineWorker:
+    """Owns the Engine in one thread. Every public method is a command; results come back as futures."""
+
+    def __init__(self, make_engine, loop: asyncio.AbstractEventLoop):
+        self.make_engine = make_engine
+        self.loop = loop
+        self.engine = None
+        self.error: str | None = None
+        self.loaded = threading.Event()
+        self.commands: queue.Queue = queue.Queue()
+        self.paused = False
+        self.pause_mode = None
+        self.parked: list = []     # adds waiting for a continue or for an update to finish
+        self.updates: list = []    # calls that need an idle engine (weight swaps), in arrival order
+        self.futures: dict = {}    # rid -> future of a request inside the engine
+        self.thread = threading.Thread(target=self._main, name="engine", daemon=True)
+
+    # --- commands (called from the event loop) ---
+    def _submit(self, *cmd) -> asyncio.Future:
+        fut = self.loop.create_future()
+        self.commands.put((*cmd, fut))
+        return fut
+
+    def add(self, items):
+        """One future per item, resolved with (FinishedRequest, weight_version)."""
+        futs = [self.loop.create_future() for _ in items]
+        self.commands.put(("add", items, futs))
+        return futs
+
+    def abort(self, rid: str | None, message: str = "aborted by request"):
+        return self._submit("abort", rid, message)
+
+    def pause(self, mode: str):
+        return self._submit("pause", mode)
+
+    def resume(self):
+        return self._submit("continue")
+
+    def call(self, fn):
+        """Run fn(engine) on the engine thread between steps."""
+        return self._submit("call", fn)
+
+    def update(self, fn, abort_first: bool):
+        """Run fn(engine) once no request is running (or at once while paused)."""
+        return self._submit("update", fn, abort_first)
+
+    def stop(self):
+        self.commands.put(("stop", None))
+
+    # --- the thread ---
+    def _main(self):
+        try:
+            self.engine = self.make_engine()
+        except Exception as e:
+            self.error = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+            return
+        finally:
+            self.loaded.set()
+        while True:
+            busy = not self.paused and self.engine.has_unfinished()
+            try:
+                cmd = self.commands.get(block=not busy and not self._update_ready())
+                if not self._handle(cmd):
+                    return
+                while True:  # take every queued command before the next step
+                    if not self._handle(self.commands.get_nowait()):
+                        return
+            except queue.Empty:
+                pass
+            if self._update_ready():
+                self._run_updates()
+            if not self.paused and self.engine.has_unfinished():
+                try:
+                    self._deliver(self.engine.step())
+                except Exception as e:  # a bug or OOM in a step must not take the server down
+                    traceback.print_exc()
+                    self.engine.abort_all(f"engine error: {type(e).__name__}: {e}")
+                    self._deliver(self._take_aborted())
+
+    def _update_ready(self) -> bool:
+        return bool(self.updates) and (self.paused or not self.engine.has_unfinished())
+
+    def _take_aborted(self):
+        # Engine.abort_* queue the finished records for the next step(); while paused there is no
+        # step, so take them directly.
+        done, self.engine.pending = self.engine.pending, []
+        return done
+
+    def _deliver(self, finished):
+        version = self.engine.weight_version
+        for out in finished:
+            fut = self.futures.pop(out.rid, None)
+            if fut is not None:
+                _resolve(self.loop, fut, (out, version))
+
+    def _admit(self, items, futs):
+        eng = self.engine
+        from nano_miles.engine.engine import SamplingParams
+
+        busy = set(self.futures) | {it.rid for batch, _ in self.parked for it in batch}
+        clash = [it.rid for it in items if it.rid in busy]
+        if clash:
+            err = RequestError(f"request id(s) {clash} already in flight")
+            for f in futs:
+                _resolve(self.loop, f, error=err)
+            return
+        added = []
+        try:
+            for it, fut in zip(items, futs):
+                eng.add_request(it.rid, it.input_ids, SamplingParams(**it.sampling), return_logprob=it.return_logprob)
+                self.futures[it.rid] = fut
+                added.append(it.rid)
+        except ValueError as e:  # all or nothing for a batch
+            for rid in added:
+                eng.abort_request(rid)
+                self.futures.pop(rid, None)
+            self._take_aborted()
+            for f in futs:
+                _resolve(self.loop, f, error=RequestError(str(e)))
+
+    def _handle(self, cmd) -> bool:
+        kind, *args, fut = cmd
+        eng = self.engine
+        if kind == "stop":
+            return False
+        if kind == "add":
+            items, futs = args[0], fut
+            if self.paused or self.updates:
+                self.parked.append((items, futs))
+            else:
+                self._admit(items, futs)
+            return True
+        try:
+            if kind == "abort":
+                rid, message = args
+                n = self._abort(rid, message)
+                _resolve(self.loop, fut, n)
+            elif kind == "pause":
+                (mode,) = args
+                n = 0
+                if mode == "abort":
+                    n = self._abort(None, "aborted by pause_generation")
+                elif mode == "retract":
+                    # Free the running requests' KV; they are recomputed (with the weights of that
+                    # moment) once generation continues. Their generated tokens are kept.
+                    for seq in reversed(list(eng.scheduler.running)):
+                        eng.scheduler.preempt(seq)
+                self.paused, self.pause_mode = True, mode
+                _resolve(self.loop, fut, n)
+            elif kind == "continue":
+                self.paused, self.pause_mode = False, None
+                self._admit_parked()
+                _resolve(self.loop, fut, True)
+            elif kind == "call":
+                _resolve(self.loop, fut, args[0](eng))
+            elif kind == "update":
+                fn, abort_first = args
+                if abort_first:
+                    self._abort(None, "aborted for a weight update")
+                self.updates.append((fn, fut))
+        except Exception as e:
+            _resolve(self.loop, fut, error=e)
+        return True
+
+    def _abort(self, rid, message) -> int:
+        n = 0
+        if rid is None:
+            n += self.engine.abort_all(message)
+        elif self.engine.abort_request(rid, message):
+            n += 1
+        # requests not yet in the engine (parked) finish as aborted too
+        keep = []
+        for items, futs in self.parked:
+            if rid is None or any(it.rid == rid for it in items):
+                for it, f in zip(items, futs):
+                    _resolve(self.loop, f, (_never_started(it, message), self.engine.weight_version))
+                    n += 1
+            else:
+                keep.append((items, futs))
+        self.parked = keep
+        self._deliver(self._take_aborted())
+        return n
+
+    def _run_updates(self):
+        updates, self.updates = self.updates, []
+        for fn, fut in updates:
+            try:
+                _resolve(self.loop, fut, fn(self.engine))
+            except Exception as e:
+                _resolve(self.loop, fut, error=e)
+        if not self.paused:
+            self._admit_parked()
+
+    def _admit_parked(self):
+        parked, self.parked = self.parked, []
+        for items, futs in parked:
+            self._admit(items, futs)
+
+
+def _never_started(item, message):
+    from nano_miles.engine.engine import FinishedRequest
+
+    return FinishedRequest(rid=item.rid, output_ids=[], output_logprobs=[] if item.return_logprob else None,
+                           finish_reason={"type": "abort", "message": message},
+                           prompt_tokens=len(item.input_ids), completion_tokens=0, cached_tokens=0)
+
+
+# ----------------------------------------------------------------------------- HTTP
+
+
+def _error(message: str, status: int = 400) -> web.Response:
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
+def _weight_answer(success: bool, message: str) -> web.Response:
+    return web.json_response({"success": success, "message": message}, status=200 if success else 400)
+
+
+async def _json_body(request: web.Request, default=None):
+    raw = await request.read()
+    if not raw.strip():
+        if default is not None:
+            return default
+        raise RequestError("the request body is empty; send a JSON object")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError(f"invalid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise RequestError("the body must be a JSON object")
+    return body
+
+
+def _next_version(current: str, given) -> str:
+    if given is not None:
+        return str(given)
+    return str(int(current) + 1) if current.isdigit() else f"{current}+1"
+
+
+class Server:
+    def __init__(self, args, model_path):
+        self.args = args
+        self.model_path = str(model_path)
+        self.groups: dict = {}  # group_name -> process group
+        self.group_locks: dict = {}
+        self.started = time.time()
+
+    # --- setup ---
+    def make_engine(self):
+        from nano_miles.engine.engine import Engine, EngineConfig
+
+        a = self.args
+        eng = Engine(EngineConfig(model=self.model_path, device=a.device, dtype=a.dtype,
+                                  max_running_requests=a.max_running_requests, max_model_len=a.max_model_len,
+                                  num_kv_blocks=a.num_kv_blocks, cuda_graph=not a.no_cuda_graph, seed=a.seed))
+        eng.weight_version = str(a.weight_version)
+        self.expected = {n: (tuple(p.shape), p.dtype) for n, p in eng.named_parameters()}
+        return eng
+
+    def app(self, loop) -> web.Application:
+        self.worker = EngineWorker(self.make_engine, loop)
+        app = web.Application(client_max_size=1 << 30, middlewares=[self._errors])
+        r = app.router
+        r.add_post("/generate", self.generate)
+        r.add_put("/generate", self.generate)
+        r.add_get("/health", self.health)
+        r.add_get("/health_generate", self.health_generate)
+        for path in ("/model_info", "/get_model_info"):
+            r.add_get(path, self.model_info)
+        r.add_get("/get_weight_version", self.weight_version)
+        r.add_get("/get_server_info", self.server_info)
+        r.add_route("*", "/flush_cache", self.flush_cache)
+        r.add_post("/pause_generation", self.pause_generation)
+        r.add_post("/continue_generation", self.continue_generation)
+        r.add_post("/abort_request", self.abort_request)
+        r.add_post("/update_weights_from_tensor", self.update_from_tensor)
+        r.add_post("/update_weights_from_disk", self.update_from_disk)
+        r.add_post("/init_weights_update_group", self.init_group)
+        r.add_post("/update_weights_from_distributed", self.update_from_distributed)
+        r.add_post("/destroy_weights_update_group", self.destroy_group)
+        r.add_route("*", "/weights_checksum", self.weights_checksum)
+        return app
+
+    @web.middleware
+    async def _errors(self, request, handler):
+        if request.path not in ("/health", "/health_generate") and not self.worker.loaded.is_set():
+            return _error("the model is still loading", 503)
+        if self.worker.error is not None and request.path != "/health":
+            return _error(f"the engine failed to start: {self.worker.error}", 503)
+        try:
+            return await handler(request)
+        except RequestError as e:
+            return _error(str(e))
+        except web.HTTPException:
+            raise
+        except Exception as e:  # a bug: say so, keep serving
+            traceback.print_exc()
+            return _error(f"internal error: {type(e).__name__}: {e}", 500)
+
+    @property
+    def engine(self):
+        return self.worker.engine
+
+    # --- generation ---
+    async def generate(self, request):
+        body = await _json_body(request)
+        items, batched = parse_generate(body, self.engine.vocab_size, self.engine.max_model_len)
+        futs = self.worker.add(items)
+        try:
+            results = await asyncio.gather(*futs)
+        except asyncio.CancelledError:  # the client went away: free the engine
+            for it in items:
+                self.worker.abort(it.rid, "client disconnected")
+            raise
+        out = [self._response(it, fin, version) for it, (fin, version) in zip(items, results)]
+        return web.json_response(out if batched else out[0])
+
+    def _response(self, item, fin, version) -> dict:
+        ids = fin.output_ids
+        text_ids = ids
+        if fin.finish_reason.get("type") == "stop" and not item.no_stop_trim and ids:
+            text_ids = ids[:-1]  # SGLang trims the matched stop token from text only
+        tok = self.engine.tokenizer
+        text = ""
+        if tok is not None and text_ids:
+            text = tok.decode(text_ids, skip_special_tokens=item.skip_special_tokens,
+                              spaces_between_special_tokens=item.spaces_between_special_tokens)
+        meta = {
+            "id": fin.rid,
+            "finish_reason": fin.finish_reason,
+            "prompt_tokens": fin.prompt_tokens,
+            "completion_tokens": fin.completion_tokens,
+            "cached_tokens": fin.cached_tokens,
+            "weight_version": version,
+        }
+        if item.return_logprob:
+            lps = fin.output_logprobs or []
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, ids)]
+        return {"text": text, "output_ids": list(ids), "meta_info": meta}
+
+    # --- health and info ---
+    async def health(self, request):
+        if not self.worker.loaded.is_set() or self.worker.error is not None:
+            return web.Response(status=503, text="loading" if self.worker.error is None else self.worker.error)
+        return web.Response(status=200)
+
+    async def health_generate(self, request):
+        if not self.worker.loaded.is_set() or self.worker.error is not None:
+            return web.Response(status=503)
+        if self.worker.paused:
+            return web.Response(status=200)  # alive; generating would wait for continue_generation
+        items, _ = parse_generate({"input_ids": [0], "rid": f"HEALTH_CHECK_{uuid.uuid4().hex}",
+                                   "sampling_params": {"max_new_tokens": 1, "temperature": 0}},
+                                  self.engine.vocab_size, self.engine.max_model_len)
+        try:
+            await asyncio.wait_for(self.worker.add(items)[0], timeout=20)
+        except asyncio.TimeoutError:
+            self.worker.abort(items[0].rid)
+            return web.Response(status=503)
+        return web.Response(status=200)
+
+    def _info(self) -> dict:
+        eng = self.engine
+        return {
+            "model_path": self.model_path,
+            "tokenizer_path": self.model_path,
+            "is_generation": True,
+            "served_model_name": self.args.model,
+            "weight_version": eng.weight_version,
+            "device": str(eng.device),
+            "dtype": str(eng.dtype).removeprefix("torch."),
+            "max_model_len": eng.max_model_len,
+            "vocab_size": eng.vocab_size,
+            "eos_token_ids": list(eng.eos_token_ids),
+        }
+
+    async def model_info(self, request):
+        return web.json_response(self._info())
+
+    async def weight_version(self, request):
+        return web.json_response({"weight_version": self.engine.weight_version})
+
+    async def server_info(self, request):
+        def state(eng):
+            return {"running": len(eng.scheduler.running), "waiting": len(eng.scheduler.waiting),
+                    "paused": self.worker.paused, "pause_mode": self.worker.pause_mode,
+                    "num_kv_blocks": eng.num_kv_blocks, "block_size": eng.config.block_size}
+
+        internal = await self.worker.call(state)
+        args = {k: v for k, v in vars(self.args).items() if k != "func" and not callable(v)}
+        return web.json_response({**args, **self._info(), "max_total_num_tokens": internal["num_kv_blocks"] *
+                                  internal["block_size"], "internal_states": [internal],
+                                  "version": "nano-miles", "uptime_s": round(time.time() - self.started, 1)})
+
+    # --- control ---
+    async def flush_cache(self, request):
+        def flush(eng):
+            if eng.has_unfinished() or self.worker.parked:
+                return False
+            eng.flush_cache()
+            return True
+
+        ok = await self.worker.call(flush)
+        if not ok:
+            return _error("cannot flush the cache while requests are running or waiting", 400)
+        return web.json_response({"success": True, "message": "Cache flushed."})
+
+    async def pause_generation(self, request):
+        body = await _json_body(request, default={})
+        mode = body.get("mode", "abort") or "abort"
+        if mode not in PAUSE_MODES:
+            raise RequestError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        n = await self.worker.pause(mode)
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok",
+                                  "mode": mode, "num_aborted": n})
+
+    async def continue_generation(self, request):
+        await self.worker.resume()
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def abort_request(self, request):
+        body = await _json_body(request, default={})
+        rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
+        if not isinstance(rid, str) or not isinstance(abort_all, bool):
+            raise RequestError("rid must be a string and abort_all a boolean")
+        if not abort_all and not rid:
+            raise RequestError("give a rid, or abort_all=true")
+        n = await self.worker.abort(None if abort_all else rid)
+        return web.json_response({"success": True, "message": f"aborted {n} request(s)", "num_aborted": n})
+
+    # --- weights ---
+    async def _apply(self, named, body, source: str) -> web.Response:
+        """Swap in `named` on the engine thread once in-flight work allows; bump the version."""
+        abort_first = body.get("abort_all_requests", False)
+        if not isinstance(abort_first, bool):
+            raise RequestError("abort_all_requests must be a boolean")
+        given = body.get("weight_version")
+        if given is not None and not isinstance(given, (str, int)):
+            raise RequestError("weight_version must be a string")
+
+        def swap(eng):
+            old = eng.weight_version
+            eng.load_weights(named)  # validated already; copies in place, then flushes every KV block
+            eng.weight_version = _next_version(old, given)
+            return eng.weight_version
+
+        version = await self.worker.update(swap, abort_first)
+        return _weight_answer(True, f"Succeeded to update {len(named)} tensors from {source}. "
+                                    f"Weight version updated to {version}.")
+
+    def _check(self, named, cast: bool = False):
+        from nano_miles.engine.model import skip_weight_name
+
+        named = [(n, t) for n, t in named if not skip_weight_name(n, self.engine.model_config)]
+        if cast:  # checkpoints on disk may be stored in another float dtype: cast to the engine's
+            named = [(n, t.to(self.expected[n][1]) if n in self.expected and t.is_floating_point() else t)
+                     for n, t in named]
+        W.check_against(named, self.expected)
+        return named
+
+    async def update_from_tensor(self, request):
+        body = await _json_body(request)
+        fmt = body.get("load_format")
+        try:
+            named = await asyncio.to_thread(
+                lambda: self._check(W.decode_tensor_payload(body.get("serialized_named_tensors"), fmt)))
+        except W.WeightPayloadError as e:
+            return _weight_answer(False, f"Failed to update weights from tensor: {e}")
+        return await self._apply(named, body, "tensor")
+
+    async def update_from_disk(self, request):
+        body = await _json_body(request)
+        path = body.get("model_path")
+        if not isinstance(path, str) or not path:
+            return _weight_answer(False, "model_path (a folder of safetensors files) is required")
+        if body.get("load_format") not in (None, "auto", "safetensors"):
+            return _weight_answer(False, f"load_format {body.get('load_format')!r} is not supported; use safetensors")
+
+        def load():
+            named = self._check(W.load_safetensors_folder(path), cast=True)
+            missing = sorted(set(self.expected) - {n for n, _ in named})
+            if missing:
+                raise W.WeightPayloadError(f"the checkpoint lacks {len(missing)} parameters, e.g. {missing[:3]}")
+            return named
+
+        try:
+            named = await asyncio.to_thread(load)
+        except W.WeightPayloadError as e:
+            return _weight_answer(False, f"Failed to update weights from disk: {e}")
+        return await self._apply(named, body, f"disk ({path})")
+
+    async def init_group(self, request):
+        body = await _json_body(request)
+        try:
+            addr, port = body["master_address"], body["master_port"]
+            rank, world = body["rank_offset"], body["world_size"]
+        except KeyError as e:
+            return _weight_answer(False, f"missing field {e.args[0]}")
+        name = body.get("group_name") or W.DEFAULT_GROUP_NAME
+        backend = body.get("backend") or "nccl"
+        if not (isinstance(addr, str) and all(isinstance(x, int) and not isinstance(x, bool) for x in (port, rank, world))
+                and 1 <= rank < world):
+            return _weight_answer(False, "need master_address (str), master_port, rank_offset >= 1, world_size > rank_offset")
+        if backend not in ("gloo", "nccl"):
+            return _weight_answer(False, f"backend must be gloo or nccl, got {backend!r}")
+        if backend == "nccl" and self.engine.device.type != "cuda":
+            return _weight_answer(False, "backend nccl needs a CUDA engine; this engine runs on CPU: use gloo")
+        if name in self.groups:
+            return _weight_answer(False, f"group {name!r} already exists; destroy it first")
+
+        def init():
+            if backend == "nccl":
+                import torch
+                torch.cuda.set_device(self.engine.device)
+            return W.init_weight_update_group(addr, port, rank, world, name, backend, self.args.dist_timeout)
+
+        try:
+            self.groups[name] = await asyncio.to_thread(init)
+        except Exception as e:
+            return _weight_answer(False, f"Failed to init group {name!r}: {type(e).__name__}: {e}")
+        self.group_locks[name] = asyncio.Lock()
+        return _weight_answer(True, f"Succeeded to initialize custom process group {name!r} "
+                                    f"({backend}, rank {rank} of {world}).")
+
+    async def update_from_distributed(self, request):
+        body = await _json_body(request)
+        name = body.get("group_name") or W.DEFAULT_GROUP_NAME
+        if name not in self.groups:
+            return _weight_answer(False, f"no weight update group {name!r}; call /init_weights_update_group first")
+        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+        fmt = body.get("load_format")
+        try:
+            if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
+                    and len(names) == len(dtypes) == len(shapes) and names):
+                raise W.WeightPayloadError("names, dtypes and shapes must be non-empty lists of one length")
+            if fmt not in (None, "flattened_bucket"):
+                raise W.WeightPayloadError(f"load_format must be null or 'flattened_bucket', got {fmt!r}")
+            for s in shapes:
+                if not (isinstance(s, list) and all(isinstance(d, int) and d >= 0 for d in s)):
+                    raise W.WeightPayloadError(f"bad shape {s!r}")
+            dtypes = [W.parse_dtype(d) for d in dtypes]
+        except W.WeightPayloadError as e:
+            return _weight_answer(False, f"Failed to update weights from distributed: {e}")
+        # Receive first, even into a mismatching announcement, so the trainer's broadcast completes
+        # and the group stays in step; then check, then swap.
+        async with self.group_locks[name]:
+            try:
+                received = await asyncio.to_thread(
+                    W.receive_weights, self.groups[name], names, dtypes, shapes, fmt, self.engine.device,
+                    self.args.dist_timeout)
+            except Exception as e:
+                return _weight_answer(False, f"Failed to receive weights over {name!r}: {type(e).__name__}: {e}")
+        try:
+            named = self._check(received)
+        except W.WeightPayloadError as e:
+            return _weight_answer(False, f"Failed to update weights from distributed: {e}")
+        return await self._apply(named, body, f"distributed group {name!r}")
+
+    async def destroy_group(self, request):
+        body = await _json_body(request, default={})
+        name = body.get("group_name") or W.DEFAULT_GROUP_NAME
+        pg = self.groups.pop(name, None)
+        if pg is None:
+            return _weight_answer(False, f"no weight update group {name!r}")
+        self.group_locks.pop(name, None)
+        try:
+            await asyncio.to_thread(W.destroy_weight_update_group, pg)
+        except Exception as e:
+            return _weight_answer(False, f"Failed to destroy group {name!r}: {type(e).__name__}: {e}")
+        return _weight_answer(True, f"Succeeded to destroy custom process group {name!r}.")
+
+    async def weights_checksum(self, request):
+        body = await _json_body(request, default={}) if request.method == "POST" else {}
+        names = body.get("names")
+        if names is not None:
+            if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+                raise RequestError("names must be a list of parameter names")
+            unknown = [n for n in names if n not in self.expected]
+            if unknown:
+                raise RequestError(f"unknown parameter names: {unknown[:5]}")
+
+        def compute(eng):
+            return eng.weight_version, W.checksums(eng.named_parameters(), names)
+
+        version, sums = await self.worker.call(compute)
+        return web.json_response({"weight_version": version, "dtype": str(self.engine.dtype).removeprefix("torch."),
+                                  "algorithm": "sha256", "checksums": sums})
+
+
+# ----------------------------------------------------------------------------- main
+
+
+async def _serve(args, model_path) -> int:
+    loop = asyncio.get_running_loop()
+    server = Server(args, model_path)
+    app = server.app(loop)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    await site.start()
+    port = runner.addresses[0][1]
+    server.worker.thread.start()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await asyncio.to_thread(server.worker.loaded.wait)
+    rc = 0
+    if server.worker.error is not None:
+        print(f"nano-miles serve: the engine failed to start: {server.worker.error}", file=sys.stderr, flush=True)
+        rc = 1
+    else:
+        eng = server.engine
+        print(f"nano-miles serve: ready on http://{args.host}:{port} (model {model_path}, {eng.device}, "
+              f"{str(eng.dtype).removeprefix('torch.')}, weight_version {eng.weight_version})", flush=True)
+        await stop.wait()
+    server.worker.stop()
+    await runner.cleanup()
+    return rc
+
+
+def run(args) -> int:
+    from nano_miles.models import resolve_model
+
+    try:
+        model_path = resolve_model(args.model)
+    except Exception as e:
+        print(f"nano-miles serve: {e}", file=sys.stderr)
+        return 2
+    return asyncio.run(_serve(args, model_path))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="nano-miles serve")
+    add_arguments(parser)
+    sys.exit(run(parser.parse_args()))
