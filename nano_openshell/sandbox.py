@@ -1,0 +1,444 @@
+"""Sandbox: run one bash command at a time for an agent, isolated, bounded, never hung.
+
+    with Sandbox() as sb:
+        r = sb.exec("echo hi", timeout=10)
+        r.exit_code, r.stdout, r.stderr, r.timed_out, r.truncated, r.duration_ms, r.tier
+
+Tiers (probe.py decides which work here, and says why): "namespaced" (bwrap, see namespaced.py),
+"fallback" (a subreaper init with Landlock + seccomp, see initproc.py) and "none" (the same init with
+no isolation, only with allow_unisolated=True). Every tier kills the whole process tree at the
+timeout, closes stdin, caps the output it keeps and gives the command an allowlisted environment.
+"""
+
+import asyncio
+import concurrent.futures
+import json
+import math
+import os
+import random
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+from . import namespaced, seccomp
+from .probe import TIERS, probe
+
+MAX_TIMEOUT = 24 * 3600.0
+INLINE_SCRIPT_BYTES = 64 * 1024  # larger commands travel as a file (argv strings are capped at 128 KiB)
+SAFE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+PASSED_THROUGH = ("LANG", "LC_ALL", "TERM", "TZ")  # harmless supervisor settings the command inherits
+PROXY_URL = "http://127.0.0.1:3128"
+_KILL_GRACE = 0.3  # after a kill, how long we still wait for the pipes to reach EOF
+
+
+class SandboxError(RuntimeError):
+    """The sandbox cannot run here as asked (tier below min_tier, policy without network isolation...)."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    address_space_bytes: int = 4 << 30
+    file_size_bytes: int = 256 << 20
+    cpu_seconds: int = 60
+    processes: int = 256
+    open_files: int = 1024
+    output_bytes: int = 256 << 10   # kept per stream: head and tail, the middle is dropped
+    tmp_bytes: int = 256 << 20      # size of the private /tmp (namespaced tier)
+    command_bytes: int = 4 << 20    # the longest command accepted
+
+    def __post_init__(self):
+        for name, value in asdict(self).items():
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"Limits.{name} must be a positive int, got {value!r}")
+        if self.output_bytes < 64:
+            raise ValueError("Limits.output_bytes must be at least 64")
+
+    def rlimits(self) -> dict[str, int]:
+        return {"RLIMIT_AS": self.address_space_bytes, "RLIMIT_FSIZE": self.file_size_bytes,
+                "RLIMIT_CPU": self.cpu_seconds, "RLIMIT_NPROC": self.processes,
+                "RLIMIT_NOFILE": self.open_files, "RLIMIT_CORE": 0}
+
+    def ulimit_line(self) -> str:
+        """bash's ulimit: -v and -f in KiB (bash's units outside POSIX mode), hard and soft."""
+        return (f"ulimit -H -S -v {self.address_space_bytes // 1024} -f {self.file_size_bytes // 1024} "
+                f"-t {self.cpu_seconds} -u {self.processes} -n {self.open_files} -c 0 || "
+                "{ echo 'nano-openshell: could not set limits' >&2; exit 126; }\n")
+
+
+@dataclass
+class ExecResult:
+    exit_code: int
+    stdout: str
+    stderr: str
+    timed_out: bool
+    truncated: bool
+    duration_ms: float
+    tier: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class _Capped:
+    """Keeps the first and last bytes of a stream; memory stays bounded whatever is written."""
+
+    def __init__(self, cap: int):
+        self.head_cap, self.tail_cap = cap // 2, cap - cap // 2
+        self.head, self.tail, self.total = bytearray(), bytearray(), 0
+
+    def add(self, data: bytes) -> None:
+        self.total += len(data)
+        room = self.head_cap - len(self.head)
+        if room > 0:
+            self.head += data[:room]
+            data = data[room:]
+        if data:
+            self.tail += data[-self.tail_cap:]
+            if len(self.tail) > 2 * self.tail_cap:
+                del self.tail[:-self.tail_cap]
+
+    @property
+    def truncated(self) -> bool:
+        return self.total > self.head_cap + self.tail_cap
+
+    def text(self) -> str:
+        tail = bytes(self.tail[-self.tail_cap:])
+        if not self.truncated:
+            return (bytes(self.head) + tail).decode("utf-8", errors="replace")
+        dropped = self.total - len(self.head) - len(tail)
+        return (bytes(self.head).decode("utf-8", errors="replace")
+                + f"\n[... nano-openshell: {dropped} bytes truncated ...]\n"
+                + tail.decode("utf-8", errors="replace"))
+
+
+def validate_command(command) -> str:
+    if isinstance(command, (bytes, bytearray)):
+        try:
+            command = bytes(command).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"command is not valid UTF-8: {e}") from None
+    if not isinstance(command, str):
+        raise TypeError(f"command must be a str, got {type(command).__name__}")
+    if not command.strip():
+        raise ValueError("command is empty")
+    if "\x00" in command:
+        raise ValueError("command contains a NUL byte")
+    try:
+        command.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"command is not valid UTF-8: {e}") from None
+    return command
+
+
+def validate_timeout(timeout) -> float:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be a number of seconds, got {timeout!r}")
+    if not math.isfinite(timeout) or timeout <= 0 or timeout > MAX_TIMEOUT:
+        raise ValueError(f"timeout must be in (0, {MAX_TIMEOUT:.0f}] seconds, got {timeout!r}")
+    return float(timeout)
+
+
+_SECCOMP = {}
+_EXECUTOR = None
+_EXECUTOR_LOCK = threading.Lock()
+
+
+def _seccomp_program(unix_only: bool) -> bytes:
+    if unix_only not in _SECCOMP:
+        _SECCOMP[unix_only] = seccomp.deny_list(unix_only=unix_only)
+    return _SECCOMP[unix_only]
+
+
+def _executor() -> concurrent.futures.ThreadPoolExecutor:
+    global _EXECUTOR
+    with _EXECUTOR_LOCK:
+        if _EXECUTOR is None:
+            _EXECUTOR = concurrent.futures.ThreadPoolExecutor(64, thread_name_prefix="nano-openshell")
+        return _EXECUTOR
+
+
+_INIT_BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
+              "from nano_openshell.initproc import main; main()")
+_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Sandbox:
+    def __init__(self, workspace=None, policy=None, limits: Limits | None = None,
+                 min_tier: str = "namespaced", allow_unisolated: bool = False,
+                 tier: str | None = None, env: dict[str, str] | None = None):
+        """tier: run exactly this tier (it must work here and be >= min_tier); None = the best one.
+        env: extra variables for the command (on top of the allowlist)."""
+        self.limits = limits if limits is not None else Limits()
+        if not isinstance(self.limits, Limits):
+            raise TypeError("limits must be a Limits")
+        self.probe = probe()
+        self.tier = self._choose_tier(min_tier, tier, allow_unisolated)
+        self._closed = False
+        self._fds: list[int] = []
+        self._proxy = None
+        self._supervisor_dir = None
+        self.handshake = None
+        self._extra_env = self._check_env(env or {})
+
+        self._owns_workspace = workspace is None
+        if workspace is None:
+            workspace = tempfile.mkdtemp(prefix="nano-openshell-ws-")
+        workspace = os.path.realpath(os.fspath(workspace))
+        if not os.path.isdir(workspace):
+            raise ValueError(f"workspace {workspace!r} does not exist or is not a directory")
+        self.workspace = workspace
+        # as root, the command runs under this Sandbox's own unprivileged uid (see namespaced.py)
+        self.uid = random.randrange(100000, 100000 + (1 << 20)) if os.geteuid() == 0 and self.tier != "none" else None
+        self._fix_workspace_owner()
+        try:
+            if self.tier == "namespaced":
+                self._bwrap_argv = namespaced.base_argv(self.probe["capabilities"]["bwrap"],
+                                                        self.limits.tmp_bytes, self.uid is not None)
+                ws_fd = os.open(self.workspace, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+                self._fds.append(ws_fd)
+                self._bwrap_argv += namespaced.workspace_args(ws_fd)
+            if policy is not None:
+                self._start_proxy(policy)
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- setup -------------------------------------------------------------------------------
+    def _choose_tier(self, min_tier, tier, allow_unisolated) -> str:
+        if min_tier not in TIERS:
+            raise ValueError(f"min_tier must be one of {TIERS}, got {min_tier!r}")
+        if tier is not None and tier not in TIERS:
+            raise ValueError(f"tier must be one of {TIERS} or None, got {tier!r}")
+        tiers = self.probe["tiers"]
+        if tier is None:
+            tier = next(t for t in reversed(TIERS) if tiers[t]["ok"])
+        elif not tiers[tier]["ok"]:
+            raise SandboxError(f"tier {tier!r} does not work here: {tiers[tier]['reason']}")
+        if TIERS.index(tier) < TIERS.index(min_tier):
+            why = "; ".join(f"{t}: {tiers[t]['reason']}" for t in TIERS[TIERS.index(min_tier):])
+            raise SandboxError(f"best isolation here is {tier!r}, below min_tier={min_tier!r} ({why})")
+        if tier == "none" and not allow_unisolated:
+            raise SandboxError("running without isolation needs allow_unisolated=True")
+        return tier
+
+    @staticmethod
+    def _check_env(env: dict) -> dict[str, str]:
+        for k, v in env.items():
+            if not (isinstance(k, str) and isinstance(v, str)) or not k or "=" in k or "\x00" in k + v:
+                raise ValueError(f"bad environment entry {k!r}={v!r}")
+        return dict(env)
+
+    def _start_proxy(self, policy) -> None:
+        if self.tier != "namespaced":
+            raise SandboxError(f"a network policy needs the namespaced tier (its own network namespace); "
+                               f"the {self.tier!r} tier has no egress at all, and is not downgraded silently")
+        from .proxy import PROTOCOL_VERSION, ProxyServer, handshake
+
+        self._supervisor_dir = tempfile.mkdtemp(prefix="nano-openshell-sup-")  # 0700: only we reach it
+        sock = os.path.join(self._supervisor_dir, "proxy.sock")
+        info = {"tier": self.tier, "capabilities": self.probe["capabilities"]}
+        # the socket may be opened by the sandbox's uid; the private directory guards it from the host
+        self._proxy = ProxyServer(policy, sock, audit_path=os.path.join(self._supervisor_dir, "audit.jsonl"),
+                                  info=info, socket_mode=0o666).start()
+        self.handshake = handshake(sock, protocol=PROTOCOL_VERSION)
+        self.audit_path = self._proxy.audit_path
+        self._forwarder_python = namespaced.forwarder_python(self.uid is not None)
+        if self._forwarder_python is None:
+            raise SandboxError("no Python that the sandbox can execute for the network forwarder")
+        fd = os.open(sock, os.O_PATH | os.O_CLOEXEC)
+        self._fds.append(fd)
+        self._socket_fd = fd
+
+    def _fix_workspace_owner(self) -> None:
+        """As root, hand the workspace to the sandbox uid. fd-relative and never following symlinks,
+        so a link planted by the command cannot make us chown a host file."""
+        if self.uid is None:
+            return
+        os.chown(self.workspace, self.uid, self.uid, follow_symlinks=False)
+        os.chmod(self.workspace, 0o700)
+        for _, dirs, files, dir_fd in os.fwalk(self.workspace, follow_symlinks=False):
+            for name in dirs + files:
+                try:
+                    if os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_uid != self.uid:
+                        os.chown(name, self.uid, self.uid, dir_fd=dir_fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    pass
+
+    def _env(self, home: str, tmpdir: str) -> dict[str, str]:
+        env = {"PATH": SAFE_PATH, "HOME": home, "PWD": home, "TMPDIR": tmpdir, "SHELL": "/bin/bash",
+               "USER": "sandbox", "LOGNAME": "sandbox", "LANG": "C.UTF-8", "TERM": "dumb"}
+        env.update({k: os.environ[k] for k in PASSED_THROUGH if k in os.environ})
+        if self._proxy is not None:
+            env.update(HTTP_PROXY=PROXY_URL, HTTPS_PROXY=PROXY_URL, http_proxy=PROXY_URL, https_proxy=PROXY_URL)
+        env.update(self._extra_env)
+        return env
+
+    # ---- running -----------------------------------------------------------------------------
+    def exec(self, command, timeout: float = 30.0) -> ExecResult:
+        command = validate_command(command)
+        timeout = validate_timeout(timeout)
+        if len(command.encode("utf-8")) > self.limits.command_bytes:
+            raise ValueError(f"command is longer than Limits.command_bytes={self.limits.command_bytes}")
+        if self._closed:
+            raise SandboxError("the sandbox is closed")
+        self._fix_workspace_owner()
+        start = time.monotonic()
+        if self.tier == "namespaced":
+            code, out, err, timed_out = self._exec_namespaced(command, start + timeout)
+        else:
+            code, out, err, timed_out = self._exec_init(command, start + timeout)
+        return ExecResult(code, out.text(), err.text(), timed_out, out.truncated or err.truncated,
+                          round((time.monotonic() - start) * 1000, 3), self.tier)
+
+    async def aexec(self, command, timeout: float = 30.0) -> ExecResult:
+        return await asyncio.get_running_loop().run_in_executor(_executor(), self.exec, command, timeout)
+
+    def _exec_namespaced(self, command: str, deadline: float):
+        script = self.limits.ulimit_line()
+        if self._proxy is not None:
+            from .forwarder import sandbox_prelude
+
+            script += sandbox_prelude(namespaced.PROXY_SOCKET, python=self._forwarder_python) + "\n"
+        script += command
+        prog_r, prog_w = os.pipe()
+        owned = [prog_r]
+        try:
+            os.write(prog_w, _seccomp_program(False))  # a few hundred bytes: fits the pipe buffer
+            os.close(prog_w)
+            script_fd = None
+            if len(script.encode()) > INLINE_SCRIPT_BYTES:
+                script_fd = os.memfd_create("nano-openshell-command", 0)
+                owned.append(script_fd)
+                os.write(script_fd, script.encode())
+                os.lseek(script_fd, 0, os.SEEK_SET)
+                tail = ["/bin/bash", namespaced.SCRIPT_PATH]
+            else:
+                tail = ["/bin/bash", "-c", script]
+            sock_fd = self._socket_fd if self._proxy is not None else None
+            argv = self._bwrap_argv + namespaced.command_args(prog_r, script_fd, sock_fd) + tail
+            user = {} if self.uid is None else dict(user=self.uid, group=self.uid, extra_groups=[])
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, env=self._env(namespaced.WORKDIR, "/tmp"),
+                                    pass_fds=tuple(self._fds + owned), **user)
+        finally:
+            for fd in owned:
+                os.close(fd)
+        # killing bwrap kills its pid 1 (--die-with-parent), and with it the whole pid namespace
+        return _drain(proc, deadline, self.limits.output_bytes, proc.kill)
+
+    def _exec_init(self, command: str, deadline: float):
+        tmpdir = tempfile.mkdtemp(prefix="nano-openshell-tmp-")
+        try:
+            if self.uid is not None:
+                os.chown(tmpdir, self.uid, self.uid)
+            isolated = self.tier == "fallback"
+            caps = self.probe["capabilities"]
+            argv = ["bash", "-c", command]
+            if len(command.encode()) > INLINE_SCRIPT_BYTES:
+                path = os.path.join(tmpdir, ".nano-openshell-command.sh")
+                with open(path, "w") as f:
+                    f.write(command)
+                argv = ["bash", path]
+            cfg = {"supervisor_pid": os.getpid(), "rlimits": self.limits.rlimits(),
+                   "workspace": self.workspace, "tmpdir": tmpdir, "uid": self.uid, "gid": self.uid,
+                   "landlock": isolated and caps["landlock_abi"] > 0,
+                   "seccomp": _seccomp_program(True).hex() if isolated and caps["seccomp"] else None,
+                   "argv": argv, "env": self._env(self.workspace, tmpdir)}
+            proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _INIT_BOOT, _PACKAGE_PARENT],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    env={"PATH": SAFE_PATH}, start_new_session=True)
+            try:
+                proc.stdin.write(json.dumps(cfg).encode())
+                proc.stdin.close()
+            except BrokenPipeError:
+                pass
+
+            def stop():  # the init kills the tree; SIGKILL only if it does not go in time
+                try:
+                    proc.send_signal(signal.SIGTERM)
+                    proc.wait(timeout=_KILL_GRACE)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+
+            return _drain(proc, deadline, self.limits.output_bytes, stop)
+        finally:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+
+    # ---- lifetime ----------------------------------------------------------------------------
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._proxy is not None:
+            self._proxy.stop()
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+        if self._supervisor_dir:
+            shutil.rmtree(self._supervisor_dir, ignore_errors=True)
+        if self._owns_workspace:
+            _rmtree(self.workspace)
+
+    def __enter__(self) -> "Sandbox":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _drain(proc: subprocess.Popen, deadline: float, cap: int, kill) -> tuple[int, _Capped, _Capped, bool]:
+    """Read stdout/stderr until EOF or the deadline; at the deadline kill, then give the pipes a short
+    grace to reach EOF (they do once the tree is dead) and stop reading regardless."""
+    out, err = _Capped(cap), _Capped(cap)
+    sinks = {proc.stdout.fileno(): out, proc.stderr.fileno(): err}
+    sel = selectors.DefaultSelector()
+    for fd in sinks:
+        os.set_blocking(fd, False)
+        sel.register(fd, selectors.EVENT_READ)
+    timed_out, give_up = False, None
+    try:
+        while sel.get_map():
+            now = time.monotonic()
+            if not timed_out and now >= deadline:
+                timed_out, give_up = True, now + _KILL_GRACE
+                kill()
+            if give_up is not None and now >= give_up:
+                break
+            for key, _ in sel.select(max(0.0, (give_up or deadline) - now)):
+                try:
+                    data = os.read(key.fd, 1 << 16)
+                except BlockingIOError:
+                    continue
+                if data:
+                    sinks[key.fd].add(data)
+                else:
+                    sel.unregister(key.fd)
+        if not timed_out:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                kill()
+        proc.wait()
+    finally:
+        sel.close()
+        proc.stdout.close()
+        proc.stderr.close()
+    return proc.returncode, out, err, timed_out
+
+
+def _rmtree(path: str) -> None:
+    def retry(func, p, exc_info):  # the command may have left read-only directories behind
+        try:
+            os.chmod(os.path.dirname(p), 0o700)
+            func(p)
+        except OSError:
+            pass
+
+    shutil.rmtree(path, onerror=retry)

@@ -1,0 +1,163 @@
+"""Seccomp filters as classic BPF, compiled here without libseccomp.
+
+Three filters, all built from the same small assembler:
+  deny_list()           the namespaced tier's filter, handed to bwrap through --seccomp FD
+  deny_list(unix_only)  the fallback tier's filter: the deny list plus socket() for AF_UNIX only
+  deny_namespaces()     what a rootless container does to us: no unshare/setns/clone(CLONE_NEW*);
+                        used by scripts/test_legs.sh to make the fallback tier engage in CI
+
+`python -m nano_openshell.seccomp --deny-namespaces -- CMD...` installs the last one and execs CMD.
+"""
+
+import ctypes
+import errno
+import os
+import platform
+import struct
+import sys
+
+# struct seccomp_data: int nr; u32 arch; u64 ip; u64 args[6]  (little endian on both arches)
+_OFF_NR, _OFF_ARCH = 0, 4
+
+
+def _arg_lo(i: int) -> int:
+    return 16 + 8 * i  # the low 32 bits of args[i]
+
+
+RET_ALLOW = 0x7FFF0000
+RET_KILL_PROCESS = 0x80000000
+
+
+def RET_ERRNO(e: int) -> int:
+    return 0x00050000 | (e & 0xFFFF)
+
+
+_LD_W_ABS, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06
+
+CLONE_NEW_FLAGS = (0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000
+                   | 0x40000000 | 0x00000080)  # NEWNS CGROUP UTS IPC USER PID NET TIME
+AF_UNIX = 1
+
+# syscall numbers per architecture: (audit arch, numbers)
+_ARCHES = {
+    "x86_64": (0xC000003E, dict(
+        ptrace=101, mount=165, umount2=166, unshare=272, setns=308, bpf=321, io_uring_setup=425,
+        io_uring_enter=426, io_uring_register=427, keyctl=250, add_key=248, request_key=249,
+        perf_event_open=298, userfaultfd=323, process_vm_readv=310, process_vm_writev=311,
+        pivot_root=155, chroot=161, open_tree=428, move_mount=429, fsopen=430, fsconfig=431,
+        fsmount=432, fspick=433, mount_setattr=442, kexec_load=246, kexec_file_load=320,
+        init_module=175, finit_module=313, delete_module=176, swapon=167, swapoff=168, reboot=169,
+        acct=163, quotactl=179, name_to_handle_at=303, open_by_handle_at=304, kcmp=312, syslog=103,
+        clone=56, clone3=435, socket=41, socketpair=53)),
+    "aarch64": (0xC00000B7, dict(
+        ptrace=117, mount=40, umount2=39, unshare=97, setns=268, bpf=280, io_uring_setup=425,
+        io_uring_enter=426, io_uring_register=427, keyctl=219, add_key=217, request_key=218,
+        perf_event_open=241, userfaultfd=282, process_vm_readv=270, process_vm_writev=271,
+        pivot_root=41, chroot=51, open_tree=428, move_mount=429, fsopen=430, fsconfig=431,
+        fsmount=432, fspick=433, mount_setattr=442, kexec_load=104, kexec_file_load=294,
+        init_module=105, finit_module=273, delete_module=106, swapon=224, swapoff=225, reboot=142,
+        acct=89, quotactl=60, name_to_handle_at=264, open_by_handle_at=265, kcmp=272, syslog=116,
+        clone=220, clone3=435, socket=198, socketpair=199)),
+}
+_ARCH_ALIASES = {"amd64": "x86_64", "arm64": "aarch64"}
+
+DENIED = ("ptrace", "mount", "umount2", "unshare", "setns", "bpf", "io_uring_setup", "io_uring_enter",
+          "io_uring_register", "keyctl", "add_key", "request_key", "perf_event_open", "userfaultfd",
+          "process_vm_readv", "process_vm_writev", "pivot_root", "chroot", "open_tree", "move_mount",
+          "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr", "kexec_load", "kexec_file_load",
+          "init_module", "finit_module", "delete_module", "swapon", "swapoff", "reboot", "acct",
+          "quotactl", "name_to_handle_at", "open_by_handle_at", "kcmp", "syslog")
+
+
+def machine() -> str:
+    m = platform.machine().lower()
+    return _ARCH_ALIASES.get(m, m)
+
+
+def supported() -> bool:
+    return machine() in _ARCHES
+
+
+def _ins(code: int, k: int = 0, jt: int = 0, jf: int = 0) -> bytes:
+    return struct.pack("<HBBI", code, jt, jf, k)
+
+
+def _compile(rules: list[tuple[str, list[bytes]]], arch: str | None = None) -> bytes:
+    """rules: (syscall name, body) where body is BPF that ends in a return. Everything else is allowed."""
+    arch = arch or machine()
+    if arch not in _ARCHES:
+        raise OSError(f"seccomp filters are not built for architecture {arch!r}")
+    audit_arch, nr = _ARCHES[arch]
+    prog = [_ins(_LD_W_ABS, _OFF_ARCH), _ins(_JEQ, audit_arch, 1, 0), _ins(_RET, RET_KILL_PROCESS),
+            _ins(_LD_W_ABS, _OFF_NR)]
+    if arch == "x86_64":  # the x32 ABI would reach the same syscalls under other numbers
+        prog += [_ins(_JGE, 0x40000000, 0, 1), _ins(_RET, RET_ERRNO(errno.ENOSYS))]
+    for name, body in rules:
+        assert len(body) < 256
+        prog.append(_ins(_JEQ, nr[name], 0, len(body)))
+        prog += body
+    prog.append(_ins(_RET, RET_ALLOW))
+    return b"".join(prog)
+
+
+def _deny(e: int = errno.EPERM) -> list[bytes]:
+    return [_ins(_RET, RET_ERRNO(e))]
+
+
+def _clone_without_new_namespaces() -> list[bytes]:
+    # clone(flags, ...) has the flags in args[0] on both arches; refuse any CLONE_NEW* bit
+    return [_ins(_LD_W_ABS, _arg_lo(0)), _ins(_JSET, CLONE_NEW_FLAGS, 0, 1),
+            _ins(_RET, RET_ERRNO(errno.EPERM)), _ins(_RET, RET_ALLOW)]
+
+
+def _only_af_unix() -> list[bytes]:
+    return [_ins(_LD_W_ABS, _arg_lo(0)), _ins(_JEQ, AF_UNIX, 0, 1), _ins(_RET, RET_ALLOW),
+            _ins(_RET, RET_ERRNO(errno.EAFNOSUPPORT))]
+
+
+def deny_list(unix_only: bool = False, arch: str | None = None) -> bytes:
+    rules = [(n, _deny()) for n in DENIED]
+    # clone3 passes its flags in a struct that BPF cannot read: ENOSYS makes glibc fall back to clone
+    rules += [("clone", _clone_without_new_namespaces()), ("clone3", _deny(errno.ENOSYS))]
+    if unix_only:
+        rules += [("socket", _only_af_unix()), ("socketpair", _only_af_unix())]
+    return _compile(rules, arch)
+
+
+def deny_namespaces(arch: str | None = None) -> bytes:
+    rules = [("unshare", _deny()), ("setns", _deny()), ("clone", _clone_without_new_namespaces()),
+             ("clone3", _deny(errno.ENOSYS))]
+    return _compile(rules, arch)
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+_PR_SET_NO_NEW_PRIVS, _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 38, 22, 2
+
+
+def install(program: bytes) -> None:
+    """Install a filter on the calling thread (set no_new_privs first). Raises OSError on failure."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"prctl(PR_SET_NO_NEW_PRIVS): {os.strerror(e)}")
+    buf = ctypes.create_string_buffer(program, len(program))
+    fprog = _SockFprog(len(program) // 8, ctypes.addressof(buf))
+    if libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"prctl(PR_SET_SECCOMP): {os.strerror(e)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) < 3 or argv[0] != "--deny-namespaces" or argv[1] != "--":
+        print("usage: python -m nano_openshell.seccomp --deny-namespaces -- CMD [ARGS...]", file=sys.stderr)
+        return 2
+    install(deny_namespaces())
+    os.execvp(argv[2], argv[2:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
