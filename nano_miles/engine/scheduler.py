@@ -47,6 +47,7 @@ class Scheduler:
         self.max_batched_tokens = max_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0
 
     def add(self, seq: Sequence):
         self.waiting.append(seq)
@@ -96,6 +97,7 @@ class Scheduler:
             self.running.append(seq)
 
     def preempt(self, seq: Sequence):
+        self.num_preemptions += 1
         self.running.remove(seq)
         self.blocks.free_seq(seq)
         self.waiting.appendleft(seq)

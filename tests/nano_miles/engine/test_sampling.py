@@ -1,0 +1,96 @@
+"""Sampling: the distribution drawn from, the reported log-prob, top-k/top-p, per-request seeds."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from nano_miles.engine.engine import Engine, EngineConfig, SamplingParams
+from nano_miles.engine.sampling import filter_top_k_top_p, sample
+from nano_miles.models import resolve_model
+
+
+def draw(logits, n, temperature=1.0, top_p=1.0, top_k=-1, seed=0):
+    B = logits.shape[0]
+    rows = logits.repeat(n, 1)
+    f = torch.full((B * n,), 1.0)
+    tokens, lps = sample(rows, f * temperature, f * top_p, torch.full((B * n,), top_k), [None] * (B * n),
+                         torch.Generator().manual_seed(seed))
+    return tokens, lps
+
+
+def test_samples_follow_the_temperature_scaled_distribution():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -3.0]])
+    tokens, lps = draw(logits, 20000, temperature=0.7)
+    want = torch.softmax(logits[0] / 0.7, -1)
+    freq = torch.bincount(tokens, minlength=5).float() / tokens.numel()
+    assert torch.allclose(freq, want, atol=0.015), (freq, want)
+    # the reported log-prob is log_softmax(logits / T) at the drawn token
+    assert torch.allclose(lps, torch.log(want)[tokens], atol=1e-6)
+
+
+def test_top_k_and_top_p_restrict_support_but_logprob_is_not_renormalised():
+    logits = torch.tensor([[3.0, 2.5, 2.0, 0.0, -1.0]])
+    tokens, lps = draw(logits, 4000, top_k=2)
+    assert set(tokens.tolist()) == {0, 1}
+    assert torch.allclose(lps, torch.log_softmax(logits[0], -1)[tokens], atol=1e-6)  # as SGLang reports it
+    p = torch.softmax(logits[0], -1)  # [0.49, 0.30, 0.18, 0.02, 0.01]
+    tokens, _ = draw(logits, 4000, top_p=0.7)  # mass before token 2 is 0.79 > 0.7: only {0, 1}
+    assert set(tokens.tolist()) == {0, 1}
+    assert p[:2].sum() > 0.7 > p[0]
+
+
+def test_filter_keeps_top_token_and_zeroes_the_rest():
+    probs = torch.tensor([[0.1, 0.6, 0.3], [0.2, 0.3, 0.5]])
+    out = filter_top_k_top_p(probs, torch.tensor([1, -1]), torch.tensor([1.0, 0.1]))
+    assert torch.equal(out, torch.tensor([[0.0, 0.6, 0.0], [0.0, 0.0, 0.5]]))
+
+
+def test_greedy_rows_and_sampled_rows_mix_in_one_batch():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [0.0, 0.0, 0.0]])
+    tokens, lps = sample(logits, torch.tensor([0.0, 1.0]), torch.ones(2), torch.tensor([-1, -1]), [None, None],
+                         torch.Generator().manual_seed(0))
+    assert tokens[0] == 1
+    assert torch.allclose(lps[0], torch.log_softmax(logits[0], -1)[1])
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return str(resolve_model("tiny-random-qwen2"))
+
+
+def run(eng, reqs):
+    for rid, ids, sp in reqs:
+        eng.add_request(rid, ids, sp)
+    done = {}
+    while eng.has_unfinished():
+        done.update({r.rid: r for r in eng.step()})
+    return done
+
+
+def test_engine_temperature_logprobs_match_hf(tiny):
+    hf = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    eng = Engine(EngineConfig(model=tiny, dtype="float32", block_size=4, num_kv_blocks=64))
+    p = [5, 9, 33, 71, 8, 100, 12]
+    r = run(eng, [("t", p, SamplingParams(max_new_tokens=12, temperature=0.6, top_p=0.9, ignore_eos=True))])["t"]
+    with torch.no_grad():
+        logits = hf(torch.tensor([p + r.output_ids])).logits[0].float()
+    ref = torch.log_softmax(logits / 0.6, -1)[torch.arange(len(p) - 1, len(p) - 1 + 12), torch.tensor(r.output_ids)]
+    assert torch.allclose(torch.tensor(r.output_logprobs), ref, atol=1e-5)
+
+
+def test_top_k_1_is_greedy(tiny):
+    eng = Engine(EngineConfig(model=tiny, dtype="float32", block_size=4, num_kv_blocks=64))
+    p = [7, 8, 9, 10, 11]
+    done = run(eng, [("g", p, SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True)),
+                     ("k", p, SamplingParams(max_new_tokens=10, temperature=1.3, top_k=1, ignore_eos=True))])
+    assert done["g"].output_ids == done["k"].output_ids
+
+
+def test_sampling_seed_reproducible_whatever_the_batch(tiny):
+    eng = Engine(EngineConfig(model=tiny, dtype="float32", block_size=4, num_kv_blocks=128, seed=123))
+    p = [40, 41, 42, 43]
+    sp = lambda seed: SamplingParams(max_new_tokens=16, temperature=1.0, ignore_eos=True, sampling_seed=seed)
+    alone = run(eng, [("a", p, sp(7))])["a"]
+    crowd = run(eng, [("x", [3, 4, 5], sp(None)), ("b", p, sp(7)), ("c", p, sp(8)), ("y", [9] * 9, sp(None))])
+    assert crowd["b"].output_ids == alone.output_ids
+    assert crowd["c"].output_ids != alone.output_ids
