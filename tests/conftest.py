@@ -1,0 +1,66 @@
+"""Shared fixtures. Owner: helper E (engine server); used by the engine, rollout and training tests.
+
+engine_server (session scope)
+    A real `nano-miles serve` subprocess: tiny-random-qwen2 on CPU, float32, on a free port, started
+    once per test session and stopped (terminate, then kill) at the end. It is an EngineProcess:
+    `.url`, `.port`, `.client()`, `.log()`, `.alive()`.
+    Rules for tests that use it: leave it as you found it. Weight updates must be undone (use the
+    `restore_engine_weights` fixture), pauses continued, no request left running. weight_version is
+    NOT fixed (other tests bump it): read it from /model_info when you need it.
+engine_client (function scope)
+    An EngineClient on engine_server.
+tiny_model_path (session scope)
+    The local HF folder of tiny-random-qwen2 (the same folder the server loads).
+restore_engine_weights (function scope)
+    After the test, reloads the tiny model's weights from disk into engine_server and checks every
+    checksum matches the folder again.
+"""
+from __future__ import annotations
+
+import pytest
+
+ENGINE_ARGS = ("--num-kv-blocks", "2048", "--max-running-requests", "128", "--dist-timeout", "30")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path():
+    from nano_miles.models import resolve_model
+
+    return resolve_model("tiny-random-qwen2")
+
+
+@pytest.fixture(scope="session")
+def engine_server(tiny_model_path):
+    from nano_miles.client import start_engine_process
+
+    proc = start_engine_process(str(tiny_model_path), device="cpu", dtype="float32", extra_args=ENGINE_ARGS,
+                                ready_timeout=180)
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture
+def engine_client(engine_server):
+    client = engine_server.client(timeout=120)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def restore_engine_weights(engine_server, tiny_model_path):
+    yield
+    from safetensors.torch import load_file
+
+    from nano_miles.engine.weights import checksums
+
+    client = engine_server.client()
+    client.resume()
+    client.update_weights_from_disk(tiny_model_path)
+    folder = {}
+    for f in sorted(tiny_model_path.glob("*.safetensors")):
+        folder.update(load_file(str(f)))
+    served = client.weights_checksum()["checksums"]
+    assert served == checksums((n, t) for n, t in folder.items() if n in served)
+    client.close()
