@@ -30,6 +30,9 @@ import zipfile
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
 TINY_MODEL = "tiny-random-qwen2"
+# Bumped whenever the folder a preparation writes changes; an entry of another format is rebuilt.
+CACHE_FORMAT = 1
+MANIFEST = "nano_miles.json"
 
 
 class ModelError(RuntimeError):
@@ -112,30 +115,42 @@ def _from_hub(repo_id: str) -> pathlib.Path:
 
 
 def prepare(
-    name: str,
+    model: str | GGUFModel,
     cache_dir: str | os.PathLike | None = None,
     force: bool = False,
     parts_dir: str | os.PathLike | None = None,
 ) -> pathlib.Path:
-    """Build a registered model into the cache (unless already there) and return its folder."""
-    if name not in MODEL_NAMES:
+    """Build a registered model (a name, or a GGUFModel spec) into the cache unless it is there."""
+    spec = GGUF_MODELS.get(model, model) if isinstance(model, str) else model
+    name = model if isinstance(model, str) else model.name
+    if name != TINY_MODEL and not isinstance(spec, GGUFModel):
         raise ModelError(f"unknown model name {name!r}; known: {', '.join(MODEL_NAMES)}")
     root = cache_root(cache_dir)
     target = root / name
-    if target.is_dir() and not force:
+    if not force and _is_current(target):
         return target
     root.mkdir(parents=True, exist_ok=True)
+    print(f"preparing {name} in {target}", file=sys.stderr)
     with _staging(root, name) as stage:
         out = stage / "model"
         out.mkdir()
         if name == TINY_MODEL:
-            from nano_miles.tiny_model import write_tiny_model
+            from nano_miles.tiny_model import SEED, write_tiny_model
 
             write_tiny_model(out)
+            provenance = {"name": name, "seed": SEED}
         else:
-            _prepare_gguf(GGUF_MODELS[name], out, stage, parts_dir)
-        _commit(out, target, force)
+            provenance = _prepare_gguf(spec, out, stage, parts_dir)
+        (out / MANIFEST).write_text(json.dumps({**provenance, "format": CACHE_FORMAT}, indent=1) + "\n")
+        _commit(out, target)
     return target
+
+
+def _is_current(entry: pathlib.Path) -> bool:
+    try:
+        return json.loads((entry / MANIFEST).read_text()).get("format") == CACHE_FORMAT
+    except (OSError, ValueError):
+        return False
 
 
 @contextlib.contextmanager
@@ -148,10 +163,11 @@ def _staging(root: pathlib.Path, name: str):
         shutil.rmtree(stage, ignore_errors=True)
 
 
-def _commit(out: pathlib.Path, target: pathlib.Path, force: bool) -> None:
-    """Rename the finished folder into place: the only step that makes an entry visible."""
+def _commit(out: pathlib.Path, target: pathlib.Path) -> None:
+    """Rename the finished folder into place: the only step that makes an entry visible.
+    A previous entry (forced or of an old format) is moved into the staging dir, which is removed."""
     old = None
-    if force and target.exists():
+    if target.exists():
         old = out.parent / "old"
         target.rename(old)
     try:
@@ -166,12 +182,14 @@ def _commit(out: pathlib.Path, target: pathlib.Path, force: bool) -> None:
 # ---- GGUF route ------------------------------------------------------------------------------
 
 
-def _prepare_gguf(spec: GGUFModel, out: pathlib.Path, stage: pathlib.Path, parts_dir) -> None:
+def _prepare_gguf(spec: GGUFModel, out: pathlib.Path, stage: pathlib.Path, parts_dir) -> dict:
     gguf_dir = stage / "gguf"
     gguf_dir.mkdir()
     gguf_path = gguf_dir / f"{spec.name}.gguf"
     _join_parts(spec, gguf_path, stage, parts_dir)
     _convert_gguf(spec, gguf_path, out)
+    return {"name": spec.name, "gguf_sha256": spec.sha256, "dtype": "float32",
+            "parts": [f"{p.package}=={p.version}" for p in spec.parts]}
 
 
 def _join_parts(spec: GGUFModel, dest: pathlib.Path, stage: pathlib.Path, parts_dir) -> None:
@@ -179,11 +197,19 @@ def _join_parts(spec: GGUFModel, dest: pathlib.Path, stage: pathlib.Path, parts_
     from tqdm import tqdm
 
     parts_dir = parts_dir or os.environ.get("NANO_MILES_PARTS_DIR")
-    sources = [_find_part(p, parts_dir) for p in spec.parts]
-    missing = [p for p, s in zip(spec.parts, sources) if s is None]
-    if missing:
-        _pip_download(missing, stage / "wheels")
-        sources = [s or _find_part(p, stage / "wheels") for p, s in zip(spec.parts, sources)]
+    if parts_dir:  # an explicit folder must hold every part: no silent network fallback
+        if not pathlib.Path(parts_dir).is_dir():
+            raise ModelError(f"parts folder {parts_dir} does not exist")
+        sources = [_find_in_dir(p, pathlib.Path(parts_dir)) for p in spec.parts]
+        missing = [f"{p.package}=={p.version}" for p, s in zip(spec.parts, sources) if s is None]
+        if missing:
+            raise ModelError(f"{spec.name}: parts folder {parts_dir} lacks {', '.join(missing)} (a wheel or the bare part file)")
+    else:
+        sources = [_find_installed(p) for p in spec.parts]
+        if any(s is None for s in sources):
+            wheels = stage / "wheels"
+            _pip_download([p for p, s in zip(spec.parts, sources) if s is None], wheels)
+            sources = [s or _find_in_dir(p, wheels) for p, s in zip(spec.parts, sources)]
     digest = hashlib.sha256()
     with open(dest, "wb") as f, tqdm(desc=f"join {spec.name}", unit="B", unit_scale=True, file=sys.stderr) as bar:
         for part, src in zip(spec.parts, sources):
@@ -204,18 +230,18 @@ def _join_parts(spec: GGUFModel, dest: pathlib.Path, stage: pathlib.Path, parts_
         )
 
 
-def _find_part(part: Part, parts_dir) -> pathlib.Path | tuple[pathlib.Path, str] | None:
-    """Where a part's bytes are: a bare file, (wheel, member) or None if not found locally."""
-    if parts_dir:
-        d = pathlib.Path(parts_dir)
-        wheel_prefix = f"{part.package.replace('-', '_')}-{part.version}-"
-        for wheel in sorted(d.glob("*.whl")):
-            if wheel.name.startswith(wheel_prefix):
-                return (wheel, part.member)
-        bare = d / pathlib.PurePosixPath(part.member).name
-        if bare.is_file():
-            return bare
-        return None
+def _find_in_dir(part: Part, d: pathlib.Path) -> pathlib.Path | tuple[pathlib.Path, str] | None:
+    """A part in a folder: its wheel as (wheel, member), else the bare part file, else None."""
+    wheel_prefix = f"{part.package.replace('-', '_')}-{part.version}-"
+    for wheel in sorted(d.glob("*.whl")):
+        if wheel.name.startswith(wheel_prefix):
+            return (wheel, part.member)
+    bare = d / pathlib.PurePosixPath(part.member).name
+    return bare if bare.exists() and not bare.is_dir() else None
+
+
+def _find_installed(part: Part) -> pathlib.Path | None:
+    """The part file of an installed package of the pinned version, else None."""
     try:
         dist = importlib.metadata.distribution(part.package)
     except importlib.metadata.PackageNotFoundError:
@@ -262,6 +288,7 @@ def _convert_gguf(spec: GGUFModel, gguf_path: pathlib.Path, out: pathlib.Path) -
             gguf_model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
     except Exception as e:
         raise ModelError(f"{spec.name}: the GGUF file could not be loaded ({type(e).__name__}: {e})") from None
+    tokenizer.model_max_length = gguf_model.config.max_position_embeddings
     with console.status(f"converting {spec.name} to safetensors"):
         # A GGUF-loaded model refuses save_pretrained; copy its weights into a plain model instead.
         config = AutoConfig.for_model(**{k: v for k, v in gguf_model.config.to_dict().items()
@@ -278,9 +305,10 @@ def _convert_gguf(spec: GGUFModel, gguf_path: pathlib.Path, out: pathlib.Path) -
         model.generation_config = _generation_config(config, tokenizer)
         model.save_pretrained(out, safe_serialization=True)
         tokenizer.save_pretrained(out)
-    provenance = {"name": spec.name, "gguf_sha256": spec.sha256, "dtype": "float32",
-                  "parts": [f"{p.package}=={p.version}" for p in spec.parts]}
-    (out / "nano_miles.json").write_text(json.dumps(provenance, indent=1) + "\n")
+    # Loader state that save_pretrained leaks into the tokenizer config; it describes our temp dir.
+    tok_cfg = out / "tokenizer_config.json"
+    cfg = json.loads(tok_cfg.read_text())
+    tok_cfg.write_text(json.dumps({k: v for k, v in cfg.items() if k not in ("is_local", "local_files_only")}, indent=2) + "\n")
 
 
 def _set_special_ids(config, tokenizer) -> None:

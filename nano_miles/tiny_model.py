@@ -8,7 +8,6 @@ drawn from one seeded generator in a fixed order, so two preparations give ident
 """
 from __future__ import annotations
 
-import json
 import pathlib
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -164,4 +163,3 @@ def write_tiny_model(out_dir: pathlib.Path) -> None:
     model = build_model(tokenizer)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
-    (out_dir / "nano_miles.json").write_text(json.dumps({"name": "tiny-random-qwen2", "seed": SEED}) + "\n")
