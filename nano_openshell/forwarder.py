@@ -3,17 +3,21 @@
 Inside the sandbox only a read-only view of the host filesystem exists, so this file is run
 directly as `<python> -I -S forwarder.py SOCKET PORT` and imports nothing but the standard
 library. It prints one line ("ready" or "error: ...") on stdout once listening, closes stdout,
-and dies with the shell that started it (PR_SET_PDEATHSIG, plus a parent watchdog).
+and dies with the shell that started it (a watchdog on its parent; in the namespaced tier the
+pid namespace ends with the command anyway).
+
+It starts with every sandboxed command, so its start-up is the network's per-command cost: it
+uses the C modules _socket, _thread and select directly (the socket, threading and ctypes
+modules would double the ~9 ms start-up).
 
 On the host side, sandbox_prelude() returns the bash snippet that starts it.
 """
 
+import _socket
+import _thread
 import os
-import selectors
-import shlex
-import socket
+import select
 import sys
-import threading
 import time
 
 FORWARDER_PORT = 3128
@@ -25,6 +29,8 @@ CHUNK = 64 * 1024
 def sandbox_prelude(socket_path_inside_sandbox, port=FORWARDER_PORT, python=None) -> str:
     """Bash that starts the forwarder in the background, waits (at most ~2 s) until it listens,
     and points the usual proxy variables at it. Put it before the agent's command."""
+    import shlex  # host side only
+
     if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
         raise ValueError(f"port must be an integer in 1..65535, got {port!r}")
     py = shlex.quote(python or sys.executable)
@@ -33,7 +39,7 @@ def sandbox_prelude(socket_path_inside_sandbox, port=FORWARDER_PORT, python=None
     url = f"http://127.0.0.1:{port}"
     return "\n".join([
         "__openshell_fwd=",
-        # the process substitution's python is a child of this shell, so PDEATHSIG ties it to us
+        # the process substitution's python is a child of this shell: the watchdog ties it to us
         f"{{ read -r -t {READY_TIMEOUT_S} __openshell_fwd < <(exec {py} -I -S {script} {sock} {port} "
         "</dev/null 2>/dev/null); } 2>/dev/null",
         'if [ "$__openshell_fwd" != ready ]; then',
@@ -48,37 +54,27 @@ def sandbox_prelude(socket_path_inside_sandbox, port=FORWARDER_PORT, python=None
 
 # ---- the forwarder process itself (stdlib only from here on) ----
 
-def _die_with_parent() -> None:
-    parent = os.getppid()
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(0.1)
+    os._exit(0)
+
+
+def _pipe(a, b) -> None:
+    peer = {a.fileno(): (a, b), b.fileno(): (b, a)}
+    poller = select.poll()
+    for fd in peer:
+        poller.register(fd, select.POLLIN)
     try:
-        import ctypes
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
-    except Exception:
-        pass  # the watchdog below still covers it
-    if os.getppid() != parent:  # the parent died before prctl took effect
-        os._exit(0)
-
-    def watchdog():
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os._exit(0)
-    threading.Thread(target=watchdog, daemon=True).start()
-
-
-def _pipe(a: socket.socket, b: socket.socket) -> None:
-    sel = selectors.DefaultSelector()
-    sel.register(a, selectors.EVENT_READ, b)
-    sel.register(b, selectors.EVENT_READ, a)
-    try:
-        while sel.get_map():
-            for key, _ in sel.select():
-                src, dst = key.fileobj, key.data
+        while peer:
+            for fd, _ in poller.poll():
+                src, dst = peer[fd]
                 data = src.recv(CHUNK)
-                if not data:
-                    sel.unregister(src)
+                if not data:  # half-close: pass the EOF on, keep the other direction going
+                    poller.unregister(fd)
+                    del peer[fd]
                     try:
-                        dst.shutdown(socket.SHUT_WR)
+                        dst.shutdown(_socket.SHUT_WR)
                     except OSError:
                         pass
                     continue
@@ -86,17 +82,16 @@ def _pipe(a: socket.socket, b: socket.socket) -> None:
     except OSError:
         pass
     finally:
-        sel.close()
         a.close()
         b.close()
 
 
-def _refuse(conn: socket.socket, reason: str) -> None:
+def _refuse(conn, reason: str) -> None:
     body = (reason + "\n").encode()
     try:
         conn.sendall(b"HTTP/1.1 502 Bad Gateway\r\nContent-Type: text/plain\r\nConnection: close\r\n"
                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-        conn.shutdown(socket.SHUT_WR)
+        conn.shutdown(_socket.SHUT_WR)
         conn.settimeout(1.0)
         while conn.recv(CHUNK):  # drain what the client sent, so closing does not reset
             pass
@@ -106,9 +101,10 @@ def _refuse(conn: socket.socket, reason: str) -> None:
         conn.close()
 
 
-def _serve(conn: socket.socket, socket_path: str, slots: threading.BoundedSemaphore) -> None:
+def _serve(fd: int, socket_path: str, slots) -> None:
+    conn = _socket.socket(fileno=fd)
     try:
-        up = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        up = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
         try:
             up.connect(socket_path)
         except OSError as e:
@@ -125,10 +121,11 @@ def main(argv) -> int:
         print("error: usage: forwarder.py SOCKET PORT", flush=True)
         return 2
     socket_path, port = argv[0], int(argv[1])
-    _die_with_parent()
+    parent = os.getppid()
+    _thread.start_new_thread(_watch_parent, (parent,))
     try:
-        ls = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        ls = _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM)
+        ls.setsockopt(_socket.SOL_SOCKET, _socket.SO_REUSEADDR, 1)
         ls.bind(("127.0.0.1", port))
         ls.listen(64)
     except OSError as e:
@@ -138,13 +135,31 @@ def main(argv) -> int:
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)  # release the readiness pipe
     os.close(devnull)
-    slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+    busy = _Slots(MAX_CONNECTIONS)
     while True:
-        conn, _ = ls.accept()
-        if not slots.acquire(blocking=False):
-            conn.close()
+        fd, _ = ls._accept()
+        if not busy.acquire():
+            os.close(fd)
             continue
-        threading.Thread(target=_serve, args=(conn, socket_path, slots), daemon=True).start()
+        _thread.start_new_thread(_serve, (fd, socket_path, busy))
+
+
+class _Slots:
+    """A counting semaphore from _thread's lock (threading would cost start-up time)."""
+
+    def __init__(self, n: int):
+        self.free, self.lock = n, _thread.allocate_lock()
+
+    def acquire(self) -> bool:
+        with self.lock:
+            if self.free == 0:
+                return False
+            self.free -= 1
+            return True
+
+    def release(self) -> None:
+        with self.lock:
+            self.free += 1
 
 
 if __name__ == "__main__":

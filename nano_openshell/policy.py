@@ -147,7 +147,10 @@ def is_ip(host: str) -> bool:
 
 def special_address_kind(addr: str) -> str | None:
     """Why an address is not a public destination ("loopback", "private"...), or None if it is."""
-    ip = ipaddress.ip_address(addr)
+    try:
+        ip = ipaddress.ip_address(addr)
+    except ValueError:
+        return "unparsable"
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
     for kind, flag in (("unspecified", ip.is_unspecified), ("loopback", ip.is_loopback),

@@ -144,3 +144,110 @@ def test_prelude_rejects_a_bad_port():
             sandbox_prelude("/run/proxy.sock", port=bad)
     assert FORWARDER_PORT == 3128
     assert "HTTPS_PROXY=http://127.0.0.1:3128" in sandbox_prelude("/run/proxy.sock")
+
+
+# ---- inside the Sandbox: the forwarder is the only way out ----
+
+MARK = "openshell-net-marker"  # printed first, so a sandbox that never started cannot pass
+
+
+@pytest.fixture(scope="module")
+def net_sandbox(server_port):
+    from nano_openshell.probe import probe
+    from nano_openshell.sandbox import Sandbox
+
+    tiers = probe()["tiers"]
+    if not tiers["namespaced"]["ok"]:
+        pytest.skip(f"network policies need the namespaced tier: {tiers['namespaced']['reason']}")
+    policy = Policy.from_dict({"version": 1, "rules": [
+        {"name": "local", "host": "127.0.0.1", "ports": [server_port]}]})
+    with Sandbox(policy=policy) as sb:
+        sb.policy_for_test = policy
+        yield sb
+
+
+def run_marked(sb, cmd: str, timeout=20):
+    r = sb.exec(f"echo {MARK}; {cmd}", timeout=timeout)
+    assert r.stdout.startswith(MARK + "\n"), (r.stdout, r.stderr)
+    assert not r.timed_out, r
+    return r, r.stdout[len(MARK) + 1:]
+
+
+def sandbox_audit(sb) -> list[dict]:
+    with open(sb.audit_path) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_sandbox_handshake_carries_tier_and_policy_hash(net_sandbox):
+    assert net_sandbox.handshake["protocol"] == 1
+    assert net_sandbox.handshake["tier"] == "namespaced"
+    assert net_sandbox.handshake["policy_sha256"] == net_sandbox.policy_for_test.sha256
+
+
+@pytest.mark.skipif(CURL is None, reason="curl is not installed")
+def test_sandbox_curl_reaches_the_allowed_server_and_is_denied_elsewhere(net_sandbox, server_port):
+    n = len(sandbox_audit(net_sandbox)) if os.path.exists(net_sandbox.audit_path) else 0
+    r, out = run_marked(net_sandbox, f"curl -sS -w ' %{{http_code}}\\n' http://127.0.0.1:{server_port}/in; "
+                                     "curl -sS -o /dev/null -w '%{http_code}\\n' http://denied.test/; "
+                                     f"curl -sS -o /dev/null -w '%{{http_code}}\\n' -X POST "
+                                     f"http://127.0.0.1:{server_port}/in")
+    assert out.splitlines() == ["hello from /in 200", "403", "403"], r.stderr
+    new = sandbox_audit(net_sandbox)[n:]
+    assert [(a["method"], a["host"], a["decision"]) for a in new] == \
+        [("GET", "127.0.0.1", "allow"), ("GET", "denied.test", "deny"), ("POST", "127.0.0.1", "deny")]
+
+
+def test_sandbox_python_urllib_uses_the_proxy(net_sandbox, server_port):
+    code = ("import urllib.request as u, urllib.error as e\n"
+            f"print(u.urlopen('http://127.0.0.1:{server_port}/py', timeout=5).read().decode())\n"
+            "try:\n    u.urlopen('http://denied.test/', timeout=5)\n"
+            "except e.HTTPError as err:\n    print(err.code)\n")
+    r, out = run_marked(net_sandbox, f"python3 -c \"{code}\"")
+    assert out.splitlines() == ["hello from /py", "403"], r.stderr
+
+
+@pytest.mark.skipif(CURL is None, reason="curl is not installed")
+def test_sandbox_noproxy_curl_cannot_reach_the_host(net_sandbox, server_port):
+    r, out = run_marked(net_sandbox, f"curl -sS --noproxy '*' --max-time 5 "
+                                     f"http://127.0.0.1:{server_port}/direct; echo rc=$?")
+    assert "hello" not in out and "rc=0" not in out and "rc=" in out
+
+
+def test_sandbox_direct_tcp_udp_and_ipv6_fail(net_sandbox, server_port):
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    udp.bind(("127.0.0.1", 0))
+    udp.settimeout(0.5)
+    code = f"""
+import socket
+def attempt(name, fn):
+    try:
+        fn()
+        print(name, "OK")
+    except OSError as e:
+        print(name, "blocked", type(e).__name__)
+def tcp(family, addr):
+    s = socket.socket(family, socket.SOCK_STREAM); s.settimeout(3); s.connect(addr); s.close()
+attempt("tcp-host", lambda: tcp(socket.AF_INET, ("127.0.0.1", {server_port})))
+attempt("tcp-v6", lambda: tcp(socket.AF_INET6, ("::1", {server_port})))
+attempt("tcp-out", lambda: tcp(socket.AF_INET, ("192.0.2.1", 80)))
+attempt("tcp-out-v6", lambda: tcp(socket.AF_INET6, ("2001:db8::1", 80)))
+attempt("udp-out", lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b"x", ("192.0.2.1", 53)))
+try:
+    socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b"escaped", ("127.0.0.1", {udp.getsockname()[1]}))
+except OSError:
+    pass
+"""
+    r, out = run_marked(net_sandbox, f"python3 -c '{code}'")
+    results = dict(line.split(" ", 1) for line in out.splitlines())
+    assert set(results) == {"tcp-host", "tcp-v6", "tcp-out", "tcp-out-v6", "udp-out"}, r.stderr
+    assert all(v.startswith("blocked") for v in results.values()), results
+    with pytest.raises(socket.timeout):
+        udp.recvfrom(100)  # the datagram stayed inside the sandbox's own loopback
+    udp.close()
+
+
+def test_sandbox_forwarder_does_not_outlive_the_command(net_sandbox):
+    # a fresh forwarder starts with each command: if the last one lingered, this one could not listen
+    for _ in range(2):
+        r, out = run_marked(net_sandbox, "echo ok")
+        assert out == "ok\n" and "did not start" not in r.stderr
