@@ -190,8 +190,8 @@ class ProxyServer:
             _quiet(conn.sendall, _response(403, d.reason))
             return None
         try:
-            addresses = self.resolve(host, port)
-        except OSError as e:
+            addresses = list(self.resolve(host, port))
+        except Exception as e:  # noqa: BLE001 - any resolver failure is this request's 502, not a crash
             reason = f"cannot resolve {host}: {e}"
             self._audit(client, m, host, port, path, "deny", d.rule, reason, 502)
             _quiet(conn.sendall, _response(502, reason))

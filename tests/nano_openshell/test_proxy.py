@@ -93,6 +93,7 @@ def make_proxy(workdir, upstream, echo_port):
             {"name": "tunnel", "host": "127.0.0.1", "ports": [echo_port], "methods": ["CONNECT"]},
             {"name": "named", "host": "localhost", "ports": [port]},
             {"name": "idn", "host": "bücher.test", "ports": [port]},
+            {"name": "nx", "host": "nxdomain.test", "ports": [port]},
             {"name": "pinned-any", "host": "*.pinned.test", "ports": [port, echo_port],
              "methods": ["GET", "CONNECT"]},
         ]
@@ -102,6 +103,8 @@ def make_proxy(workdir, upstream, echo_port):
 
         def resolve(host, p):
             resolved.append(host)
+            if host == "nxdomain.test":
+                raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
             return pins[host] if host in pins else default_resolve(host, p)
         kw.setdefault("resolve", resolve)
         proxy = ProxyServer(Policy.from_dict({"version": 1, "rules": rules}),
@@ -358,6 +361,15 @@ def test_allowed_but_unreachable_upstream_is_502(make_proxy):
     assert status(resp) == 502
     [line] = audit(proxy)
     assert line["decision"] == "allow" and line["status"] == 502 and "connect failed" in line["reason"]
+
+
+def test_allowed_name_that_does_not_resolve_is_502(make_proxy, upstream):
+    port, _ = upstream
+    proxy = make_proxy()
+    resp = send(proxy, get(f"nxdomain.test:{port}"))
+    assert status(resp) == 502 and "cannot resolve nxdomain.test" in body(resp)["error"]
+    [line] = audit(proxy)
+    assert (line["decision"], line["rule"], line["status"]) == ("deny", "nx", 502)
 
 
 def test_concurrent_requests_each_get_their_own_decision(make_proxy, upstream):
