@@ -1,0 +1,277 @@
+"""The engine server over real HTTP (the session's `nano-miles serve` on CPU with tiny-random-qwen2):
+SGLang's /generate shapes, batching, concurrency, stop tokens, the logprob contract, prefix caching,
+pause/abort, and every bad input answered with 400 while the server keeps serving."""
+import threading
+import time
+
+import pytest
+import requests
+import torch
+
+PROMPT = [5, 17, 42, 99, 7, 300, 12, 8]
+
+
+def hf_model(folder, state_dict=None):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    if state_dict is not None:
+        model.load_state_dict(state_dict, strict=False)
+    return model
+
+
+@torch.no_grad()
+def teacher_forced_logprobs(model, prompt, output):
+    """log p(output[i] | prompt + output[:i]) from a plain HF forward."""
+    ids = torch.tensor([prompt + output])
+    logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(output)[:, None])[:, 0]
+
+
+def post(url, path, body=None, data=None):
+    return requests.post(url + path, json=body, data=data, timeout=120)
+
+
+def greedy(client, prompt, n=12, **sp):
+    return client.generate(prompt, {"max_new_tokens": n, "temperature": 0, **sp})
+
+
+def test_generate_returns_sglang_response_shape(engine_client):
+    out = engine_client.generate(PROMPT, {"max_new_tokens": 6, "ignore_eos": True}, rid="shape-1")
+    assert set(out) == {"text", "output_ids", "meta_info"}
+    meta = out["meta_info"]
+    assert meta["id"] == "shape-1"
+    assert meta["finish_reason"] == {"type": "length", "length": 6}
+    assert meta["prompt_tokens"] == len(PROMPT)
+    assert meta["completion_tokens"] == len(out["output_ids"]) == 6
+    assert meta["cached_tokens"] == 0 or meta["cached_tokens"] <= len(PROMPT)
+    assert isinstance(meta["weight_version"], str)
+    lps = meta["output_token_logprobs"]
+    assert [t for _, t, _ in lps] == out["output_ids"]
+    assert all(isinstance(lp, float) and lp <= 0 and x is None for lp, _, x in lps)
+    assert isinstance(out["text"], str)
+
+
+def test_logprobs_omitted_unless_asked(engine_client):
+    out = engine_client.generate(PROMPT, {"max_new_tokens": 2}, return_logprob=False)
+    assert "output_token_logprobs" not in out["meta_info"]
+
+
+def test_batch_is_a_list_in_order(engine_client):
+    prompts = [PROMPT, PROMPT[:3], [9, 9, 9, 9]]
+    outs = engine_client.generate(prompts, {"max_new_tokens": 4, "temperature": 0}, rid=["b0", "b1", "b2"])
+    assert isinstance(outs, list) and [o["meta_info"]["id"] for o in outs] == ["b0", "b1", "b2"]
+    assert [o["meta_info"]["prompt_tokens"] for o in outs] == [8, 3, 4]
+    for prompt, out in zip(prompts, outs):  # same as each prompt alone
+        assert out["output_ids"] == greedy(engine_client, prompt, 4)["output_ids"]
+
+
+def test_64_concurrent_requests_match_one_at_a_time(engine_server, engine_client):
+    import asyncio
+
+    from nano_miles.client import AsyncEngineClient
+
+    prompts = [[(7 * i + j) % 1000 + 3 for j in range(5 + i % 7)] for i in range(8)]
+    alone = [greedy(engine_client, p, 10, ignore_eos=True)["output_ids"] for p in prompts]
+
+    async def many():
+        client = AsyncEngineClient(engine_server.url)
+        try:
+            return await asyncio.gather(*[
+                client.generate(prompts[i % 8], {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True},
+                                rid=f"conc-{i}") for i in range(64)])
+        finally:
+            await client.close()
+
+    outs = asyncio.run(many())
+    assert [o["meta_info"]["id"] for o in outs] == [f"conc-{i}" for i in range(64)]
+    for i, out in enumerate(outs):
+        assert out["output_ids"] == alone[i % 8]
+
+
+def test_stop_token_ends_generation_and_is_trimmed_from_text_only(engine_client):
+    from transformers import AutoTokenizer
+
+    free = greedy(engine_client, PROMPT, 12, ignore_eos=True)["output_ids"]
+    eos = set(engine_client.model_info()["eos_token_ids"])
+    k = next(i for i, t in enumerate(free) if i >= 2 and t not in eos and t not in free[:i])
+    stop = free[k]
+    trimmed = greedy(engine_client, PROMPT, 12, stop_token_ids=[stop], skip_special_tokens=False)
+    assert trimmed["output_ids"] == free[: k + 1]  # raw ids include the stop token
+    assert trimmed["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    kept = greedy(engine_client, PROMPT, 12, stop_token_ids=[stop], no_stop_trim=True, skip_special_tokens=False)
+    tok = AutoTokenizer.from_pretrained(engine_client.model_info()["tokenizer_path"])
+    assert kept["text"] == tok.decode(free[: k + 1], skip_special_tokens=False)
+    assert trimmed["text"] == tok.decode(free[:k], skip_special_tokens=False)
+    # ignore_eos ignores stop tokens too (SGLang): generation runs to max_new_tokens
+    assert len(greedy(engine_client, PROMPT, 12, stop_token_ids=[stop], ignore_eos=True)["output_ids"]) == 12
+
+
+def test_logprob_contract_matches_teacher_forced_hf_forward(engine_client, tiny_model_path):
+    out = engine_client.generate(PROMPT, {"max_new_tokens": 16, "temperature": 1.0, "ignore_eos": True,
+                                          "sampling_seed": 1234})
+    got = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
+    want = teacher_forced_logprobs(hf_model(tiny_model_path), PROMPT, out["output_ids"])
+    assert torch.allclose(got, want.double().float(), atol=1e-5, rtol=0), (got - want).abs().max()
+    again = engine_client.generate(PROMPT, {"max_new_tokens": 16, "temperature": 1.0, "ignore_eos": True,
+                                            "sampling_seed": 1234})
+    assert again["output_ids"] == out["output_ids"]  # sampling_seed makes a request reproducible
+
+
+def test_prefix_cache_reports_cached_tokens_and_same_logprobs(engine_client):
+    prompt = [(13 * i) % 900 + 4 for i in range(48)]  # three full KV blocks of 16
+    first = engine_client.generate(prompt, {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True})
+    second = engine_client.generate(prompt, {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True})
+    assert second["meta_info"]["cached_tokens"] >= 32
+    assert second["output_ids"] == first["output_ids"]
+    a = [lp for lp, _, _ in first["meta_info"]["output_token_logprobs"]]
+    b = [lp for lp, _, _ in second["meta_info"]["output_token_logprobs"]]
+    assert a == pytest.approx(b, abs=1e-5)
+
+
+def test_flush_cache_drops_prefixes(engine_client):
+    prompt = [(11 * i) % 800 + 5 for i in range(40)]
+    engine_client.generate(prompt, {"max_new_tokens": 1})
+    assert engine_client.flush_cache()["success"] is True
+    assert engine_client.generate(prompt, {"max_new_tokens": 1})["meta_info"]["cached_tokens"] == 0
+
+
+def _long_request(client, rid, box, n=3000):
+    def go():
+        box[rid] = client.generate([3, 4, 5], {"max_new_tokens": n, "ignore_eos": True}, rid=rid)
+    t = threading.Thread(target=go)
+    t.start()
+    return t
+
+
+def _wait_running(client, n=1, timeout=30):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        state = client.server_info()["internal_states"][0]
+        if state["running"] + state["waiting"] >= n:
+            return
+        time.sleep(0.05)
+    raise AssertionError("request never started")
+
+
+def test_abort_request_finishes_it_with_abort(engine_server, engine_client):
+    box = {}
+    t = _long_request(engine_server.client(), "to-abort", box)
+    _wait_running(engine_client)
+    assert engine_client.abort(rid="to-abort")["num_aborted"] == 1
+    t.join(30)
+    out = box["to-abort"]
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert out["meta_info"]["completion_tokens"] == len(out["output_ids"]) < 3000
+
+
+def test_flush_cache_refused_while_requests_run(engine_server, engine_client):
+    from nano_miles.client import EngineRequestError
+
+    box = {}
+    t = _long_request(engine_server.client(), "busy", box)
+    _wait_running(engine_client)
+    with pytest.raises(EngineRequestError, match="running"):
+        engine_client.flush_cache()
+    engine_client.abort(abort_all=True)
+    t.join(30)
+
+
+def test_pause_abort_mode_aborts_running_and_holds_new_requests(engine_server, engine_client):
+    box = {}
+    t1 = _long_request(engine_server.client(), "p-running", box)
+    _wait_running(engine_client)
+    assert engine_client.pause("abort")["num_aborted"] >= 1
+    t1.join(30)
+    assert box["p-running"]["meta_info"]["finish_reason"]["type"] == "abort"
+    t2 = _long_request(engine_server.client(), "p-queued", box, n=5)
+    time.sleep(0.5)
+    assert "p-queued" not in box  # held while paused
+    engine_client.resume()
+    t2.join(30)
+    assert box["p-queued"]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+def test_pause_keeps_requests_and_continue_finishes_them(engine_server, engine_client, mode):
+    box = {}
+    t = _long_request(engine_server.client(), f"keep-{mode}", box, n=400)
+    _wait_running(engine_client)
+    engine_client.pause(mode)
+    time.sleep(0.5)
+    assert f"keep-{mode}" not in box  # frozen, not aborted
+    engine_client.resume()
+    t.join(60)
+    out = box[f"keep-{mode}"]
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 400}
+    assert len(out["output_ids"]) == 400
+
+
+def test_health_and_info_routes(engine_server, engine_client):
+    url = engine_server.url
+    assert requests.get(url + "/health", timeout=10).status_code == 200
+    assert requests.get(url + "/health_generate", timeout=30).status_code == 200
+    info = engine_client.model_info()
+    assert info["model_path"] and info["vocab_size"] == 1024 and info["dtype"] == "float32"
+    assert requests.get(url + "/get_model_info", timeout=10).json()["weight_version"] == info["weight_version"]
+    server = engine_client.server_info()
+    assert server["internal_states"][0]["paused"] is False and server["max_total_num_tokens"] > 0
+
+
+BAD_GENERATE = [
+    ({"input_ids": []}, "input_ids"),
+    ({"input_ids": [[1, 2], []]}, "input_ids"),
+    ({"input_ids": [1, 5000]}, "vocabulary"),
+    ({"input_ids": [1, -1]}, "vocabulary"),
+    ({"input_ids": [1, "a"]}, "integers"),
+    ({"sampling_params": {"max_new_tokens": 2}}, "input_ids is required"),
+    ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, "no_such_key": 1}}, "unknown sampling_params"),
+    ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 0}}, "positive"),
+    ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": -3}}, "positive"),
+    ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 10**6}}, "context"),
+    ({"input_ids": [1, 2], "sampling_params": {"temperature": -1}}, "temperature"),
+    ({"input_ids": [1, 2], "sampling_params": {"top_p": 0}}, "top_p"),
+    ({"input_ids": [1, 2], "sampling_params": {"top_k": 0}}, "top_k"),
+    ({"input_ids": [1, 2], "sampling_params": {"n": 4}}, "not supported"),
+    ({"input_ids": [1, 2], "sampling_params": {"stop_token_ids": [99999]}}, "vocabulary"),
+    ({"input_ids": [1, 2], "stream": True}, "stream"),
+    ({"input_ids": [1, 2], "logprob_start_len": 0}, "logprob_start_len"),
+    ({"text": "hello"}, "input_ids"),
+    ({"input_ids": [[1, 2], [3]], "rid": ["same", "same"]}, "distinct"),
+]
+
+
+@pytest.mark.parametrize("body,needle", BAD_GENERATE, ids=[n for _, n in BAD_GENERATE])
+def test_bad_generate_input_is_400_and_server_keeps_serving(engine_server, body, needle):
+    r = post(engine_server.url, "/generate", body)
+    assert r.status_code == 400, r.text
+    assert needle in r.json()["error"]["message"]
+    assert post(engine_server.url, "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}).ok
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"", b"[1, 2]", b"\xff\xfe"])
+def test_invalid_json_is_400(engine_server, raw):
+    r = requests.post(engine_server.url + "/generate", data=raw, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["message"]
+
+
+def test_duplicate_rid_in_flight_is_refused(engine_server, engine_client):
+    from nano_miles.client import EngineRequestError
+
+    box = {}
+    t = _long_request(engine_server.client(), "dup", box)
+    _wait_running(engine_client)
+    with pytest.raises(EngineRequestError, match="already in flight"):
+        engine_client.generate([1, 2], {"max_new_tokens": 1}, rid="dup")
+    engine_client.abort(rid="dup")
+    t.join(30)
+
+
+@pytest.mark.parametrize("path,body,needle", [
+    ("/pause_generation", {"mode": "sideways"}, "mode"),
+    ("/abort_request", {}, "rid"),
+    ("/abort_request", {"rid": 5}, "rid"),
+])
+def test_bad_control_input_is_400(engine_server, path, body, needle):
+    r = post(engine_server.url, path, body)
+    assert r.status_code == 400 and needle in r.json()["error"]["message"]
