@@ -1,0 +1,85 @@
+"""Fixtures for the sandbox tests (owner: helper A).
+
+Tests that need isolation take the `tier` fixture: they run once per isolated tier that the probe
+finds working here ("namespaced" and/or "fallback"). Every adversarial command prints MARK first, so a
+sandbox that never started cannot pass a negative test (see `started`).
+"""
+
+import os
+import time
+import uuid
+
+import pytest
+
+from nano_openshell import Limits, Sandbox, probe
+
+MARK = "nano-openshell-test-started"
+ISOLATED = [t for t in ("namespaced", "fallback") if probe()["tiers"][t]["ok"]]
+
+
+def pytest_generate_tests(metafunc):
+    if "tier" in metafunc.fixturenames:
+        metafunc.parametrize("tier", ISOLATED)
+
+
+@pytest.fixture
+def make_sandbox(tier):
+    """make_sandbox(**kwargs) -> a Sandbox of the test's tier, closed after the test."""
+    made = []
+
+    def make(**kwargs):
+        kwargs.setdefault("min_tier", "fallback")
+        sb = Sandbox(tier=tier, **kwargs)
+        made.append(sb)
+        return sb
+
+    yield make
+    for sb in made:
+        sb.close()
+
+
+@pytest.fixture
+def sandbox(make_sandbox):
+    return make_sandbox()
+
+
+def started(result):
+    """The command really ran in the sandbox: its first output line is the marker."""
+    assert result.stdout.startswith(MARK), (result.stdout[:300], result.stderr[:300])
+    return result
+
+
+def token() -> str:
+    """A unique string to find a test's processes by their command line."""
+    return uuid.uuid4().hex[:12]
+
+
+def sleep_arg(tok: str) -> str:
+    """A `sleep` duration that carries the token into /proc/<pid>/cmdline: 900.<digits>."""
+    return "900." + str(int(tok, 16) % 10**9)
+
+
+def processes_with(text: str) -> list[int]:
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) != os.getpid():
+            try:
+                with open(f"/proc/{name}/cmdline", "rb") as f:
+                    if text.encode() in f.read():
+                        out.append(int(name))
+            except OSError:
+                pass
+    return out
+
+
+def wait_gone(text: str, within: float = 2.0) -> list[int]:
+    """Processes still carrying `text` after `within` seconds (the kernel tears trees down async)."""
+    end = time.monotonic() + within
+    while True:
+        left = processes_with(text)
+        if not left or time.monotonic() > end:
+            return left
+        time.sleep(0.05)
+
+
+__all__ = ["MARK", "ISOLATED", "Limits", "started", "token", "sleep_arg", "processes_with", "wait_gone"]

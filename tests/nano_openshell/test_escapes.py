@@ -1,0 +1,120 @@
+"""Nothing outlives a command: timeouts kill the whole tree, fast, whatever it does to hide."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from .conftest import MARK, Limits, processes_with, sleep_arg, started, token, wait_gone
+
+ESCAPES = {
+    "background": "sleep {s} &",
+    "setsid": "setsid sleep {s} &",
+    "nohup": "nohup sleep {s} > /dev/null 2>&1 &",
+    "trap_ignoring": "( trap '' TERM INT HUP; sleep {s} ) &",
+    "double_fork": "( ( sleep {s} & ) & )",
+    "setsid_fork": "setsid -f sleep {s}",
+    "holds_stdout": "( setsid sleep {s} & )",  # the escapee keeps our stdout pipe open
+}
+
+
+@pytest.mark.parametrize("escape", sorted(ESCAPES))
+def test_timeout_kills_escapees_and_returns_in_time(sandbox, escape):
+    tok = token()
+    cmd = f"echo {MARK}\n" + ESCAPES[escape].format(s=sleep_arg(tok)) + f"\nsleep {sleep_arg(tok)}"
+    t0 = time.monotonic()
+    r = started(sandbox.exec(cmd, timeout=1.0))
+    elapsed = time.monotonic() - t0
+    assert r.timed_out and r.exit_code < 0
+    assert elapsed < 1.5, f"returned after {elapsed:.2f}s"
+    assert wait_gone(sleep_arg(tok)) == []
+
+
+@pytest.mark.parametrize("escape", ["setsid", "holds_stdout", "trap_ignoring"])
+def test_escapees_die_when_the_command_exits_normally(sandbox, escape):
+    tok = token()
+    cmd = f"echo {MARK}\n" + ESCAPES[escape].format(s=sleep_arg(tok)) + "\necho done"
+    t0 = time.monotonic()
+    r = started(sandbox.exec(cmd, timeout=5.0))
+    assert r.exit_code == 0 and not r.timed_out and r.stdout.endswith("done\n")
+    assert time.monotonic() - t0 < 2.0, "an escapee holding stdout must not keep exec waiting"
+    assert wait_gone(sleep_arg(tok)) == []
+
+
+def test_sigterm_ignoring_main_process_is_killed(sandbox):
+    r = started(sandbox.exec(f"echo {MARK}; trap '' TERM INT HUP; while :; do sleep 0.05; done", timeout=0.5))
+    assert r.timed_out and r.duration_ms < 1000
+
+
+def test_kill_all_from_inside_spares_the_supervisor(sandbox):
+    """`kill -9 -1` inside reaches only the sandbox's own processes, never us or its init."""
+    tok = token()
+    r = started(sandbox.exec(f"echo {MARK}; sleep {sleep_arg(tok)} & kill -9 -1; echo after=$?", timeout=5))
+    assert not r.timed_out
+    assert os.getppid() > 1  # we are alive (this line runs) and so is our parent
+    assert wait_gone(sleep_arg(tok)) == []
+    assert sandbox.exec("echo still-works", timeout=5).stdout == "still-works\n"
+
+
+def test_fork_bomb_is_bounded_and_killed(make_sandbox):
+    limit = 64
+    sb = make_sandbox(limits=Limits(processes=limit))
+    tok = token()
+    # every bomb process is a bash fork, so its cmdline carries the token
+    cmd = f"echo {MARK}; b{tok}() {{ b{tok} | b{tok} & }}; b{tok}; sleep 30"
+    peak, done = 0, threading.Event()
+
+    def sample():
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, len(processes_with(f"b{tok}")))
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        t0 = time.monotonic()
+        r = sb.exec(cmd, timeout=2.0)
+        elapsed = time.monotonic() - t0
+    finally:
+        done.set()
+        sampler.join()
+    assert r.stdout.startswith(MARK)
+    assert r.timed_out and elapsed < 2.5
+    assert 2 < peak <= limit + 4, f"peak {peak} processes with limit {limit}"
+    assert wait_gone(f"b{tok}", within=3.0) == []
+
+
+SUPERVISOR = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {root!r})
+    from nano_openshell import Sandbox
+    sb = Sandbox(tier={tier!r}, min_tier="fallback")
+    print("ready", flush=True)
+    sb.exec({cmd!r}, timeout=60)
+""")
+
+
+def test_killed_supervisor_leaves_nothing_behind(tier):
+    tok = token()
+    s = sleep_arg(tok)
+    cmd = f"setsid sleep {s} & nohup sleep {s} >/dev/null 2>&1 & ( trap '' TERM; sleep {s} ) & sleep {s}"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sup = subprocess.Popen([sys.executable, "-c", SUPERVISOR.format(root=root, tier=tier, cmd=cmd)],
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        assert sup.stdout.readline() == b"ready\n"
+        end = time.monotonic() + 10
+        while len(processes_with(s)) < 4 and time.monotonic() < end:
+            time.sleep(0.05)
+        assert len(processes_with(s)) >= 4, "the command never started"
+    finally:
+        sup.send_signal(signal.SIGKILL)
+        sup.wait()
+        sup.stdout.close()
+    assert wait_gone(s, within=3.0) == []
