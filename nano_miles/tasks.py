@@ -51,28 +51,14 @@ class Workspace:
         self.sandbox, self.path, self.timeout = sandbox, path, timeout
 
     def write(self, rel: str, data: str | bytes, mode: int = 0o644) -> None:
-        """Write a file from the host, owned like the workspace (the sandbox may run as another uid)."""
+        """Write a file from the host (the Sandbox hands workspace files to its own uid before each exec)."""
         full = os.path.join(self.path, rel)
         if os.path.isabs(rel) or not os.path.realpath(full).startswith(os.path.realpath(self.path) + os.sep):
             raise ValueError(f"task files must stay inside the workspace: {rel!r}")
-        owner = os.stat(self.path)
-        d = os.path.dirname(full)
-        missing = []
-        while not os.path.isdir(d):
-            missing.append(d)
-            d = os.path.dirname(d)
-        for d in reversed(missing):
-            os.mkdir(d)
-            self._own(d, owner)
+        os.makedirs(os.path.dirname(full), exist_ok=True)
         with open(full, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
         os.chmod(full, mode)
-        self._own(full, owner)
-
-    @staticmethod
-    def _own(path: str, owner: os.stat_result) -> None:
-        if os.geteuid() == 0 and (owner.st_uid, owner.st_gid) != (0, 0):
-            os.chown(path, owner.st_uid, owner.st_gid)
 
     def run(self, cmd: str) -> str:
         """Run a setup command in the sandbox; its stdout with the trailing newline removed."""

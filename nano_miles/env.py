@@ -1,0 +1,321 @@
+"""OpenShellEnv: one episode of a shell task, played through text turns in a real sandbox.
+
+The protocol the policy is taught (system prompt + one-shot example):
+    <bash>COMMAND</bash>   run one command in the episode's sandbox; the output comes back as a tool turn
+    <answer>TEXT</answer>  finish; the task's verifier decides
+
+Reward components, all recorded on the trajectory:
+    correct        1.0 when the verifier accepts the answer (and the workspace check passes)
+    exec_ok        +0.1 per *distinct* command that exits 0, capped at 0.2 per episode, so repeating
+                   `true` (or anything) never pays past the cap
+    format         -0.1 per turn with neither a <bash> block nor an <answer>
+    timeout        -0.1 per command that hit its time limit
+    infra_failures sandbox failures (not the policy's fault): counted, earn nothing, end the episode
+
+ChatFormat holds the chat-template knowledge the rollout needs at the token level: the prompt ids,
+the stop tokens, and how an observation turn is encoded on its own (TITO: never re-encode history).
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+
+from nano_miles.tasks import SetupError, Task, TaskInstance, Workspace, verify
+
+SYSTEM_PROMPT = """You solve tasks by running commands in a Linux shell (bash, coreutils, python3).
+Each reply must do exactly one of these two things:
+<bash>COMMAND</bash> runs COMMAND in the task's working directory; you then see its output, stderr and exit code.
+<answer>VALUE</answer> gives your final answer and ends the task. Put only the requested value inside.
+Run one command per reply. Look at the output before answering."""
+
+EXAMPLE_TASK = "How many lines does greeting.txt contain? Answer with the number."
+EXAMPLE_COMMAND = "wc -l < greeting.txt"
+EXAMPLE_OUTPUT = "3\n[exit code 0]"
+EXAMPLE_ANSWER = "3"
+
+BASH_RE = re.compile(r"<bash>(.*?)</bash>", re.DOTALL)
+ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+FORMAT_ERROR = ("Format error: reply with <bash>COMMAND</bash> to run a command, or <answer>VALUE</answer> to "
+                "finish. Both tags must be closed.")
+
+
+def prompt_messages(instruction: str) -> list[dict]:
+    """System prompt, the one-shot example exchange, then the task."""
+    return [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": EXAMPLE_TASK},
+        {"role": "assistant", "content": f"<bash>{EXAMPLE_COMMAND}</bash>"},
+        {"role": "tool", "content": EXAMPLE_OUTPUT},
+        {"role": "assistant", "content": f"<answer>{EXAMPLE_ANSWER}</answer>"},
+        {"role": "user", "content": instruction},
+    ]
+
+
+@dataclass
+class EnvConfig:
+    max_turns: int = 6                 # model turns before the episode is cut off
+    max_total_tokens: int = 4096       # prompt + response token budget (enforced by the rollout)
+    command_timeout: float = 10.0      # seconds per command
+    max_observation_chars: int = 1500  # tool output past this is cut, with a marker saying how much
+    correct_reward: float = 1.0
+    exec_ok_bonus: float = 0.1
+    exec_ok_cap: float = 0.2
+    format_penalty: float = -0.1
+    timeout_penalty: float = -0.1
+
+    def __post_init__(self):
+        if self.max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
+        if self.exec_ok_cap >= self.correct_reward:
+            raise ValueError("exec_ok_cap must stay below correct_reward, or shaping outpays solving the task")
+
+
+@dataclass
+class StepResult:
+    observation: str | None   # tool-turn content for the next turn; None once the episode is over
+    done: bool
+    kind: str                 # exec | timeout | format_error | answer | max_turns | infra_error
+
+
+def parse_action(text: str) -> tuple[str, str] | None:
+    """('bash', cmd) or ('answer', value) from the first closed tag in the text, else None."""
+    found = [(m.start(), kind, m.group(1)) for kind, rx in (("bash", BASH_RE), ("answer", ANSWER_RE))
+             for m in [rx.search(text)] if m]
+    if not found:
+        return None
+    _, kind, body = min(found)
+    return kind, body.strip()
+
+
+def format_output(r, cfg: EnvConfig) -> str:
+    """The tool-turn text for one command: stdout, stderr, then the exit status; cut past the cap."""
+    parts = []
+    if r.stdout:
+        parts.append(r.stdout.rstrip("\n"))
+    if r.stderr:
+        parts.append("[stderr]\n" + r.stderr.rstrip("\n"))
+    body = "\n".join(parts)
+    if len(body) > cfg.max_observation_chars:
+        body = body[:cfg.max_observation_chars] + f"\n[... {len(body) - cfg.max_observation_chars} more characters cut]"
+    elif getattr(r, "truncated", False):
+        body += "\n[... output cut by the sandbox]"
+    status = (f"[timed out after {cfg.command_timeout:g}s]" if r.timed_out else f"[exit code {r.exit_code}]")
+    return (body + "\n" + status) if body else status
+
+
+class OpenShellEnv:
+    """One episode: reset() prepares the sandbox and the task; step(action_text) plays one turn."""
+
+    def __init__(self, task: Task, seed: int, config: EnvConfig | None = None, sandbox_factory=None):
+        self.task, self.seed = task, seed
+        self.cfg = config or EnvConfig()
+        self.sandbox_factory = sandbox_factory or default_sandbox
+        self.sandbox = None
+        self.workdir: str | None = None
+        self.instance: TaskInstance | None = None
+        self.turns = 0
+        self.done = False
+        self.finish_reason = ""
+        self.answer: str | None = None
+        self.components = {"correct": 0.0, "exec_ok": 0.0, "format": 0.0, "timeout": 0.0, "infra_failures": 0}
+        self._ok_commands: set[str] = set()
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def reset(self) -> list[dict]:
+        """Create the sandbox, run the task's setup; returns the chat messages of the prompt.
+
+        Raises SetupError when the sandbox cannot run the setup (infrastructure, not the policy)."""
+        self.workdir = tempfile.mkdtemp(prefix=f"nano-miles-{self.task.id}-")
+        try:
+            self.sandbox = self.sandbox_factory(self.workdir)
+            self.instance = self.task.setup(Workspace(self.sandbox, self.workdir), random.Random(self.seed))
+        except SetupError:
+            self.close()
+            raise
+        except Exception as e:  # the sandbox could not start or exec: an infrastructure failure
+            self.close()
+            raise SetupError(f"task {self.task.id}: sandbox failed during setup: {type(e).__name__}: {e}") from e
+        return self.messages()
+
+    def messages(self) -> list[dict]:
+        return prompt_messages(self.instance.instruction)
+
+    def close(self) -> None:
+        if self.sandbox is not None:
+            try:
+                self.sandbox.close()
+            finally:
+                self.sandbox = None
+        if self.workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            self.workdir = None
+
+    # -- turns ---------------------------------------------------------------------------------------
+    def step(self, action_text: str) -> StepResult:
+        kind, body = self._begin_turn(action_text)
+        if kind == "bash":
+            try:
+                r = self.sandbox.exec(body, timeout=self.cfg.command_timeout)
+            except Exception as e:
+                return self._infra_failure(e)
+            return self._after_exec(body, r)
+        return self._non_exec(kind, body)
+
+    async def astep(self, action_text: str) -> StepResult:
+        kind, body = self._begin_turn(action_text)
+        if kind == "bash":
+            try:
+                r = await self.sandbox.aexec(body, timeout=self.cfg.command_timeout)
+            except Exception as e:
+                return self._infra_failure(e)
+            return self._after_exec(body, r)
+        if kind == "answer":  # the verifier may run a check command: keep it off the event loop
+            return await asyncio.to_thread(self._non_exec, kind, body)
+        return self._non_exec(kind, body)
+
+    def end(self, reason: str) -> None:
+        """End the episode from outside (the rollout's token budget, an engine that stopped)."""
+        if not self.done:
+            self.done, self.finish_reason = True, reason
+
+    @property
+    def reward(self) -> float:
+        if self.components["infra_failures"]:
+            return 0.0
+        c = self.components
+        return c["correct"] + c["exec_ok"] + c["format"] + c["timeout"]
+
+    # -- internals -----------------------------------------------------------------------------------
+    def _begin_turn(self, action_text: str) -> tuple[str, str]:
+        if self.done:
+            raise RuntimeError(f"episode of {self.task.id} is over ({self.finish_reason}); call reset()")
+        if self.instance is None:
+            raise RuntimeError("call reset() before step()")
+        self.turns += 1
+        parsed = parse_action(action_text)
+        return parsed if parsed else ("format_error", "")
+
+    def _after_exec(self, cmd: str, r) -> StepResult:
+        if r.timed_out:
+            self.components["timeout"] += self.cfg.timeout_penalty
+            kind = "timeout"
+        else:
+            kind = "exec"
+            if r.exit_code == 0 and cmd not in self._ok_commands:
+                self._ok_commands.add(cmd)
+                self.components["exec_ok"] = round(min(self.cfg.exec_ok_cap,
+                                                       self.components["exec_ok"] + self.cfg.exec_ok_bonus), 6)
+        return self._next(format_output(r, self.cfg), kind)
+
+    def _non_exec(self, kind: str, body: str) -> StepResult:
+        if kind == "answer":
+            self.answer = body
+            try:
+                ok = verify(self.instance, body, Workspace(self.sandbox, self.workdir))
+            except Exception as e:
+                return self._infra_failure(e)
+            self.components["correct"] = self.cfg.correct_reward if ok else 0.0
+            self.done, self.finish_reason = True, "answer"
+            return StepResult(None, True, "answer")
+        self.components["format"] += self.cfg.format_penalty
+        return self._next(FORMAT_ERROR, "format_error")
+
+    def _next(self, observation: str, kind: str) -> StepResult:
+        if self.turns >= self.cfg.max_turns:
+            self.done, self.finish_reason = True, "max_turns"
+            return StepResult(None, True, "max_turns")
+        return StepResult(observation, False, kind)
+
+    def _infra_failure(self, e: Exception) -> StepResult:
+        self.components["infra_failures"] += 1
+        self.done, self.finish_reason = True, "infra_error"
+        self.infra_error = f"{type(e).__name__}: {e}"
+        return StepResult(None, True, "infra_error")
+
+
+def default_sandbox(workdir: str):
+    from nano_openshell import Sandbox
+    return Sandbox(workspace=workdir)
+
+
+# ---- chat template, at the token level ---------------------------------------------------------
+
+@dataclass
+class ChatFormat:
+    """Prompt ids, stop ids and observation-turn ids for one tokenizer's chat template.
+
+    The observation turn is everything the template puts between the end of the model's text and the
+    start of the next assistant text: (close the assistant turn) + tool turn + next assistant header.
+    It is found once by rendering a conversation with marker strings and cutting around them.
+    """
+    tokenizer: object
+    stop_ids: list[int] = field(default_factory=list)
+    tool_role: str = "tool"
+    obs_head: str = ""        # before the tool output, including the assistant turn's closing text
+    obs_tail: str = ""        # after it, through the next assistant header
+    close_text: str = ""      # text that closes an assistant turn (the stop token), part of obs_head
+    close_id: int | None = None  # its token id: when the model's output ends with it, it is not repeated
+
+    def __post_init__(self):
+        tok = self.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise ValueError("the tokenizer has no chat template; OpenShellEnv prompts need one")
+        stop = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+        for t in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>"):
+            i = tok.convert_tokens_to_ids(t)
+            if isinstance(i, int) and i >= 0 and i != tok.unk_token_id and t in tok.get_vocab():
+                stop.add(i)
+        self.stop_ids = sorted(stop)
+        act, obs = "@@ACTION@@", "@@OBSERVATION@@"
+        base = [{"role": "user", "content": "q"}, {"role": "assistant", "content": act}]
+        probe = self._render(base + [{"role": "tool", "content": obs}], gen=True)
+        # Templates like Qwen2.5's render tool turns inside <tool_response> tags; plain ChatML ones
+        # would say role "tool", which a model trained on Qwen's format has never seen: use a user
+        # turn and wrap the output ourselves.
+        if "<tool_response>" not in probe:
+            self.tool_role = "user"
+            probe = self._render(base + [{"role": "user", "content": wrap_tool_response(obs)}], gen=True)
+        after = probe[probe.index(act) + len(act):]
+        self.obs_head, self.obs_tail = after[:after.index(obs)], after[after.index(obs) + len(obs):]
+        eos_text = tok.convert_ids_to_tokens(tok.eos_token_id) if tok.eos_token_id is not None else ""
+        if eos_text and self.obs_head.startswith(eos_text):
+            self.close_text, self.close_id = eos_text, tok.eos_token_id
+
+    def _render(self, messages, gen: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+
+    def tool_message(self, content: str) -> dict:
+        return {"role": self.tool_role,
+                "content": content if self.tool_role == "tool" else wrap_tool_response(content)}
+
+    def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        """The conversation as text, tool messages in this template's tool form."""
+        msgs = [self.tool_message(m["content"]) if m["role"] == "tool" else m for m in messages]
+        return self._render(msgs, gen=add_generation_prompt)
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        return self.encode(self.render(messages, add_generation_prompt=True))
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def observation_ids(self, content: str, last_model_id: int | None) -> list[int]:
+        """The observation turn, encoded on its own. The tool output is encoded with special tokens
+        split, so a command that prints '<|im_end|>' cannot forge a turn boundary."""
+        head = self.obs_head
+        if self.close_id is not None and last_model_id == self.close_id:
+            head = head[len(self.close_text):]  # the model's own stop token already closed the turn
+        # For a "user" tool role the <tool_response> tags were rendered around the marker, so they
+        # are already in head and tail.
+        return self.encode(head) + self._encode_content(content) + self.encode(self.obs_tail)
+
+    def _encode_content(self, content: str) -> list[int]:
+        return self.tokenizer.encode(content, add_special_tokens=False, split_special_tokens=True)
+
+
+def wrap_tool_response(content: str) -> str:
+    return f"<tool_response>\n{content}\n</tool_response>"
