@@ -194,11 +194,11 @@ class Engine:
         kind, work = self.scheduler.schedule()
         if kind is None:
             return finished
-        batch = self._prepare(work)
-        if kind == "decode" and self.graphs is not None and self.graphs.can_run(batch):
-            logits = self.graphs.run(batch)
+        pad = self.graphs.bucket(len(work), self._num_blocks(work)) if kind == "decode" and self.graphs else None
+        if pad is not None:
+            logits = self.graphs.run(self._prepare(work, *pad))[:len(work)]
         else:
-            logits = self.model(batch, self.kv.k, self.kv.v)
+            logits = self.model(self._prepare(work), self.kv.k, self.kv.v)
         sampled_rows = []
         for i, (seq, n) in enumerate(work):
             seq.num_computed_tokens += n
@@ -221,22 +221,32 @@ class Engine:
                 finished.append(self._finish(seq, reason))
         return finished
 
-    def _prepare(self, work) -> Batch:
-        bs = self.config.block_size
-        trash = self.kv.trash_block
+    def _num_blocks(self, work) -> int:
+        return max(self.blocks.blocks_needed(s.num_computed_tokens + n) for s, n in work)
+
+    def _prepare(self, work, rows: int | None = None, blocks: int | None = None) -> Batch:
+        """Pad `work` ([(seq, num_new_tokens)]) into a Batch of `rows` x max-new-tokens queries over
+        `blocks`-wide block tables. Padding writes into the trash block and reads position 0."""
+        bs, trash = self.config.block_size, self.kv.trash_block
         Q = max(n for _, n in work)
-        N = max(self.blocks.blocks_needed(s.num_computed_tokens + n) for s, n in work)
+        N = blocks or self._num_blocks(work)
         ids, pos, slots, tables, last = [], [], [], [], []
         for seq, n in work:
             start = seq.num_computed_tokens
-            p = list(range(start, start + n))
+            p = range(start, start + n)
             table = seq.block_table
             ids.append(seq.token_ids[start:start + n] + [0] * (Q - n))
-            pos.append(p + [0] * (Q - n))
+            pos.append(list(p) + [0] * (Q - n))
             slots.append([table[x // bs] * bs + x % bs for x in p] + [trash * bs] * (Q - n))
             used = self.blocks.blocks_needed(start + n)
             tables.append(table[:used] + [trash] * (N - used))
             last.append(n - 1)
+        for _ in range((rows or len(work)) - len(work)):
+            ids.append([0] * Q)
+            pos.append([0] * Q)
+            slots.append([trash * bs] * Q)
+            tables.append([trash] * N)
+            last.append(0)
 
         def t(x):
             return torch.tensor(x, dtype=torch.int64).to(self.device, non_blocking=True)
@@ -249,10 +259,8 @@ class Engine:
                 stops = list(p.stop_token_ids or []) + ([] if p.ignore_eos else self.eos_token_ids)
                 if stops:
                     logits[i, stops] = float("-inf")
-        temps = torch.tensor([s.params.temperature for s in seqs], dtype=torch.float32).to(self.device)
-        top_ps = torch.tensor([s.params.top_p for s in seqs], dtype=torch.float32).to(self.device)
-        top_ks = torch.tensor([s.params.top_k for s in seqs], dtype=torch.int64).to(self.device)
-        tokens, logprobs = sample(logits, temps, top_ps, top_ks, [s.generator for s in seqs], self.generator)
+        tokens, logprobs = sample(logits, [s.params.temperature for s in seqs], [s.params.top_p for s in seqs],
+                                  [s.params.top_k for s in seqs], [s.generator for s in seqs], self.generator)
         out = torch.stack([tokens.double(), logprobs.double()]).cpu()  # the step's one host sync
         return [int(x) for x in out[0].tolist()], out[1].tolist()
 

@@ -43,28 +43,34 @@ class SamplingParams:
             bad(f"sampling_seed must be an int or None, got {self.sampling_seed!r}")
 
 
-def sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tensor, top_ks: torch.Tensor,
-           generators: list, default_generator: torch.Generator | None):
-    """logits: [B, V] fp32. temperatures/top_ps: [B] fp32; top_ks: [B] int64 (<= 0 = off).
-    generators: per row, a torch.Generator or None (use default_generator).
-    Returns (tokens [B] int64, logprobs [B] fp32)."""
-    greedy = temperatures == 0
-    temps = torch.where(greedy, torch.ones_like(temperatures), temperatures)
-    logprobs = torch.log_softmax(logits / temps.unsqueeze(1), dim=-1)
-    tokens = logits.argmax(dim=-1)
-    if not bool(greedy.all()):
+def sample(logits: torch.Tensor, temperatures: list, top_ps: list, top_ks: list, generators: list,
+           default_generator: torch.Generator | None):
+    """logits: [B, V] fp32. temperatures, top_ps, top_ks (<= 0 = off), generators (a torch.Generator or
+    None = default_generator): per-row Python lists, so deciding what to do needs no device sync.
+    Returns (tokens [B] int64, logprobs [B] fp32), both still on the device."""
+    device = logits.device
+    greedy_rows = [t == 0 for t in temperatures]
+    if any(t not in (0, 1) for t in temperatures):
+        temps = torch.tensor([1.0 if t == 0 else float(t) for t in temperatures], dtype=torch.float32)
+        logits = logits / temps.to(device, non_blocking=True).unsqueeze(1)
+    logprobs = torch.log_softmax(logits, dim=-1)
+    if all(greedy_rows):
+        tokens = logits.argmax(dim=-1)
+    else:
         probs = logprobs.exp()
-        use_top_k = bool((top_ks > 0).any())
-        if use_top_k or bool((top_ps < 1).any()):
-            probs = filter_top_k_top_p(probs, top_ks, top_ps)
+        if any(k > 0 for k in top_ks) or any(p < 1 for p in top_ps):
+            probs = filter_top_k_top_p(probs, torch.tensor(top_ks, dtype=torch.int64).to(device),
+                                       torch.tensor(top_ps, dtype=torch.float32).to(device))
         # Gumbel-max in its exponential form: argmax(p / E), E ~ Exp(1), is a draw from p.
         noise = torch.empty_like(probs)
         noise.exponential_(generator=default_generator)
         for i, g in enumerate(generators):
             if g is not None:
                 noise[i].exponential_(generator=g)
-        sampled = (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)
-        tokens = torch.where(greedy, tokens, sampled)
+        tokens = (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)
+        if any(greedy_rows):
+            greedy = torch.tensor(greedy_rows).to(device)
+            tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
     return tokens, logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from nano_miles.engine.kv_cache import BlockManager
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: `seq in running` must not compare token lists
 class Sequence:
     rid: str
     token_ids: list            # prompt + generated so far

@@ -310,3 +310,23 @@ def test_finished_request_shape(tiny):
     assert isinstance(r, FinishedRequest)
     assert r.output_logprobs is None and len(r.output_ids) == 2 and r.finish_reason["type"] == "length"
     assert eng.eos_token_ids == [2, 0] and eng.tokenizer is not None and eng.device == torch.device("cpu")
+
+
+def test_decode_padded_to_graph_buckets_gives_the_same_logits(tiny):
+    """What CUDA graphs replay: a decode batch padded with trash rows and wider block tables."""
+    from nano_miles.engine.cuda_graph import batch_size_buckets
+
+    assert batch_size_buckets(256)[:8] == [1, 2, 4, 8, 16, 24, 32, 48] and batch_size_buckets(20)[-1] == 20
+    eng = make_engine(tiny)
+    for i, p in enumerate(prompts(3, eng.vocab_size, seed=8)):
+        eng.add_request(f"r{i}", p, SamplingParams(max_new_tokens=5, ignore_eos=True))
+    eng.step()  # prefill
+    kind, work = eng.scheduler.schedule()
+    assert kind == "decode" and len(work) == 3
+    with torch.no_grad():
+        exact = eng.model(eng._prepare(work), eng.kv.k, eng.kv.v)
+        trash_before = eng.kv.k[:, :-1].clone()
+        padded = eng.model(eng._prepare(work, 8, eng._num_blocks(work) + 5), eng.kv.k, eng.kv.v)
+    assert padded.shape[0] == 8
+    assert torch.allclose(padded[:3], exact, atol=2e-5)  # only fp32 reduction-order noise
+    assert torch.equal(eng.kv.k[:, :-1], trash_before)  # padding wrote only into the trash block

@@ -12,8 +12,7 @@ from nano_miles.models import resolve_model
 def draw(logits, n, temperature=1.0, top_p=1.0, top_k=-1, seed=0):
     B = logits.shape[0]
     rows = logits.repeat(n, 1)
-    f = torch.full((B * n,), 1.0)
-    tokens, lps = sample(rows, f * temperature, f * top_p, torch.full((B * n,), top_k), [None] * (B * n),
+    tokens, lps = sample(rows, [temperature] * (B * n), [top_p] * (B * n), [top_k] * (B * n), [None] * (B * n),
                          torch.Generator().manual_seed(seed))
     return tokens, lps
 
@@ -47,8 +46,7 @@ def test_filter_keeps_top_token_and_zeroes_the_rest():
 
 def test_greedy_rows_and_sampled_rows_mix_in_one_batch():
     logits = torch.tensor([[0.0, 5.0, 1.0], [0.0, 0.0, 0.0]])
-    tokens, lps = sample(logits, torch.tensor([0.0, 1.0]), torch.ones(2), torch.tensor([-1, -1]), [None, None],
-                         torch.Generator().manual_seed(0))
+    tokens, lps = sample(logits, [0.0, 1.0], [1.0, 1.0], [-1, -1], [None, None], torch.Generator().manual_seed(0))
     assert tokens[0] == 1
     assert torch.allclose(lps[0], torch.log_softmax(logits[0], -1)[1])
 
