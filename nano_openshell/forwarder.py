@@ -1,10 +1,11 @@
 """In-sandbox forwarder: 127.0.0.1:PORT -> the supervisor proxy's Unix socket.
 
-Inside the sandbox only a read-only view of the host filesystem exists, so this file is run
-directly as `<python> -I -S forwarder.py SOCKET PORT` and imports nothing but the standard
-library. It prints one line ("ready" or "error: ...") on stdout once listening, closes stdout,
-and dies with the shell that started it (a watchdog on its parent; in the namespaced tier the
-pid namespace ends with the command anyway).
+This file runs inside the sandbox as `<python> -I -S -c <this file's text> SOCKET PORT`: the
+sandbox sees only a read-only view of the host, possibly without this package or this Python
+(a dropped uid cannot enter /root), so the source travels in the script and it imports nothing
+but the standard library. It prints one line ("ready" or "error: ...") once listening, closes
+stdout, and dies with the shell that started it (a watchdog on its parent; in the namespaced tier
+the pid namespace ends with the command anyway).
 
 It starts with every sandboxed command, so its start-up is the network's per-command cost: it
 uses the C modules _socket, _thread and select directly (the socket, threading and ctypes
@@ -28,28 +29,46 @@ CHUNK = 64 * 1024
 
 def sandbox_prelude(socket_path_inside_sandbox, port=FORWARDER_PORT, python=None) -> str:
     """Bash that starts the forwarder in the background, waits (at most ~2 s) until it listens,
-    and points the usual proxy variables at it. Put it before the agent's command."""
+    and points the usual proxy variables at it. Put it before the agent's command.
+
+    The forwarder's source travels in the script (python -c), and the interpreter is this one if
+    the sandbox can run it, else `python3` from the sandbox's PATH: a sandbox under a dropped uid
+    may not see a Python or a package that lives under a private home such as /root.
+    """
     import shlex  # host side only
 
     if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
         raise ValueError(f"port must be an integer in 1..65535, got {port!r}")
     py = shlex.quote(python or sys.executable)
-    script = shlex.quote(os.path.abspath(__file__))
     sock = shlex.quote(str(socket_path_inside_sandbox))
     url = f"http://127.0.0.1:{port}"
     return "\n".join([
+        f"__openshell_py={py}",
+        '[ -x "$__openshell_py" ] || __openshell_py=$(command -v python3) || __openshell_py=python3',
         "__openshell_fwd=",
         # the process substitution's python is a child of this shell: the watchdog ties it to us
-        f"{{ read -r -t {READY_TIMEOUT_S} __openshell_fwd < <(exec {py} -I -S {script} {sock} {port} "
-        "</dev/null 2>/dev/null); } 2>/dev/null",
+        f'{{ read -r -t {READY_TIMEOUT_S} __openshell_fwd < <(exec "$__openshell_py" -I -S -c '
+        f"{shlex.quote(_source())} {sock} {port} </dev/null 2>/dev/null); }} 2>/dev/null",
         'if [ "$__openshell_fwd" != ready ]; then',
         '  echo "nano-openshell: network forwarder did not start: ${__openshell_fwd:-no answer}" >&2',
         "fi",
-        "unset __openshell_fwd NO_PROXY no_proxy",
+        "unset __openshell_py __openshell_fwd NO_PROXY no_proxy",
         f"export HTTP_PROXY={url} http_proxy={url} HTTPS_PROXY={url} https_proxy={url} "
         f"ALL_PROXY={url} all_proxy={url}",
         "",
     ])
+
+
+_SOURCE = None
+
+
+def _source() -> str:
+    """This whole file, as sent to `python -c` (it is stdlib-only and runs main() as __main__)."""
+    global _SOURCE
+    if _SOURCE is None:
+        with open(os.path.abspath(__file__), encoding="utf-8") as f:
+            _SOURCE = f.read()
+    return _SOURCE
 
 
 # ---- the forwarder process itself (stdlib only from here on) ----

@@ -8,9 +8,11 @@ the only way out.
 import http.server
 import json
 import os
+import shlex
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -22,6 +24,7 @@ from nano_openshell.policy import Policy
 from nano_openshell.proxy import ProxyServer
 
 CURL = shutil.which("curl")
+PY = shlex.quote(sys.executable) + " -I"  # on the host; inside a sandbox, `python3` from its PATH
 
 
 class Hello(http.server.BaseHTTPRequestHandler):
@@ -103,8 +106,16 @@ def test_forwarder_carries_python_urllib(proxy, server_port):
             f"print(u.urlopen('http://127.0.0.1:{server_port}/py', timeout=5).read().decode())\n"
             "try:\n    u.urlopen('http://denied.test/', timeout=5)\n"
             "except e.HTTPError as err:\n    print(err.code)\n")
-    r = host_bash(sandbox_prelude(proxy.socket_path, port=port) + f"python3 -c \"{code}\"\n")
+    r = host_bash(sandbox_prelude(proxy.socket_path, port=port) + f"{PY} -c \"{code}\"\n")
     assert r.stdout.splitlines() == ["hello from /py", "403"], r.stderr
+
+
+@pytest.mark.skipif(CURL is None or shutil.which("python3") is None, reason="needs curl and python3")
+def test_prelude_falls_back_to_python3_when_its_python_is_out_of_reach(proxy, server_port):
+    port = free_port()
+    r = host_bash(sandbox_prelude(proxy.socket_path, port=port, python="/nonexistent/bin/python") +
+                  f"curl -sS http://127.0.0.1:{server_port}/fallback\n")
+    assert r.stdout == "hello from /fallback" and r.stderr == ""
 
 
 def test_forwarder_dies_with_the_shell_that_started_it(proxy):
@@ -202,7 +213,7 @@ def test_sandbox_python_urllib_uses_the_proxy(net_sandbox, server_port):
             f"print(u.urlopen('http://127.0.0.1:{server_port}/py', timeout=5).read().decode())\n"
             "try:\n    u.urlopen('http://denied.test/', timeout=5)\n"
             "except e.HTTPError as err:\n    print(err.code)\n")
-    r, out = run_marked(net_sandbox, f"python3 -c \"{code}\"")
+    r, out = run_marked(net_sandbox, f"python3 -I -c \"{code}\"")
     assert out.splitlines() == ["hello from /py", "403"], r.stderr
 
 
@@ -237,7 +248,7 @@ try:
 except OSError:
     pass
 """
-    r, out = run_marked(net_sandbox, f"python3 -c '{code}'")
+    r, out = run_marked(net_sandbox, f"python3 -I -c '{code}'")
     results = dict(line.split(" ", 1) for line in out.splitlines())
     assert set(results) == {"tcp-host", "tcp-v6", "tcp-out", "tcp-out-v6", "udp-out"}, r.stderr
     assert all(v.startswith("blocked") for v in results.values()), results
