@@ -329,4 +329,5 @@ def test_decode_padded_to_graph_buckets_gives_the_same_logits(tiny):
         padded = eng.model(eng._prepare(work, 8, eng._num_blocks(work) + 5), eng.kv.k, eng.kv.v)
     assert padded.shape[0] == 8
     assert torch.allclose(padded[:3], exact, atol=2e-5)  # only fp32 reduction-order noise
-    assert torch.equal(eng.kv.k[:, :-1], trash_before)  # padding wrote only into the trash block
+    # padding rows wrote only into the trash block (real rows rewrote their own slot, equal up to noise)
+    assert torch.allclose(eng.kv.k[:, :-1], trash_before, atol=1e-5)
