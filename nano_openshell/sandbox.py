@@ -186,17 +186,20 @@ class Sandbox:
         self.handshake = None
         self._extra_env = self._check_env(env or {})
 
-        self._owns_workspace = workspace is None
+        self._owns_workspace = False
         if workspace is None:
             workspace = tempfile.mkdtemp(prefix="nano-openshell-ws-")
-        workspace = os.path.realpath(os.fspath(workspace))
-        if not os.path.isdir(workspace):
-            raise ValueError(f"workspace {workspace!r} does not exist or is not a directory")
-        self.workspace = workspace
+            self._owns_workspace = True
+        self.workspace = os.path.realpath(os.fspath(workspace))
         # as root, the command runs under this Sandbox's own unprivileged uid (see namespaced.py)
         self.uid = random.randrange(100000, 100000 + (1 << 20)) if os.geteuid() == 0 and self.tier != "none" else None
-        self._fix_workspace_owner()
         try:
+            if not os.path.isdir(self.workspace):
+                raise ValueError(f"workspace {self.workspace!r} does not exist or is not a directory")
+            if self.uid is not None and not namespaced.reachable(os.path.dirname(self.workspace), drop_uid=True):
+                raise SandboxError(f"workspace {self.workspace!r} is not reachable by the sandbox's unprivileged "
+                                   "uid: as root, every directory above it must be world-traversable (o+x)")
+            self._fix_workspace_owner()
             if self.tier == "namespaced":
                 self._bwrap_argv = namespaced.base_argv(self.probe["capabilities"]["bwrap"],
                                                         self.limits.tmp_bytes, self.uid is not None)
@@ -368,7 +371,7 @@ class Sandbox:
 
             return _drain(proc, deadline, self.limits.output_bytes, stop)
         finally:
-            shutil.rmtree(tmpdir, ignore_errors=True)
+            _rmtree(tmpdir)
 
     # ---- lifetime ----------------------------------------------------------------------------
     def close(self) -> None:
@@ -442,3 +445,5 @@ def _rmtree(path: str) -> None:
             pass
 
     shutil.rmtree(path, onerror=retry)
+    if os.path.exists(path):
+        shutil.rmtree(path, ignore_errors=True)
