@@ -265,9 +265,15 @@ class Trainer:
 
     # ------------------------------------------------------------------ weights and checkpoints
 
-    def named_weights(self):
-        """(name, tensor) of the compute model in HF names: what the inference engine should serve."""
-        return [(n, p.detach()) for n, p in zip(self.names, self.params)]
+    def named_weights(self, dtype: torch.dtype | None = None):
+        """(name, tensor) in HF names: what an inference engine of `dtype` should serve.
+
+        A float32 engine gets the FP32 masters themselves (every small update included); any other
+        dtype gets the compute model cast to it (for bfloat16 that is exactly masters.to(bfloat16)).
+        """
+        src = self.masters if dtype == torch.float32 else self.params
+        return [(n, t.detach() if dtype is None or t.dtype == dtype else t.detach().to(dtype))
+                for n, t in zip(self.names, src)]
 
     def state_dict(self) -> dict:
         return {

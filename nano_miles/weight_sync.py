@@ -1,0 +1,294 @@
+"""Push the trainer's weights into running inference engines, over SGLang's weight routes.
+
+One interface, four transports (payload formats in nano_miles/engine/weights.py):
+  ipc          flattened bucket(s) on the trainer's device -> /update_weights_from_tensor. On GPU the
+               engine opens a CUDA IPC handle (same GPU, or another with P2P); on CPU the bucket
+               travels through shared memory.
+  staged       no P2P: ONE contiguous copy of each bucket onto the engine's GPU, then a local IPC handle.
+  distributed  /init_weights_update_group once, then per bucket /update_weights_from_distributed while
+               rank 0 broadcasts it (NCCL on GPU, gloo on CPU); one broadcast reaches every engine.
+  disk         a safetensors folder -> /update_weights_from_disk; works everywhere.
+`auto` picks from the layout: CPU trainer -> distributed; several engines or a remote one ->
+distributed; engine on the trainer's GPU or on a P2P peer -> ipc; a visible GPU without P2P -> staged.
+(CUDA device indices are compared as the engines report them, so trainer and engines are assumed to
+run with the same CUDA_VISIBLE_DEVICES, as `nano-miles train` starts them.)
+
+Every sync builds fresh buffers (an engine may still be reading the previous one when the HTTP call
+returns) and frees them after the engines acknowledge. With verify=True each engine's per-tensor
+sha256 is compared with the trainer's own; any difference raises WeightSyncError.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+import torch
+
+from nano_miles.client import EngineClient
+from nano_miles.engine import weights as W
+
+TRANSPORTS = ("auto", "ipc", "staged", "distributed", "disk")
+_LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0"}
+
+
+@dataclass
+class SyncConfig:
+    transport: str = "auto"        # auto | ipc | staged | distributed | disk
+    verify: bool = False           # compare per-tensor checksums with every engine after each sync
+    bucket_mb: float = 1024.0      # MiB per flattened bucket (one HTTP call / broadcast each)
+    timeout_s: float = 300.0       # per HTTP call and per broadcast
+    master_address: str = "127.0.0.1"  # distributed: where this (rank 0) process hosts the store
+    master_port: int = 0           # 0: a free port
+    disk_dir: str = ""             # disk: the folder written each sync ("" = a temporary folder)
+
+    def __post_init__(self):
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"sync.transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if not self.bucket_mb > 0:
+            raise ValueError(f"sync.bucket_mb must be > 0, got {self.bucket_mb}")
+        if self.timeout_s <= 0:
+            raise ValueError("sync.timeout_s must be > 0")
+
+
+class WeightSyncError(RuntimeError):
+    """An engine refused an update, a transport failed, or a verified sync found different weights."""
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def choose_transport(trainer_device: torch.device, engine_infos: list[dict], engine_urls: list[str]) -> str:
+    """The fastest transport that works for this layout (see the module docstring)."""
+    if trainer_device.type != "cuda":
+        return "distributed"
+    devices = [torch.device(info.get("device", "cpu")) for info in engine_infos]
+    if any(d.type != "cuda" for d in devices):
+        return "disk"  # a CPU engine next to a GPU trainer: no common collective backend
+    if len(devices) > 1 or any(urlparse(u).hostname not in _LOCAL_HOSTS for u in engine_urls):
+        return "distributed"
+    d, t = devices[0], trainer_device.index if trainer_device.index is not None else torch.cuda.current_device()
+    if d.index is None or d.index >= torch.cuda.device_count():
+        return "distributed"  # not visible from here: only a collective can reach it
+    if d.index == t or torch.cuda.can_device_access_peer(t, d.index):
+        return "ipc"
+    return "staged"
+
+
+class WeightSync:
+    def __init__(self, source, engine_urls, transport: str = "auto", bucket_mb: float = 1024.0, verify: bool = False,
+                 timeout_s: float = 300.0, master_address: str = "127.0.0.1", master_port: int = 0,
+                 disk_dir: str = ""):
+        """source: a Trainer (its named_weights), an nn.Module, a callable returning (name, tensor)
+        pairs, or such a list. engine_urls: one URL or a list."""
+        self.cfg = SyncConfig(transport, verify, bucket_mb, timeout_s, master_address, master_port, disk_dir)
+        self.source = source
+        self.urls = [engine_urls] if isinstance(engine_urls, str) else list(engine_urls)
+        if not self.urls:
+            raise ValueError("WeightSync needs at least one engine URL")
+        self.clients = [EngineClient(u, timeout=timeout_s) for u in self.urls]
+        self.infos = [c.model_info() for c in self.clients]
+        dtypes = {info["dtype"] for info in self.infos}
+        if len(dtypes) != 1:
+            raise ValueError(f"engines disagree on dtype: {sorted(dtypes)}")
+        self.engine_dtype = W.parse_dtype(dtypes.pop())
+        self.device = self._source_device()
+        self.transport = transport if transport != "auto" else choose_transport(self.device, self.infos, self.urls)
+        if self.transport == "staged" and self.device.type != "cuda":
+            raise ValueError("transport 'staged' copies to the engine's GPU: it needs a CUDA trainer")
+        self._pool = ThreadPoolExecutor(max_workers=len(self.clients) + 1, thread_name_prefix="weight-sync")
+        self._group = None
+        self._group_name = f"nano_miles_sync_{os.getpid()}_{id(self):x}"
+        self._disk_dir, self._own_disk_dir = disk_dir, not disk_dir
+
+    @classmethod
+    def from_config(cls, source, engine_urls, cfg: SyncConfig) -> "WeightSync":
+        return cls(source, engine_urls, cfg.transport, cfg.bucket_mb, cfg.verify, cfg.timeout_s,
+                   cfg.master_address, cfg.master_port, cfg.disk_dir)
+
+    # ------------------------------------------------------------------ the weights
+
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """What the engines should serve, in their dtype."""
+        src = self.source
+        if hasattr(src, "named_weights"):
+            named = src.named_weights(self.engine_dtype)
+        elif isinstance(src, torch.nn.Module):
+            named = [(n, p.detach()) for n, p in src.named_parameters()]
+        else:
+            named = src() if callable(src) else src
+        return [(n, t.detach() if t.dtype == self.engine_dtype else t.detach().to(self.engine_dtype))
+                for n, t in named]
+
+    def _source_device(self) -> torch.device:
+        src = self.source
+        if hasattr(src, "named_weights"):
+            return src.named_weights()[0][1].device
+        if isinstance(src, torch.nn.Module):
+            return next(src.parameters()).device
+        named = src() if callable(src) else src
+        return named[0][1].device
+
+    # ------------------------------------------------------------------ sync
+
+    def sync(self, weight_version) -> dict:
+        """Send the current weights to every engine; return {ms, bytes, transport, verified, buckets}."""
+        version = str(weight_version)
+        t0 = time.perf_counter()
+        named = self.named_tensors()
+        nbytes = sum(t.numel() * t.element_size() for _, t in named)
+        buckets = list(W.bucket_by_bytes(named, int(self.cfg.bucket_mb * 2**20)))
+        send = {"ipc": self._send_tensor, "staged": self._send_tensor,
+                "distributed": self._send_distributed, "disk": self._send_disk}[self.transport]
+        send(buckets, version)
+        ms = (time.perf_counter() - t0) * 1000.0
+        verified = False
+        if self.cfg.verify:
+            self.verify(version, named)
+            verified = True
+        return {"ms": ms, "bytes": nbytes, "transport": self.transport, "verified": verified,
+                "buckets": len(buckets), "weight_version": version}
+
+    def _on_all(self, fn):
+        """fn(client) on every engine concurrently; raise WeightSyncError naming the engines that failed."""
+        futures = [self._pool.submit(fn, c) for c in self.clients]
+        errors = []
+        for url, f in zip(self.urls, futures):
+            try:
+                answer = f.result(timeout=self.cfg.timeout_s + 5)
+            except Exception as e:  # refused update, dead engine, timeout
+                errors.append(f"{url}: {type(e).__name__}: {e}")
+                continue
+            if isinstance(answer, dict) and answer.get("success") is False:
+                errors.append(f"{url}: {answer.get('message')}")
+        if errors:
+            raise WeightSyncError(f"{self.transport} weight sync failed on {len(errors)} engine(s): " + "; ".join(errors))
+
+    def _send_tensor(self, buckets, version):
+        for i, bucket in enumerate(buckets):
+            last = i == len(buckets) - 1
+            flat = W.FlattenedTensorBucket(named_tensors=bucket)  # a fresh buffer for every sync
+            payloads = []
+            for info in self.infos:
+                tensor = flat.flattened_tensor
+                if self.transport == "staged":  # one contiguous copy onto the engine's own GPU
+                    tensor = tensor.to(torch.device(info["device"]), non_blocking=False)
+                payloads.append((W.serialize({"flattened_tensor": tensor, "metadata": flat.metadata}), tensor))
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the engine reads the buffer from another process
+            by_client = {id(c): p for c, (p, _) in zip(self.clients, payloads)}
+            self._on_all(lambda c: c.update_weights_from_tensor(
+                by_client[id(c)], load_format="flattened_bucket", flush_cache=last,
+                weight_version=version if last else None))
+            del flat, payloads, by_client  # acknowledged: the engines hold their own copies now
+            if self.device.type == "cuda":
+                torch.cuda.ipc_collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _init_group(self):
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        addr = self.cfg.master_address
+        port = self.cfg.master_port or _free_port(addr)
+        world = len(self.clients) + 1
+        if backend == "nccl":
+            torch.cuda.set_device(self.device)
+        futures = [self._pool.submit(c.init_weights_update_group, addr, port, rank, world, self._group_name,
+                                     backend, self.cfg.timeout_s) for rank, c in enumerate(self.clients, start=1)]
+        try:
+            group = W.init_weight_update_group(addr, port, 0, world, self._group_name, backend, self.cfg.timeout_s)
+        except Exception as e:
+            raise WeightSyncError(f"cannot form the weight update group ({backend}, {addr}:{port}): {e}") from e
+        for url, f in zip(self.urls, futures):
+            answer = f.result(timeout=self.cfg.timeout_s)
+            if not answer.get("success", False):
+                raise WeightSyncError(f"{url} did not join the weight update group: {answer.get('message')}")
+        self._group = group
+
+    def _send_distributed(self, buckets, version):
+        if self._group is None:
+            self._init_group()
+        for i, bucket in enumerate(buckets):
+            last = i == len(buckets) - 1
+            names = [n for n, _ in bucket]
+            dtypes = [str(t.dtype).removeprefix("torch.") for _, t in bucket]
+            shapes = [list(t.shape) for _, t in bucket]
+            # The engines' HTTP calls and our broadcast run at the same time (each side blocks in the
+            # collective until the other joins); both have timeouts, so a dead peer cannot hang us.
+            http = self._pool.submit(self._on_all, lambda c: c.update_weights_from_distributed(
+                names, dtypes, shapes, group_name=self._group_name, load_format="flattened_bucket",
+                weight_version=version if last else None, flush_cache=last, timeout=self.cfg.timeout_s))
+            try:
+                W.broadcast_weights(self._group, bucket, "flattened_bucket", self.cfg.timeout_s)
+            except Exception as e:
+                self._group = None  # a broken collective cannot be reused
+                raise WeightSyncError(f"broadcast of bucket {i} failed: {type(e).__name__}: {e}") from e
+            try:
+                http.result(timeout=self.cfg.timeout_s + 10)
+            except WeightSyncError:
+                self._group = None
+                raise
+
+    def _send_disk(self, buckets, version):
+        from safetensors.torch import save_file
+
+        if not self._disk_dir:
+            self._disk_dir = tempfile.mkdtemp(prefix="nano-miles-weights-")
+        os.makedirs(self._disk_dir, exist_ok=True)
+        tensors = {n: t.contiguous().cpu() for bucket in buckets for n, t in bucket}
+        tmp = os.path.join(self._disk_dir, ".model.safetensors.tmp")
+        save_file(tensors, tmp)
+        os.replace(tmp, os.path.join(self._disk_dir, "model.safetensors"))  # engines never see half a file
+        self._on_all(lambda c: c.update_weights_from_disk(self._disk_dir, weight_version=version))
+
+    # ------------------------------------------------------------------ verify and close
+
+    def verify(self, weight_version=None, named=None) -> None:
+        """Compare each engine's per-tensor checksums (and weight_version) with ours; raise on any difference."""
+        named = self.named_tensors() if named is None else named
+        ours = W.checksums(named)
+        for url, client in zip(self.urls, self.clients):
+            answer = client.weights_checksum()
+            served = answer["checksums"]
+            if weight_version is not None and str(answer.get("weight_version")) != str(weight_version):
+                raise WeightSyncError(f"{url} serves weight_version {answer.get('weight_version')!r}, "
+                                      f"expected {str(weight_version)!r}")
+            # A tied lm_head is not a parameter of its own on the engine: compare what it serves.
+            missing = sorted(n for n in served if n not in ours)
+            differ = sorted(n for n in served if n in ours and served[n] != ours[n])
+            if missing or differ:
+                raise WeightSyncError(f"weight sync verification failed on {url}: {len(differ)} tensor(s) differ "
+                                      f"(e.g. {differ[:3]}), {len(missing)} not sent (e.g. {missing[:3]})")
+
+    def close(self) -> None:
+        if self._group is not None:
+            for c in self.clients:
+                try:
+                    c.destroy_weights_update_group(self._group_name)
+                except Exception:
+                    pass  # the engine may be gone already
+            try:
+                W.destroy_weight_update_group(self._group)
+            except Exception:
+                pass
+            self._group = None
+        if self._own_disk_dir and self._disk_dir:
+            shutil.rmtree(self._disk_dir, ignore_errors=True)
+            self._disk_dir = ""
+        self._pool.shutdown(wait=False)
+        for c in self.clients:
+            c.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,120 @@
+"""Weight sync into the real engine server process (tiny-random-qwen2, CPU, float32), every CPU transport.
+
+The check that matters: after a sync, the engine's log-probs of what it samples equal the trainer's
+log-probs of the same tokens (<= 1e-5 in fp32), after several updates in a row.
+"""
+import pytest
+import torch
+
+from nano_miles.batch import Trajectory, build_rollout_batch
+from nano_miles.engine.weights import checksums
+from nano_miles.trainer import OptimConfig, Trainer, TrainerConfig
+from nano_miles.weight_sync import SyncConfig, WeightSync, WeightSyncError, choose_transport
+
+
+def engine_rollouts(client, seed, n=4, max_new=10):
+    """n real rollouts from the engine, collated; rewards alternate so GRPO has a signal."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 1024, (5 + i,), generator=g).tolist() for i in range(n)]
+    outs = client.generate_batch(prompts, {"max_new_tokens": max_new, "temperature": 1.0, "ignore_eos": True})
+    trajs = []
+    for i, (p, o) in enumerate(zip(prompts, outs)):
+        lps = [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]]
+        trajs.append(Trajectory(prompt_ids=p, response_ids=o["output_ids"], response_logprobs=lps,
+                                response_mask=[True] * len(lps), reward=float(i % 2), group_id="g",
+                                weight_versions=[o["meta_info"]["weight_version"]]))
+    return build_rollout_batch(trajs)
+
+
+def max_diff(trainer, batch):
+    lp = trainer.logprobs(batch)
+    return (lp - batch.rollout_logprobs)[batch.loss_mask].abs().max().item()
+
+
+def test_trainer_logprobs_match_the_engine_server(engine_client, tiny_model_path):
+    trainer = Trainer(TrainerConfig(model=str(tiny_model_path), micro_batch_size=2, logprob_chunk=7))
+    batch = engine_rollouts(engine_client, seed=10)
+    served = engine_client.weights_checksum()["checksums"]  # the folder's weights, as the trainer's
+    assert served == {n: c for n, c in checksums(trainer.named_weights()).items() if n in served}
+    assert max_diff(trainer, batch) <= 1e-5
+    m = trainer.train_step(batch, torch.tensor([-1.0, 1.0, -1.0, 1.0]))
+    assert m["logprob_diff_max"] <= 1e-5 and m["logprob_diff_mean"] <= 1e-6
+
+
+@pytest.mark.parametrize("transport", ["distributed", "disk", "ipc"])
+def test_engine_serves_the_trainers_weights_after_each_update(transport, engine_server, engine_client,
+                                                              tiny_model_path, restore_engine_weights):
+    trainer = Trainer(TrainerConfig(model=str(tiny_model_path), micro_batch_size=2,
+                                    optim=OptimConfig(lr=1e-3)))
+    adv = torch.tensor([-1.0, 1.0, -1.0, 1.0])
+    # 0.1 MiB buckets: the ~0.4 MiB tiny model goes in several buckets, several calls per sync.
+    with WeightSync(trainer, engine_server.url, transport=transport, bucket_mb=0.1, verify=True) as ws:
+        assert ws.transport == transport
+        for step in range(3):
+            batch = engine_rollouts(engine_client, seed=step)
+            m = trainer.train_step(batch, adv)
+            # Rollouts sampled after the previous sync are scored identically by the trainer.
+            assert m["logprob_diff_max"] <= 1e-5, (step, m["logprob_diff_max"])
+            stats = ws.sync(f"{transport}-{step}")
+            assert stats["verified"] and stats["transport"] == transport and stats["buckets"] > 1
+            assert stats["bytes"] == sum(p.numel() * 4 for p in trainer.params)
+            assert engine_client.weight_version() == f"{transport}-{step}"
+        batch = engine_rollouts(engine_client, seed=99)
+        assert batch.weight_versions[0] == [f"{transport}-2"]
+        assert max_diff(trainer, batch) <= 1e-5
+
+
+def test_a_bf16_trainer_lr_1e6_step_reaches_an_fp32_engine(engine_server, engine_client, tiny_model_path,
+                                                           restore_engine_weights):
+    trainer = Trainer(TrainerConfig(model=str(tiny_model_path), dtype="bfloat16", optim=OptimConfig(lr=1e-6)))
+    before = engine_client.weights_checksum()["checksums"]
+    with WeightSync(trainer, engine_server.url, transport="distributed", verify=True) as ws:
+        trainer.train_step(engine_rollouts(engine_client, seed=3), torch.tensor([-1.0, 1.0, -1.0, 1.0]))
+        ws.sync("bf16-1e-6")  # verify: the engine now holds exactly the FP32 masters
+    after = engine_client.weights_checksum()["checksums"]
+    assert sum(after[n] != before[n] for n in before) == len(before)  # every tensor moved
+    # ...whereas the bf16 compute weights alone would have left most elements where they were.
+    init = dict(Trainer(TrainerConfig(model=str(tiny_model_path), dtype="bfloat16")).named_weights())
+    same = sum(int((t == init[n]).sum()) for n, t in trainer.named_weights())
+    assert same > 0.5 * sum(t.numel() for t in init.values())
+
+
+def test_verify_catches_weights_the_engine_does_not_serve(engine_server, engine_client, tiny_model_path,
+                                                          restore_engine_weights):
+    trainer = Trainer(TrainerConfig(model=str(tiny_model_path)))
+    with WeightSync(trainer, engine_server.url, transport="disk") as ws:
+        ws.sync("v-ok")
+        ws.verify("v-ok")
+        with torch.no_grad():
+            trainer.params[-1].add_(1e-3)  # changed on the trainer, never synced
+        with pytest.raises(WeightSyncError, match="1 tensor"):
+            ws.verify()
+        with pytest.raises(WeightSyncError, match="weight_version"):
+            ws.verify("v-other")
+        ws.sync("v-fixed")
+        ws.verify("v-fixed")
+
+
+def test_a_refused_update_raises_and_the_engine_keeps_its_weights(engine_server, engine_client):
+    before = engine_client.weights_checksum()
+    bad = [("model.norm.weight", torch.ones(3))]  # wrong shape
+    for transport in ["ipc", "distributed"]:
+        with WeightSync(bad, engine_server.url, transport=transport) as ws:
+            with pytest.raises(WeightSyncError, match="shape"):
+                ws.sync("never")
+    assert engine_client.weights_checksum() == before
+    with pytest.raises(ValueError, match="transport"):
+        SyncConfig(transport="nccl")
+    with pytest.raises(ValueError, match="bucket_mb"):
+        SyncConfig(bucket_mb=0)
+
+
+def test_auto_transport_follows_the_layout():
+    cpu, local = torch.device("cpu"), ["http://127.0.0.1:30000"]
+    assert choose_transport(cpu, [{"device": "cpu"}], local) == "distributed"
+    cuda = torch.device("cuda:0")
+    assert choose_transport(cuda, [{"device": "cpu"}], local) == "disk"
+    assert choose_transport(cuda, [{"device": "cuda:0"}, {"device": "cuda:1"}], local * 2) == "distributed"
+    assert choose_transport(cuda, [{"device": "cuda:1"}], ["http://10.0.0.7:30000"]) == "distributed"
+    if torch.cuda.device_count() == 0:  # the engine's GPU is not visible here: only a collective reaches it
+        assert choose_transport(cuda, [{"device": "cuda:1"}], local) == "distributed"
