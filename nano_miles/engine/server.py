@@ -613,7 +613,12 @@ class Server:
                     W.receive_weights, self.groups[name], names, dtypes, shapes, fmt, self.engine.device,
                     self.args.dist_timeout)
             except Exception as e:
-                return _weight_answer(False, f"Failed to receive weights over {name!r}: {type(e).__name__}: {e}")
+                # A broken collective leaves the group in an unknown state: drop it (its teardown may
+                # block until its own timeout, so in a daemon thread) and make the trainer re-init.
+                pg = self.groups.pop(name)
+                threading.Thread(target=W.destroy_weight_update_group, args=(pg,), daemon=True).start()
+                return _weight_answer(False, f"Failed to receive weights over {name!r}: {type(e).__name__}: {e}; "
+                                             "the group was dropped, call /init_weights_update_group again")
         try:
             named = self._check(received)
         except W.WeightPayloadError as e:

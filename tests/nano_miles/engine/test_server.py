@@ -195,7 +195,7 @@ def test_pause_abort_mode_aborts_running_and_holds_new_requests(engine_server, e
 @pytest.mark.parametrize("mode", ["in_place", "retract"])
 def test_pause_keeps_requests_and_continue_finishes_them(engine_server, engine_client, mode):
     box = {}
-    t = _long_request(engine_server.client(), f"keep-{mode}", box, n=400)
+    t = _long_request(engine_server.client(), f"keep-{mode}", box, n=150)
     _wait_running(engine_client)
     engine_client.pause(mode)
     time.sleep(0.5)
@@ -203,8 +203,8 @@ def test_pause_keeps_requests_and_continue_finishes_them(engine_server, engine_c
     engine_client.resume()
     t.join(60)
     out = box[f"keep-{mode}"]
-    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 400}
-    assert len(out["output_ids"]) == 400
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 150}
+    assert len(out["output_ids"]) == 150
 
 
 def test_health_and_info_routes(engine_server, engine_client):

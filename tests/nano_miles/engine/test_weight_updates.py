@@ -1,0 +1,296 @@
+"""Every weight-update route of the engine server, over real HTTP, with the trainer's side of
+nano_miles.engine.weights producing the payloads in this (separate) process:
+- tensor: SGLang's flattened bucket shared through /dev/shm, and the "direct" (name, tensor) list
+- disk: a safetensors folder
+- distributed: a gloo group, this process as trainer rank 0 broadcasting one bucket per update
+Each success bumps weight_version, flushes every cached prefix (cached_tokens 0 afterwards) and the
+served log-probs match a teacher-forced HF forward of the NEW weights; each bad payload is a 400 that
+leaves the old weights and version in place."""
+import base64
+import os
+import pickle
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from nano_miles.client import EngineRequestError
+from nano_miles.engine import weights as W
+from tests.nano_miles.engine.test_server import hf_model, teacher_forced_logprobs
+
+pytestmark = pytest.mark.usefixtures("restore_engine_weights")
+
+CACHED_PROMPT = [(17 * i) % 700 + 6 for i in range(40)]  # 2 full KV blocks
+
+
+def folder_state(folder) -> dict:
+    state = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    return state
+
+
+def perturbed(folder, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {n: t + 0.05 * torch.randn(t.shape, generator=g, dtype=t.dtype) for n, t in folder_state(folder).items()}
+
+
+def version(client) -> str:
+    return client.model_info()["weight_version"]
+
+
+def served_checksums(client) -> dict:
+    return client.weights_checksum()["checksums"]
+
+
+def warm_prefix(client):
+    client.generate(CACHED_PROMPT, {"max_new_tokens": 1})
+    assert client.generate(CACHED_PROMPT, {"max_new_tokens": 1})["meta_info"]["cached_tokens"] >= 32
+
+
+def assert_serving(client, folder, state):
+    """The served weights ARE `state`: checksums, no stale prefix, logprobs of an HF forward of it."""
+    assert served_checksums(client) == W.checksums((n, t) for n, t in state.items() if n in served_checksums(client))
+    out = client.generate(CACHED_PROMPT, {"max_new_tokens": 8, "temperature": 1.0, "ignore_eos": True,
+                                          "sampling_seed": 7})
+    assert out["meta_info"]["cached_tokens"] == 0  # blocks computed with the old weights are never reused
+    got = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
+    want = teacher_forced_logprobs(hf_model(folder, state), CACHED_PROMPT, out["output_ids"])
+    assert torch.allclose(got, want, atol=1e-5, rtol=0), (got - want).abs().max()
+
+
+def test_flattened_bucket_through_shared_memory(engine_client, tiny_model_path):
+    warm_prefix(engine_client)
+    state = perturbed(tiny_model_path, 1)
+    payload, bucket = W.serialize_bucket(state.items())
+    r = engine_client.update_weights_from_tensor([payload], load_format="flattened_bucket", weight_version="bucket-1")
+    del bucket
+    assert r["success"] is True and "bucket-1" in r["message"]
+    assert version(engine_client) == "bucket-1"
+    assert_serving(engine_client, tiny_model_path, state)
+
+
+def test_direct_named_tensors_and_version_plus_one(engine_client, tiny_model_path):
+    engine_client.update_weights_from_disk(tiny_model_path, weight_version="41")
+    warm_prefix(engine_client)
+    state = perturbed(tiny_model_path, 2)
+    r = engine_client.update_weights_from_tensor(W.serialize_direct(state.items()), load_format="direct")
+    assert r["success"] is True
+    assert version(engine_client) == "42"  # no weight_version given: +1
+    assert_serving(engine_client, tiny_model_path, state)
+
+
+def test_a_bucket_may_carry_a_subset_of_the_weights(engine_client, tiny_model_path):
+    base = folder_state(tiny_model_path)
+    state = dict(base, **{"model.norm.weight": base["model.norm.weight"] * 1.5})
+    payload, bucket = W.serialize_bucket([("model.norm.weight", state["model.norm.weight"])])
+    assert engine_client.update_weights_from_tensor(payload, load_format="flattened_bucket")["success"]
+    assert_serving(engine_client, tiny_model_path, state)
+
+
+def test_update_from_disk(engine_client, tiny_model_path, tmp_path):
+    warm_prefix(engine_client)
+    state = perturbed(tiny_model_path, 3)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    r = engine_client.update_weights_from_disk(tmp_path, weight_version="disk-1")
+    assert r["success"] is True and version(engine_client) == "disk-1"
+    assert_serving(engine_client, tiny_model_path, state)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("load_format", ["flattened_bucket", None])
+def test_gloo_broadcast_from_a_trainer_process(engine_client, tiny_model_path, load_format):
+    group = f"test-group-{load_format}"
+    port = free_port()
+    with ThreadPoolExecutor(2) as pool:
+        joined = pool.submit(engine_client.init_weights_update_group, "127.0.0.1", port, 1, 2, group, "gloo")
+        pg = W.init_weight_update_group("127.0.0.1", port, 0, 2, group, "gloo", timeout_s=30)
+        assert joined.result()["success"] is True
+        try:
+            for step in (1, 2):  # the group is reused across updates
+                warm_prefix(engine_client)
+                state = perturbed(tiny_model_path, 10 + step)
+                named = list(state.items())
+                done = pool.submit(engine_client.update_weights_from_distributed, [n for n, _ in named],
+                                   [t.dtype for _, t in named], [t.shape for _, t in named], group,
+                                   load_format, f"gloo-{step}")
+                time.sleep(0.2)  # the engine waits on the broadcast OFF its event loop: still serving
+                assert engine_client.generate([1, 2, 3], {"max_new_tokens": 2})["output_ids"]
+                W.broadcast_weights(pg, named, load_format, timeout_s=30)
+                assert done.result()["success"] is True
+                assert version(engine_client) == f"gloo-{step}"
+                assert_serving(engine_client, tiny_model_path, state)
+        finally:
+            assert engine_client.destroy_weights_update_group(group)["success"] is True
+            W.destroy_weight_update_group(pg)
+
+
+ENGINE_SIDE = """
+import sys, time
+from nano_miles.engine import weights as W
+pg = W.init_weight_update_group("127.0.0.1", int(sys.argv[1]), 1, 2, "timeout-group", "gloo", timeout_s=20)
+t = time.monotonic()
+try:
+    W.receive_weights(pg, ["x"], ["float32"], [[4]], None, "cpu", timeout_s=1.0)
+except RuntimeError as e:
+    print(f"gave up after {time.monotonic() - t:.1f}s: {e}", flush=True)
+import os; os._exit(0)  # skip the group's teardown handshake with a trainer that never answers
+"""
+
+
+def test_distributed_receive_times_out_instead_of_hanging():
+    import subprocess
+    import sys
+
+    port = free_port()
+    engine = subprocess.Popen([sys.executable, "-c", ENGINE_SIDE, str(port)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": os.getcwd()})
+    pg = W.init_weight_update_group("127.0.0.1", port, 0, 2, "timeout-group", "gloo", timeout_s=20)
+    try:
+        out, _ = engine.communicate(timeout=30)  # the trainer never broadcasts
+    finally:
+        engine.kill()
+        W.destroy_weight_update_group(pg)
+    assert "gave up after" in out
+
+
+def test_update_waits_for_in_flight_requests(engine_server, engine_client, tiny_model_path):
+    before = version(engine_client)
+    box = {}
+    gen = threading.Thread(target=lambda: box.update(out=engine_server.client().generate(
+        [3, 4, 5], {"max_new_tokens": 60, "ignore_eos": True})))
+    gen.start()
+    while engine_client.server_info()["internal_states"][0]["running"] == 0:
+        time.sleep(0.02)
+    payload, bucket = W.serialize_bucket(perturbed(tiny_model_path, 4).items())
+    assert engine_client.update_weights_from_tensor(payload, load_format="flattened_bucket",
+                                                    weight_version="after-drain")["success"]
+    gen.join(30)
+    out = box["out"]  # finished, whole, on the weights it started with
+    assert out["meta_info"]["finish_reason"]["type"] == "length" and len(out["output_ids"]) == 60
+    assert out["meta_info"]["weight_version"] == before
+
+
+def test_abort_all_requests_aborts_in_flight_work(engine_server, engine_client, tiny_model_path):
+    box = {}
+    gen = threading.Thread(target=lambda: box.update(out=engine_server.client().generate(
+        [3, 4, 5], {"max_new_tokens": 3000, "ignore_eos": True})))
+    gen.start()
+    while engine_client.server_info()["internal_states"][0]["running"] == 0:
+        time.sleep(0.02)
+    payload, bucket = W.serialize_bucket(perturbed(tiny_model_path, 5).items())
+    assert engine_client.update_weights_from_tensor(payload, load_format="flattened_bucket",
+                                                    abort_all_requests=True)["success"]
+    gen.join(30)
+    assert box["out"]["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+def test_pause_update_continue_like_slime(engine_server, engine_client, tiny_model_path):
+    box = {}
+    gen = threading.Thread(target=lambda: box.update(out=engine_server.client().generate(
+        [3, 4, 5], {"max_new_tokens": 80, "ignore_eos": True})))
+    gen.start()
+    while engine_client.server_info()["internal_states"][0]["running"] == 0:
+        time.sleep(0.02)
+    engine_client.pause("retract")
+    payload, bucket = W.serialize_bucket(perturbed(tiny_model_path, 6).items())
+    assert engine_client.update_weights_from_tensor(payload, load_format="flattened_bucket",
+                                                    weight_version="slime-1")["success"]  # no drain while paused
+    assert "out" not in box
+    engine_client.resume()
+    gen.join(60)
+    assert len(box["out"]["output_ids"]) == 80 and box["out"]["meta_info"]["weight_version"] == "slime-1"
+
+
+class Evil:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/nano-miles-pwned",))
+
+
+def _b64(obj) -> str:
+    return base64.b64encode(pickle.dumps(obj)).decode()
+
+
+def _bad_tensor_payloads():
+    norm = torch.ones(64)
+    good, bad = ("model.norm.weight", norm), ("model.norm.weight", torch.ones(63))
+    return {
+        "unknown name": ([W.serialize_direct([("model.no_such.weight", norm)])], None, "unknown parameter"),
+        "wrong shape": ([W.serialize_direct([bad])], "direct", "shape"),
+        "wrong dtype": ([W.serialize_direct([("model.norm.weight", norm.to(torch.bfloat16))])], None, "dtype"),
+        "half good half bad": ([W.serialize_bucket([good, ("model.layers.0.mlp.up_proj.weight", norm)])[0]],
+                               "flattened_bucket", "shape"),
+        "not base64": (["!!!not base64!!!"], None, "base64"),
+        "evil pickle": ([_b64(Evil())], None, "refusing to unpickle"),
+        "empty list": ([], None, "non-empty list"),
+        "bucket as direct": ([W.serialize_bucket([good])[0]], None, "(name, tensor) pairs"),
+        "direct as bucket": ([W.serialize_direct([good])], "flattened_bucket", "flattened_bucket payload"),
+        "unknown load_format": ([W.serialize_direct([good])], "pickle", "load_format"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_tensor_payloads()))
+def test_bad_tensor_payload_is_400_and_changes_nothing(engine_server, engine_client, case):
+    payload, fmt, needle = _bad_tensor_payloads()[case]
+    before_version, before = version(engine_client), served_checksums(engine_client)
+    with pytest.raises(EngineRequestError, match="HTTP 400") as e:
+        engine_client.update_weights_from_tensor(payload, load_format=fmt)
+    assert needle in str(e.value) and e.value.body["success"] is False
+    assert version(engine_client) == before_version and served_checksums(engine_client) == before
+    assert not os.path.exists("/tmp/nano-miles-pwned")
+    assert engine_client.generate([1, 2], {"max_new_tokens": 1})["output_ids"]
+
+
+def test_bad_disk_and_distributed_requests_are_400(engine_client, tiny_model_path, tmp_path):
+    before_version, before = version(engine_client), served_checksums(engine_client)
+    with pytest.raises(EngineRequestError, match="not a directory"):
+        engine_client.update_weights_from_disk(tmp_path / "missing")
+    state = folder_state(tiny_model_path)
+    state["model.norm.weight"] = torch.ones(65)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(EngineRequestError, match="shape"):
+        engine_client.update_weights_from_disk(tmp_path)
+    save_file({"model.norm.weight": torch.ones(64)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(EngineRequestError, match="lacks"):
+        engine_client.update_weights_from_disk(tmp_path)
+    with pytest.raises(EngineRequestError, match="no weight update group"):
+        engine_client.update_weights_from_distributed(["model.norm.weight"], ["float32"], [[64]], "nope")
+    with pytest.raises(EngineRequestError, match="nccl needs a CUDA engine"):
+        engine_client.init_weights_update_group("127.0.0.1", free_port(), 1, 2, "g", backend="nccl")
+    with pytest.raises(EngineRequestError, match="rank_offset"):
+        engine_client.init_weights_update_group("127.0.0.1", free_port(), 0, 2, "g")
+    assert version(engine_client) == before_version and served_checksums(engine_client) == before
+
+
+def test_checksum_route_matches_the_trainer_side_function(engine_client, tiny_model_path):
+    state = folder_state(tiny_model_path)
+    r = engine_client.weights_checksum(["model.norm.weight", "model.embed_tokens.weight"])
+    assert r["algorithm"] == "sha256" and r["dtype"] == "float32"
+    assert r["checksums"] == W.checksums(state.items(), ["model.norm.weight", "model.embed_tokens.weight"])
+    with pytest.raises(EngineRequestError, match="unknown parameter"):
+        engine_client.weights_checksum(["nope"])
+
+
+def test_metadata_pickles_under_sglangs_module_path():
+    payload, _ = W.serialize_bucket([("w", torch.ones(2, 3))])
+    raw = base64.b64decode(payload)
+    assert b"sglang.srt.weight_sync.tensor_bucket" in raw and b"FlattenedTensorMetadata" in raw
+    assert "sglang" not in __import__("sys").modules  # the alias lived only during the dump
+    assert W.decode_tensor_payload([payload], "flattened_bucket")[0][1].tolist() == [[1.0] * 3] * 2
+
+
+def test_bucket_by_bytes_keeps_order_and_limit():
+    named = [(f"t{i}", torch.zeros(i + 1, dtype=torch.float32)) for i in range(6)]  # 4..24 bytes
+    buckets = list(W.bucket_by_bytes(named, 24))
+    assert [n for b in buckets for n, _ in b] == [n for n, _ in named]
+    assert all(sum(t.numel() * 4 for _, t in b) <= 24 for b in buckets)
+    assert [len(b) for b in buckets] == [3, 1, 1, 1]
