@@ -6,7 +6,8 @@ Three filters, all built from the same small assembler:
   deny_namespaces()     what a rootless container does to us: no unshare/setns/clone(CLONE_NEW*);
                         used by scripts/test_legs.sh to make the fallback tier engage in CI
 
-`python -m nano_openshell.seccomp --deny-namespaces -- CMD...` installs the last one and execs CMD.
+`python -c "import sys; from nano_openshell.seccomp import main; sys.exit(main())" --deny-namespaces -- CMD...`
+installs the last one and execs CMD (scripts/test_legs.sh does this).
 """
 
 import ctypes
@@ -153,7 +154,7 @@ def install(program: bytes) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) < 3 or argv[0] != "--deny-namespaces" or argv[1] != "--":
-        print("usage: python -m nano_openshell.seccomp --deny-namespaces -- CMD [ARGS...]", file=sys.stderr)
+        print("usage: ... --deny-namespaces -- CMD [ARGS...]", file=sys.stderr)
         return 2
     install(deny_namespaces())
     os.execvp(argv[2], argv[2:])

@@ -96,15 +96,15 @@ def test_unreachable_workspace_is_a_clear_error(tmp_path):
 
 def test_bad_constructor_arguments(tmp_path):
     with pytest.raises(ValueError):
-        Sandbox(workspace=tmp_path / "missing")
+        Sandbox(workspace=tmp_path / "missing", min_tier="fallback")
     with pytest.raises(ValueError):
         Sandbox(min_tier="strongest")
     with pytest.raises(ValueError):
         Sandbox(tier="chroot")
     with pytest.raises(ValueError):
-        Sandbox(env={"A": "x\x00y"})
+        Sandbox(env={"A": "x\x00y"}, min_tier="fallback")
     with pytest.raises(TypeError):
-        Sandbox(limits={"cpu_seconds": 1})
+        Sandbox(limits={"cpu_seconds": 1}, min_tier="fallback")
 
 
 def test_no_isolation_needs_explicit_opt_in_and_is_labelled():
