@@ -1,0 +1,179 @@
+"""Weight sync end to end: trainer (this process, cuda:0) -> engine server process (cuda:1).
+
+Random-init Qwen2.5-0.5B shapes in bf16 (~0.92 GiB). For each transport: the time from the
+trainer's sync() call until the engine has swapped in the new weights and answered (it serves the
+new weight_version from then on), median of --repeats after two warm-ups, checksums verified once.
+Against, in the same run: a raw device-to-device copy of the same bytes (one flat buffer, and one
+copy per tensor). Also the train/inference log-prob parity of the bf16 trainer against the bf16
+engine on rollouts it sampled.
+
+  PYTHONPATH=. python3 bench/weight_sync.py                               # 2 GPUs
+  NCCL_P2P_DISABLE=1 PYTHONPATH=. python3 bench/weight_sync.py --transports distributed --label nccl-no-p2p
+  PYTHONPATH=. python3 bench/weight_sync.py --shapes tiny --trainer-device cpu --engine-device cpu \
+      --transports distributed,disk,ipc                                   # CPU smoke run
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import tempfile
+import time
+
+import torch
+
+from bench.train_step import SHAPES, make_model
+from nano_miles.batch import Trajectory, build_rollout_batch
+from nano_miles.client import start_engine_process
+from nano_miles.trainer import Trainer, TrainerConfig
+from nano_miles.weight_sync import WeightSync
+
+
+def sync_devices(*devices):
+    for d in devices:
+        if d.type == "cuda":
+            torch.cuda.synchronize(d)
+
+
+def time_ms(fn, devices, warmup=3, repeats=10):
+    out = []
+    for i in range(warmup + repeats):
+        sync_devices(*devices)
+        t0 = time.perf_counter()
+        fn()
+        sync_devices(*devices)
+        if i >= warmup:
+            out.append((time.perf_counter() - t0) * 1000)
+    return statistics.median(out)
+
+
+def raw_copies(named, src_dev, dst_dev):
+    """Device-to-device copy of the same bytes: one flat buffer, and one copy per tensor."""
+    flat = torch.cat([t.flatten().view(torch.uint8) for _, t in named])
+    dst = torch.empty_like(flat, device=dst_dev)
+    one = time_ms(lambda: dst.copy_(flat, non_blocking=True), [src_dev, dst_dev])
+    dsts = [torch.empty_like(t, device=dst_dev) for _, t in named]
+
+    def per_tensor():
+        for d, (_, t) in zip(dsts, named):
+            d.copy_(t, non_blocking=True)
+    many = time_ms(per_tensor, [src_dev, dst_dev])
+    del flat, dst, dsts
+    return one, many
+
+
+def parity(trainer, client, n=8, new_tokens=64, vocab=1000):
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, vocab, (32,), generator=g).tolist() for _ in range(n)]
+    outs = client.generate_batch(prompts, {"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True})
+    trajs = [Trajectory(prompt_ids=p, response_ids=o["output_ids"],
+                        response_logprobs=[lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]],
+                        response_mask=[True] * len(o["output_ids"])) for p, o in zip(prompts, outs)]
+    batch = build_rollout_batch(trajs)
+    diff = (trainer.logprobs(batch) - batch.rollout_logprobs)[batch.loss_mask].abs()
+    return diff.mean().item(), diff.max().item()
+
+
+def measure(trainer, client, url, transport, args, nbytes, raw_one) -> dict:
+    with WeightSync(trainer, url, transport=transport, bucket_mb=args.bucket_mb) as ws:
+        times = []
+        for i in range(2 + args.repeats):
+            with torch.no_grad():  # a real update each time, so no stale state can pass
+                trainer.params[0].add_(1e-2 if i % 2 else -1e-2)
+            stats = ws.sync(f"{transport}-{i}")
+            if i >= 2:
+                times.append(stats["ms"])
+        assert client.weight_version() == f"{transport}-{i}"
+        ws.verify(f"{transport}-{i}")  # sha256 of every tensor on both sides (not timed)
+        name = transport if transport != "auto" else f"auto={ws.transport}"
+    ms = statistics.median(times)
+    return dict(transport=name, ms=ms, gib_per_s=nbytes / 2**30 / (ms / 1000),
+                vs_raw=ms / raw_one if raw_one == raw_one else None, buckets=stats["buckets"],
+                verified=True, min_ms=min(times), max_ms=max(times))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="qwen2.5-0.5b", choices=sorted(SHAPES))
+    ap.add_argument("--trainer-device", default="cuda:0")
+    ap.add_argument("--engine-device", default="cuda:1")
+    ap.add_argument("--transports", default="auto,ipc,staged,distributed,disk")
+    ap.add_argument("--bucket-mb", type=float, default=1024.0)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--label", default="")
+    args = ap.parse_args()
+    tdev, edev = torch.device(args.trainer_device), torch.device(args.engine_device)
+    dtype = "bfloat16" if tdev.type == "cuda" else "float32"
+
+    model = make_model(args.shapes, tdev).to(getattr(torch, dtype))
+    folder = tempfile.mkdtemp(prefix="bench-weight-sync-")
+    model.save_pretrained(folder)  # the engine starts from these weights (no tokenizer needed)
+    trainer = Trainer(TrainerConfig(device=str(tdev), dtype=dtype, micro_batch_size=8), model=model)
+    named = trainer.named_weights()
+    nbytes = sum(t.numel() * t.element_size() for _, t in named)
+
+    raw_one = raw_many = float("nan")
+    if tdev.type == "cuda" and edev.type == "cuda":
+        raw_one, raw_many = raw_copies(named, tdev, edev)
+
+    engine = start_engine_process(folder, device=str(edev), dtype=dtype, ready_timeout=600,
+                                  extra_args=["--no-cuda-graph", "--num-kv-blocks", "512", "--max-running-requests", "16"])
+    rows, parity_row = [], None
+    try:
+        client = engine.client(timeout=600)
+        try:
+            parity_row = parity(trainer, client, vocab=min(1000, SHAPES[args.shapes]["vocab_size"]))
+        except Exception as e:
+            print(f"parity: FAILED: {type(e).__name__}: {e}", flush=True)
+        for transport in [t for t in args.transports.split(",") if t]:
+            try:
+                rows.append(measure(trainer, client, engine.url, transport, args, nbytes, raw_one))
+            except Exception as e:  # one broken transport must not hide the others' figures
+                print(f"{transport}: FAILED: {type(e).__name__}: {e}", flush=True)
+                rows.append(dict(transport=transport, error=f"{type(e).__name__}: {e}"[:500]))
+        client.close()
+    finally:
+        engine.stop()
+
+    name = torch.cuda.get_device_name(tdev) if tdev.type == "cuda" else platform.processor() or "cpu"
+    label = f" [{args.label}]" if args.label else ""
+    print(f"\nWeight sync{label}: {args.shapes} shapes, {nbytes / 2**30:.3f} GiB {dtype}, trainer {tdev} -> "
+          f"engine process {edev}, on {torch.cuda.device_count()} x {name}")
+    print(f"raw device-to-device copy of the same bytes: one buffer {raw_one:.2f} ms, "
+          f"{len(named)} separate copies {raw_many:.2f} ms")
+    print(f"{'transport':12s} {'ms (median)':>12s} {'GiB/s':>8s} {'x raw copy':>11s} {'min..max ms':>16s} {'verified':>9s}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['transport']:12s} failed: {r['error']}")
+            continue
+        vs = f"{r['vs_raw']:.1f}" if r["vs_raw"] is not None else "-"
+        print(f"{r['transport']:12s} {r['ms']:12.1f} {r['gib_per_s']:8.1f} {vs:>11s} "
+              f"{r['min_ms']:7.1f}..{r['max_ms']:<8.1f} {str(r['verified']):>9s}")
+    if parity_row:
+        print(f"log-prob parity, trainer vs engine ({dtype}, 8 x 64 sampled tokens): "
+              f"mean {parity_row[0]:.2e}, max {parity_row[1]:.2e}")
+    try:
+        commit = os.environ.get("BENCH_COMMIT") or subprocess.check_output(
+            ["git", "rev-parse", "--short", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    record = dict(bench="weight_sync", label=args.label,
+                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  commit=commit, machine=f"{torch.cuda.device_count()} x {name}", torch=torch.__version__,
+                  config=vars(args), bytes=nbytes, raw_copy_ms=raw_one, raw_per_tensor_ms=raw_many,
+                  parity_mean=parity_row and parity_row[0], parity_max=parity_row and parity_row[1],
+                  nccl_p2p_disable=os.environ.get("NCCL_P2P_DISABLE"), results=rows)
+    line = json.dumps(record)
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results.jsonl"), "a") as f:
+        f.write(line + "\n")
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], f"weight_sync{('_' + args.label) if args.label else ''}.json"), "w") as f:
+            f.write(line + "\n")
+
+
+if __name__ == "__main__":
+    main()
