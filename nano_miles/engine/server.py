@@ -609,9 +609,7 @@ class Server:
         # and the group stays in step; then check, then swap.
         async with self.group_locks[name]:
             try:
-                received = await asyncio.to_thread(
-                    W.receive_weights, self.groups[name], names, dtypes, shapes, fmt, self.engine.device,
-                    self.args.dist_timeout)
+                received = await asyncio.to_thread(self._receive, self.groups[name], names, dtypes, shapes, fmt)
             except Exception as e:
                 # A broken collective leaves the group in an unknown state: drop it (its teardown may
                 # block until its own timeout, so in a daemon thread) and make the trainer re-init.
@@ -624,6 +622,13 @@ class Server:
         except W.WeightPayloadError as e:
             return _weight_answer(False, f"Failed to update weights from distributed: {e}")
         return await self._apply(named, body, f"distributed group {name!r}")
+
+    def _receive(self, pg, names, dtypes, shapes, fmt):
+        device = self.engine.device
+        if device.type == "cuda":
+            import torch
+            torch.cuda.set_device(device)  # this pool thread's current device is what NCCL uses
+        return W.receive_weights(pg, names, dtypes, shapes, fmt, device, self.args.dist_timeout)
 
     async def destroy_group(self, request):
         body = await _json_body(request, default={})
@@ -663,7 +668,10 @@ async def _serve(args, model_path) -> int:
     loop = asyncio.get_running_loop()
     server = Server(args, model_path)
     app = server.app(loop)
-    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+    try:  # a client that disconnects cancels its handler, which aborts its requests (aiohttp >= 3.9)
+        runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+    except TypeError:
+        runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()

@@ -294,3 +294,36 @@ def test_bucket_by_bytes_keeps_order_and_limit():
     assert [n for b in buckets for n, _ in b] == [n for n, _ in named]
     assert all(sum(t.numel() * 4 for _, t in b) <= 24 for b in buckets)
     assert [len(b) for b in buckets] == [3, 1, 1, 1]
+
+
+CUDA_TRAINER = """
+import sys, torch
+from nano_miles.client import EngineClient
+from nano_miles.engine import weights as W
+from safetensors.torch import load_file
+client = EngineClient(sys.argv[1])
+state = {n: (t + 0.05).to("cuda:0", torch.bfloat16) for n, t in load_file(sys.argv[2]).items()}
+payload, bucket = W.serialize_bucket(state.items())
+print(client.update_weights_from_tensor(payload, load_format="flattened_bucket", weight_version="ipc-1")["message"])
+sums = client.weights_checksum()["checksums"]
+assert sums == W.checksums((n, t) for n, t in state.items() if n in sums), "checksum mismatch"
+del bucket; torch.cuda.ipc_collect()
+print("OK")
+"""
+
+
+@pytest.mark.gpu
+def test_cuda_ipc_bucket_from_another_process_on_the_same_gpu(tiny_model_path):
+    """GPU only: a trainer process shares a bf16 bucket on cuda:0 with a bf16 engine on cuda:0."""
+    import subprocess
+    import sys
+
+    from nano_miles.client import start_engine_process
+
+    with start_engine_process(str(tiny_model_path), device="cuda:0", dtype="bfloat16",
+                              extra_args=("--num-kv-blocks", "256")) as engine:
+        out = subprocess.run([sys.executable, "-c", CUDA_TRAINER, engine.url,
+                              str(next(tiny_model_path.glob("*.safetensors")))],
+                             capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "PYTHONPATH": os.getcwd()})
+        assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr + engine.log()
