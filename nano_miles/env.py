@@ -20,8 +20,6 @@ from __future__ import annotations
 import asyncio
 import random
 import re
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 
 from nano_miles.tasks import SetupError, Task, TaskInstance, Workspace, verify
@@ -129,9 +127,9 @@ class OpenShellEnv:
         """Create the sandbox, run the task's setup; returns the chat messages of the prompt.
 
         Raises SetupError when the sandbox cannot run the setup (infrastructure, not the policy)."""
-        self.workdir = tempfile.mkdtemp(prefix=f"nano-miles-{self.task.id}-")
         try:
-            self.sandbox = self.sandbox_factory(self.workdir)
+            self.sandbox = self.sandbox_factory()
+            self.workdir = self.sandbox.workspace   # a fresh directory the sandbox owns and removes
             self.instance = self.task.setup(Workspace(self.sandbox, self.workdir), random.Random(self.seed))
         except SetupError:
             self.close()
@@ -150,9 +148,7 @@ class OpenShellEnv:
                 self.sandbox.close()
             finally:
                 self.sandbox = None
-        if self.workdir:
-            shutil.rmtree(self.workdir, ignore_errors=True)
-            self.workdir = None
+        self.workdir = None
 
     # -- turns ---------------------------------------------------------------------------------------
     def step(self, action_text: str) -> StepResult:
@@ -187,7 +183,7 @@ class OpenShellEnv:
         if self.components["infra_failures"]:
             return 0.0
         c = self.components
-        return c["correct"] + c["exec_ok"] + c["format"] + c["timeout"]
+        return round(c["correct"] + c["exec_ok"] + c["format"] + c["timeout"], 6)
 
     # -- internals -----------------------------------------------------------------------------------
     def _begin_turn(self, action_text: str) -> tuple[str, str]:
@@ -201,7 +197,7 @@ class OpenShellEnv:
 
     def _after_exec(self, cmd: str, r) -> StepResult:
         if r.timed_out:
-            self.components["timeout"] += self.cfg.timeout_penalty
+            self.components["timeout"] = round(self.components["timeout"] + self.cfg.timeout_penalty, 6)
             kind = "timeout"
         else:
             kind = "exec"
@@ -221,7 +217,7 @@ class OpenShellEnv:
             self.components["correct"] = self.cfg.correct_reward if ok else 0.0
             self.done, self.finish_reason = True, "answer"
             return StepResult(None, True, "answer")
-        self.components["format"] += self.cfg.format_penalty
+        self.components["format"] = round(self.components["format"] + self.cfg.format_penalty, 6)
         return self._next(FORMAT_ERROR, "format_error")
 
     def _next(self, observation: str, kind: str) -> StepResult:
@@ -237,9 +233,10 @@ class OpenShellEnv:
         return StepResult(None, True, "infra_error")
 
 
-def default_sandbox(workdir: str):
+def default_sandbox():
+    """One sandbox per episode, with its own fresh workspace (removed on close), no network."""
     from nano_openshell import Sandbox
-    return Sandbox(workspace=workdir)
+    return Sandbox()
 
 
 # ---- chat template, at the token level ---------------------------------------------------------

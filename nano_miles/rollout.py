@@ -1,0 +1,177 @@
+"""Token-in-token-out (TITO) multi-turn rollouts over one or many engines.
+
+Per episode the prefix is a list of token ids that only ever grows:
+
+    prompt | act_1 | obs_1 | act_2 | obs_2 | ... | act_K
+
+- act_k: the engine's output_ids exactly as returned (stop token included; no_stop_trim), with the
+  engine's log-probs, loss mask True.
+- obs_k: the observation turn (close the assistant turn if the model did not, the tool output, the
+  next assistant header) encoded ON ITS OWN, log-prob 0.0, loss mask False.
+The full history is never re-encoded: re-encoding the rendered text can merge BPE pieces across a
+turn boundary and shift every later token away from the log-prob it was sampled with (see
+tests/nano_miles/test_tito.py for a real case). After every turn we assert the old prefix is an exact
+prefix of the new one.
+
+Engines are reached only through the SGLang /generate protocol, so a real SGLang server works too.
+Each group (the G samples of one task) goes to one engine, so its shared prompt hits the prefix cache.
+"""
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass, field
+
+from nano_miles.batch import Trajectory
+from nano_miles.env import ChatFormat, EnvConfig, OpenShellEnv
+from nano_miles.tasks import SetupError, Task
+
+
+@dataclass
+class RolloutConfig:
+    group_size: int = 8
+    max_new_tokens: int = 256        # per model turn
+    temperature: float = 1.0         # RL samples at T=1, no top-p/top-k: engines agree on log-probs there
+    top_p: float = 1.0
+    top_k: int = -1
+    max_concurrency: int = 64        # episodes in flight at once (each holds a sandbox)
+    env: EnvConfig = field(default_factory=EnvConfig)
+
+    def __post_init__(self):
+        if self.group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {self.group_size}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+class TITOViolation(AssertionError):
+    """The prefix stopped being an exact prefix of the new sequence: a bug, never a model error."""
+
+
+def sampling_params(cfg: RolloutConfig, fmt: ChatFormat, max_new_tokens: int) -> dict:
+    return {"max_new_tokens": max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
+            "top_k": cfg.top_k, "stop_token_ids": fmt.stop_ids, "no_stop_trim": True,
+            "skip_special_tokens": False, "spaces_between_special_tokens": False}
+
+
+def parse_generate_response(resp: dict) -> tuple[list[int], list[float], str, str]:
+    """output ids, their log-probs, the finish type and the weight version from a /generate reply."""
+    try:
+        meta = resp["meta_info"]
+        ids = [int(i) for i in resp["output_ids"]]
+        # SGLang: output_token_logprobs = [[logprob, token_id, text_or_null], ...]
+        lps = [float(e[0]) for e in meta["output_token_logprobs"]]
+        if [int(e[1]) for e in meta["output_token_logprobs"]] != ids:
+            raise ValueError("output_token_logprobs token ids differ from output_ids")
+    except (KeyError, TypeError, IndexError, ValueError) as e:
+        raise ValueError(f"malformed /generate response ({e}): {str(resp)[:300]}") from e
+    fr = meta.get("finish_reason") or {}
+    return ids, lps, (fr.get("type", "") if isinstance(fr, dict) else str(fr)), str(meta.get("weight_version", ""))
+
+
+async def run_episode(client, fmt: ChatFormat, task: Task, seed: int, group_id: str,
+                      cfg: RolloutConfig, sandbox_factory=None) -> Trajectory:
+    """Play one episode against one engine; the returned trajectory is complete and self-consistent."""
+    env = OpenShellEnv(task, seed, cfg.env, sandbox_factory)
+    # Setup and commands run in threads that a cancellation cannot stop. Shield them, and before
+    # closing the sandbox wait for the one in flight (bounded by its timeout): closing under a running
+    # setup would leak the sandbox it is about to create.
+    in_flight = None
+
+    async def settle(coro):
+        nonlocal in_flight
+        in_flight = asyncio.ensure_future(coro)
+        return await asyncio.shield(in_flight)
+
+    try:
+        try:
+            messages = await settle(asyncio.to_thread(env.reset))
+        except SetupError as e:
+            return Trajectory([], [], [], [], reward=0.0, reward_components={"infra_failures": 1, "error": str(e)},
+                              num_turns=0, finish_reason="infra_error", task_id=task.id, group_id=group_id)
+        prompt = fmt.prompt_ids(messages)
+        ids = list(prompt)                               # the growing prefix
+        resp_ids, resp_lps, resp_mask, versions = [], [], [], []
+        while not env.done:
+            budget = cfg.env.max_total_tokens - len(ids)
+            if budget <= 0:
+                env.end("token_budget")
+                break
+            out = await client.generate(input_ids=ids, sampling_params=sampling_params(
+                cfg, fmt, min(cfg.max_new_tokens, budget)), return_logprob=True,
+                rid=f"{group_id}-{seed}-t{env.turns}-{uuid.uuid4().hex[:8]}")
+            out_ids, out_lps, finish, version = parse_generate_response(out)
+            versions.append(version)
+            if finish == "abort":
+                env.end("abort")  # the engine dropped the request (a weight update, a shutdown)
+            before = list(ids)
+            ids += out_ids
+            resp_ids += out_ids
+            resp_lps += out_lps
+            resp_mask += [True] * len(out_ids)
+            if env.done:
+                break
+            text = fmt.tokenizer.decode(out_ids, skip_special_tokens=True)
+            step = await settle(env.astep(text))
+            if not step.done:
+                obs = fmt.observation_ids(step.observation, out_ids[-1] if out_ids else None)
+                if len(ids) + len(obs) >= cfg.env.max_total_tokens:
+                    env.end("token_budget")  # no room for the next turn: stop before the observation
+                    break
+                ids += obs
+                resp_ids += obs
+                resp_lps += [0.0] * len(obs)
+                resp_mask += [False] * len(obs)
+            if ids[:len(before)] != before or ids != prompt + resp_ids:
+                raise TITOViolation(f"{task.id}: prefix property broken at turn {env.turns}")
+        components = dict(env.components)
+        if getattr(env, "infra_error", None):
+            components["error"] = env.infra_error
+        return Trajectory(
+            prompt_ids=prompt, response_ids=resp_ids, response_logprobs=resp_lps, response_mask=resp_mask,
+            reward=env.reward, reward_components=components, num_turns=len(versions),
+            finish_reason=env.finish_reason, task_id=task.id, group_id=group_id, weight_versions=versions)
+    finally:
+        if in_flight is not None and not in_flight.done():
+            await asyncio.wait([in_flight])
+        await asyncio.to_thread(env.close)
+
+
+async def rollout_groups(urls: list[str], tokenizer, tasks: list[Task], cfg: RolloutConfig,
+                         seed: int = 0, sandbox_factory=None, clients=None) -> list[Trajectory]:
+    """G samples of every task, all episodes concurrently; group g goes to engine g % len(urls).
+
+    Samples in a group share the task seed (same files, same ground truth): GRPO compares them
+    against each other. Trajectories come back grouped, in task order. If an engine is unavailable
+    the whole call fails with that error (the other episodes are cancelled and their sandboxes closed):
+    the training loop decides whether to retry.
+    """
+    from nano_miles.client import AsyncEngineClient
+
+    if not urls and clients is None:
+        raise ValueError("rollout_groups needs at least one engine URL")
+    fmt = tokenizer if isinstance(tokenizer, ChatFormat) else ChatFormat(tokenizer)
+    own = clients is None
+    clients = clients or [AsyncEngineClient(u) for u in urls]
+    sem = asyncio.Semaphore(cfg.max_concurrency)
+
+    async def one(client, task, task_seed, group_id):
+        async with sem:
+            return await run_episode(client, fmt, task, task_seed, group_id, cfg, sandbox_factory)
+
+    try:
+        jobs = []
+        async with asyncio.TaskGroup() as tg:
+            for g, task in enumerate(tasks):
+                task_seed = seed * 100_003 + g
+                group_id = f"{task.id}-s{task_seed}"
+                for _ in range(cfg.group_size):
+                    jobs.append(tg.create_task(one(clients[g % len(clients)], task, task_seed, group_id)))
+        return [j.result() for j in jobs]
+    except ExceptionGroup as eg:
+        # Surface the first real error (EngineUnavailable, TITOViolation...) rather than a group of them.
+        raise eg.exceptions[0] from None
+    finally:
+        if own:
+            for c in clients:
+                await c.close()
