@@ -234,6 +234,14 @@ def _torch_dtype_global(name: str):
     return value if isinstance(value, torch.dtype) else None
 
 
+@dataclasses.dataclass
+class LocalSerializedTensor:
+    """SGLang's per-TP-rank wrapper (verl sends it in "direct" payloads): values[rank] is itself a
+    serialized tensor. Unpickled in place of sglang.srt.model_executor.model_runner's class."""
+
+    values: list
+
+
 _ALLOWED = {
     ("builtins", n): None
     for n in ("list", "tuple", "dict", "set", "frozenset", "int", "float", "str", "bytes", "bool")
@@ -256,6 +264,7 @@ _ALLOWED.update(
         ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"): _rebuild_cuda_tensor,
         ("multiprocessing.resource_sharer", "DupFd"): None,
         (SGLANG_BUCKET_MODULE, "FlattenedTensorMetadata"): FlattenedTensorMetadata,
+        ("sglang.srt.model_executor.model_runner", "LocalSerializedTensor"): LocalSerializedTensor,
     }
 )
 
@@ -306,12 +315,23 @@ def decode_tensor_payload(serialized_named_tensors, load_format: str | None) -> 
         return FlattenedTensorBucket(flattened_tensor=obj["flattened_tensor"], metadata=obj["metadata"]).reconstruct_tensors()
     if load_format in (None, "direct"):
         if not isinstance(obj, (list, tuple)) or not all(
-            isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], torch.Tensor)
-            for p in obj
+            isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], str)
+            and isinstance(p[1], (torch.Tensor, LocalSerializedTensor)) for p in obj
         ):
             raise WeightPayloadError("a direct payload must be a list of (name, tensor) pairs")
-        return [(name, tensor) for name, tensor in obj]
+        return [(name, _unwrap(name, tensor)) for name, tensor in obj]
     raise WeightPayloadError(f"unknown load_format {load_format!r}: use null, 'direct' or 'flattened_bucket'")
+
+
+def _unwrap(name: str, tensor) -> torch.Tensor:
+    if isinstance(tensor, torch.Tensor):
+        return tensor
+    if not isinstance(getattr(tensor, "values", None), list) or not tensor.values:
+        raise WeightPayloadError(f"{name}: LocalSerializedTensor without values")
+    inner = deserialize(tensor.values[0])  # this engine is TP rank 0
+    if not isinstance(inner, torch.Tensor):
+        raise WeightPayloadError(f"{name}: LocalSerializedTensor.values[0] is not a tensor")
+    return inner
 
 
 def load_safetensors_folder(path: str | Path) -> list[tuple[str, torch.Tensor]]:

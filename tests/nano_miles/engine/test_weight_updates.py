@@ -327,3 +327,32 @@ def test_cuda_ipc_bucket_from_another_process_on_the_same_gpu(tiny_model_path):
                              capture_output=True, text=True, timeout=300,
                              env={**os.environ, "PYTHONPATH": os.getcwd()})
         assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr + engine.log()
+
+
+def test_verl_style_local_serialized_tensors_are_unwrapped():
+    """verl wraps each tensor as sglang's LocalSerializedTensor(values=[serialized per TP rank])."""
+    import dataclasses
+    import io
+    import sys
+    import types
+    from multiprocessing.reduction import ForkingPickler
+
+    @dataclasses.dataclass
+    class LocalSerializedTensor:
+        values: list
+
+    LocalSerializedTensor.__module__ = "sglang.srt.model_executor.model_runner"
+    LocalSerializedTensor.__qualname__ = "LocalSerializedTensor"
+    names = ["sglang", "sglang.srt", "sglang.srt.model_executor", "sglang.srt.model_executor.model_runner"]
+    for n in names:
+        sys.modules[n] = types.ModuleType(n)
+    sys.modules[names[-1]].LocalSerializedTensor = LocalSerializedTensor
+    try:
+        inner = base64.b64decode(W.serialize(torch.full((2, 2), 3.0)))
+        buf = io.BytesIO()
+        ForkingPickler(buf).dump([("w", LocalSerializedTensor(values=[inner]))])
+    finally:
+        for n in names:
+            del sys.modules[n]
+    [(name, tensor)] = W.decode_tensor_payload([base64.b64encode(buf.getvalue()).decode()], None)
+    assert name == "w" and tensor.tolist() == [[3.0, 3.0], [3.0, 3.0]]
