@@ -66,13 +66,14 @@ class Scheduler:
                 budget -= n
         if prefill:
             return "prefill", prefill
-        decode = []
+        decode, preempted = [], set()
         for seq in list(self.running):
-            if seq not in self.running:  # preempted below while making room for an earlier one
+            if id(seq) in preempted:  # preempted below while making room for an earlier one
                 continue
             while not self.blocks.ensure_slots(seq, len(seq.token_ids)):
                 victim = self.running[-1]
                 self.preempt(victim)
+                preempted.add(id(victim))
                 if victim is seq:
                     break
             else:
