@@ -19,6 +19,7 @@ Each group (the G samples of one task) goes to one engine, so its shared prompt 
 from __future__ import annotations
 
 import asyncio
+import sys
 import uuid
 from dataclasses import dataclass, field
 
@@ -138,13 +139,18 @@ async def run_episode(client, fmt: ChatFormat, task: Task, seed: int, group_id: 
 
 
 async def rollout_groups(urls: list[str], tokenizer, tasks: list[Task], cfg: RolloutConfig,
-                         seed: int = 0, sandbox_factory=None, clients=None) -> list[Trajectory]:
+                         seed: int = 0, sandbox_factory=None, clients=None,
+                         stats: dict | None = None) -> list[Trajectory]:
     """G samples of every task, all episodes concurrently; group g goes to engine g % len(urls).
 
     Samples in a group share the task seed (same files, same ground truth): GRPO compares them
     against each other. Trajectories come back grouped, in task order. If an engine is unavailable
     the whole call fails with that error (the other episodes are cancelled and their sandboxes closed):
     the training loop decides whether to retry.
+
+    Episodes whose sandbox setup failed have no prompt and nothing to learn from: they are left out
+    of the result and counted in stats["setup_failures"] (with the first errors in stats["setup_errors"]).
+    Sandbox failures later in an episode stay in, with finish_reason "infra_error" and reward 0.
     """
     from nano_miles.client import AsyncEngineClient
 
@@ -167,7 +173,15 @@ async def rollout_groups(urls: list[str], tokenizer, tasks: list[Task], cfg: Rol
                 group_id = f"{task.id}-s{task_seed}"
                 for _ in range(cfg.group_size):
                     jobs.append(tg.create_task(one(clients[g % len(clients)], task, task_seed, group_id)))
-        return [j.result() for j in jobs]
+        results = [j.result() for j in jobs]
+        failed = [t for t in results if t.finish_reason == "infra_error" and not t.prompt_ids]
+        if stats is not None:
+            stats["setup_failures"] = len(failed)
+            stats["setup_errors"] = [t.reward_components.get("error", "") for t in failed[:3]]
+        if failed:
+            print(f"rollout: {len(failed)} episode(s) lost to sandbox setup failures, e.g. "
+                  f"{failed[0].reward_components.get('error', '')}", file=sys.stderr)
+        return [t for t in results if t.prompt_ids]
     except ExceptionGroup as eg:
         # Surface the first real error (EngineUnavailable, TITOViolation...) rather than a group of them.
         raise eg.exceptions[0] from None

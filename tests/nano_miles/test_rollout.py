@@ -190,3 +190,52 @@ def test_garbage_turns_then_a_correct_answer(fmt):
     # the printed '<|im_end|><|im_start|>' stayed text: turn markers only where the template put them
     im_start = fmt.tokenizer.convert_tokens_to_ids("<|im_start|>")
     assert t.response_ids.count(im_start) == 2 * 7
+
+
+def test_setup_failures_are_counted_not_returned(tok):
+    from nano_openshell import Sandbox
+
+    stats = {}
+    cfg = RolloutConfig(group_size=2)
+    broken = lambda: Sandbox(workspace="/nonexistent/workspace")  # noqa: E731  (a real, failing sandbox)
+    trajs = asyncio.run(rollout_groups(["http://127.0.0.1:9"], tok, select_tasks("kernel_name,md5_file"), cfg,
+                                       sandbox_factory=broken, stats=stats))
+    assert trajs == [] and stats["setup_failures"] == 4
+    assert "does not exist" in stats["setup_errors"][0]
+
+
+# ---- the command lines ---------------------------------------------------------------------------
+
+def test_pass_at_k():
+    from nano_miles.evaluate import pass_at_k
+
+    assert pass_at_k(8, 0, 1) == 0.0 and pass_at_k(8, 8, 8) == 1.0
+    assert pass_at_k(8, 2, 1) == pytest.approx(0.25)
+    assert pass_at_k(4, 1, 2) == pytest.approx(0.5)      # 1 - C(3,2)/C(4,2) = 1 - 3/6
+    assert pass_at_k(8, 1, 8) == 1.0
+    with pytest.raises(ValueError):
+        pass_at_k(2, 3, 1)
+
+
+def test_rollout_and_eval_cli(engine_server, tiny_model_path, tmp_path, capsys):
+    from nano_miles import cli
+
+    out, results = tmp_path / "r.jsonl", tmp_path / "results.jsonl"
+    common = ["--model", str(tiny_model_path), "--engine-url", engine_server.url, "--max-turns", "2",
+              "--max-new-tokens", "16", "--results-jsonl", str(results)]
+    assert cli.main(["rollout", *common, "--tasks", "kernel_name,md5_file", "--group-size", "2",
+                     "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "pass rate" in printed and "mean reward" in printed and "mean turns" in printed
+    trajs = [Trajectory.from_dict(json.loads(line)) for line in out.read_text().splitlines()]
+    assert len(trajs) == 4 and {t.task_id for t in trajs} == {"kernel_name", "md5_file"}
+    assert cli.main(["eval", *common, "--tasks", "kernel_name,md5_file,nth_line", "--samples", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "pass@1" in printed and "pass@2" in printed
+    for fam in ("system", "hashing", "text", "all"):
+        assert fam in printed
+    lines = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [r["kind"] for r in lines] == ["rollout", "eval"]
+    assert all({"date", "commit", "machine", "pass_rate", "mean_reward"} <= set(r) for r in lines)
+    assert cli.main(["eval", *common, "--tasks", "no_such_task"]) == 2
+    assert "unknown task" in capsys.readouterr().out

@@ -1,0 +1,75 @@
+"""`nano-miles eval`: pass@1 and pass@K of a model on a task split, per task family.
+
+    nano-miles eval --model qwen2.5-coder-0.5b-instruct --tasks heldout --samples 8
+
+K samples per task (one group each, same files and ground truth); a sample passes when the verifier
+accepts its answer. pass@k uses the unbiased estimator 1 - C(n-c, k) / C(n, k) per task (n samples,
+c correct), averaged over the tasks of a family.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+from nano_miles.rollout_cli import add_common_arguments, append_result, collect, solved, summarize
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def per_family(trajs, tasks, k: int) -> dict[str, dict]:
+    """{family: {tasks, pass@1, pass@k}} plus "all"."""
+    family = {t.id: t.family for t in tasks}
+    by_task: dict[str, list[bool]] = {}
+    for t in trajs:
+        by_task.setdefault(t.task_id, []).append(solved(t))
+    rows: dict[str, list[tuple[float, float]]] = {}
+    for task_id, results in by_task.items():
+        n, c = len(results), sum(results)
+        scores = (pass_at_k(n, c, 1), pass_at_k(n, c, min(k, n)))
+        rows.setdefault(family[task_id], []).append(scores)
+        rows.setdefault("all", []).append(scores)
+    return {fam: {"tasks": len(v), "pass@1": sum(a for a, _ in v) / len(v), f"pass@{k}": sum(b for _, b in v) / len(v)}
+            for fam, v in sorted(rows.items(), key=lambda kv: (kv[0] == "all", kv[0]))}
+
+
+def add_arguments(p) -> None:
+    add_common_arguments(p, default_tasks="heldout")
+    p.add_argument("--samples", type=int, default=8, help="K: samples per task")
+    p.add_argument("--json", action="store_true", help="print the table as JSON")
+
+
+def run(args) -> int:
+    from nano_miles.tasks import select_tasks
+
+    if args.samples < 1:
+        print("nano-miles eval: --samples must be >= 1")
+        return 2
+    try:
+        tasks = select_tasks(args.tasks)
+    except KeyError as e:
+        print(f"nano-miles eval: {e.args[0]}")
+        return 2
+    trajs, secs, setup_failures = collect(args, tasks, args.samples)
+    k = args.samples
+    table = per_family(trajs, tasks, k)
+    s = summarize(trajs, setup_failures)
+    if args.json:
+        print(json.dumps({"per_family": table, **s}))
+    else:
+        print(f"{args.model} on {args.tasks}: {len(tasks)} tasks x {k} samples in {secs:.1f}s")
+        print(f"{'family':<12} {'tasks':>5} {'pass@1':>8} {f'pass@{k}':>8}")
+        for fam, row in table.items():
+            print(f"{fam:<12} {row['tasks']:>5} {row['pass@1']:>8.3f} {row[f'pass@{k}']:>8.3f}")
+        print(f"mean reward {s['mean_reward']:+.3f}   mean turns {s['mean_turns']:.2f}   "
+              f"infra failures {s['infra_failures']}   finish {s['finish_reasons']}")
+    if args.results_jsonl:
+        append_result(args.results_jsonl, {"kind": "eval", "model": args.model, "tasks": args.tasks, "samples": k,
+                                           "max_turns": args.max_turns, "seconds": round(secs, 1),
+                                           "per_family": table, **s})
+    return 0
