@@ -204,6 +204,8 @@ class EngineWorker:
                 n = 0
                 if mode == "abort":
                     n = self._abort(None, "aborted by pause_generation")
+                # in_place: running requests keep their KV cache; if weights change before continue,
+                # that KV was computed with the old weights (SGLang behaves the same). retract avoids it.
                 elif mode == "retract":
                     # Free the running requests' KV; they are recomputed (with the weights of that
                     # moment) once generation continues. Their generated tokens are kept.

@@ -275,3 +275,14 @@ def test_duplicate_rid_in_flight_is_refused(engine_server, engine_client):
 def test_bad_control_input_is_400(engine_server, path, body, needle):
     r = post(engine_server.url, path, body)
     assert r.status_code == 400 and needle in r.json()["error"]["message"]
+
+
+def test_a_client_that_goes_away_frees_its_request(engine_server, engine_client):
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        requests.post(engine_server.url + "/generate", timeout=1.0,
+                      json={"input_ids": [3, 4, 5], "rid": "gone", "sampling_params": {"max_new_tokens": 3000,
+                                                                                         "ignore_eos": True}})
+    deadline = time.time() + 10
+    while engine_client.server_info()["internal_states"][0]["running"] and time.time() < deadline:
+        time.sleep(0.05)
+    assert engine_client.server_info()["internal_states"][0]["running"] == 0
