@@ -144,6 +144,7 @@ def validate_timeout(timeout) -> float:
     return float(timeout)
 
 
+_SETPRIV = shutil.which("setpriv", path="/usr/bin:/bin:/usr/sbin:/sbin")
 _SECCOMP = {}
 _EXECUTOR = None
 _EXECUTOR_LOCK = threading.Lock()
@@ -325,7 +326,13 @@ class Sandbox:
                 tail = ["/bin/bash", "-c", script]
             sock_fd = self._socket_fd if self._proxy is not None else None
             argv = self._bwrap_argv + namespaced.command_args(prog_r, script_fd, sock_fd) + tail
-            user = {} if self.uid is None else dict(user=self.uid, group=self.uid, extra_groups=[])
+            user = {}
+            if self.uid is not None and _SETPRIV:
+                # setpriv changes the uid, so Popen may vfork: a fork of a supervisor holding GBs
+                # (torch loaded) costs tens of ms, more than the whole sandbox
+                argv = [_SETPRIV, f"--reuid={self.uid}", f"--regid={self.uid}", "--clear-groups", "--"] + argv
+            elif self.uid is not None:
+                user = dict(user=self.uid, group=self.uid, extra_groups=[])
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, env=self._env(namespaced.WORKDIR, "/tmp"),
                                     pass_fds=tuple(self._fds + owned), **user)

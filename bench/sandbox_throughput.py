@@ -1,0 +1,98 @@
+"""Isolated commands per second: each working sandbox tier against plain subprocess, same run.
+
+    .venv/bin/python bench/sandbox_throughput.py [--n 300] [--concurrency 8] [--command true]
+
+"plain subprocess" is bash -c COMMAND in a new session with captured output (what an unsandboxed
+tool runner does). Each tier runs through Sandbox.exec with default limits. Prints a table and
+appends one JSON line to bench/results.jsonl. Goal: >= 300/s for the preferred tier at 8-way.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from nano_openshell import Sandbox, probe  # noqa: E402
+
+
+def plain(command: str) -> None:
+    subprocess.run(["/bin/bash", "-c", command], stdin=subprocess.DEVNULL, capture_output=True,
+                   start_new_session=True, timeout=30)
+
+
+def rate(run_one, n: int, concurrency: int) -> float:
+    for _ in range(min(10, n)):  # warm up (page cache, lazily built state)
+        run_one()
+    t0 = time.perf_counter()
+    if concurrency == 1:
+        for _ in range(n):
+            run_one()
+    else:
+        with ThreadPoolExecutor(concurrency) as pool:
+            list(pool.map(lambda _: run_one(), range(n)))
+    return n / (time.perf_counter() - t0)
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=300, help="commands per measurement")
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--command", default="true")
+    args = ap.parse_args()
+
+    p = probe()
+    runners = {"plain subprocess": (lambda: plain(args.command), None)}
+    sandboxes = []
+    for tier in ("namespaced", "fallback"):
+        if p["tiers"][tier]["ok"]:
+            sb = Sandbox(tier=tier, min_tier="fallback")
+            sandboxes.append(sb)
+
+            def run_one(sb=sb):
+                r = sb.exec(args.command, timeout=30)
+                assert r.exit_code == 0 and not r.timed_out, r
+            runners[f"sandbox {tier}"] = (run_one, sb)
+        else:
+            print(f"# tier {tier} skipped: {p['tiers'][tier]['reason']}")
+
+    rows = []
+    try:
+        for name, (run_one, _) in runners.items():
+            seq = rate(run_one, args.n, 1)
+            par = rate(run_one, args.n, args.concurrency)
+            rows.append({"runner": name, "sequential_per_s": round(seq, 1),
+                         f"concurrent{args.concurrency}_per_s": round(par, 1)})
+    finally:
+        for sb in sandboxes:
+            sb.close()
+
+    machine = f"{platform.node()} {platform.machine()} {os.cpu_count()} cores, kernel {platform.release()}"
+    print(f"\n{args.n} x `{args.command}`, {machine}, uid {os.geteuid()}, preferred tier {p['tier']}")
+    print(f"| runner | sequential /s | {args.concurrency}-way /s |\n|---|---|---|")
+    for r in rows:
+        print(f"| {r['runner']} | {r['sequential_per_s']} | {r[f'concurrent{args.concurrency}_per_s']} |")
+    record = {"bench": "sandbox_throughput",
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "commit": git_commit(), "machine": machine, "uid": os.geteuid(), "preferred_tier": p["tier"],
+              "config": vars(args), "results": rows}
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results.jsonl"), "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+if __name__ == "__main__":
+    main()
