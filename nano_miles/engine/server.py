@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import queue
 import signal
 import sys
@@ -671,7 +672,7 @@ async def _serve(args, model_path) -> int:
     server = Server(args, model_path)
     app = server.app(loop)
     try:  # a client that disconnects cancels its handler, which aborts its requests (aiohttp >= 3.9)
-        runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=5)
     except TypeError:
         runner = web.AppRunner(app, access_log=None)
     await runner.setup()
@@ -692,9 +693,14 @@ async def _serve(args, model_path) -> int:
         print(f"nano-miles serve: ready on http://{args.host}:{port} (model {model_path}, {eng.device}, "
               f"{str(eng.dtype).removeprefix('torch.')}, weight_version {eng.weight_version})", flush=True)
         await stop.wait()
+        await server.worker.abort(None, "the server is shutting down")  # lets open /generate calls answer
     server.worker.stop()
     await runner.cleanup()
-    return rc
+    # Exit now: a weight-sync thread may still sit in a broadcast until its timeout, and the
+    # interpreter (and asyncio.run) would wait for it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 def run(args) -> int:

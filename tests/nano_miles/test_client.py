@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -86,7 +87,14 @@ def test_start_engine_process_serves_and_stops(tiny_model_path):
         assert client.health() and engine.alive()
         assert len(client.generate([1, 2, 3], {"max_new_tokens": 4, "ignore_eos": True})["output_ids"]) == 4
         assert "ready on http://127.0.0.1:" in engine.log()
-    assert engine.process.returncode is not None
+        box = {}
+        t = threading.Thread(target=lambda: box.update(out=engine.client().generate(
+            [3, 4, 5], {"max_new_tokens": 3000, "ignore_eos": True})))
+        t.start()
+        time.sleep(0.5)
+        assert engine.stop() == 0  # SIGTERM: a clean exit, not a kill, even with a request running
+        t.join(10)
+        assert box["out"]["meta_info"]["finish_reason"]["type"] == "abort"  # it got an answer
     with pytest.raises(EngineUnavailable):
         client.generate([1, 2, 3], {"max_new_tokens": 1})
 

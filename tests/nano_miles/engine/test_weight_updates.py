@@ -280,10 +280,27 @@ def test_checksum_route_matches_the_trainer_side_function(engine_client, tiny_mo
         engine_client.weights_checksum(["nope"])
 
 
+def pickled_globals(raw: bytes) -> set:
+    import pickletools
+
+    strings, found = [], set()
+    for op, arg, _ in pickletools.genops(raw):
+        if isinstance(arg, str):
+            strings.append(arg)
+        if op.name == "STACK_GLOBAL":
+            found.add((strings[-2], strings[-1]))
+        elif op.name == "GLOBAL":
+            found.add(tuple(arg.split(" ", 1)))
+    return found
+
+
 def test_metadata_pickles_under_sglangs_module_path():
-    payload, _ = W.serialize_bucket([("w", torch.ones(2, 3))])
-    raw = base64.b64decode(payload)
-    assert b"sglang.srt.weight_sync.tensor_bucket" in raw and b"FlattenedTensorMetadata" in raw
+    payload, _ = W.serialize_bucket([("w", torch.ones(2, 3)), ("b", torch.ones(3, dtype=torch.bfloat16))])
+    found = pickled_globals(base64.b64decode(payload))
+    assert ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata") in found
+    # Only modules a real SGLang server's allowlist admits (torch.*, builtins, its tensor_bucket).
+    assert all(m.split(".")[0] in ("torch", "builtins") or m == "sglang.srt.weight_sync.tensor_bucket"
+               for m, _ in found), found
     assert "sglang" not in __import__("sys").modules  # the alias lived only during the dump
     assert W.decode_tensor_payload([payload], "flattened_bucket")[0][1].tolist() == [[1.0] * 3] * 2
 
