@@ -244,8 +244,15 @@ class Sandbox:
                                f"the {self.tier!r} tier has no egress at all, and is not downgraded silently")
         from .proxy import PROTOCOL_VERSION, ProxyServer, handshake
 
-        self._supervisor_dir = tempfile.mkdtemp(prefix="nano-openshell-sup-")  # 0700: only we reach it
-        sock = os.path.join(self._supervisor_dir, "proxy.sock")
+        # <dir> (0700; 0711 when the sandbox has its own uid) holds the audit log; the socket sits in
+        # <dir>/sock, 0700 and owned by the sandbox's uid: bwrap must reach it, no one else may
+        self._supervisor_dir = tempfile.mkdtemp(prefix="nano-openshell-sup-")
+        sock_dir = os.path.join(self._supervisor_dir, "sock")
+        os.mkdir(sock_dir, 0o700)
+        if self.uid is not None:
+            os.chmod(self._supervisor_dir, 0o711)
+            os.chown(sock_dir, self.uid, self.uid)
+        sock = os.path.join(sock_dir, "proxy.sock")
         info = {"tier": self.tier, "capabilities": self.probe["capabilities"]}
         # the socket may be opened by the sandbox's uid; the private directory guards it from the host
         self._proxy = ProxyServer(policy, sock, audit_path=os.path.join(self._supervisor_dir, "audit.jsonl"),
