@@ -78,7 +78,7 @@ def _cmd_proxy(args) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    with server.start():
+    with server:  # starts it; stops it on the way out
         print(json.dumps({"listening": args.socket, "policy_sha256": policy.sha256}), flush=True)
         stop.wait()
     return 0

@@ -1,0 +1,116 @@
+"""The probe, the seccomp filters on their own, and the `nano-openshell` command line."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from nano_openshell import probe, seccomp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CLI = [sys.executable, "-m", "nano_openshell.cli"]
+
+
+def cli(*args, **kw):
+    return subprocess.run(CLI + list(args), capture_output=True, text=True, cwd=ROOT, timeout=60, **kw)
+
+
+def test_probe_names_a_tier_and_says_why():
+    p = probe()
+    assert p["tier"] in ("namespaced", "fallback") and p["reason"]
+    assert p["tiers"][p["tier"]]["ok"]
+    assert p["tiers"]["none"]["ok"] and "allow_unisolated" in p["tiers"]["none"]["reason"]
+    caps = p["capabilities"]
+    for key in ("root", "bwrap", "namespaces", "seccomp", "landlock_abi", "cgroup", "uid_drop"):
+        assert key in caps
+    assert probe() is p, "the probe is cached per process"
+    if p["tier"] == "fallback":
+        assert "unavailable" in p["reason"]
+
+
+def test_deny_list_is_well_formed_bpf():
+    for prog in (seccomp.deny_list(), seccomp.deny_list(unix_only=True), seccomp.deny_namespaces()):
+        assert len(prog) % 8 == 0 and 8 < len(prog) // 8 < 4096
+    for arch in ("x86_64", "aarch64"):
+        assert seccomp.deny_list(arch=arch) != seccomp.deny_list(unix_only=True, arch=arch)
+    with pytest.raises(OSError):
+        seccomp.deny_list(arch="mips")
+
+
+def test_deny_namespaces_launcher_blocks_namespaces_only():
+    code = ("import ctypes, os, socket; libc = ctypes.CDLL(None, use_errno=True)\n"
+            "print('unshare', libc.unshare(0x10000000), ctypes.get_errno())\n"
+            "socket.socket(socket.AF_INET, socket.SOCK_STREAM).close(); print('inet ok')\n"
+            "pid = os.fork()\n"
+            "if pid == 0: os._exit(7)\n"
+            "print('fork', os.waitpid(pid, 0)[1] >> 8)\n")
+    launcher = "import sys; from nano_openshell.seccomp import main; sys.exit(main())"
+    r = subprocess.run([sys.executable, "-c", launcher, "--deny-namespaces", "--", sys.executable, "-c", code],
+                       capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert r.stdout.split("\n")[:3] == ["unshare -1 1", "inet ok", "fork 7"], r.stderr
+    bad = subprocess.run([sys.executable, "-c", launcher, "--bogus"], capture_output=True, cwd=ROOT, timeout=60)
+    assert bad.returncode == 2
+
+
+def test_cli_exec_prints_one_json_result():
+    r = cli("exec", "--timeout", "10", "--min-tier", "fallback", "--", "echo hi; exit 3")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert (out["exit_code"], out["stdout"], out["timed_out"]) == (3, "hi\n", False)
+    assert out["tier"] == probe()["tier"]
+    words = cli("exec", "--min-tier", "fallback", "--", "printf", "%s|", "a b", "c")
+    assert json.loads(words.stdout)["stdout"] == "a b|c|", "several words are quoted, not re-split"
+
+
+def test_cli_exec_timeout_is_reported_not_an_error():
+    r = cli("exec", "--timeout", "0.5", "--min-tier", "fallback", "--", "sleep 5")
+    assert r.returncode == 0 and json.loads(r.stdout)["timed_out"] is True
+
+
+@pytest.mark.parametrize("args", [
+    ["exec", "--", ""], ["exec"], ["exec", "--", "   "], ["exec", "--", "echo a\udcffb"],
+    ["exec", "--timeout", "abc", "--", "true"], ["exec", "--timeout", "-1", "--", "true"],
+    ["exec", "--timeout", "nan", "--", "true"], ["exec", "--workspace", "/nonexistent/ws", "--", "true"],
+    ["exec", "--policy", "/nonexistent/policy.toml", "--", "true"], ["exec", "--min-tier", "best", "--", "true"],
+    ["bogus"],
+])
+def test_cli_bad_input_exits_2_with_one_line(args):
+    env = dict(os.environ, PYTHONIOENCODING="utf-8:surrogateescape")
+    r = subprocess.run(CLI + args, capture_output=True, cwd=ROOT, timeout=60, env=env)
+    assert r.returncode == 2, r
+    assert r.stdout == b"" and r.stderr.decode().count("\n") == 1 and b"error" in r.stderr
+
+
+def test_cli_probe_prints_json():
+    r = cli("probe")
+    assert r.returncode == 0 and json.loads(r.stdout)["tier"] == probe()["tier"]
+
+
+def test_cli_proxy_refuses_an_invalid_policy(tmp_path):
+    bad = tmp_path / "policy.toml"
+    bad.write_text("version = 1\n[[rules]]\nhost = '*.'\nbogus_key = 1\n")
+    sock = tmp_path / "p.sock"
+    r = cli("proxy", "--policy", str(bad), "--socket", str(sock))
+    assert r.returncode == 2 and "invalid policy" in r.stderr and r.stderr.count("\n") == 1
+    assert not sock.exists(), "nothing may start with an invalid policy"
+
+
+def test_cli_proxy_serves_the_handshake(tmp_path):
+    from nano_openshell.proxy import PROTOCOL_VERSION, handshake
+
+    pol = tmp_path / "policy.toml"
+    pol.write_text('version = 1\n[[rules]]\nhost = "example.com"\n')
+    sock = str(tmp_path / "p.sock")
+    p = subprocess.Popen(CLI + ["proxy", "--policy", str(pol), "--socket", sock], stdout=subprocess.PIPE,
+                         text=True, cwd=ROOT)
+    try:
+        ready = json.loads(p.stdout.readline())
+        hs = handshake(sock)
+        assert hs["protocol"] == PROTOCOL_VERSION and hs["policy_sha256"] == ready["policy_sha256"]
+        assert hs["tier"] == probe()["tier"]
+    finally:
+        p.terminate()
+        assert p.wait(timeout=10) == 0
+        p.stdout.close()
