@@ -281,16 +281,19 @@ def test_checksum_route_matches_the_trainer_side_function(engine_client, tiny_mo
 
 
 def pickled_globals(raw: bytes) -> set:
-    import pickletools
+    """(module, name) of every global the pickle loads (recorded while loading our own payload)."""
+    import io
 
-    strings, found = [], set()
-    for op, arg, _ in pickletools.genops(raw):
-        if isinstance(arg, str):
-            strings.append(arg)
-        if op.name == "STACK_GLOBAL":
-            found.add((strings[-2], strings[-1]))
-        elif op.name == "GLOBAL":
-            found.add(tuple(arg.split(" ", 1)))
+    found = set()
+
+    class Recorder(pickle.Unpickler):
+        def find_class(self, module, name):
+            found.add((module, name))
+            if module == "sglang.srt.weight_sync.tensor_bucket":
+                return W.FlattenedTensorMetadata
+            return super().find_class(module, name)
+
+    Recorder(io.BytesIO(raw)).load()
     return found
 
 
