@@ -119,6 +119,12 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, typing.Any]:
     return flat
 
 
+def apply_dict(cfg, data: dict) -> None:
+    """Set every (possibly nested) key of `data` on cfg, e.g. a saved config.json or parsed TOML."""
+    for key, value in _flatten(data).items():
+        set_key(cfg, key, value)
+
+
 def parse_set(items: list[str]) -> dict[str, str]:
     overrides = {}
     for item in items or []:
@@ -142,8 +148,7 @@ def load_config(cls, path: str | Path | None = None, overrides: dict[str, typing
             data = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: invalid TOML: {e}") from None
-        for key, value in _flatten(data).items():
-            set_key(cfg, key, value)
+        apply_dict(cfg, data)
     for key, value in (overrides or {}).items():
         set_key(cfg, key, value)
     validate(cfg)

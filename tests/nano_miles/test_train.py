@@ -1,0 +1,194 @@
+"""`nano-miles train` end to end on CPU: tiny-random-qwen2 through a real engine process and the real
+sandbox. The run directory, resume after SIGKILL, Ctrl-C, a dead engine, the async staleness bound,
+and a NaN update."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from nano_miles.batch import Trajectory
+from nano_miles.client import EngineClient, start_engine_process
+from nano_miles.models import resolve_model
+from nano_miles.tasks import select_tasks
+from nano_miles.telemetry import REQUIRED_KEYS, read_metrics
+from nano_miles.train import TaskStream, TrainConfig, plan_layout, policy_update
+
+REPO = Path(__file__).resolve().parents[2]
+FAST = ["--set", "model=tiny-random-qwen2", "--set", "rollout.max_new_tokens=24",
+        "--set", "rollout.env.max_turns=2", "--set", "rollout.group_size=2", "--set", "tasks_per_step=2"]
+
+
+def _train(args, **kw) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-m", "nano_miles.cli", "train", *FAST, *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+
+
+def _finish(proc, timeout=240) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out
+    return out
+
+
+def _wait_for_step(run_dir: Path, step: int, proc, timeout=180):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = run_dir / "checkpoint" / "state.json"
+        if state.exists():
+            try:
+                if json.loads(state.read_text())["step"] >= step:
+                    return
+            except (json.JSONDecodeError, KeyError):
+                pass  # mid-write
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.2)
+    raise AssertionError(f"step {step} not checkpointed within {timeout}s")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_dead(pid: int, timeout=20) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _expected_task_ids(steps, seed=0, tasks="train", per_step=2, group=2):
+    stream = TaskStream(select_tasks(tasks), seed)
+    return [[t.id for t in stream.take(per_step) for _ in range(group)] for _ in range(steps)]
+
+
+def test_two_step_run_writes_the_run_directory_and_advances_the_engine(tmp_path):
+    model = resolve_model("tiny-random-qwen2")
+    with start_engine_process(str(model), dtype="float32") as engine:
+        run_dir = tmp_path / "run"
+        out = _finish(_train(["--set", "steps=2", "--set", f"run_dir={run_dir}", "--set", "sync.verify=true",
+                              "--engine-url", engine.url]))
+        assert EngineClient(engine.url).model_info()["weight_version"] == "2"
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert set(REQUIRED_KEYS) <= set(r)
+        assert r["sync_verified"] is True and r["update_skipped"] is None
+        assert r["parity_max"] <= 1e-5  # FP32 trainer vs FP32 engine on CPU
+    assert [r["weight_version"] for r in rows] == ["1", "2"]
+    assert "reward" in out and "parity" in out  # the live table
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert all((run_dir / f"{k}.png").exists() for k in ("reward_mean", "acc", "parity_mean"))
+    assert json.loads((run_dir / "checkpoint" / "state.json").read_text())["step"] == 2
+    # The exported policy is a HF folder that the engine serves.
+    with start_engine_process(str(run_dir / "final"), dtype="float32") as served:
+        reply = EngineClient(served.url).generate([1, 2, 3], {"max_new_tokens": 2, "temperature": 0})
+        assert len(reply["output_ids"]) == 2
+
+
+def test_resume_after_sigkill_loses_and_repeats_no_step(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _train(["--set", "steps=3", "--set", f"run_dir={run_dir}"])
+    _wait_for_step(run_dir, 2, proc)
+    engine_pid = json.loads((run_dir / "engine.json").read_text())["pid"]
+    proc.kill()
+    proc.wait()
+    assert _wait_dead(engine_pid), "the engine outlived a SIGKILLed trainer"
+    _finish(_train(["--resume", str(run_dir)]))
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    # The data position survived: every step trained on the tasks an uninterrupted run would use.
+    assert [r["task_ids"] for r in rows] == _expected_task_ids(3)
+    assert [r["weight_version"] for r in rows] == ["1", "2", "3"]
+
+
+def test_ctrl_c_leaves_a_resumable_checkpoint_and_no_orphans(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _train(["--set", "steps=50", "--set", f"run_dir={run_dir}"])
+    _wait_for_step(run_dir, 1, proc)
+    engine_pid = json.loads((run_dir / "engine.json").read_text())["pid"]
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out
+    assert "resume with --resume" in out
+    assert _wait_dead(engine_pid), "engine left running after Ctrl-C"
+    done = json.loads((run_dir / "checkpoint" / "state.json").read_text())["step"]
+    assert done >= 1
+    _finish(_train(["--resume", str(run_dir), "--set", f"steps={done + 1}"]))
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == list(range(1, done + 2))
+
+
+def test_a_dead_engine_is_restarted_resynced_and_the_step_retried(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _train(["--set", "steps=3", "--set", f"run_dir={run_dir}"])
+    _wait_for_step(run_dir, 1, proc)
+    os.kill(json.loads((run_dir / "engine.json").read_text())["pid"], signal.SIGKILL)
+    out = _finish(proc)
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3], out
+    assert rows[-1]["engine_restarts"] >= 1 and "restarting it and re-syncing" in out
+    assert [r["weight_version"] for r in rows] == ["1", "2", "3"]
+
+
+def test_async_mode_respects_the_staleness_bound(tmp_path):
+    run_dir = tmp_path / "run"
+    _finish(_train(["--set", "steps=3", "--set", f"run_dir={run_dir}", "--set", "mode=async",
+                    "--set", "max_staleness=0"]))
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    # Rollouts overlapped training: some trajectories were sampled by an older policy ...
+    assert max(r["staleness_max"] for r in rows) >= 1
+    # ... and none beyond the bound was trained on: they were dropped and counted.
+    assert all(r["staleness_trained_max"] <= 0 for r in rows)
+    assert sum(r["dropped_stale"] for r in rows) >= 1
+
+
+def test_a_nan_loss_skips_the_update_and_says_so():
+    from nano_miles.algorithms import AdvantageConfig
+    from nano_miles.trainer import Trainer, TrainerConfig
+
+    trainer = Trainer(TrainerConfig(model=str(resolve_model("tiny-random-qwen2"))))
+    trajs = [Trajectory(prompt_ids=[1, 2, 3], response_ids=[4, 5], response_logprobs=[-1.0, -1.0],
+                        response_mask=[True, True], reward=r, group_id="g") for r in (0.0, 1.0)]
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    poisoned = "model.norm.weight"
+    with torch.no_grad():
+        dict(trainer.model.named_parameters())[poisoned].fill_(float("nan"))
+    logged = []
+    metrics, skipped = policy_update(trainer, trajs, AdvantageConfig(), pad_id=0, echo=logged.append)
+    assert metrics == {} and "non-finite" in skipped and logged
+    assert trainer.step == 0 and not trainer.optimizer.state  # no optimizer step was taken
+    for n, p in trainer.model.named_parameters():
+        if n != poisoned:
+            assert torch.equal(p, before[n]), n
+
+
+def test_layout_follows_the_hardware_and_config_overrides():
+    layout = plan_layout(TrainConfig())
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert (layout.trainer_device, layout.engine_device) == {0: ("cpu", "cpu"), 1: ("cuda:0", "cuda:0")}.get(
+        n, ("cuda:0", "cuda:1"))
+    assert layout.dtype == ("float32" if n == 0 else "bfloat16")
+    forced = plan_layout(TrainConfig(trainer_device="cpu", engine_device="cpu", dtype="bfloat16"))
+    assert (forced.trainer_device, forced.engine_device, forced.dtype) == ("cpu", "cpu", "bfloat16")
+
+
+def test_bad_command_lines_are_clear_errors(tmp_path):
+    for args, message in ((["--set", "steps=zero"], "steps: expected an integer"),
+                          (["--set", "mode=turbo"], "mode must be one of"),
+                          (["--set", "nope=1"], "unknown config key 'nope'"),
+                          (["--resume", str(tmp_path)], "not a run directory")):
+        proc = subprocess.run([sys.executable, "-m", "nano_miles.cli", "train", *args], cwd=REPO,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr)
