@@ -120,12 +120,9 @@ def main() -> None:
     kill_tree()
     if status is None:  # stopped: report it the way a killed process is reported
         os.kill(os.getpid(), signal.SIGKILL)
-    if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        signal.signal(sig, signal.SIG_DFL)
-        os.kill(os.getpid(), sig)
-        os._exit(128 + sig)
-    os._exit(os.waitstatus_to_exitcode(status))
+    if os.WIFSIGNALED(status):  # 128+N, as bash and bwrap's pid 1 report it, in every tier
+        os._exit(128 + os.WTERMSIG(status))
+    os._exit(os.WEXITSTATUS(status))
 
 
 if __name__ == "__main__":

@@ -73,6 +73,10 @@ class Limits:
 
 @dataclass
 class ExecResult:
+    """exit_code: the command's status; 128+N when a signal N killed it inside the sandbox (as bash
+    reports it, in every tier); negative (-9) when the supervisor killed the sandbox, which it does
+    only at the timeout: timed_out is the authority. stdout/stderr: UTF-8 with errors replaced,
+    head and tail kept when longer than Limits.output_bytes (truncated=True, the cut is marked)."""
     exit_code: int
     stdout: str
     stderr: str
