@@ -262,3 +262,18 @@ def test_sandbox_forwarder_does_not_outlive_the_command(net_sandbox):
     for _ in range(2):
         r, out = run_marked(net_sandbox, "echo ok")
         assert out == "ok\n" and "did not start" not in r.stderr
+
+
+def test_a_policy_below_the_namespaced_tier_is_a_clear_error(server_port):
+    from nano_openshell.probe import probe
+    from nano_openshell.sandbox import Sandbox, SandboxError
+
+    if not probe()["tiers"]["fallback"]["ok"]:
+        pytest.skip(f"the fallback tier does not work here: {probe()['tiers']['fallback']['reason']}")
+    policy = Policy.from_dict({"version": 1, "rules": [{"host": "127.0.0.1", "ports": [server_port]}]})
+    ws = tempfile.mkdtemp(prefix="osw", dir="/tmp")
+    try:
+        with pytest.raises(SandboxError, match="namespaced"):
+            Sandbox(workspace=ws, policy=policy, tier="fallback", min_tier="fallback")
+    finally:
+        shutil.rmtree(ws, ignore_errors=True)
