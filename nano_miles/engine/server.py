@@ -8,7 +8,8 @@ engine thread between two steps, so the engine is never touched by two threads.
 Weight updates follow SGLang: decode/receive the new tensors first (off the event loop, into fresh
 buffers), then, unless generation is paused, stop admitting new requests and let in-flight ones
 drain (abort them first with abort_all_requests), swap all weights at once, flush every cached
-KV/prefix block, bump weight_version, and admit what queued meanwhile. A payload that does not fit
+KV/prefix block, set weight_version (the given one, else +1; a flush_cache=false bucket without a
+version keeps it, as more buckets follow), and admit what queued meanwhile. A payload that does not fit
 the model is refused before anything changes (HTTP 400, old weights and version kept).
 
 Errors: /generate and control routes answer 400 with {"error": {"message": ...}}; weight routes
@@ -504,11 +505,16 @@ class Server:
         given = body.get("weight_version")
         if given is not None and not isinstance(given, (str, int)):
             raise RequestError("weight_version must be a string")
+        # flush_cache=false without a weight_version marks one bucket of a multi-bucket sync (more
+        # follow): the version moves once, with the last bucket. The KV cache is flushed regardless,
+        # so nothing computed with older weights is ever reused.
+        partial = given is None and body.get("flush_cache", True) is False
 
         def swap(eng):
             old = eng.weight_version
             eng.load_weights(named)  # validated already; copies in place, then flushes every KV block
-            eng.weight_version = _next_version(old, given)
+            if not partial:
+                eng.weight_version = _next_version(old, given)
             return eng.weight_version
 
         version = await self.worker.update(swap, abort_first)

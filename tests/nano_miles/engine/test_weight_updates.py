@@ -376,3 +376,18 @@ def test_verl_style_local_serialized_tensors_are_unwrapped():
             del sys.modules[n]
     [(name, tensor)] = W.decode_tensor_payload([base64.b64encode(buf.getvalue()).decode()], None)
     assert name == "w" and tensor.tolist() == [[3.0, 3.0], [3.0, 3.0]]
+
+
+def test_multi_bucket_sync_moves_the_version_once(engine_client, tiny_model_path):
+    """Buckets sent with flush_cache=false and no version are parts of one sync; the last names it."""
+    state = perturbed(tiny_model_path, 8)
+    before = version(engine_client)
+    buckets = list(W.bucket_by_bytes(state.items(), 64 * 1024))
+    assert len(buckets) > 2
+    for i, bucket in enumerate(buckets):
+        last = i == len(buckets) - 1
+        payload, keep = W.serialize_bucket(bucket)
+        engine_client.update_weights_from_tensor(payload, load_format="flattened_bucket", flush_cache=last,
+                                                 weight_version="multi-1" if last else None)
+        assert version(engine_client) == ("multi-1" if last else before)
+    assert_serving(engine_client, tiny_model_path, state)
