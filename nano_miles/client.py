@@ -129,6 +129,8 @@ class EngineClient:
     def resume(self) -> dict:
         return self._call("POST", "/continue_generation", {})
 
+    pause_generation, continue_generation = pause, resume  # SGLang's route names
+
     def abort(self, rid: str = "", abort_all: bool = False) -> dict:
         return self._call("POST", "/abort_request", {"rid": rid, "abort_all": abort_all})
 
@@ -236,6 +238,8 @@ class AsyncEngineClient:
     async def resume(self) -> dict:
         return await self._call("POST", "/continue_generation", {})
 
+    pause_generation, continue_generation = pause, resume  # SGLang's route names
+
     async def abort(self, rid: str = "", abort_all: bool = False) -> dict:
         return await self._call("POST", "/abort_request", {"rid": rid, "abort_all": abort_all})
 
@@ -253,6 +257,23 @@ class AsyncEngineClient:
     async def update_weights_from_disk(self, model_path, weight_version=None, abort_all_requests=False) -> dict:
         return await self._call("POST", "/update_weights_from_disk", {
             "model_path": str(model_path), "weight_version": weight_version, "abort_all_requests": abort_all_requests})
+
+    async def init_weights_update_group(self, master_address, master_port, rank_offset, world_size,
+                                        group_name="weight_update_group", backend="gloo") -> dict:
+        return await self._call("POST", "/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend})
+
+    async def update_weights_from_distributed(self, names, dtypes, shapes, group_name="weight_update_group",
+                                              load_format=None, weight_version=None, abort_all_requests=False,
+                                              flush_cache=True) -> dict:
+        return await self._call("POST", "/update_weights_from_distributed", {
+            "names": list(names), "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
+            "shapes": [list(s) for s in shapes], "group_name": group_name, "load_format": load_format,
+            "weight_version": weight_version, "abort_all_requests": abort_all_requests, "flush_cache": flush_cache})
+
+    async def destroy_weights_update_group(self, group_name="weight_update_group") -> dict:
+        return await self._call("POST", "/destroy_weights_update_group", {"group_name": group_name})
 
     async def weights_checksum(self, names=None) -> dict:
         return await self._call("POST", "/weights_checksum", {} if names is None else {"names": list(names)})

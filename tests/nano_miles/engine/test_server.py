@@ -253,6 +253,7 @@ def test_bad_generate_input_is_400_and_server_keeps_serving(engine_server, body,
 def test_invalid_json_is_400(engine_server, raw):
     r = requests.post(engine_server.url + "/generate", data=raw, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["message"]
+    assert post(engine_server.url, "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}).ok
 
 
 def test_duplicate_rid_in_flight_is_refused(engine_server, engine_client):
