@@ -171,7 +171,8 @@ def net_sandbox(server_port):
     if not tiers["namespaced"]["ok"]:
         pytest.skip(f"network policies need the namespaced tier: {tiers['namespaced']['reason']}")
     policy = Policy.from_dict({"version": 1, "rules": [
-        {"name": "local", "host": "127.0.0.1", "ports": [server_port]}]})
+        {"name": "local", "host": "127.0.0.1", "ports": [server_port],
+         "methods": ["GET", "HEAD", "CONNECT"]}]})
     with Sandbox(policy=policy) as sb:
         sb.policy_for_test = policy
         yield sb
@@ -206,6 +207,19 @@ def test_sandbox_curl_reaches_the_allowed_server_and_is_denied_elsewhere(net_san
     new = sandbox_audit(net_sandbox)[n:]
     assert [(a["method"], a["host"], a["decision"]) for a in new] == \
         [("GET", "127.0.0.1", "allow"), ("GET", "denied.test", "deny"), ("POST", "127.0.0.1", "deny")]
+
+
+@pytest.mark.skipif(CURL is None, reason="curl is not installed")
+def test_sandbox_connect_tunnel_through_the_forwarder(net_sandbox, server_port):
+    n = len(sandbox_audit(net_sandbox)) if os.path.exists(net_sandbox.audit_path) else 0
+    r, out = run_marked(net_sandbox, f"curl -sS -p http://127.0.0.1:{server_port}/tunnel; echo; "
+                                     "curl -sS -p http://denied.test:8443/ 2>&1; echo rc=$?")
+    lines = out.splitlines()
+    assert lines[0] == "hello from /tunnel", r.stderr
+    assert "403" in lines[1] and lines[-1] == "rc=56"
+    new = sandbox_audit(net_sandbox)[n:]
+    assert [(a["method"], a["host"], a["port"], a["decision"]) for a in new] == \
+        [("CONNECT", "127.0.0.1", server_port, "allow"), ("CONNECT", "denied.test", 8443, "deny")]
 
 
 def test_sandbox_python_urllib_uses_the_proxy(net_sandbox, server_port):
