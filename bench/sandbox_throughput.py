@@ -3,7 +3,8 @@
     .venv/bin/python bench/sandbox_throughput.py [--n 300] [--concurrency 8] [--command true]
 
 "plain subprocess" is bash -c COMMAND in a new session with captured output (what an unsandboxed
-tool runner does). Each tier runs through Sandbox.exec with default limits. Prints a table and
+tool runner does); "bare bwrap" is `bwrap --unshare-all --ro-bind / / bash -c COMMAND` (the floor
+for any bwrap-based tier). Each tier runs through Sandbox.exec with default limits. Prints a table and
 appends one JSON line to bench/results.jsonl. Goal: >= 300/s for the preferred tier at 8-way.
 """
 
@@ -20,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nano_openshell import Sandbox, probe  # noqa: E402
+from nano_openshell.namespaced import find_bwrap  # noqa: E402
 
 
 def plain(command: str) -> None:
@@ -57,6 +59,11 @@ def main() -> None:
 
     p = probe()
     runners = {"plain subprocess": (lambda: plain(args.command), None)}
+    bwrap = find_bwrap()
+    if p["tiers"]["namespaced"]["ok"] and bwrap:
+        bare = [bwrap, "--unshare-all", "--die-with-parent", "--ro-bind", "/", "/", "/bin/bash", "-c", args.command]
+        runners["bare bwrap"] = (lambda: subprocess.run(bare, stdin=subprocess.DEVNULL, capture_output=True,
+                                                        timeout=30, check=True), None)
     sandboxes = []
     for tier in ("namespaced", "fallback"):
         if p["tiers"][tier]["ok"]:
@@ -82,13 +89,16 @@ def main() -> None:
             sb.close()
 
     machine = f"{platform.node()} {platform.machine()} {os.cpu_count()} cores, kernel {platform.release()}"
-    print(f"\n{args.n} x `{args.command}`, {machine}, uid {os.geteuid()}, preferred tier {p['tier']}")
+    load = os.getloadavg()[0]
+    print(f"\n{args.n} x `{args.command}`, {machine}, uid {os.geteuid()}, preferred tier {p['tier']}, "
+          f"load average {load:.1f}")
     print(f"| runner | sequential /s | {args.concurrency}-way /s |\n|---|---|---|")
     for r in rows:
         print(f"| {r['runner']} | {r['sequential_per_s']} | {r[f'concurrent{args.concurrency}_per_s']} |")
     record = {"bench": "sandbox_throughput",
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "commit": git_commit(), "machine": machine, "uid": os.geteuid(), "preferred_tier": p["tier"],
+              "load_average": round(load, 2),
               "config": vars(args), "results": rows}
     with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results.jsonl"), "a") as f:
         f.write(json.dumps(record) + "\n")
