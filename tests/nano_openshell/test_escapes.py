@@ -28,10 +28,10 @@ def test_timeout_kills_escapees_and_returns_in_time(sandbox, escape):
     tok = token()
     cmd = f"echo {MARK}\n" + ESCAPES[escape].format(s=sleep_arg(tok)) + f"\nsleep {sleep_arg(tok)}"
     t0 = time.monotonic()
-    r = started(sandbox.exec(cmd, timeout=1.0))
+    r = started(sandbox.exec(cmd, timeout=0.7))
     elapsed = time.monotonic() - t0
     assert r.timed_out and r.exit_code < 0
-    assert elapsed < 1.5, f"returned after {elapsed:.2f}s"
+    assert elapsed < 0.7 + 0.5, f"returned after {elapsed:.2f}s"
     assert wait_gone(sleep_arg(tok)) == []
 
 
