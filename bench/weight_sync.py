@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import json
 import os
 import platform
 import statistics
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 
 import torch
@@ -31,6 +34,29 @@ from nano_miles.batch import Trajectory, build_rollout_batch
 from nano_miles.client import start_engine_process
 from nano_miles.trainer import Trainer, TrainerConfig
 from nano_miles.weight_sync import WeightSync
+
+
+T0 = time.perf_counter()
+
+
+def progress(msg):
+    print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
+
+
+def watchdog(seconds, engine_holder):
+    """After `seconds`, print every thread's stack and the engine's log tail, then exit: a hang in
+    CI-less GPU runs must say where it is."""
+    def fire():
+        progress(f"WATCHDOG: no result after {seconds:.0f}s; stacks and engine log follow")
+        faulthandler.dump_traceback(file=sys.stdout, all_threads=True)
+        if engine_holder:
+            print("---- engine log (tail) ----\n" + engine_holder[0].log()[-4000:], flush=True)
+            engine_holder[0].stop()
+        os._exit(3)
+    t = threading.Timer(seconds, fire)
+    t.daemon = True
+    t.start()
+    return t
 
 
 def sync_devices(*devices):
@@ -85,6 +111,7 @@ def measure(trainer, client, url, transport, args, nbytes, raw_one) -> dict:
             with torch.no_grad():  # a real update each time, so no stale state can pass
                 trainer.params[0].add_(1e-2 if i % 2 else -1e-2)
             stats = ws.sync(f"{transport}-{i}")
+            progress(f"{transport} sync {i}: {stats['ms']:.1f} ms ({ws.transport})")
             if i >= 2:
                 times.append(stats["ms"])
         assert client.weight_version() == f"{transport}-{i}"
@@ -105,10 +132,14 @@ def main():
     ap.add_argument("--bucket-mb", type=float, default=1024.0)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--label", default="")
+    ap.add_argument("--watchdog-s", type=float, default=240.0)
     args = ap.parse_args()
+    engine_holder = []
+    watchdog(args.watchdog_s, engine_holder)
     tdev, edev = torch.device(args.trainer_device), torch.device(args.engine_device)
     dtype = "bfloat16" if tdev.type == "cuda" else "float32"
 
+    progress(f"building the model on {tdev}")
     model = make_model(args.shapes, tdev).to(getattr(torch, dtype))
     folder = tempfile.mkdtemp(prefix="bench-weight-sync-")
     model.save_pretrained(folder)  # the engine starts from these weights (no tokenizer needed)
@@ -118,10 +149,14 @@ def main():
 
     raw_one = raw_many = float("nan")
     if tdev.type == "cuda" and edev.type == "cuda":
+        progress("raw device-to-device copies")
         raw_one, raw_many = raw_copies(named, tdev, edev)
+    progress(f"starting the engine process on {edev}")
 
     engine = start_engine_process(folder, device=str(edev), dtype=dtype, ready_timeout=600,
                                   extra_args=["--no-cuda-graph", "--num-kv-blocks", "512", "--max-running-requests", "16"])
+    engine_holder.append(engine)
+    progress(f"engine ready at {engine.url}")
     rows, parity_row = [], None
     try:
         client = engine.client(timeout=600)
@@ -129,11 +164,12 @@ def main():
             parity_row = parity(trainer, client, vocab=min(1000, SHAPES[args.shapes]["vocab_size"]))
         except Exception as e:
             print(f"parity: FAILED: {type(e).__name__}: {e}", flush=True)
+        progress(f"parity: {parity_row}")
         for transport in [t for t in args.transports.split(",") if t]:
             try:
                 rows.append(measure(trainer, client, engine.url, transport, args, nbytes, raw_one))
             except Exception as e:  # one broken transport must not hide the others' figures
-                print(f"{transport}: FAILED: {type(e).__name__}: {e}", flush=True)
+                progress(f"{transport}: FAILED: {type(e).__name__}: {e}")
                 rows.append(dict(transport=transport, error=f"{type(e).__name__}: {e}"[:500]))
         client.close()
     finally:
