@@ -62,6 +62,8 @@ class Engine:
         self.config = config
         self.device = torch.device(config.device)
         if self.device.type == "cuda":
+            if self.device.index is None:  # "cuda" means the current device; pin it so graphs/generators agree
+                self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         if not os.path.isdir(config.model):
