@@ -48,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--no-cuda-graph", action="store_true", help="run decode eagerly on GPU")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads of the engine thread (default: torch's); 1 is far faster for small "
+                        "models on a busy machine")
     p.add_argument("--weight-version", default="0", help="initial weight_version")
     p.add_argument("--dist-timeout", type=float, default=300.0,
                    help="seconds before a weight-update group rendezvous or broadcast gives up")
@@ -318,6 +321,9 @@ class Server:
         from nano_miles.engine.engine import Engine, EngineConfig
 
         a = self.args
+        if a.threads:
+            import torch
+            torch.set_num_threads(a.threads)  # called from the engine thread, which runs every forward
         eng = Engine(EngineConfig(model=self.model_path, device=a.device, dtype=a.dtype,
                                   max_running_requests=a.max_running_requests, max_model_len=a.max_model_len,
                                   num_kv_blocks=a.num_kv_blocks, cuda_graph=not a.no_cuda_graph, seed=a.seed))
