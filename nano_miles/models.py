@@ -128,7 +128,8 @@ def prepare(
         raise ModelError(f"unknown model name {name!r}; known: {', '.join(MODEL_NAMES)}")
     root = cache_root(cache_dir)
     target = root / name
-    if not force and _is_current(target):
+    recipe = _recipe(spec)
+    if not force and _is_current(target, recipe):
         return target
     root.mkdir(parents=True, exist_ok=True)
     print(f"preparing {name} in {target}", file=sys.stderr)
@@ -142,16 +143,26 @@ def prepare(
             provenance = {"name": name, "seed": SEED}
         else:
             provenance = _prepare_gguf(spec, out, stage, parts_dir)
-        (out / MANIFEST).write_text(json.dumps({**provenance, "format": CACHE_FORMAT}, indent=1) + "\n")
+        manifest = {**provenance, "format": CACHE_FORMAT, "recipe": recipe}
+        (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         _commit(out, target)
     return target
 
 
-def _is_current(entry: pathlib.Path) -> bool:
+def _recipe(spec: str | GGUFModel) -> str:
+    """What an entry was made from: the GGUF's checksum, or the tiny model's source (its corpus, dims
+    and seed live there), so an entry made by other code is rebuilt instead of silently reused."""
+    if isinstance(spec, GGUFModel):
+        return spec.sha256
+    return hashlib.sha256(pathlib.Path(__file__).with_name("tiny_model.py").read_bytes()).hexdigest()
+
+
+def _is_current(entry: pathlib.Path, recipe: str) -> bool:
     try:
-        return json.loads((entry / MANIFEST).read_text()).get("format") == CACHE_FORMAT
+        manifest = json.loads((entry / MANIFEST).read_text())
     except (OSError, ValueError):
         return False
+    return manifest.get("format") == CACHE_FORMAT and manifest.get("recipe") == recipe
 
 
 @contextlib.contextmanager

@@ -97,10 +97,12 @@ def test_a_cache_entry_is_reused_and_rebuilt_when_forced_or_stale(tmp_path):
     assert models.prepare(TINY_MODEL, cache_dir=tmp_path) == path and marker.exists()
     assert models.prepare(TINY_MODEL, cache_dir=tmp_path, force=True) == path and not marker.exists()
     manifest = json.loads((path / "nano_miles.json").read_text())
-    (path / "nano_miles.json").write_text(json.dumps({**manifest, "format": 0}))  # from an older version
-    marker.write_text("x")
-    models.prepare(TINY_MODEL, cache_dir=tmp_path)
-    assert not marker.exists() and json.loads((path / "nano_miles.json").read_text())["format"] == models.CACHE_FORMAT
+    # An entry written by older code (another folder format, or another tiny-model recipe) is rebuilt.
+    for stale in ({"format": 0}, {"recipe": "made-by-other-code"}):
+        (path / "nano_miles.json").write_text(json.dumps({**manifest, **stale}))
+        marker.write_text("x")
+        models.prepare(TINY_MODEL, cache_dir=tmp_path)
+        assert not marker.exists() and json.loads((path / "nano_miles.json").read_text()) == manifest
     assert sorted(p.name for p in tmp_path.iterdir()) == [TINY_MODEL]
 
 
@@ -142,7 +144,7 @@ def test_cli_prints_only_the_path_on_stdout(tmp_path):
     r = cli(TINY_MODEL, "--cache-dir", str(tmp_path))
     assert r.returncode == 0, r.stderr
     assert r.stdout == f"{tmp_path / TINY_MODEL}\n"
-    assert models._is_current(tmp_path / TINY_MODEL)
+    assert json.loads((tmp_path / TINY_MODEL / "nano_miles.json").read_text())["name"] == TINY_MODEL
 
 
 # ---- parts: checksum, missing, corrupt, interrupt ----------------------------------------------
