@@ -167,7 +167,7 @@ def test_update_waits_for_in_flight_requests(engine_server, engine_client, tiny_
     before = version(engine_client)
     box = {}
     gen = threading.Thread(target=lambda: box.update(out=engine_server.client().generate(
-        [3, 4, 5], {"max_new_tokens": 60, "ignore_eos": True})))
+        [3, 4, 5], {"max_new_tokens": 400, "ignore_eos": True})))
     gen.start()
     while engine_client.server_info()["internal_states"][0]["running"] == 0:
         time.sleep(0.02)
@@ -176,7 +176,7 @@ def test_update_waits_for_in_flight_requests(engine_server, engine_client, tiny_
                                                     weight_version="after-drain")["success"]
     gen.join(30)
     out = box["out"]  # finished, whole, on the weights it started with
-    assert out["meta_info"]["finish_reason"]["type"] == "length" and len(out["output_ids"]) == 60
+    assert out["meta_info"]["finish_reason"]["type"] == "length" and len(out["output_ids"]) == 400
     assert out["meta_info"]["weight_version"] == before
 
 
@@ -197,7 +197,7 @@ def test_abort_all_requests_aborts_in_flight_work(engine_server, engine_client, 
 def test_pause_update_continue_like_slime(engine_server, engine_client, tiny_model_path):
     box = {}
     gen = threading.Thread(target=lambda: box.update(out=engine_server.client().generate(
-        [3, 4, 5], {"max_new_tokens": 80, "ignore_eos": True})))
+        [3, 4, 5], {"max_new_tokens": 800, "ignore_eos": True})))
     gen.start()
     while engine_client.server_info()["internal_states"][0]["running"] == 0:
         time.sleep(0.02)
@@ -208,7 +208,7 @@ def test_pause_update_continue_like_slime(engine_server, engine_client, tiny_mod
     assert "out" not in box
     engine_client.resume()
     gen.join(60)
-    assert len(box["out"]["output_ids"]) == 80 and box["out"]["meta_info"]["weight_version"] == "slime-1"
+    assert len(box["out"]["output_ids"]) == 800 and box["out"]["meta_info"]["weight_version"] == "slime-1"
 
 
 class Evil:
