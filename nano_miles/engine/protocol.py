@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 
@@ -56,7 +56,6 @@ class GenerateItem:
     no_stop_trim: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    extra: dict = field(default_factory=dict)
 
 
 def _is_int(x) -> bool:
