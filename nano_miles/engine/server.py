@@ -177,8 +177,11 @@ class Server:
         tok = self.engine.tokenizer
         text = ""
         if tok is not None and text_ids:
-            text = tok.decode(text_ids, skip_special_tokens=item.skip_special_tokens,
-                              spaces_between_special_tokens=item.spaces_between_special_tokens)
+            try:
+                text = tok.decode(text_ids, skip_special_tokens=item.skip_special_tokens,
+                                  spaces_between_special_tokens=item.spaces_between_special_tokens)
+            except TypeError:  # a tokenizer class without that option
+                text = tok.decode(text_ids, skip_special_tokens=item.skip_special_tokens)
         meta = {
             "id": fin.rid,
             "finish_reason": fin.finish_reason,
