@@ -8,7 +8,7 @@ engine_server (session scope)
     `restore_engine_weights` fixture), pauses continued, no request left running. weight_version is
     NOT fixed (other tests bump it): read it from /model_info when you need it.
 engine_client (function scope)
-    An EngineClient on engine_server.
+    An EngineClient on engine_server (timeout 120 s); generation is continued after each test.
 tiny_model_path (session scope)
     The local HF folder of tiny-random-qwen2 (the same folder the server loads).
 restore_engine_weights (function scope)
@@ -47,6 +47,7 @@ def engine_server(tiny_model_path):
 def engine_client(engine_server):
     client = engine_server.client(timeout=120)
     yield client
+    client.resume()  # a test that failed while generation was paused must not stall the next ones
     client.close()
 
 

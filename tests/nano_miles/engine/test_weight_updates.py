@@ -115,6 +115,7 @@ def test_gloo_broadcast_from_a_trainer_process(engine_client, tiny_model_path, l
         joined = pool.submit(engine_client.init_weights_update_group, "127.0.0.1", port, 1, 2, group, "gloo")
         pg = W.init_weight_update_group("127.0.0.1", port, 0, 2, group, "gloo", timeout_s=30)
         assert joined.result()["success"] is True
+        assert not torch.distributed.is_initialized()  # a group of its own: no default group was made
         try:
             for step in (1, 2):  # the group is reused across updates
                 warm_prefix(engine_client)
