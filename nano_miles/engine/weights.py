@@ -258,6 +258,7 @@ _ALLOWED.update(
         ("torch.storage", "TypedStorage"): torch.storage.TypedStorage,
         ("torch.multiprocessing.reductions", "rebuild_tensor"): reductions.rebuild_tensor,
         ("torch.multiprocessing.reductions", "rebuild_typed_storage"): reductions.rebuild_typed_storage,
+        ("torch.multiprocessing.reductions", "rebuild_typed_storage_child"): reductions.rebuild_typed_storage_child,
         ("torch.multiprocessing.reductions", "rebuild_storage_filename"): reductions.rebuild_storage_filename,
         ("torch.multiprocessing.reductions", "rebuild_storage_fd"): reductions.rebuild_storage_fd,
         ("torch.multiprocessing.reductions", "rebuild_storage_empty"): reductions.rebuild_storage_empty,
