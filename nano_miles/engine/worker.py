@@ -176,7 +176,8 @@ class EngineWorker:
                 _resolve(self.loop, fut, n)
             elif kind == "continue":
                 self.paused, self.pause_mode = False, None
-                self._admit_parked()
+                if not self.updates:  # otherwise they wait for the update, which waits for a drain
+                    self._admit_parked()
                 _resolve(self.loop, fut, True)
             elif kind == "call":
                 _resolve(self.loop, fut, args[0](eng))
