@@ -221,6 +221,17 @@ def _b64(obj) -> str:
     return base64.b64encode(pickle.dumps(obj)).decode()
 
 
+class CudaHandle:
+    """Pickles like a CUDA tensor shared by a trainer on the GPU with this UUID (SGLang's format)."""
+
+    def __reduce__(self):
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        return rebuild_cuda_tensor, (torch.Tensor, (64,), (1,), 0, torch.storage.TypedStorage, torch.float32,
+                                     "GPU-00000000-1111-2222-3333-444444444444", b"handle", 256, 0, False,
+                                     b"", 0, b"", False)
+
+
 def _bad_tensor_payloads():
     norm = torch.ones(64)
     good, bad = ("model.norm.weight", norm), ("model.norm.weight", torch.ones(63))
@@ -232,6 +243,7 @@ def _bad_tensor_payloads():
                                "flattened_bucket", "shape"),
         "not base64": (["!!!not base64!!!"], None, "base64"),
         "evil pickle": ([_b64(Evil())], None, "refusing to unpickle"),
+        "CUDA IPC on a CPU engine": ([_b64([("model.norm.weight", CudaHandle())])], None, "no CUDA device"),
         "empty list": ([], None, "non-empty list"),
         "bucket as direct": ([W.serialize_bucket([good])[0]], None, "(name, tensor) pairs"),
         "direct as bucket": ([W.serialize_direct([good])], "flattened_bucket", "flattened_bucket payload"),
