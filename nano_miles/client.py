@@ -337,7 +337,11 @@ def start_engine_process(model: str, device: str = "cpu", port: int | None = Non
                          dtype: str = "auto", extra_args=(), ready_timeout: float = 300.0, env=None,
                          log_path: str | os.PathLike | None = None) -> EngineProcess:
     """Launch `nano-miles serve` and return once /health answers 200. port=None: a free port the server
-    picks itself (no race with other processes), read from its ready line."""
+    picks itself (no race with other processes), read from its ready line. The server's output goes to
+    log_path (a temp file by default; EngineProcess.log() reads it).
+
+    Call it from a thread that lives as long as the engine should (normally the main thread): Linux
+    sends the parent-death signal when the launching THREAD exits."""
     if log_path is None:
         fd, log_path = tempfile.mkstemp(prefix="nano-miles-serve-", suffix=".log")
         os.close(fd)
