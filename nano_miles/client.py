@@ -300,8 +300,8 @@ def _die_with_parent():
 class EngineProcess:
     """A running `nano-miles serve`. stop() terminates it (then kills it); also a context manager."""
 
-    def __init__(self, process: subprocess.Popen, url: str, log_path: Path):
-        self.process, self.url, self.log_path = process, url, log_path
+    def __init__(self, process: subprocess.Popen, url: str, log_path: Path, own_log: bool = False):
+        self.process, self.url, self.log_path, self.own_log = process, url, log_path, own_log
         self.port = int(url.rsplit(":", 1)[1])
 
     def client(self, **kw) -> EngineClient:
@@ -324,6 +324,8 @@ class EngineProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        if self.own_log:  # a temp file we made: gone with the engine
+            self.log_path.unlink(missing_ok=True)
         return self.process.returncode
 
     def __enter__(self):
@@ -342,7 +344,8 @@ def start_engine_process(model: str, device: str = "cpu", port: int | None = Non
 
     Call it from a thread that lives as long as the engine should (normally the main thread): Linux
     sends the parent-death signal when the launching THREAD exits."""
-    if log_path is None:
+    own_log = log_path is None
+    if own_log:
         fd, log_path = tempfile.mkstemp(prefix="nano-miles-serve-", suffix=".log")
         os.close(fd)
     log_path = Path(log_path)
@@ -370,6 +373,6 @@ def start_engine_process(model: str, device: str = "cpu", port: int | None = Non
                 time.sleep(0.1)
         EngineClient(url).wait_until_ready(max(1.0, deadline - time.monotonic()), process=proc)
     except BaseException:
-        EngineProcess(proc, url or "http://x:0", log_path).stop()
+        EngineProcess(proc, url or "http://x:0", log_path, own_log).stop()
         raise
-    return EngineProcess(proc, url, log_path)
+    return EngineProcess(proc, url, log_path, own_log)
