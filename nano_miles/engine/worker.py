@@ -15,6 +15,7 @@ import traceback
 
 from nano_miles.engine.protocol import RequestError
 
+
 def _resolve(loop, fut, value=None, error=None):
     def apply():
         if not fut.done():
@@ -163,13 +164,14 @@ class EngineWorker:
             elif kind == "pause":
                 (mode,) = args
                 n = 0
+                # abort: running requests finish now (status abort, partial output).
+                # retract: their KV is freed and recomputed, with the weights of that moment, once
+                #   generation continues; the tokens generated so far are kept.
+                # in_place: they keep their KV; if weights change before continue, that KV was
+                #   computed with the old weights (SGLang behaves the same).
                 if mode == "abort":
                     n = self._abort(None, "aborted by pause_generation")
-                # in_place: running requests keep their KV cache; if weights change before continue,
-                # that KV was computed with the old weights (SGLang behaves the same). retract avoids it.
                 elif mode == "retract":
-                    # Free the running requests' KV; they are recomputed (with the weights of that
-                    # moment) once generation continues. Their generated tokens are kept.
                     for seq in reversed(list(eng.scheduler.running)):
                         eng.scheduler.preempt(seq)
                 self.paused, self.pause_mode = True, mode
@@ -199,12 +201,15 @@ class EngineWorker:
         # requests not yet in the engine (parked) finish as aborted too
         keep = []
         for items, futs in self.parked:
-            if rid is None or any(it.rid == rid for it in items):
-                for it, f in zip(items, futs):
+            rest = []
+            for it, f in zip(items, futs):
+                if rid is None or it.rid == rid:
                     _resolve(self.loop, f, (_never_started(it, message), self.engine.weight_version))
                     n += 1
-            else:
-                keep.append((items, futs))
+                else:
+                    rest.append((it, f))
+            if rest:
+                keep.append(([it for it, _ in rest], [f for _, f in rest]))
         self.parked = keep
         self._deliver(self._take_aborted())
         return n
