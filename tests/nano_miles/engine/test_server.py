@@ -287,3 +287,18 @@ def test_a_client_that_goes_away_frees_its_request(engine_server, engine_client)
     while engine_client.server_info()["internal_states"][0]["running"] and time.time() < deadline:
         time.sleep(0.05)
     assert engine_client.server_info()["internal_states"][0]["running"] == 0
+
+
+def test_abort_a_request_held_by_a_pause(engine_server, engine_client):
+    engine_client.pause("in_place")
+    box = {}
+    held = [_long_request(engine_server.client(), rid, box, n=4) for rid in ("held-a", "held-b")]
+    time.sleep(0.5)
+    assert engine_client.abort(rid="held-a")["num_aborted"] == 1
+    held[0].join(10)
+    out = box["held-a"]
+    assert out["meta_info"]["finish_reason"]["type"] == "abort" and out["output_ids"] == []
+    assert "held-b" not in box
+    engine_client.resume()
+    held[1].join(30)
+    assert box["held-b"]["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
