@@ -119,6 +119,7 @@ class OpenShellEnv:
         self.done = False
         self.finish_reason = ""
         self.answer: str | None = None
+        self.infra_error: str | None = None   # what broke, when the sandbox failed mid-episode
         self.components = {"correct": 0.0, "exec_ok": 0.0, "format": 0.0, "timeout": 0.0, "infra_failures": 0}
         self._ok_commands: set[str] = set()
 
@@ -256,6 +257,7 @@ class ChatFormat:
     obs_tail: str = ""        # after it, through the next assistant header
     close_text: str = ""      # text that closes an assistant turn (the stop token), part of obs_head
     close_id: int | None = None  # its token id: when the model's output ends with it, it is not repeated
+    added_texts: list[str] = field(default_factory=list, repr=False)  # strings the tokenizer maps to one id
 
     def __post_init__(self):
         tok = self.tokenizer
@@ -267,6 +269,7 @@ class ChatFormat:
             if isinstance(i, int) and i >= 0 and i != tok.unk_token_id and t in tok.get_vocab():
                 stop.add(i)
         self.stop_ids = sorted(stop)
+        self.added_texts = [t.content for t in tok.added_tokens_decoder.values()]
         act, obs = "@@ACTION@@", "@@OBSERVATION@@"
         base = [{"role": "user", "content": "q"}, {"role": "assistant", "content": act}]
         probe = self._render(base + [{"role": "tool", "content": obs}], gen=True)
@@ -301,17 +304,20 @@ class ChatFormat:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def observation_ids(self, content: str, last_model_id: int | None) -> list[int]:
-        """The observation turn, encoded on its own. The tool output is encoded with special tokens
-        split, so a command that prints '<|im_end|>' cannot forge a turn boundary."""
+        """The observation turn, encoded on its own (never together with the history).
+
+        Encoded as one string, so the tool output gets the same ids the template would give it. If the
+        output contains the text of an added token ('<|im_end|>' printed by a command), that text is
+        encoded with special tokens split, so a command cannot forge a turn boundary."""
         head = self.obs_head
         if self.close_id is not None and last_model_id == self.close_id:
             head = head[len(self.close_text):]  # the model's own stop token already closed the turn
         # For a "user" tool role the <tool_response> tags were rendered around the marker, so they
         # are already in head and tail.
-        return self.encode(head) + self._encode_content(content) + self.encode(self.obs_tail)
-
-    def _encode_content(self, content: str) -> list[int]:
-        return self.tokenizer.encode(content, add_special_tokens=False, split_special_tokens=True)
+        if not any(t in content for t in self.added_texts):
+            return self.encode(head + content + self.obs_tail)
+        split = self.tokenizer.encode(content, add_special_tokens=False, split_special_tokens=True)
+        return self.encode(head) + split + self.encode(self.obs_tail)
 
 
 def wrap_tool_response(content: str) -> str:

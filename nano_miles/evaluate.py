@@ -42,6 +42,7 @@ def add_arguments(p) -> None:
     add_common_arguments(p, default_tasks="heldout")
     p.add_argument("--samples", type=int, default=8, help="K: samples per task")
     p.add_argument("--json", action="store_true", help="print the table as JSON")
+    p.add_argument("--out", default=None, help="also write the trajectories here (JSONL)")
 
 
 def run(args) -> int:
@@ -56,6 +57,9 @@ def run(args) -> int:
         print(f"nano-miles eval: {e.args[0]}")
         return 2
     trajs, secs, setup_failures = collect(args, tasks, args.samples)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.writelines(t.to_json() + "\n" for t in trajs)
     k = args.samples
     table = per_family(trajs, tasks, k)
     s = summarize(trajs, setup_failures)

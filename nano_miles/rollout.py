@@ -126,7 +126,7 @@ async def run_episode(client, fmt: ChatFormat, task: Task, seed: int, group_id: 
             if ids[:len(before)] != before or ids != prompt + resp_ids:
                 raise TITOViolation(f"{task.id}: prefix property broken at turn {env.turns}")
         components = dict(env.components)
-        if getattr(env, "infra_error", None):
+        if env.infra_error:
             components["error"] = env.infra_error
         return Trajectory(
             prompt_ids=prompt, response_ids=resp_ids, response_logprobs=resp_lps, response_mask=resp_mask,

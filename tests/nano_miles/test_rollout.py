@@ -229,8 +229,10 @@ def test_rollout_and_eval_cli(engine_server, tiny_model_path, tmp_path, capsys):
     assert "pass rate" in printed and "mean reward" in printed and "mean turns" in printed
     trajs = [Trajectory.from_dict(json.loads(line)) for line in out.read_text().splitlines()]
     assert len(trajs) == 4 and {t.task_id for t in trajs} == {"kernel_name", "md5_file"}
-    assert cli.main(["eval", *common, "--tasks", "kernel_name,md5_file,nth_line", "--samples", "2"]) == 0
+    assert cli.main(["eval", *common, "--tasks", "kernel_name,md5_file,nth_line", "--samples", "2",
+                     "--out", str(tmp_path / "e.jsonl")]) == 0
     printed = capsys.readouterr().out
+    assert len((tmp_path / "e.jsonl").read_text().splitlines()) == 6
     assert "pass@1" in printed and "pass@2" in printed
     for fam in ("system", "hashing", "text", "all"):
         assert fam in printed
