@@ -8,7 +8,7 @@ Reward components, all recorded on the trajectory:
     correct        1.0 when the verifier accepts the answer (and the workspace check passes)
     exec_ok        +0.1 per *distinct* command that exits 0, capped at 0.2 per episode, so repeating
                    `true` (or anything) never pays past the cap
-    format         -0.1 per turn with neither a <bash> block nor an <answer>
+    format         -0.1 per turn with neither a <bash> block nor an <answer> (or an empty or refused command)
     timeout        -0.1 per command that hit its time limit
     infra_failures sandbox failures (not the policy's fault): counted, earn nothing, end the episode
 
@@ -157,6 +157,8 @@ class OpenShellEnv:
         if kind == "bash":
             try:
                 r = self.sandbox.exec(body, timeout=self.cfg.command_timeout)
+            except ValueError as e:  # the sandbox refused the command itself (a NUL byte...): the policy's fault
+                return self._format_error(f"Command refused: {e}.")
             except Exception as e:
                 return self._infra_failure(e)
             return self._after_exec(body, r)
@@ -167,6 +169,8 @@ class OpenShellEnv:
         if kind == "bash":
             try:
                 r = await self.sandbox.aexec(body, timeout=self.cfg.command_timeout)
+            except ValueError as e:  # the sandbox refused the command itself (a NUL byte...): the policy's fault
+                return self._format_error(f"Command refused: {e}.")
             except Exception as e:
                 return self._infra_failure(e)
             return self._after_exec(body, r)
@@ -194,7 +198,9 @@ class OpenShellEnv:
             raise RuntimeError("call reset() before step()")
         self.turns += 1
         parsed = parse_action(action_text)
-        return parsed if parsed else ("format_error", "")
+        if parsed is None or parsed == ("bash", ""):  # an empty <bash></bash> runs nothing
+            return "format_error", ""
+        return parsed
 
     def _after_exec(self, cmd: str, r) -> StepResult:
         if r.timed_out:
@@ -218,8 +224,11 @@ class OpenShellEnv:
             self.components["correct"] = self.cfg.correct_reward if ok else 0.0
             self.done, self.finish_reason = True, "answer"
             return StepResult(None, True, "answer")
+        return self._format_error(FORMAT_ERROR)
+
+    def _format_error(self, observation: str) -> StepResult:
         self.components["format"] = round(self.components["format"] + self.cfg.format_penalty, 6)
-        return self._next(FORMAT_ERROR, "format_error")
+        return self._next(observation, "format_error")
 
     def _next(self, observation: str, kind: str) -> StepResult:
         if self.turns >= self.cfg.max_turns:

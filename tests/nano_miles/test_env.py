@@ -78,6 +78,15 @@ def test_format_errors_are_penalised_and_explained(make_env):
     assert env.reward == pytest.approx(-0.3)
 
 
+def test_empty_and_refused_commands_are_the_policys_fault(make_env):
+    env = make_env(max_turns=5)
+    step = env.step("<bash>  </bash>")
+    assert step.kind == "format_error" and step.observation == FORMAT_ERROR
+    step = env.step("<bash>echo a\x00b</bash>")   # a NUL byte: the sandbox refuses it
+    assert step.kind == "format_error" and step.observation.startswith("Command refused:") and "NUL" in step.observation
+    assert env.components["format"] == pytest.approx(-0.2) and env.components["infra_failures"] == 0
+
+
 def test_timeout_is_penalised(make_env):
     env = make_env(command_timeout=0.5)
     step = env.step("<bash>sleep 30</bash>")
