@@ -99,6 +99,28 @@ def logprob_gap(hf, done, ps_by_rid, device, n=4):
     return e.max().item(), e.mean().item()
 
 
+def profile_decode(eng, n, plen, device):
+    from torch.profiler import ProfilerActivity, profile
+    for i, p in enumerate(prompts(n, plen, QWEN25_05B["vocab_size"], seed=7)):
+        eng.add_request(f"prof{i}", p, SamplingParams(max_new_tokens=16, ignore_eos=True))
+    while any(s.num_uncomputed > 1 for s in eng.scheduler.running) or eng.scheduler.waiting:
+        eng.step()
+    eng.step()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    with profile(activities=acts) as prof:
+        for _ in range(5):
+            eng.step()
+        sync(device)
+    sort = "cuda_time_total" if device.startswith("cuda") else "cpu_time_total"
+    text = prof.key_averages().table(sort_by=sort, row_limit=25)
+    print(text)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "profile.txt"), "w") as f:
+            f.write(text)
+    while eng.has_unfinished():
+        eng.step()
+
+
 def git_commit():
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
@@ -121,6 +143,8 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--no-cuda-graph", action="store_true")
+    ap.add_argument("--attention", default="auto", choices=["auto", "torch", "triton"])
+    ap.add_argument("--profile", action="store_true", help="profile a few decode steps; table to stdout and $OUT")
     args = ap.parse_args()
     gpu = args.device.startswith("cuda")
     conc = [int(c) for c in (args.concurrency or ("64,256" if gpu else "8")).split(",")]
@@ -131,7 +155,7 @@ def main():
     folder = make_model_folder(args.device, dtype)
     eng = Engine(EngineConfig(model=folder, device=args.device, dtype="bfloat16" if gpu else "float32",
                               max_running_requests=max(conc), cuda_graph=not args.no_cuda_graph,
-                              max_model_len=plen + new + 16))
+                              max_model_len=plen + new + 16, attention_backend=args.attention))
     hf = None if args.skip_hf else AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(args.device).eval()
 
     rows = []
@@ -150,16 +174,19 @@ def main():
         rows.append(row)
         print(json.dumps(row), flush=True)
 
+    if args.profile:
+        profile_decode(eng, max(conc), plen, args.device)
     record = dict(bench="engine_throughput", date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   commit=git_commit(), machine=machine(args.device), device=args.device, dtype=str(dtype).removeprefix("torch."),
-                  cuda_graph=eng.graphs is not None, num_kv_blocks=eng.num_kv_blocks, rows=rows)
+                  cuda_graph=eng.graphs is not None, attention=eng.attention_backend, num_kv_blocks=eng.num_kv_blocks, rows=rows)
     head = "| requests | prompt | new | engine tok/s | HF generate tok/s | ratio | decode step ms | bf16 logprob gap max / mean |"
     lines = [head, "|" + "---|" * 8]
     for r in rows:
         gap = f"{r['logprob_gap_max']} / {r['logprob_gap_mean']}" if "logprob_gap_max" in r else "-"
         lines.append(f"| {r['concurrency']} | {r['prompt_len']} | {r['new_tokens']} | {r['engine_tok_s']:,.0f} | "
                      f"{r.get('hf_tok_s', '-')} | {r.get('ratio', '-')} | {r['decode_step_ms']} | {gap} |")
-    table = f"{record['date']}, commit {record['commit']}, {record['machine']}, {record['dtype']}\n\n" + "\n".join(lines)
+    table = (f"{record['date']}, commit {record['commit']}, {record['machine']}, {record['dtype']}, "
+             f"CUDA graphs {record['cuda_graph']}, decode attention {record['attention']}\n\n" + "\n".join(lines))
     print(table)
     line = json.dumps(record)
     with open(os.path.join(os.path.dirname(__file__), "results.jsonl"), "a") as f:

@@ -11,6 +11,7 @@ Single-threaded by design: the caller serialises add/step/abort/load_weights.
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from nano_miles.engine.kv_cache import BlockManager, KVCache
@@ -32,6 +33,7 @@ class EngineConfig:
     max_model_len: int | None = None    # None: the config's max_position_embeddings, capped at 32768
     max_num_batched_tokens: int = 8192  # prefill token budget of one step (longer prompts are chunked)
     cuda_graph: bool = True             # capture decode steps (GPU only)
+    attention_backend: str = "auto"     # decode attention: "torch" (gather + SDPA) | "triton" (paged kernel, GPU) | "auto"
     kv_cache_memory_fraction: float = 0.85
     cpu_kv_cache_bytes: int = 2 << 30
     seed: int = 0
@@ -80,6 +82,10 @@ class Engine:
         load_safetensors(self.model, config.model)
         self.model.eval().requires_grad_(False)
         self.model.init_rope(self.max_model_len, self.device, self.dtype)
+        self.attention_backend = self._pick_attention_backend(config.attention_backend)
+        if self.attention_backend == "triton":
+            from nano_miles.engine.triton_attention import paged_decode_attention
+            self.model.decode_attention = paged_decode_attention
 
         self.num_kv_blocks = config.num_kv_blocks or self._auto_num_blocks()
         self.kv = KVCache(mc.num_layers, self.num_kv_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
@@ -101,6 +107,16 @@ class Engine:
             return None
         from transformers import AutoTokenizer
         return AutoTokenizer.from_pretrained(folder)
+
+    def _pick_attention_backend(self, wanted: str) -> str:
+        from nano_miles.engine import triton_attention
+        D = self.model_config.head_dim
+        usable = triton_attention.available(self.device) and D >= 16 and D & (D - 1) == 0
+        if wanted == "triton" and not usable:
+            raise ValueError("attention_backend='triton' needs triton, a CUDA device and a power-of-two head_dim >= 16")
+        if wanted not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be auto|torch|triton, got {wanted!r}")
+        return "triton" if wanted == "triton" or (wanted == "auto" and usable) else "torch"
 
     def _auto_num_blocks(self) -> int:
         mc, bs = self.model_config, self.config.block_size
@@ -200,7 +216,7 @@ class Engine:
         if pad is not None:
             logits = self.graphs.run(self._prepare(work, *pad))[:len(work)]
         else:
-            logits = self.model(self._prepare(work), self.kv.k, self.kv.v)
+            logits = self.model(self._prepare(work), self.kv.k, self.kv.v).float()
         sampled_rows = []
         for i, (seq, n) in enumerate(work):
             seq.num_computed_tokens += n
@@ -232,26 +248,27 @@ class Engine:
         bs, trash = self.config.block_size, self.kv.trash_block
         Q = max(n for _, n in work)
         N = blocks or self._num_blocks(work)
-        ids, pos, slots, tables, last = [], [], [], [], []
-        for seq, n in work:
-            start = seq.num_computed_tokens
-            p = range(start, start + n)
-            table = seq.block_table
-            ids.append(seq.token_ids[start:start + n] + [0] * (Q - n))
-            pos.append(list(p) + [0] * (Q - n))
-            slots.append([table[x // bs] * bs + x % bs for x in p] + [trash * bs] * (Q - n))
-            used = self.blocks.blocks_needed(start + n)
-            tables.append(table[:used] + [trash] * (N - used))
-            last.append(n - 1)
-        for _ in range((rows or len(work)) - len(work)):
-            ids.append([0] * Q)
-            pos.append([0] * Q)
-            slots.append([trash * bs] * Q)
-            tables.append([trash] * N)
-            last.append(0)
+        R = rows or len(work)
+        ids = np.zeros((R, Q), dtype=np.int64)
+        pos = np.zeros((R, Q), dtype=np.int64)
+        slots = np.full((R, Q), trash * bs, dtype=np.int64)
+        tables = np.full((R, N), trash, dtype=np.int64)
+        last = np.zeros(R, dtype=np.int64)
+        for i, (seq, n) in enumerate(work):
+            start, table = seq.num_computed_tokens, seq.block_table
+            used = (start + n + bs - 1) // bs
+            tables[i, :used] = table[:used]
+            last[i] = n - 1
+            if n == 1:  # decode: the common case, kept cheap
+                ids[i, 0], pos[i, 0], slots[i, 0] = seq.token_ids[start], start, table[start // bs] * bs + start % bs
+            else:
+                ids[i, :n] = seq.token_ids[start:start + n]
+                p = np.arange(start, start + n)
+                pos[i, :n] = p
+                slots[i, :n] = tables[i, p // bs] * bs + p % bs
 
         def t(x):
-            return torch.tensor(x, dtype=torch.int64).to(self.device, non_blocking=True)
+            return torch.from_numpy(x).to(self.device, non_blocking=True)
         return Batch(t(ids), t(pos), t(slots), t(tables), t(last))
 
     def _sample(self, logits, seqs):

@@ -123,7 +123,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, batch: Batch, k_cache, v_cache, key_mask):
+    def forward(self, x, cos, sin, batch: Batch, k_cache, v_cache, attn_info, decode_attention=None):
         B, Q, _ = x.shape
         H, KV, D, G = self.num_heads, self.num_kv_heads, self.head_dim, self.group
         q = self.q_proj(x).view(B, Q, H, D)
@@ -135,13 +135,16 @@ class Attention(nn.Module):
         slots = batch.slot_mapping.reshape(-1)
         k_cache.view(-1, KV, D).index_copy_(0, slots, k.reshape(-1, KV, D).to(k_cache.dtype))
         v_cache.view(-1, KV, D).index_copy_(0, slots, v.reshape(-1, KV, D).to(v_cache.dtype))
+        if decode_attention is not None:  # Q == 1: read the pages in place (see triton_attention.py)
+            out = decode_attention(q.view(B, H, D), k_cache, v_cache, batch.block_tables, attn_info)
+            return self.o_proj(out.view(B, Q, H * D))
         N = batch.block_tables.shape[1]
         keys = k_cache[batch.block_tables].view(B, N * k_cache.shape[1], KV, D).transpose(1, 2)
         vals = v_cache[batch.block_tables].view(B, N * v_cache.shape[1], KV, D).transpose(1, 2)
         # GQA without repeating K/V: fold each KV head's G query heads into the query-length axis,
         # rows ordered (query token, head in group), so one SDPA call covers prefill and decode.
         q = q.view(B, Q, KV, G, D).permute(0, 2, 1, 3, 4).reshape(B, KV, Q * G, D)
-        out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=key_mask)
+        out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=attn_info)
         out = out.view(B, KV, Q, G, D).permute(0, 2, 1, 3, 4).reshape(B, Q, H * D)
         return self.o_proj(out)
 
@@ -165,8 +168,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, batch, k_cache, v_cache, key_mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, k_cache, v_cache, key_mask)
+    def forward(self, x, cos, sin, batch, k_cache, v_cache, attn_info, decode_attention=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, k_cache, v_cache, attn_info, decode_attention)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -188,6 +191,7 @@ class CausalLM(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope_cache = None  # (cos, sin) [max_pos, D], built on the right device by init_rope
+        self.decode_attention = None  # optional paged kernel for Q == 1 batches (set by the engine)
 
     def init_rope(self, max_positions: int, device, dtype):
         D = self.config.head_dim
@@ -201,23 +205,27 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
     def forward(self, batch: Batch, k_caches, v_caches) -> torch.Tensor:
-        """Returns fp32 logits [B, V] of the query column `batch.last_index` of each row."""
+        """Returns logits [B, V] (model dtype) of the query column `batch.last_index` of each row."""
         cos, sin = self.rope_cache
         cos = cos[batch.positions].unsqueeze(2)  # [B, Q, 1, D], broadcast over heads
         sin = sin[batch.positions].unsqueeze(2)
         B, Q = batch.input_ids.shape
-        L = batch.block_tables.shape[1] * k_caches[0].shape[1]
-        G = self.config.num_heads // self.config.num_kv_heads
-        key_pos = torch.arange(L, device=batch.positions.device)
-        # [B, 1, Q*G, L]: query row (token q, head g) sees keys at positions <= positions[q]
-        key_mask = (key_pos.view(1, 1, L) <= batch.positions.unsqueeze(-1))
-        key_mask = key_mask.unsqueeze(2).expand(B, Q, G, L).reshape(B, 1, Q * G, L)
+        decode_attention = self.decode_attention if Q == 1 else None
+        if decode_attention is not None:
+            attn_info = batch.positions[:, 0] + 1  # the paged kernel takes context lengths, not a mask
+        else:
+            L = batch.block_tables.shape[1] * k_caches[0].shape[1]
+            G = self.config.num_heads // self.config.num_kv_heads
+            key_pos = torch.arange(L, device=batch.positions.device)
+            # [B, 1, Q*G, L]: query row (token q, head g) sees keys at positions <= positions[q]
+            attn_info = (key_pos.view(1, 1, L) <= batch.positions.unsqueeze(-1))
+            attn_info = attn_info.unsqueeze(2).expand(B, Q, G, L).reshape(B, 1, Q * G, L)
         x = self.model.embed_tokens(batch.input_ids)
         for layer, kc, vc in zip(self.model.layers, k_caches, v_caches):
-            x = layer(x, cos, sin, batch, kc, vc, key_mask)
+            x = layer(x, cos, sin, batch, kc, vc, attn_info, decode_attention)
         x = x[torch.arange(B, device=x.device), batch.last_index]  # [B, hidden]
         x = self.model.norm(x)
-        return F.linear(x, self.lm_head_weight()).float()
+        return F.linear(x, self.lm_head_weight())
 
 
 def load_safetensors(model: CausalLM, folder: str):
