@@ -43,7 +43,9 @@ def make_model(shapes: str, device):
     torch.manual_seed(0)
     with torch.device(device):
         model = Qwen2ForCausalLM(cfg)
-    return model.to(torch.bfloat16)
+    for p in model.parameters():  # parameters only: RoPE's inv_freq buffer must stay float32
+        p.data = p.data.to(torch.bfloat16)
+    return model
 
 
 def make_batch(n, seq_len, prompt_len, vocab):

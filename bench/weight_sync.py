@@ -133,6 +133,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--label", default="")
     ap.add_argument("--watchdog-s", type=float, default=240.0)
+    ap.add_argument("--parity-tokens", type=int, default=64, help="new tokens per parity rollout (0: skip)")
     args = ap.parse_args()
     engine_holder = []
     watchdog(args.watchdog_s, engine_holder)
@@ -140,7 +141,9 @@ def main():
     dtype = "bfloat16" if tdev.type == "cuda" else "float32"
 
     progress(f"building the model on {tdev}")
-    model = make_model(args.shapes, tdev).to(getattr(torch, dtype))
+    model = make_model(args.shapes, tdev)
+    for p in model.parameters():  # parameters only (RoPE buffers stay float32)
+        p.data = p.data.to(getattr(torch, dtype))
     folder = tempfile.mkdtemp(prefix="bench-weight-sync-")
     model.save_pretrained(folder)  # the engine starts from these weights (no tokenizer needed)
     trainer = Trainer(TrainerConfig(device=str(tdev), dtype=dtype, micro_batch_size=8), model=model)
@@ -161,7 +164,9 @@ def main():
     try:
         client = engine.client(timeout=600)
         try:
-            parity_row = parity(trainer, client, vocab=min(1000, SHAPES[args.shapes]["vocab_size"]))
+            if args.parity_tokens:
+                parity_row = parity(trainer, client, new_tokens=args.parity_tokens,
+                                    vocab=min(1000, SHAPES[args.shapes]["vocab_size"]))
         except Exception as e:
             print(f"parity: FAILED: {type(e).__name__}: {e}", flush=True)
         progress(f"parity: {parity_row}")
@@ -190,7 +195,7 @@ def main():
         print(f"{r['transport']:12s} {r['ms']:12.1f} {r['gib_per_s']:8.1f} {vs:>11s} "
               f"{r['min_ms']:7.1f}..{r['max_ms']:<8.1f} {str(r['verified']):>9s}")
     if parity_row:
-        print(f"log-prob parity, trainer vs engine ({dtype}, 8 x 64 sampled tokens): "
+        print(f"log-prob parity, trainer vs engine ({dtype}, 8 x {args.parity_tokens} sampled tokens): "
               f"mean {parity_row[0]:.2e}, max {parity_row[1]:.2e}")
     try:
         commit = os.environ.get("BENCH_COMMIT") or subprocess.check_output(

@@ -85,7 +85,17 @@ class Trainer:
                 raise ValueError("TrainerConfig.model must name an HF model folder")
             from transformers import AutoModelForCausalLM
             model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=self.dtype)
-        self.model = model.to(device=self.device, dtype=self.dtype)
+        # Cast parameters only: model.to(dtype) would also round float buffers such as RoPE's
+        # inv_freq to bf16, turning every rotation angle at position p into p * (inv_freq +- 2^-9
+        # relative): radians off at a thousand tokens, where the engine computes them in FP32.
+        self.model = model.to(device=self.device)
+        for p in self.model.parameters():
+            if p.is_floating_point() and p.dtype != self.dtype:
+                p.data = p.data.to(self.dtype)
+        low = [n for n, b in self.model.named_buffers() if n.endswith("inv_freq") and b.dtype != torch.float32]
+        if low:
+            raise ValueError(f"{low[0]} is {dict(self.model.named_buffers())[low[0]].dtype}, not float32: the model "
+                             "was cast with .to(dtype); load it with from_pretrained(dtype=...) or cast parameters only")
         self.model.config.use_cache = False
         self.model.train()  # Qwen2/Llama have no dropout; train() is what enables HF checkpointing
         if cfg.gradient_checkpointing:

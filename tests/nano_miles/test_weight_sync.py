@@ -118,3 +118,65 @@ def test_auto_transport_follows_the_layout():
     assert choose_transport(cuda, [{"device": "cuda:1"}], ["http://10.0.0.7:30000"]) == "distributed"
     if torch.cuda.device_count() == 0:  # the engine's GPU is not visible here: only a collective reaches it
         assert choose_transport(cuda, [{"device": "cuda:1"}], local) == "distributed"
+
+
+@pytest.fixture(scope="module")
+def bf16_engine(tiny_model_path):
+    """A second real server, in bfloat16 on CPU: the GPU setting's dtype, where parity is fragile."""
+    from nano_miles.client import start_engine_process
+
+    with start_engine_process(str(tiny_model_path), device="cpu", dtype="bfloat16",
+                              extra_args=("--num-kv-blocks", "512", "--dist-timeout", "30")) as engine:
+        yield engine
+
+
+def test_bf16_trainer_matches_a_bf16_engine_at_long_positions(bf16_engine, tiny_model_path):
+    """Casting the whole model to bf16 also rounds RoPE's inv_freq; the rotation angles then drift
+    with the position (about 2e-2 nats of mismatch here). The trainer keeps buffers in FP32."""
+    client = bf16_engine.client(timeout=120)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 1024, (n,), generator=g).tolist() for n in (20, 300, 900)]
+    outs = client.generate_batch(prompts, {"max_new_tokens": 12, "temperature": 1.0, "ignore_eos": True})
+    batch = build_rollout_batch([Trajectory(
+        prompt_ids=p, response_ids=o["output_ids"], response_mask=[True] * len(o["output_ids"]),
+        response_logprobs=[lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]]) for p, o in zip(prompts, outs)])
+    trainer = Trainer(TrainerConfig(model=str(tiny_model_path), dtype="bfloat16", micro_batch_size=3))
+    assert all(b.dtype == torch.float32 for n, b in trainer.model.named_buffers() if "inv_freq" in n)
+    diff = (trainer.logprobs(batch) - batch.rollout_logprobs)[batch.loss_mask].abs()
+    assert diff.mean().item() <= 5e-3, diff.mean().item()
+    with pytest.raises(ValueError, match="inv_freq"):
+        Trainer(TrainerConfig(dtype="bfloat16"), model=trainer.model.to(torch.bfloat16))
+    client.close()
+
+
+def test_bf16_trainer_syncs_its_bf16_weights_into_a_bf16_engine(bf16_engine, tiny_model_path):
+    trainer = Trainer(TrainerConfig(model=str(tiny_model_path), dtype="bfloat16", optim=OptimConfig(lr=1e-3)))
+    client = bf16_engine.client(timeout=120)
+    with WeightSync(trainer, bf16_engine.url, transport="auto", verify=True) as ws:
+        for step in range(2):
+            trainer.train_step(engine_rollouts(client, seed=step), torch.tensor([-1.0, 1.0, -1.0, 1.0]))
+            assert ws.sync(f"bf16-{step}")["verified"]  # the engine holds exactly the bf16 compute weights
+        batch = engine_rollouts(client, seed=5)
+        assert (trainer.logprobs(batch) - batch.rollout_logprobs)[batch.loss_mask].abs().mean() <= 5e-3
+    client.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transport", ["auto", "distributed"])
+def test_gpu_sync_and_bf16_parity(transport, tiny_model_path):
+    """On the device: a bf16 engine on the trainer's GPU (auto -> CUDA IPC), or NCCL to it; the
+    bf16 trainer scores the engine's samples within 5e-3 nats on average, after every sync."""
+    from nano_miles.client import start_engine_process
+
+    with start_engine_process(str(tiny_model_path), device="cuda:0", dtype="bfloat16",
+                              extra_args=("--num-kv-blocks", "256")) as engine:
+        client = engine.client(timeout=120)
+        trainer = Trainer(TrainerConfig(model=str(tiny_model_path), device="cuda:0", dtype="bfloat16",
+                                        micro_batch_size=4, optim=OptimConfig(lr=1e-4)))
+        with WeightSync(trainer, engine.url, transport=transport, verify=True) as ws:
+            assert ws.transport == ("ipc" if transport == "auto" else transport)
+            for step in range(3):
+                m = trainer.train_step(engine_rollouts(client, seed=step), torch.tensor([-1.0, 1.0, -1.0, 1.0]))
+                assert m["logprob_diff_mean"] <= 5e-3, (step, m["logprob_diff_mean"])
+                assert ws.sync(f"gpu-{step}")["verified"]
+        client.close()
