@@ -120,6 +120,7 @@ def main():
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--dry-run", action="store_true", help="print only; do not append to bench/results.jsonl")
     args = ap.parse_args()
     device = torch.device(args.device)
     batch, adv = make_batch(args.seqs, args.seq_len, args.prompt_len, SHAPES[args.shapes]["vocab_size"])
@@ -168,6 +169,8 @@ def main():
     record = dict(bench="train_step", date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   commit=commit, machine=name, torch=torch.__version__, config=vars(args), results=rows)
     line = json.dumps(record)
+    if args.dry_run:
+        return
     with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results.jsonl"), "a") as f:
         f.write(line + "\n")
     if os.environ.get("OUT"):

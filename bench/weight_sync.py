@@ -105,7 +105,7 @@ def parity(trainer, client, n=8, new_tokens=64, vocab=1000):
 
 
 def measure(trainer, client, url, transport, args, nbytes, raw_one) -> dict:
-    with WeightSync(trainer, url, transport=transport, bucket_mb=args.bucket_mb) as ws:
+    with WeightSync(trainer, url, transport=transport, bucket_mb=args.bucket_mb, timeout_s=args.timeout_s) as ws:
         times = []
         for i in range(2 + args.repeats):
             with torch.no_grad():  # a real update each time, so no stale state can pass
@@ -128,11 +128,13 @@ def main():
     ap.add_argument("--shapes", default="qwen2.5-0.5b", choices=sorted(SHAPES))
     ap.add_argument("--trainer-device", default="cuda:0")
     ap.add_argument("--engine-device", default="cuda:1")
-    ap.add_argument("--transports", default="auto,ipc,staged,distributed,disk")
+    ap.add_argument("--transports", default="disk,distributed,auto,ipc,staged")
     ap.add_argument("--bucket-mb", type=float, default=1024.0)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--label", default="")
     ap.add_argument("--watchdog-s", type=float, default=240.0)
+    ap.add_argument("--timeout-s", type=float, default=60.0, help="per HTTP call / broadcast / rendezvous")
+    ap.add_argument("--dry-run", action="store_true", help="print only; do not append to bench/results.jsonl")
     ap.add_argument("--parity-tokens", type=int, default=64, help="new tokens per parity rollout (0: skip)")
     args = ap.parse_args()
     engine_holder = []
@@ -157,7 +159,8 @@ def main():
     progress(f"starting the engine process on {edev}")
 
     engine = start_engine_process(folder, device=str(edev), dtype=dtype, ready_timeout=600,
-                                  extra_args=["--no-cuda-graph", "--num-kv-blocks", "512", "--max-running-requests", "16"])
+                                  extra_args=["--no-cuda-graph", "--num-kv-blocks", "512", "--max-running-requests", "16",
+                                              "--dist-timeout", str(args.timeout_s)])
     engine_holder.append(engine)
     progress(f"engine ready at {engine.url}")
     rows, parity_row = [], None
@@ -209,6 +212,8 @@ def main():
                   parity_mean=parity_row and parity_row[0], parity_max=parity_row and parity_row[1],
                   nccl_p2p_disable=os.environ.get("NCCL_P2P_DISABLE"), results=rows)
     line = json.dumps(record)
+    if args.dry_run:
+        return
     with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results.jsonl"), "a") as f:
         f.write(line + "\n")
     if os.environ.get("OUT"):
