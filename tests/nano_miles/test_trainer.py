@@ -116,7 +116,7 @@ def test_steps_move_log_probs_in_the_direction_of_the_advantage(model_path):
     assert (delta[[0, 2]] > 0).all() and (delta[[1, 3]] < 0).all()
 
 
-def test_grad_norm_is_the_global_fp32_norm_and_is_clipped(model_path):
+def test_loss_and_grad_norm_equal_a_hand_written_reference(model_path):
     batch = make_batch(seed=3)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
     trainer = make_trainer(model_path, optim=OptimConfig(lr=1e-3, max_grad_norm=0.0))
