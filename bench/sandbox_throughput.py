@@ -4,7 +4,7 @@
 
 "plain subprocess" is bash -c COMMAND in a new session with captured output (what an unsandboxed
 tool runner does); "bare bwrap" is `bwrap --unshare-all --ro-bind / / bash -c COMMAND` (the floor
-for any bwrap-based tier). Each tier runs through Sandbox.exec with default limits. Prints a table and
+for any bwrap-based tier; as root, also under an unprivileged uid, as the Sandbox runs it). Each tier runs through Sandbox.exec with default limits. Prints a table and
 appends one JSON line to bench/results.jsonl. Goal: >= 300/s for the preferred tier at 8-way.
 """
 
@@ -13,6 +13,7 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -64,6 +65,11 @@ def main() -> None:
         bare = [bwrap, "--unshare-all", "--die-with-parent", "--ro-bind", "/", "/", "/bin/bash", "-c", args.command]
         runners["bare bwrap"] = (lambda: subprocess.run(bare, stdin=subprocess.DEVNULL, capture_output=True,
                                                         timeout=30, check=True), None)
+        setpriv = shutil.which("setpriv")
+        if os.geteuid() == 0 and setpriv:  # what the Sandbox does as root: bwrap under an unprivileged uid
+            bare_uid = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", "--"] + bare
+            runners["bare bwrap, uid dropped"] = (lambda: subprocess.run(
+                bare_uid, stdin=subprocess.DEVNULL, capture_output=True, timeout=30, check=True), None)
     sandboxes = []
     for tier in ("namespaced", "fallback"):
         if p["tiers"][tier]["ok"]:
