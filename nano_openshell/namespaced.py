@@ -2,7 +2,7 @@
 
 Inside: new user, mount, pid, net, ipc, uts (and cgroup) namespaces; a tmpfs root holding read-only
 binds of the host's top-level directories (/root and /home hidden), a private /proc, a minimal /dev,
-a private size-capped /tmp, the workspace bound read-write at /workspace, every capability dropped,
+a private size-capped /tmp and /dev/shm (the only writable places besides the workspace), the workspace bound read-write at /workspace, every capability dropped,
 the seccomp deny list (seccomp.deny_list) loaded through --seccomp FD. bwrap's pid 1 reaps and, when
 the command exits or bwrap is killed (--die-with-parent), the pid namespace dies with every process
 in it, so no escapee outlives the command.
@@ -87,8 +87,10 @@ def base_argv(bwrap: str, tmp_size: int, drop_uid: bool) -> list[str]:
             argv += ["--symlink", os.readlink(path), path]
         elif os.path.isdir(path):
             argv += ["--ro-bind", path, path]
-    argv += ["--proc", "/proc", "--dev", "/dev", "--size", str(tmp_size), "--tmpfs", "/tmp",
-             "--tmpfs", "/run", "--dir", RUN_DIR]
+    # every writable tmpfs is memory: only /tmp and /dev/shm stay writable, each size-capped;
+    # the rest is made read-only once set up (command_args)
+    argv += ["--proc", "/proc", "--dev", "/dev", "--size", str(tmp_size), "--tmpfs", "/dev/shm",
+             "--size", str(tmp_size), "--tmpfs", "/tmp", "--tmpfs", "/run", "--dir", RUN_DIR]
     for hidden in HIDDEN:
         argv += ["--tmpfs", hidden] if os.path.isdir(hidden) else []
     for path in needed_hidden_paths(drop_uid):
@@ -107,5 +109,7 @@ def command_args(seccomp_fd: int, script_fd: int | None = None, socket_fd: int |
         args += ["--bind-fd", str(socket_fd), PROXY_SOCKET]
     if script_fd is not None:
         args += ["--perms", "0444", "--file", str(script_fd), SCRIPT_PATH]
-    args += ["--remount-ro", "/", "--seccomp", str(seccomp_fd), "--"]
+    for path in ("/", "/dev", "/run") + tuple(h for h in HIDDEN if os.path.isdir(h)):
+        args += ["--remount-ro", path]
+    args += ["--seccomp", str(seccomp_fd), "--"]
     return args
