@@ -206,3 +206,26 @@ def test_bad_input_is_rejected_and_changes_nothing(model_path):
         OptimConfig(lr=0)
     with pytest.raises(ValueError, match="model folder"):
         Trainer(TrainerConfig())
+
+
+def test_logits_exist_only_one_chunk_at_a_time(model_path, monkeypatch):
+    """The lm_head -> float32 log_softmax step sees at most logprob_chunk tokens per call, in the
+    forward and in the backward's recomputation, and only the scored positions at all."""
+    import nano_miles.trainer as trainer_module
+
+    seen = []
+    original = trainer_module._chunk_logprobs
+
+    def recording(hidden, targets, weight, with_entropy):
+        seen.append(hidden.shape[0])
+        return original(hidden, targets, weight, with_entropy)
+
+    monkeypatch.setattr(trainer_module, "_chunk_logprobs", recording)
+    batch = make_batch()
+    trainer = make_trainer(model_path, micro_batch_size=4, logprob_chunk=5)
+    trainer.train_step(batch, torch.tensor([1.0, -1.0, 0.5, -0.5]))
+    scored = int(batch.loss_mask.sum())
+    assert max(seen) <= 5
+    # Every scored token goes through twice: the forward keeps no [chunk, vocab] logits for the
+    # backward, which recomputes them chunk by chunk.
+    assert sum(seen) == 2 * scored
