@@ -114,3 +114,23 @@ def test_cli_proxy_serves_the_handshake(tmp_path):
         p.terminate()
         assert p.wait(timeout=10) == 0
         p.stdout.close()
+
+
+def test_a_broken_system_bwrap_is_passed_over_with_its_reason(tmp_path, monkeypatch):
+    if not probe()["tiers"]["namespaced"]["ok"]:
+        pytest.skip("the namespaced tier does not work here at all: " + probe()["tiers"]["namespaced"]["reason"])
+    fake = tmp_path / "bwrap"
+    fake.write_text("#!/bin/sh\necho 'bwrap: Unknown option --bind-fd' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    try:
+        p = probe(refresh=True)
+        assert p["tier"] == "namespaced" and p["capabilities"]["bwrap"] != str(fake)
+        monkeypatch.setenv("PATH", str(tmp_path))  # now only the broken one, and the wheel
+        import nano_openshell.namespaced as ns
+        monkeypatch.setattr(ns, "bwrap_candidates", lambda: [str(fake)])
+        p = probe(refresh=True)
+        assert p["tier"] == "fallback" and f"bwrap at {fake} failed" in p["reason"]
+    finally:
+        monkeypatch.undo()
+        probe(refresh=True)
