@@ -24,6 +24,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from dataclasses import asdict, dataclass, field
 
 from . import namespaced, seccomp
@@ -185,16 +186,16 @@ class Sandbox:
         self.probe = probe()
         self.tier = self._choose_tier(min_tier, tier, allow_unisolated)
         self._closed = False
-        self._fds: list[int] = []
+        self._owned = _Owned()
+        self._fds = self._owned.fds
         self._proxy = None
-        self._supervisor_dir = None
+        self._release = weakref.finalize(self, self._owned.release)  # runs at close() or collection
         self.handshake = None
         self._extra_env = self._check_env(env or {})
 
-        self._owns_workspace = False
         if workspace is None:
             workspace = tempfile.mkdtemp(prefix="nano-openshell-ws-")
-            self._owns_workspace = True
+            self._owned.dirs.append(workspace)
         self.workspace = os.path.realpath(os.fspath(workspace))
         # as root, the command runs under this Sandbox's own unprivileged uid (see namespaced.py)
         self.uid = random.randrange(100000, 100000 + (1 << 20)) if os.geteuid() == 0 and self.tier != "none" else None
@@ -251,6 +252,7 @@ class Sandbox:
         # <dir> (0700; 0711 when the sandbox has its own uid) holds the audit log; the socket sits in
         # <dir>/sock, 0700 and owned by the sandbox's uid: bwrap must reach it, no one else may
         self._supervisor_dir = tempfile.mkdtemp(prefix="nano-openshell-sup-")
+        self._owned.dirs.append(self._supervisor_dir)
         sock_dir = os.path.join(self._supervisor_dir, "sock")
         os.mkdir(sock_dir, 0o700)
         if self.uid is not None:
@@ -260,7 +262,8 @@ class Sandbox:
         info = {"tier": self.tier, "capabilities": self.probe["capabilities"]}
         # the socket may be opened by the sandbox's uid; the private directory guards it from the host
         self._proxy = ProxyServer(policy, sock, audit_path=os.path.join(self._supervisor_dir, "audit.jsonl"),
-                                  info=info, socket_mode=0o666).start()
+                                  info=info, socket_mode=0o666)
+        self._owned.proxy = self._proxy.start()
         self.handshake = handshake(sock, protocol=PROTOCOL_VERSION)
         self.audit_path = self._proxy.audit_path
         self._forwarder_python = namespaced.forwarder_python(self.uid is not None)
@@ -393,24 +396,33 @@ class Sandbox:
 
     # ---- lifetime ----------------------------------------------------------------------------
     def close(self) -> None:
-        if self._closed:
-            return
+        """Stop the proxy, close our fds, remove the temporary workspace. Idempotent."""
         self._closed = True
-        if self._proxy is not None:
-            self._proxy.stop()
-        for fd in self._fds:
-            os.close(fd)
-        self._fds = []
-        if self._supervisor_dir:
-            shutil.rmtree(self._supervisor_dir, ignore_errors=True)
-        if self._owns_workspace:
-            _rmtree(self.workspace)
+        self._release()
 
     def __enter__(self) -> "Sandbox":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _Owned:
+    """What a Sandbox gives back on close (kept apart from it so a finalizer can release it too)."""
+
+    def __init__(self):
+        self.fds: list[int] = []
+        self.proxy = None
+        self.dirs: list[str] = []  # removed on release: a temporary workspace, the supervisor dir
+
+    def release(self) -> None:
+        if self.proxy is not None:
+            self.proxy.stop()
+            self.proxy = None
+        while self.fds:
+            os.close(self.fds.pop())
+        while self.dirs:
+            _rmtree(self.dirs.pop())
 
 
 def _drain(proc: subprocess.Popen, deadline: float, cap: int, kill) -> tuple[int, _Capped, _Capped, bool]:

@@ -54,6 +54,17 @@ def test_given_workspace_is_kept_and_temporary_one_removed(make_sandbox, tmp_pat
     assert not os.path.exists(path)
 
 
+def test_a_forgotten_sandbox_gives_its_resources_back(tier):
+    import gc
+
+    sb = Sandbox(tier=tier, min_tier="fallback")
+    sb.exec("echo x > f", timeout=10)
+    path = sb.workspace
+    del sb
+    gc.collect()
+    assert not os.path.exists(path)
+
+
 def test_stdin_is_closed(sandbox):
     r = started(sandbox.exec(f"echo {MARK}; cat; read x; echo read=$?; python3 -c 'import sys; print(len(sys.stdin.read()))'",
                              timeout=5))
