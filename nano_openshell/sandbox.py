@@ -19,6 +19,7 @@ import random
 import selectors
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -275,7 +276,8 @@ class Sandbox:
 
     def _fix_workspace_owner(self) -> None:
         """As root, hand the workspace to the sandbox uid. fd-relative and never following symlinks,
-        so a link planted by the command cannot make us chown a host file."""
+        so a link planted by the command cannot make us chown a host file; files with several hard
+        links are left alone too (where protected_hardlinks is off, one could be a host file)."""
         if self.uid is None:
             return
         os.chown(self.workspace, self.uid, self.uid, follow_symlinks=False)
@@ -283,7 +285,8 @@ class Sandbox:
         for _, dirs, files, dir_fd in os.fwalk(self.workspace, follow_symlinks=False):
             for name in dirs + files:
                 try:
-                    if os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_uid != self.uid:
+                    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                    if st.st_uid != self.uid and (st.st_nlink == 1 or stat.S_ISDIR(st.st_mode)):
                         os.chown(name, self.uid, self.uid, dir_fd=dir_fd, follow_symlinks=False)
                 except FileNotFoundError:
                     pass

@@ -152,3 +152,20 @@ def test_workspace_symlinks_do_not_reach_host_files(sandbox):
 def test_kernel_attack_surface_is_denied(sandbox, attempt, command):
     r = started(sandbox.exec(f"echo {MARK}; {command}; echo end", timeout=10))
     assert r.stdout.endswith("end\n") and "ESCAPED" not in r.stdout, (r.stdout, r.stderr)
+
+
+def test_workspace_handover_never_chowns_a_hard_linked_host_file(sandbox):
+    if sandbox.uid is None:
+        pytest.skip("only a root supervisor hands the workspace to another uid")
+    host = tempfile.mktemp(dir="/var/tmp", prefix="nano-openshell-host-")
+    with open(host, "w") as f:
+        f.write("host file\n")
+    try:
+        os.link(host, os.path.join(sandbox.workspace, "linked"))  # what protected_hardlinks=0 would allow
+        with open(os.path.join(sandbox.workspace, "mine"), "w") as f:
+            f.write("task file\n")
+        assert sandbox.exec("cat mine", timeout=10).stdout == "task file\n"
+        assert os.stat(host).st_uid == 0
+        assert os.stat(os.path.join(sandbox.workspace, "mine")).st_uid == sandbox.uid
+    finally:
+        os.unlink(host)
