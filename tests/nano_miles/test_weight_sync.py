@@ -120,6 +120,24 @@ def test_auto_transport_follows_the_layout():
         assert choose_transport(cuda, [{"device": "cuda:1"}], local) == "distributed"
 
 
+def test_one_broadcast_updates_two_engines(engine_server, engine_client, tiny_model_path, restore_engine_weights):
+    """The distributed transport is the path to many engines: one group, one broadcast per bucket."""
+    from nano_miles.client import start_engine_process
+
+    trainer = Trainer(TrainerConfig(model=str(tiny_model_path), optim=OptimConfig(lr=1e-3)))
+    with start_engine_process(str(tiny_model_path), device="cpu", dtype="float32",
+                              extra_args=("--num-kv-blocks", "256", "--dist-timeout", "30")) as second:
+        with WeightSync(trainer, [engine_server.url, second.url], transport="auto", verify=True) as ws:
+            assert ws.transport == "distributed"
+            for step in range(2):
+                trainer.train_step(engine_rollouts(engine_client, seed=20 + step), torch.tensor([-1.0, 1.0, -1.0, 1.0]))
+                ws.sync(f"two-{step}")  # verify: both engines hold exactly the trainer's weights
+        client = second.client(timeout=60)
+        batch = engine_rollouts(client, seed=30)
+        assert batch.weight_versions[0] == ["two-1"] and max_diff(trainer, batch) <= 1e-5
+        client.close()
+
+
 @pytest.fixture(scope="module")
 def bf16_engine(tiny_model_path):
     """A second real server, in bfloat16 on CPU: the GPU setting's dtype, where parity is fragile."""
