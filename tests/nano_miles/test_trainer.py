@@ -229,3 +229,18 @@ def test_logits_exist_only_one_chunk_at_a_time(model_path, monkeypatch):
     # Every scored token goes through twice: the forward keeps no [chunk, vocab] logits for the
     # backward, which recomputes them chunk by chunk.
     assert sum(seen) == 2 * scored
+
+
+def test_a_non_finite_gradient_skips_the_update_with_a_clear_error(model_path):
+    batch = make_batch(seed=6)
+    trainer = make_trainer(model_path, dtype="bfloat16")
+    with torch.no_grad():
+        trainer.params[0][5].fill_(float("inf"))  # poison the embedding row of token 5...
+        trainer.masters[0][5].fill_(float("inf"))
+        batch.tokens[0, 1] = 5  # ...and feed it: the loss and the gradient become NaN
+    before = [m.detach().clone() for m in trainer.masters]
+    with pytest.raises(FloatingPointError, match="non-finite gradient norm"):
+        trainer.train_step(batch, torch.tensor([1.0, -1.0, 0.5, -0.5]))
+    assert trainer.step == 0 and not trainer.optimizer.state  # no moment was touched
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.masters))
+    assert all(m.grad is None for m in trainer.masters)
