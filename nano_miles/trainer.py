@@ -97,6 +97,9 @@ class Trainer:
             raise ValueError(f"{low[0]} is {dict(self.model.named_buffers())[low[0]].dtype}, not float32: the model "
                              "was cast with .to(dtype); load it with from_pretrained(dtype=...) or cast parameters only")
         self.model.config.use_cache = False
+        for key in ("final_logit_softcapping", "logit_scale"):  # lm_head -> log_softmax assumes plain logits
+            if getattr(self.model.config, key, None) not in (None, 1, 1.0):
+                raise ValueError(f"models with {key} are not supported by the chunked log-prob head")
         self.model.train()  # Qwen2/Llama have no dropout; train() is what enables HF checkpointing
         if cfg.gradient_checkpointing:
             kwargs = {"use_reentrant": False}
