@@ -1,6 +1,8 @@
 """Nothing outlives a command: timeouts kill the whole tree, fast, whatever it does to hide."""
 
+import glob
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -95,7 +97,7 @@ SUPERVISOR = textwrap.dedent("""
     sys.path.insert(0, {root!r})
     from nano_openshell import Sandbox
     sb = Sandbox(tier={tier!r}, min_tier="fallback")
-    print("ready", flush=True)
+    print("ready", sb.workspace, sb.uid, flush=True)
     sb.exec({cmd!r}, timeout=60)
 """)
 
@@ -105,10 +107,12 @@ def test_killed_supervisor_leaves_nothing_behind(tier):
     s = sleep_arg(tok)
     cmd = f"setsid sleep {s} & nohup sleep {s} >/dev/null 2>&1 & ( trap '' TERM; sleep {s} ) & sleep {s}"
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    before = set(glob.glob("/tmp/nano-openshell-tmp-*"))
     sup = subprocess.Popen([sys.executable, "-c", SUPERVISOR.format(root=root, tier=tier, cmd=cmd)],
                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
-        assert sup.stdout.readline() == b"ready\n"
+        ready, workspace, uid = sup.stdout.readline().decode().split()
+        assert ready == "ready"
         end = time.monotonic() + 10
         while len(processes_with(s)) < 4 and time.monotonic() < end:
             time.sleep(0.05)
@@ -118,3 +122,8 @@ def test_killed_supervisor_leaves_nothing_behind(tier):
         sup.wait()
         sup.stdout.close()
     assert wait_gone(s, within=3.0) == []
+    # a killed supervisor cannot tidy up: remove its workspace and (fallback) the command's tmp dir
+    shutil.rmtree(workspace)
+    for left in set(glob.glob("/tmp/nano-openshell-tmp-*")) - before:
+        if uid != "None" and os.stat(left).st_uid == int(uid):
+            shutil.rmtree(left)
