@@ -198,3 +198,25 @@ def test_gpu_sync_and_bf16_parity(transport, tiny_model_path):
                 assert m["logprob_diff_mean"] <= 5e-3, (step, m["logprob_diff_mean"])
                 assert ws.sync(f"gpu-{step}")["verified"]
         client.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transport", ["ipc", "staged", "distributed"])
+def test_gpu_sync_to_an_engine_on_another_gpu(transport, tiny_model_path):
+    """Trainer on cuda:0, engine process on cuda:1 (P2P IPC, one staged copy, or NCCL)."""
+    from nano_miles.client import start_engine_process
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    with start_engine_process(str(tiny_model_path), device="cuda:1", dtype="bfloat16",
+                              extra_args=("--num-kv-blocks", "256", "--dist-timeout", "60")) as engine:
+        client = engine.client(timeout=120)
+        trainer = Trainer(TrainerConfig(model=str(tiny_model_path), device="cuda:0", dtype="bfloat16",
+                                        micro_batch_size=4, optim=OptimConfig(lr=1e-4)))
+        with WeightSync(trainer, engine.url, transport=transport, verify=True, timeout_s=60) as ws:
+            for step in range(2):
+                trainer.train_step(engine_rollouts(client, seed=step), torch.tensor([-1.0, 1.0, -1.0, 1.0]))
+                assert ws.sync(f"{transport}-{step}")["verified"]
+            batch = engine_rollouts(client, seed=9)
+            assert (trainer.logprobs(batch) - batch.rollout_logprobs)[batch.loss_mask].abs().mean() <= 5e-3
+        client.close()
