@@ -477,13 +477,16 @@ def _drain(proc: subprocess.Popen, deadline: float, cap: int, kill) -> tuple[int
 
 
 def _rmtree(path: str) -> None:
-    def retry(func, p, exc_info):  # the command may have left read-only directories behind
+    def retry(func, p, _exc):  # the command may have left read-only directories behind
         try:
             os.chmod(os.path.dirname(p), 0o700)
             func(p)
         except OSError:
             pass
 
-    shutil.rmtree(path, onerror=retry)
+    if sys.version_info >= (3, 12):  # onerror is deprecated there; the handler fits both
+        shutil.rmtree(path, onexc=retry)
+    else:
+        shutil.rmtree(path, onerror=retry)
     if os.path.exists(path):
         shutil.rmtree(path, ignore_errors=True)
