@@ -3,7 +3,7 @@
 Random-initialised Qwen2.5-0.5B shapes (hidden 896, 24 layers, 14 heads / 2 KV heads, intermediate
 4864, vocab 151936, tied), PROMPT-token random prompts, NEW output tokens each (ignore_eos, temperature
 1), at each concurrency. Also reports the bf16 log-prob gap of the engine against an HF teacher-forced
-forward of the same weights. Prints a table, appends one JSON line to bench/results.jsonl, and writes
+forward of the same weights (in the run's dtype). Prints a table, appends one JSON line to bench/results.jsonl, and writes
 the table and the JSON line to $OUT when that is set.
 
     PYTHONPATH=. python3 bench/engine_throughput.py                  # GPU defaults: 64 and 256 requests
@@ -179,7 +179,7 @@ def main():
     record = dict(bench="engine_throughput", date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   commit=git_commit(), machine=machine(args.device), device=args.device, dtype=str(dtype).removeprefix("torch."),
                   cuda_graph=eng.graphs is not None, attention=eng.attention_backend, num_kv_blocks=eng.num_kv_blocks, rows=rows)
-    head = "| requests | prompt | new | engine tok/s | HF generate tok/s | ratio | decode step ms | bf16 logprob gap max / mean |"
+    head = "| requests | prompt | new | engine tok/s | HF generate tok/s | ratio | decode step ms | logprob gap vs HF max / mean |"
     lines = [head, "|" + "---|" * 8]
     for r in rows:
         gap = f"{r['logprob_gap_max']} / {r['logprob_gap_mean']}" if "logprob_gap_max" in r else "-"

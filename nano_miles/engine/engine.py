@@ -274,10 +274,9 @@ class Engine:
     def _sample(self, logits, seqs):
         for i, seq in enumerate(seqs):
             p = seq.params
-            if len(seq.output_ids) < p.min_new_tokens:
-                stops = list(p.stop_token_ids or []) + ([] if p.ignore_eos else self.eos_token_ids)
-                if stops:
-                    logits[i, stops] = float("-inf")
+            # ignore_eos turns every stop token off (as in SGLang), so there is nothing to mask then
+            if not p.ignore_eos and len(seq.output_ids) < p.min_new_tokens:
+                logits[i, list(p.stop_token_ids or []) + self.eos_token_ids] = float("-inf")
         tokens, logprobs = sample(logits, [s.params.temperature for s in seqs], [s.params.top_p for s in seqs],
                                   [s.params.top_k for s in seqs], [s.generator for s in seqs], self.generator)
         out = torch.stack([tokens.double(), logprobs.double()]).cpu()  # the step's one host sync
