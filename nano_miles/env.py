@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import random
 import re
+import threading
 from dataclasses import dataclass, field
 
 from nano_miles.tasks import SetupError, Task, TaskInstance, Workspace, verify
@@ -122,21 +123,31 @@ class OpenShellEnv:
         self.infra_error: str | None = None   # what broke, when the sandbox failed mid-episode
         self.components = {"correct": 0.0, "exec_ok": 0.0, "format": 0.0, "timeout": 0.0, "infra_failures": 0}
         self._ok_commands: set[str] = set()
+        # reset/step run in worker threads that a cancelled caller cannot stop; close() takes the same
+        # lock, so it waits for the one in flight and no setup can create a sandbox after close.
+        self._busy = threading.Lock()
+        self._closed = False
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def reset(self) -> list[dict]:
         """Create the sandbox, run the task's setup; returns the chat messages of the prompt.
 
         Raises SetupError when the sandbox cannot run the setup (infrastructure, not the policy)."""
+        with self._busy:
+            return self._reset()
+
+    def _reset(self) -> list[dict]:
+        if self._closed:
+            raise SetupError(f"task {self.task.id}: the episode was closed before its setup ran")
         try:
             self.sandbox = self.sandbox_factory()
             self.workdir = self.sandbox.workspace   # a fresh directory the sandbox owns and removes
             self.instance = self.task.setup(Workspace(self.sandbox, self.workdir), random.Random(self.seed))
         except SetupError:
-            self.close()
+            self._close()
             raise
         except Exception as e:  # the sandbox could not start or exec: an infrastructure failure
-            self.close()
+            self._close()
             raise SetupError(f"task {self.task.id}: sandbox failed during setup: {type(e).__name__}: {e}") from e
         return self.messages()
 
@@ -144,6 +155,11 @@ class OpenShellEnv:
         return prompt_messages(self.instance.instruction)
 
     def close(self) -> None:
+        with self._busy:
+            self._closed = True
+            self._close()
+
+    def _close(self) -> None:
         if self.sandbox is not None:
             try:
                 self.sandbox.close()
@@ -153,8 +169,10 @@ class OpenShellEnv:
 
     # -- turns ---------------------------------------------------------------------------------------
     def step(self, action_text: str) -> StepResult:
-        kind, body = self._begin_turn(action_text)
-        if kind == "bash":
+        with self._busy:
+            kind, body = self._begin_turn(action_text)
+            if kind != "bash":
+                return self._non_exec(kind, body)
             try:
                 r = self.sandbox.exec(body, timeout=self.cfg.command_timeout)
             except ValueError as e:  # the sandbox refused the command itself (a NUL byte...): the policy's fault
@@ -162,21 +180,10 @@ class OpenShellEnv:
             except Exception as e:
                 return self._infra_failure(e)
             return self._after_exec(body, r)
-        return self._non_exec(kind, body)
 
-    async def astep(self, action_text: str) -> StepResult:
-        kind, body = self._begin_turn(action_text)
-        if kind == "bash":
-            try:
-                r = await self.sandbox.aexec(body, timeout=self.cfg.command_timeout)
-            except ValueError as e:  # the sandbox refused the command itself (a NUL byte...): the policy's fault
-                return self._format_error(f"Command refused: {e}.")
-            except Exception as e:
-                return self._infra_failure(e)
-            return self._after_exec(body, r)
-        if kind == "answer":  # the verifier may run a check command: keep it off the event loop
-            return await asyncio.to_thread(self._non_exec, kind, body)
-        return self._non_exec(kind, body)
+    async def astep(self, action_text: str, executor=None) -> StepResult:
+        """step() in a worker thread (commands and verifier checks block)."""
+        return await asyncio.get_running_loop().run_in_executor(executor, self.step, action_text)
 
     def end(self, reason: str) -> None:
         """End the episode from outside (the rollout's token budget, an engine that stopped)."""

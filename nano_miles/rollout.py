@@ -19,6 +19,7 @@ Each group (the G samples of one task) goes to one engine, so its shared prompt 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import sys
 import uuid
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = -1
     max_concurrency: int = 64        # episodes in flight at once (each holds a sandbox)
+    request_timeout: float = 600.0   # seconds per /generate call, queueing included (slow CPU engines)
     env: EnvConfig = field(default_factory=EnvConfig)
 
     def __post_init__(self):
@@ -71,22 +73,14 @@ def parse_generate_response(resp: dict) -> tuple[list[int], list[float], str, st
 
 
 async def run_episode(client, fmt: ChatFormat, task: Task, seed: int, group_id: str,
-                      cfg: RolloutConfig, sandbox_factory=None) -> Trajectory:
-    """Play one episode against one engine; the returned trajectory is complete and self-consistent."""
+                      cfg: RolloutConfig, sandbox_factory=None, executor=None) -> Trajectory:
+    """Play one episode against one engine; the returned trajectory is complete and self-consistent.
+    Sandbox work (setup, commands, verification) runs on `executor` (None: asyncio's default)."""
     env = OpenShellEnv(task, seed, cfg.env, sandbox_factory)
-    # Setup and commands run in threads that a cancellation cannot stop. Shield them, and before
-    # closing the sandbox wait for the one in flight (bounded by its timeout): closing under a running
-    # setup would leak the sandbox it is about to create.
-    in_flight = None
-
-    async def settle(coro):
-        nonlocal in_flight
-        in_flight = asyncio.ensure_future(coro)
-        return await asyncio.shield(in_flight)
-
+    loop = asyncio.get_running_loop()
     try:
         try:
-            messages = await settle(asyncio.to_thread(env.reset))
+            messages = await loop.run_in_executor(executor, env.reset)
         except SetupError as e:
             return Trajectory([], [], [], [], reward=0.0, reward_components={"infra_failures": 1, "error": str(e)},
                               num_turns=0, finish_reason="infra_error", task_id=task.id, group_id=group_id)
@@ -113,7 +107,7 @@ async def run_episode(client, fmt: ChatFormat, task: Task, seed: int, group_id: 
             if env.done:
                 break
             text = fmt.tokenizer.decode(out_ids, skip_special_tokens=True)
-            step = await settle(env.astep(text))
+            step = await env.astep(text, executor)
             if not step.done:
                 obs = fmt.observation_ids(step.observation, out_ids[-1] if out_ids else None)
                 if len(ids) + len(obs) >= cfg.env.max_total_tokens:
@@ -133,9 +127,9 @@ async def run_episode(client, fmt: ChatFormat, task: Task, seed: int, group_id: 
             reward=env.reward, reward_components=components, num_turns=len(versions),
             finish_reason=env.finish_reason, task_id=task.id, group_id=group_id, weight_versions=versions)
     finally:
-        if in_flight is not None and not in_flight.done():
-            await asyncio.wait([in_flight])
-        await asyncio.to_thread(env.close)
+        # In a worker thread: even if this await is cancelled, the close still runs, after whatever
+        # setup or command is in flight (env.close waits for it), so no sandbox is leaked.
+        await loop.run_in_executor(executor, env.close)
 
 
 async def rollout_groups(urls: list[str], tokenizer, tasks: list[Task], cfg: RolloutConfig,
@@ -158,21 +152,36 @@ async def rollout_groups(urls: list[str], tokenizer, tasks: list[Task], cfg: Rol
         raise ValueError("rollout_groups needs at least one engine URL")
     fmt = tokenizer if isinstance(tokenizer, ChatFormat) else ChatFormat(tokenizer)
     own = clients is None
-    clients = clients or [AsyncEngineClient(u) for u in urls]
+    clients = clients or [AsyncEngineClient(u, timeout=cfg.request_timeout) for u in urls]
     sem = asyncio.Semaphore(cfg.max_concurrency)
+    # one worker per episode in flight (+ room for closes queued behind a cancelled episode's command)
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=2 * cfg.max_concurrency, thread_name_prefix="episode")
 
     async def one(client, task, task_seed, group_id):
         async with sem:
-            return await run_episode(client, fmt, task, task_seed, group_id, cfg, sandbox_factory)
+            return await run_episode(client, fmt, task, task_seed, group_id, cfg, sandbox_factory, pool)
 
     try:
         jobs = []
-        async with asyncio.TaskGroup() as tg:
-            for g, task in enumerate(tasks):
-                task_seed = seed * 100_003 + g
-                group_id = f"{task.id}-s{task_seed}"
-                for _ in range(cfg.group_size):
-                    jobs.append(tg.create_task(one(clients[g % len(clients)], task, task_seed, group_id)))
+        for g, task in enumerate(tasks):
+            task_seed = seed * 100_003 + g
+            group_id = f"{task.id}-s{task_seed}"
+            for _ in range(cfg.group_size):
+                jobs.append(asyncio.ensure_future(one(clients[g % len(clients)], task, task_seed, group_id)))
+        if not jobs:
+            return []
+        # On the first error (EngineUnavailable...) or our own cancellation: cancel the rest once, let
+        # every episode close its sandbox, then raise.
+        try:
+            await asyncio.wait(jobs, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            if not all(j.done() for j in jobs):
+                for j in jobs:
+                    j.cancel()
+                await asyncio.wait(jobs)
+        errors = [j.exception() for j in jobs if not j.cancelled() and j.exception() is not None]
+        if errors:
+            raise errors[0]
         results = [j.result() for j in jobs]
         failed = [t for t in results if t.finish_reason == "infra_error" and not t.prompt_ids]
         if stats is not None:
@@ -182,10 +191,8 @@ async def rollout_groups(urls: list[str], tokenizer, tasks: list[Task], cfg: Rol
             print(f"rollout: {len(failed)} episode(s) lost to sandbox setup failures, e.g. "
                   f"{failed[0].reward_components.get('error', '')}", file=sys.stderr)
         return [t for t in results if t.prompt_ids]
-    except ExceptionGroup as eg:
-        # Surface the first real error (EngineUnavailable, TITOViolation...) rather than a group of them.
-        raise eg.exceptions[0] from None
     finally:
+        pool.shutdown(wait=False)  # queued closes still run; the threads finish before the process exits
         if own:
             for c in clients:
                 await c.close()

@@ -32,6 +32,8 @@ def add_common_arguments(p, default_tasks: str) -> None:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0, help="task seed: files and ground truth of every group")
     p.add_argument("--max-concurrency", type=int, default=64, help="episodes (sandboxes) in flight")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds per engine request, queueing included (raise it for slow CPU engines)")
     p.add_argument("--device", default="cpu", help="for the engine started here: cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", help="for the engine started here")
     p.add_argument("--results-jsonl", default=None,
@@ -46,7 +48,7 @@ def add_arguments(p) -> None:
 
 def rollout_config(args, group_size: int) -> RolloutConfig:
     return RolloutConfig(group_size=group_size, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                         max_concurrency=args.max_concurrency,
+                         max_concurrency=args.max_concurrency, request_timeout=args.request_timeout,
                          env=EnvConfig(max_turns=args.max_turns, max_total_tokens=args.max_total_tokens))
 
 

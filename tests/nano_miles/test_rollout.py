@@ -11,6 +11,7 @@ import json
 import math
 import os
 import tempfile
+import time
 
 import pytest
 
@@ -128,6 +129,28 @@ def test_engine_unavailable_propagates_and_cleans_up(tok, private_tmp):
     cfg = RolloutConfig(group_size=2, max_new_tokens=8)
     with pytest.raises(EngineUnavailable, match="unavailable"):
         asyncio.run(rollout_groups(["http://127.0.0.1:9"], tok, select_tasks("seed"), cfg))
+    assert workspaces(private_tmp) == []
+
+
+def test_cancelled_twice_leaks_no_sandbox(engine_server, tok, private_tmp):
+    """The train loop may cancel a rollout (and cancel again while it cleans up): every sandbox
+    still closes, after the setup or command that was in flight."""
+    cfg = RolloutConfig(group_size=8, max_new_tokens=64, env=EnvConfig(max_turns=6))
+
+    async def main():
+        job = asyncio.ensure_future(rollout_groups([engine_server.url], tok, select_tasks("seed"), cfg))
+        while not workspaces(private_tmp):    # wait until sandboxes exist (setups and turns in flight)
+            await asyncio.sleep(0.01)
+        job.cancel()
+        await asyncio.sleep(0.05)
+        job.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await job
+
+    asyncio.run(main())
+    deadline = time.monotonic() + 30
+    while workspaces(private_tmp) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert workspaces(private_tmp) == []
 
 
