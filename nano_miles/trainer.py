@@ -67,7 +67,9 @@ class TrainerConfig:
 
 def _chunk_logprobs(hidden, targets, weight, with_entropy: bool):
     """log p(target) in float32 for hidden [N, H]; the [N, V] logits live only inside this call."""
-    logits = F.linear(hidden, weight).float()  # lm_head in compute dtype, then FP32, like the engine
+    # FP32 lm_head, like the engine: bf16 logits would be rounded to 8 mantissa bits, and a hidden
+    # state that differs from the engine's in its last bit would then round to a different logit.
+    logits = F.linear(hidden.float(), weight.float())
     logp_all = torch.log_softmax(logits, dim=-1)
     logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
     if not with_entropy:
@@ -97,6 +99,10 @@ class Trainer:
             raise ValueError(f"{low[0]} is {dict(self.model.named_buffers())[low[0]].dtype}, not float32: the model "
                              "was cast with .to(dtype); load it with from_pretrained(dtype=...) or cast parameters only")
         self.model.config.use_cache = False
+        if self.dtype != torch.float32 and self.device.type == "cuda":
+            # The only FP32 matmul in a bf16 trainer is the lm_head above, whose inputs are bf16 values
+            # that TF32 holds exactly: TF32 tensor cores give the FP32-accumulated logits quickly.
+            torch.set_float32_matmul_precision("high")
         for key in ("final_logit_softcapping", "logit_scale"):  # lm_head -> log_softmax assumes plain logits
             if getattr(self.model.config, key, None) not in (None, 1, 1.0):
                 raise ValueError(f"models with {key} are not supported by the chunked log-prob head")

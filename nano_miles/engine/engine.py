@@ -82,6 +82,12 @@ class Engine:
         load_safetensors(self.model, config.model)
         self.model.eval().requires_grad_(False)
         self.model.init_rope(self.max_model_len, self.device, self.dtype)
+        self.model.refresh_lm_head_fp32()
+        if self.dtype != torch.float32:
+            # The FP32 lm_head matmul takes bf16-valued inputs, which TF32 represents exactly: TF32
+            # tensor cores give the FP32-accumulated result at bf16-like speed. No other FP32 matmul
+            # runs in a bf16 engine.
+            torch.set_float32_matmul_precision("high")
         self.attention_backend = self._pick_attention_backend(config.attention_backend)
         if self.attention_backend == "triton":
             from nano_miles.engine.triton_attention import paged_decode_attention
@@ -209,6 +215,7 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list:
         finished, self.pending = self.pending, []
+        self.model.refresh_lm_head_fp32()  # a no-op unless the weights changed since the last step
         kind, work = self.scheduler.schedule()
         if kind is None:
             return finished

@@ -192,6 +192,8 @@ class CausalLM(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope_cache = None  # (cos, sin) [max_pos, D], built on the right device by init_rope
         self.decode_attention = None  # optional paged kernel for Q == 1 batches (set by the engine)
+        self._lm_head_fp32 = None     # FP32 copy of the output projection (see lm_head_fp32)
+        self._lm_head_version = None
 
     def init_rope(self, max_positions: int, device, dtype):
         D = self.config.head_dim
@@ -204,8 +206,25 @@ class CausalLM(nn.Module):
     def lm_head_weight(self):
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
+    def refresh_lm_head_fp32(self) -> torch.Tensor:
+        """The output projection in FP32, refreshed (in place: CUDA graphs hold its address) whenever
+        the weight changed. Logits are computed in FP32 from the bf16 hidden state and weight: a bf16
+        logit is rounded to 8 bits of mantissa (0.06 at a logit of 16), and two processes whose hidden
+        states differ in the last bit then round to different logits. The trainer does the same, so
+        train/inference parity is not lost to that rounding. Call it outside graph capture, before a
+        forward: tensor._version moves with every in-place write, weight updates included."""
+        w = self.lm_head_weight()
+        if w.dtype == torch.float32:
+            return w
+        if self._lm_head_fp32 is None:
+            self._lm_head_fp32 = torch.empty(w.shape, dtype=torch.float32, device=w.device)
+        if self._lm_head_version != w._version:
+            self._lm_head_fp32.copy_(w)
+            self._lm_head_version = w._version
+        return self._lm_head_fp32
+
     def forward(self, batch: Batch, k_caches, v_caches) -> torch.Tensor:
-        """Returns logits [B, V] (model dtype) of the query column `batch.last_index` of each row."""
+        """Returns FP32 logits [B, V] of the query column `batch.last_index` of each row."""
         cos, sin = self.rope_cache
         cos = cos[batch.positions].unsqueeze(2)  # [B, Q, 1, D], broadcast over heads
         sin = sin[batch.positions].unsqueeze(2)
@@ -225,7 +244,8 @@ class CausalLM(nn.Module):
             x = layer(x, cos, sin, batch, kc, vc, attn_info, decode_attention)
         x = x[torch.arange(B, device=x.device), batch.last_index]  # [B, hidden]
         x = self.model.norm(x)
-        return F.linear(x, self.lm_head_weight())
+        w = self._lm_head_fp32 if self._lm_head_fp32 is not None else self.refresh_lm_head_fp32()
+        return F.linear(x.float(), w)
 
 
 def load_safetensors(model: CausalLM, folder: str):

@@ -331,3 +331,24 @@ def test_decode_padded_to_graph_buckets_gives_the_same_logits(tiny):
     assert torch.allclose(padded[:3], exact, atol=2e-5)  # only fp32 reduction-order noise
     # padding rows wrote only into the trash block (real rows rewrote their own slot, equal up to noise)
     assert torch.allclose(eng.kv.k[:, :-1], trash_before, atol=1e-5)
+
+
+def test_bf16_logits_are_fp32_and_follow_weight_updates(tiny):
+    """A bf16 engine projects to the vocabulary in FP32 (no bf16 rounding of logits), from an FP32
+    copy of the output weight that is refreshed when the weights change."""
+    eng = make_engine(tiny, dtype="bfloat16")
+    p = prompts(1, eng.vocab_size, seed=5, lo=12, hi=13)[0]
+    sp = SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=0.0)
+    eng.add_request("a", p, sp)
+    before = run_all(eng)["a"]
+    w = eng.model.lm_head_weight()
+    assert eng.model.refresh_lm_head_fp32().dtype == torch.float32
+    assert torch.equal(eng.model.refresh_lm_head_fp32(), w.float())
+    # Swap the output embedding for a permuted one: greedy tokens must follow the NEW weights.
+    name = "model.embed_tokens.weight"
+    perm = torch.randperm(w.shape[0], generator=torch.Generator().manual_seed(0))
+    eng.load_weights([(name, w[perm].clone())])
+    assert torch.equal(eng.model.refresh_lm_head_fp32(), w.float())  # refreshed in place
+    eng.add_request("b", p, sp)
+    after = run_all(eng)["b"]
+    assert after.output_ids != before.output_ids
