@@ -13,9 +13,17 @@ distributed; engine on the trainer's GPU or on a P2P peer -> ipc; a visible GPU 
 (CUDA device indices are compared as the engines report them, so trainer and engines are assumed to
 run with the same CUDA_VISIBLE_DEVICES, as `nano-miles train` starts them.)
 
-Every sync builds fresh buffers (an engine may still be reading the previous one when the HTTP call
-returns) and frees them after the engines acknowledge. With verify=True each engine's per-tensor
-sha256 is compared with the trainer's own; any difference raises WeightSyncError.
+ipc/staged build a fresh bucket every sync (a server such as SGLang may answer before its copy of the
+previous one finished) and free it after the engines acknowledge; distributed flattens into a
+persistent send buffer (the broadcast has finished reading it when it returns). An engine whose
+parameters are packed in the trainer's order applies a whole bucket with one copy (see
+nano_miles/engine/flat_params.py). With verify=True each engine's per-tensor sha256 is compared with
+the trainer's own; any difference raises WeightSyncError.
+
+sync() reports where the time went (CPU wall time per phase, ms): prepare (the named tensors and the
+bucket split), pack (flatten each bucket into one buffer + serialize, or the disk write), send (HTTP
+calls / broadcasts until every engine answered), free; and each engine's own timings_ms of its last
+answer (decode or receive, wait, copy, release, total), so send - engine total is the HTTP overhead.
 """
 from __future__ import annotations
 
@@ -108,6 +116,9 @@ class WeightSync:
         self._group = None
         self._group_name = f"nano_miles_sync_{os.getpid()}_{id(self):x}"
         self._disk_dir, self._own_disk_dir = disk_dir, not disk_dir
+        self._send_buffers: dict = {}  # distributed: bucket index -> persistent flattened send buffer
+        self._phases: dict = {}
+        self._engine_timings: list = []
 
     @classmethod
     def from_config(cls, source, engine_urls, cfg: SyncConfig) -> "WeightSync":
@@ -140,12 +151,16 @@ class WeightSync:
     # ------------------------------------------------------------------ sync
 
     def sync(self, weight_version) -> dict:
-        """Send the current weights to every engine; return {ms, bytes, transport, verified, buckets}."""
+        """Send the current weights to every engine; return {ms, bytes, transport, verified, buckets,
+        phases_ms, engine_ms, fast_path} (see the module docstring for the phases)."""
         version = str(weight_version)
         t0 = time.perf_counter()
+        self._phases = {"prepare": 0.0, "pack": 0.0, "send": 0.0, "free": 0.0}
+        self._engine_timings = []
         named = self.named_tensors()
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
         buckets = list(W.bucket_by_bytes(named, int(self.cfg.bucket_mb * 2**20)))
+        self._phases["prepare"] = (time.perf_counter() - t0) * 1000.0
         send = {"ipc": self._send_tensor, "staged": self._send_tensor,
                 "distributed": self._send_distributed, "disk": self._send_disk}[self.transport]
         send(buckets, version)
@@ -154,13 +169,22 @@ class WeightSync:
         if self.cfg.verify:
             self.verify(version, named)
             verified = True
+        answers = [a for a in self._engine_timings if isinstance(a, dict)]
         return {"ms": ms, "bytes": nbytes, "transport": self.transport, "verified": verified,
-                "buckets": len(buckets), "weight_version": version}
+                "buckets": len(buckets), "weight_version": version,
+                "phases_ms": {k: round(v, 3) for k, v in self._phases.items()},
+                "engine_ms": answers[0].get("timings_ms") if answers else None,
+                "fast_path": bool(answers) and all(a.get("fast_path") for a in answers)}
+
+    def _phase(self, name: str, since: float) -> float:
+        now = time.perf_counter()
+        self._phases[name] += (now - since) * 1000.0
+        return now
 
     def _on_all(self, fn):
         """fn(client) on every engine concurrently; raise WeightSyncError naming the engines that failed."""
         futures = [self._pool.submit(fn, c) for c in self.clients]
-        errors = []
+        errors, answers = [], []
         for url, f in zip(self.urls, futures):
             try:
                 answer = f.result(timeout=self.cfg.timeout_s + 5)
@@ -169,12 +193,15 @@ class WeightSync:
                 continue
             if isinstance(answer, dict) and answer.get("success") is False:
                 errors.append(f"{url}: {answer.get('message')}")
+            answers.append(answer)
+        self._engine_timings = answers  # the last call's answers (the last bucket's)
         if errors:
             raise WeightSyncError(f"{self.transport} weight sync failed on {len(errors)} engine(s): " + "; ".join(errors))
 
     def _send_tensor(self, buckets, version):
         for i, bucket in enumerate(buckets):
             last = i == len(buckets) - 1
+            t = time.perf_counter()
             flat = W.FlattenedTensorBucket(named_tensors=bucket)  # a fresh buffer for every sync
             payloads = []
             for info in self.infos:
@@ -183,16 +210,25 @@ class WeightSync:
                     tensor = tensor.to(torch.device(info["device"]), non_blocking=False)
                 payloads.append((W.serialize({"flattened_tensor": tensor, "metadata": flat.metadata}), tensor))
             if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # the engine reads the buffer from another process
+                # The buffer must be complete before an engine reads it. torch's IPC handle carries
+                # an event the receiver waits on, but a receiver that still caches the storage of the
+                # same memory skips that wait; only finishing here is safe for any receiver.
+                for d in {self.device} | {p[1].device for p in payloads}:
+                    torch.cuda.synchronize(d)
             by_client = {id(c): p for c, (p, _) in zip(self.clients, payloads)}
+            t = self._phase("pack", t)
             self._on_all(lambda c: c.update_weights_from_tensor(
                 by_client[id(c)], load_format="flattened_bucket", flush_cache=last,
                 weight_version=version if last else None))
-            del flat, payloads, by_client  # acknowledged: the engines hold their own copies now
+            t = self._phase("send", t)
+            del flat, payloads, by_client  # acknowledged: the engines copied, synchronised and closed it
             if self.device.type == "cuda":
+                # Buffers an engine still holds stay in torch's IPC limbo until released; this frees
+                # those released since. No empty_cache(): the freed block stays in the caching
+                # allocator and the next sync's bucket (or a training step) reuses it, whereas
+                # cudaFree + cudaMalloc of ~1 GB would cost milliseconds every sync.
                 torch.cuda.ipc_collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+            self._phase("free", t)
 
     def _init_group(self):
         backend = "nccl" if self.device.type == "cuda" else "gloo"
@@ -213,10 +249,21 @@ class WeightSync:
                 raise WeightSyncError(f"{url} did not join the weight update group: {answer.get('message')}")
         self._group = group
 
+    def _send_buffer(self, i: int, bucket) -> torch.Tensor:
+        """A persistent uint8 buffer for bucket i, on our device: a broadcast reads it completely
+        before it returns (work.wait orders our stream after it), so reusing it is safe."""
+        nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
+        buf = self._send_buffers.get(i)
+        if buf is None or buf.numel() < nbytes:
+            self._send_buffers[i] = None
+            self._send_buffers[i] = buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return buf
+
     def _send_distributed(self, buckets, version):
         if self._group is None:
             self._init_group()
         for i, bucket in enumerate(buckets):
+            t = time.perf_counter()
             last = i == len(buckets) - 1
             names = [n for n, _ in bucket]
             dtypes = [str(t.dtype).removeprefix("torch.") for _, t in bucket]
@@ -227,7 +274,8 @@ class WeightSync:
                 names, dtypes, shapes, group_name=self._group_name, load_format="flattened_bucket",
                 weight_version=version if last else None, flush_cache=last, timeout=self.cfg.timeout_s))
             try:
-                W.broadcast_weights(self._group, bucket, "flattened_bucket", self.cfg.timeout_s)
+                W.broadcast_weights(self._group, bucket, "flattened_bucket", self.cfg.timeout_s,
+                                    out=self._send_buffer(i, bucket))
             except Exception as e:
                 self._group = None  # a broken collective cannot be reused
                 raise WeightSyncError(f"broadcast of bucket {i} failed: {type(e).__name__}: {e}") from e
@@ -236,6 +284,7 @@ class WeightSync:
             except WeightSyncError:
                 self._group = None
                 raise
+            self._phase("send", t)  # flatten + broadcast + the engines' swap (they overlap)
 
     def _send_disk(self, buckets, version):
         from safetensors.torch import save_file
@@ -243,11 +292,14 @@ class WeightSync:
         if not self._disk_dir:
             self._disk_dir = tempfile.mkdtemp(prefix="nano-miles-weights-")
         os.makedirs(self._disk_dir, exist_ok=True)
-        tensors = {n: t.contiguous().cpu() for bucket in buckets for n, t in bucket}
+        start = time.perf_counter()
+        tensors = {n: x.contiguous().cpu() for bucket in buckets for n, x in bucket}
         tmp = os.path.join(self._disk_dir, ".model.safetensors.tmp")
         save_file(tensors, tmp)
         os.replace(tmp, os.path.join(self._disk_dir, "model.safetensors"))  # engines never see half a file
+        start = self._phase("pack", start)
         self._on_all(lambda c: c.update_weights_from_disk(self._disk_dir, weight_version=version))
+        self._phase("send", start)
 
     # ------------------------------------------------------------------ verify and close
 
@@ -280,6 +332,7 @@ class WeightSync:
             except Exception:
                 pass
             self._group = None
+        self._send_buffers.clear()
         if self._own_disk_dir and self._disk_dir:
             shutil.rmtree(self._disk_dir, ignore_errors=True)
             self._disk_dir = ""

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from nano_miles.engine.flat_params import FlatParameters, wait_for_copies
 from nano_miles.engine.kv_cache import BlockManager, KVCache
 from nano_miles.engine.model import Batch, CausalLM, ModelConfig, load_safetensors, skip_weight_name
 from nano_miles.engine.sampling import SamplingParams, sample
@@ -81,6 +82,8 @@ class Engine:
             self.model = CausalLM(mc).to(self.dtype)
         load_safetensors(self.model, config.model)
         self.model.eval().requires_grad_(False)
+        # One flat buffer behind every parameter, so a matching weight-update bucket is one copy.
+        self.flat_params = FlatParameters(self.model) if FlatParameters.packable(self.model) else None
         self.model.init_rope(self.max_model_len, self.device, self.dtype)
         self.model.refresh_lm_head_fp32()
         if self.dtype != torch.float32:
@@ -186,7 +189,8 @@ class Engine:
     def load_weights(self, named_tensors) -> None:
         """Validate every (name, tensor) first, then copy all in place. Floating-point tensors of any
         dtype are accepted and cast (as SGLang's loaders do); names, shapes and non-float dtypes are
-        checked. On any error nothing has changed. Any subset of the parameters may be sent."""
+        checked. On any error nothing has changed. Any subset of the parameters may be sent.
+        Returns once the copies are complete (the sources may be another process's GPU memory)."""
         items = list(named_tensors)
         params = dict(self.model.named_parameters())
         todo = []
@@ -206,6 +210,15 @@ class Engine:
         with torch.no_grad():
             for p, t in todo:
                 p.copy_(t)
+        wait_for_copies(self.device, [t for _, t in todo])
+        self.flush_cache()
+
+    def load_flat(self, start: int, buffer: torch.Tensor) -> None:
+        """Apply a bucket already matched against flat_params (FlatParameters.match: validated, it
+        reproduces bytes [start, start + len) of the packed parameters exactly) with ONE copy."""
+        if self.flat_params is None:
+            raise ValueError("this engine's parameters are not packed; use load_weights")
+        self.flat_params.load(start, buffer)
         self.flush_cache()
 
     def flush_cache(self) -> None:

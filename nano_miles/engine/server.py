@@ -94,6 +94,7 @@ class Server:
         self.model_path = str(model_path)
         self.groups: dict = {}  # group_name -> process group
         self.group_locks: dict = {}
+        self.recv_buffers: dict = {}  # group_name -> persistent uint8 buffer its broadcasts land in
         self.started = time.time()
 
     # --- setup ---
@@ -286,8 +287,10 @@ class Server:
         return web.json_response({"success": True, "message": f"aborted {n} request(s)", "num_aborted": n})
 
     # --- weights ---
-    async def _apply(self, named, body, source: str) -> web.Response:
-        """Swap in `named` on the engine thread once in-flight work allows; bump the version."""
+    async def _apply(self, update: "_Update", body, source: str, timings: dict, t0: float) -> web.Response:
+        """Swap in `update` on the engine thread once in-flight work allows; bump the version.
+        Answers with per-phase timings_ms (decode/receive, wait: hand-off and drain, copy: the
+        copy until complete + KV flush, release: dropping the trainer's buffer, total)."""
         abort_first = body.get("abort_all_requests", False)
         if not isinstance(abort_first, bool):
             raise RequestError("abort_all_requests must be a boolean")
@@ -299,16 +302,32 @@ class Server:
         # so nothing computed with older weights is ever reused.
         partial = given is None and body.get("flush_cache", True) is False
 
+        submitted = time.perf_counter()
+
         def swap(eng):
+            t = time.perf_counter()
+            timings["wait"] = (t - submitted) * 1000
             old = eng.weight_version
-            eng.load_weights(named)  # validated already; copies in place, then flushes every KV block
+            named, flat = update.take()
+            if flat is not None:
+                eng.load_flat(*flat)  # matched already: one copy, complete on return, then a KV flush
+            else:
+                eng.load_weights(named)  # validated already; copies in place, then flushes every KV block
+            timings["copy"] = (time.perf_counter() - t) * 1000
+            t = time.perf_counter()
+            del named, flat  # the last references: CUDA IPC memory is closed here, before we answer
+            timings["release"] = (time.perf_counter() - t) * 1000
             if not partial:
                 eng.weight_version = _next_version(old, given)
             return eng.weight_version
 
         version = await self.worker.update(swap, abort_first)
-        return _weight_answer(True, f"Succeeded to update {len(named)} tensors from {source}. "
-                                    f"Weight version updated to {version}.")
+        timings["total"] = (time.perf_counter() - t0) * 1000
+        return web.json_response({
+            "success": True, "fast_path": update.fast,
+            "message": f"Succeeded to update {update.count} tensors from {source}"
+                       f"{' with one copy' if update.fast else ''}. Weight version updated to {version}.",
+            "timings_ms": {k: round(v, 3) for k, v in timings.items()}})
 
     def _check(self, named, cast: bool = False):
         from nano_miles.engine.model import skip_weight_name
@@ -320,17 +339,36 @@ class Server:
         W.check_against(named, self.expected)
         return named
 
+    def _bucket_update(self, bucket: W.FlattenedTensorBucket) -> "_Update":
+        """One copy if the bucket reproduces a run of the packed parameters byte for byte (names,
+        order, shapes, dtype, offsets: see flat_params.py), else the validated per-tensor path."""
+        flat = self.engine.flat_params
+        span = flat.match(bucket.metadata) if flat is not None else None
+        if span is not None and bucket.flattened_tensor.numel() == span[1] - span[0]:
+            return _Update(flat=(span[0], bucket.flattened_tensor), count=len(bucket.metadata))
+        return _Update(named=self._check(bucket.reconstruct_tensors()))
+
     async def update_from_tensor(self, request):
+        t0 = time.perf_counter()
         body = await _json_body(request)
         fmt = body.get("load_format")
+        payload = body.get("serialized_named_tensors")
+
+        def decode():
+            if fmt == "flattened_bucket":
+                return self._bucket_update(W.decode_bucket(payload))
+            return _Update(named=self._check(W.decode_tensor_payload(payload, fmt)))
+
         try:
-            named = await asyncio.to_thread(
-                lambda: self._check(W.decode_tensor_payload(body.get("serialized_named_tensors"), fmt)))
+            t = time.perf_counter()
+            update = await asyncio.to_thread(decode)
         except W.WeightPayloadError as e:
             return _weight_answer(False, f"Failed to update weights from tensor: {e}")
-        return await self._apply(named, body, "tensor")
+        timings = {"decode": (time.perf_counter() - t) * 1000}
+        return await self._apply(update, body, "tensor", timings, t0)
 
     async def update_from_disk(self, request):
+        t0 = time.perf_counter()
         body = await _json_body(request)
         path = body.get("model_path")
         if not isinstance(path, str) or not path:
@@ -346,10 +384,12 @@ class Server:
             return named
 
         try:
+            t = time.perf_counter()
             named = await asyncio.to_thread(load)
         except W.WeightPayloadError as e:
             return _weight_answer(False, f"Failed to update weights from disk: {e}")
-        return await self._apply(named, body, f"disk ({path})")
+        timings = {"decode": (time.perf_counter() - t) * 1000}
+        return await self._apply(_Update(named=named), body, f"disk ({path})", timings, t0)
 
     async def init_group(self, request):
         body = await _json_body(request)
@@ -385,6 +425,7 @@ class Server:
                                     f"({backend}, rank {rank} of {world}).")
 
     async def update_from_distributed(self, request):
+        t0 = time.perf_counter()
         body = await _json_body(request)
         name = body.get("group_name") or W.DEFAULT_GROUP_NAME
         if name not in self.groups:
@@ -404,29 +445,49 @@ class Server:
         except W.WeightPayloadError as e:
             return _weight_answer(False, f"Failed to update weights from distributed: {e}")
         # Receive first, even into a mismatching announcement, so the trainer's broadcast completes
-        # and the group stays in step; then check, then swap.
+        # and the group stays in step; then check, then swap. The lock is held until the swap is
+        # done: a flattened bucket lands in the group's persistent buffer, which the next broadcast
+        # overwrites.
         async with self.group_locks[name]:
             try:
-                received = await asyncio.to_thread(self._receive, self.groups[name], names, dtypes, shapes, fmt)
+                t = time.perf_counter()
+                update, error = await asyncio.to_thread(self._receive, name, names, dtypes, shapes, fmt)
             except Exception as e:
                 # A broken collective leaves the group in an unknown state: drop it (its teardown may
                 # block until its own timeout, so in a daemon thread) and make the trainer re-init.
                 pg = self.groups.pop(name)
+                self.recv_buffers.pop(name, None)
                 threading.Thread(target=W.destroy_weight_update_group, args=(pg,), daemon=True).start()
                 return _weight_answer(False, f"Failed to receive weights over {name!r}: {type(e).__name__}: {e}; "
                                              "the group was dropped, call /init_weights_update_group again")
-        try:
-            named = self._check(received)
-        except W.WeightPayloadError as e:
-            return _weight_answer(False, f"Failed to update weights from distributed: {e}")
-        return await self._apply(named, body, f"distributed group {name!r}")
+            if error is not None:
+                return _weight_answer(False, f"Failed to update weights from distributed: {error}")
+            timings = {"receive": (time.perf_counter() - t) * 1000}
+            return await self._apply(update, body, f"distributed group {name!r}", timings, t0)
 
-    def _receive(self, pg, names, dtypes, shapes, fmt):
-        device = self.engine.device
+    def _receive(self, name, names, dtypes, shapes, fmt):
+        """(update, None) or, for a received payload that does not fit the model, (None, error)."""
+        import torch
+
+        device, pg = self.engine.device, self.groups[name]
         if device.type == "cuda":
-            import torch
             torch.cuda.set_device(device)  # this pool thread's current device is what NCCL uses
-        return W.receive_weights(pg, names, dtypes, shapes, fmt, device, self.args.dist_timeout)
+        if fmt != "flattened_bucket":
+            received = W.receive_weights(pg, names, dtypes, shapes, fmt, device, self.args.dist_timeout)
+            try:
+                return _Update(named=self._check(received)), None
+            except W.WeightPayloadError as e:
+                return None, e
+        nbytes = sum(torch.Size(s).numel() * d.itemsize for d, s in zip(dtypes, shapes))
+        buffer = self.recv_buffers.get(name)
+        if buffer is None or buffer.numel() < nbytes:  # allocated once per group (grown if needed)
+            self.recv_buffers[name] = buffer = None  # free the smaller one first
+            self.recv_buffers[name] = buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        bucket = W.receive_bucket(pg, names, dtypes, shapes, device, self.args.dist_timeout, buffer=buffer)
+        try:
+            return self._bucket_update(bucket), None
+        except W.WeightPayloadError as e:
+            return None, e
 
     async def destroy_group(self, request):
         body = await _json_body(request, default={})
@@ -435,6 +496,7 @@ class Server:
         if pg is None:
             return _weight_answer(False, f"no weight update group {name!r}")
         self.group_locks.pop(name, None)
+        self.recv_buffers.pop(name, None)
         try:
             await asyncio.to_thread(W.destroy_weight_update_group, pg)
         except Exception as e:
@@ -457,6 +519,22 @@ class Server:
         version, sums = await self.worker.call(compute)
         return web.json_response({"weight_version": version, "dtype": str(self.engine.dtype).removeprefix("torch."),
                                   "algorithm": "sha256", "checksums": sums})
+
+
+class _Update:
+    """New weights on their way to the engine thread: a bucket matched against the packed parameters
+    (flat = (start byte, buffer), applied with one copy) or validated (name, tensor) pairs. take()
+    hands them over and keeps no reference, so a trainer's CUDA IPC memory is closed on the engine
+    thread right after the copy, before the answer lets the trainer free it."""
+
+    def __init__(self, named=None, flat=None, count: int | None = None):
+        self.named, self.flat = named, flat
+        self.fast = flat is not None
+        self.count = count if count is not None else len(named)
+
+    def take(self):
+        named, flat, self.named, self.flat = self.named, self.flat, None, None
+        return named, flat
 
 
 # ----------------------------------------------------------------------------- main

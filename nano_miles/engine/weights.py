@@ -68,20 +68,28 @@ FlattenedTensorMetadata.__module__ = SGLANG_BUCKET_MODULE
 class FlattenedTensorBucket:
     """Tensors of any dtypes concatenated as one uint8 tensor, plus the metadata to cut them out."""
 
-    def __init__(self, named_tensors=None, flattened_tensor=None, metadata=None):
+    def __init__(self, named_tensors=None, flattened_tensor=None, metadata=None, out: torch.Tensor | None = None):
+        """named_tensors: build the bucket (a fresh buffer, or into `out`, a 1-D uint8 tensor of at
+        least the bucket's size, e.g. a persistent send buffer). Or wrap a received flattened_tensor
+        and its metadata."""
         if named_tensors is not None:
             named_tensors = list(named_tensors)
             if not named_tensors:
                 raise ValueError("cannot create an empty tensor bucket")
             parts, self.metadata, offset = [], [], 0
             for name, tensor in named_tensors:
-                flat = tensor.detach().contiguous().flatten().view(torch.uint8)
+                flat = tensor.detach().reshape(-1).view(torch.uint8)  # reshape copies only if not contiguous
                 parts.append(flat)
                 self.metadata.append(
                     FlattenedTensorMetadata(name, tensor.shape, tensor.dtype, offset, offset + flat.numel(), flat.numel())
                 )
                 offset += flat.numel()
-            self.flattened_tensor = torch.cat(parts)
+            if out is None:
+                self.flattened_tensor = torch.cat(parts)
+            else:
+                if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < offset:
+                    raise ValueError(f"out must be a 1-D uint8 tensor of at least {offset} bytes")
+                self.flattened_tensor = torch.cat(parts, out=out[:offset])
         else:
             if flattened_tensor is None or metadata is None:
                 raise ValueError("give named_tensors, or both flattened_tensor and metadata")
@@ -300,20 +308,34 @@ def deserialize(data: str | bytes):
         raise WeightPayloadError(f"cannot decode the payload: {type(e).__name__}: {e}") from None
 
 
-def decode_tensor_payload(serialized_named_tensors, load_format: str | None) -> list[tuple[str, torch.Tensor]]:
-    """/update_weights_from_tensor's payload -> (name, tensor) list. One entry per TP rank; we are rank 0."""
+def _payload_entry(serialized_named_tensors):
     if not isinstance(serialized_named_tensors, list) or not serialized_named_tensors:
         raise WeightPayloadError("serialized_named_tensors must be a non-empty list (one entry per TP rank)")
     entry = serialized_named_tensors[0]
     if not isinstance(entry, str):
         raise WeightPayloadError("serialized_named_tensors[0] must be a base64 string")
-    obj = deserialize(entry)
+    return deserialize(entry)
+
+
+def decode_bucket(serialized_named_tensors) -> FlattenedTensorBucket:
+    """A "flattened_bucket" payload -> the bucket, not yet cut into tensors (the engine may apply
+    it whole, see flat_params.py). CUDA IPC memory is opened here."""
+    obj = _payload_entry(serialized_named_tensors)
+    if not isinstance(obj, dict) or set(obj) != {"flattened_tensor", "metadata"}:
+        raise WeightPayloadError('a flattened_bucket payload must be {"flattened_tensor", "metadata"}')
+    if not isinstance(obj["metadata"], list):
+        raise WeightPayloadError("metadata must be a list")
+    buf = obj["flattened_tensor"]
+    if not isinstance(buf, torch.Tensor) or buf.dtype != torch.uint8 or buf.dim() != 1:
+        raise WeightPayloadError("flattened_tensor must be a 1-D uint8 tensor")
+    return FlattenedTensorBucket(flattened_tensor=buf, metadata=obj["metadata"])
+
+
+def decode_tensor_payload(serialized_named_tensors, load_format: str | None) -> list[tuple[str, torch.Tensor]]:
+    """/update_weights_from_tensor's payload -> (name, tensor) list. One entry per TP rank; we are rank 0."""
     if load_format == "flattened_bucket":
-        if not isinstance(obj, dict) or set(obj) != {"flattened_tensor", "metadata"}:
-            raise WeightPayloadError('a flattened_bucket payload must be {"flattened_tensor", "metadata"}')
-        if not isinstance(obj["metadata"], list):
-            raise WeightPayloadError("metadata must be a list")
-        return FlattenedTensorBucket(flattened_tensor=obj["flattened_tensor"], metadata=obj["metadata"]).reconstruct_tensors()
+        return decode_bucket(serialized_named_tensors).reconstruct_tensors()
+    obj = _payload_entry(serialized_named_tensors)
     if load_format in (None, "direct"):
         if not isinstance(obj, (list, tuple)) or not all(
             isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], str)
@@ -442,22 +464,48 @@ def _broadcast(tensor: torch.Tensor, pg, timeout_s: float) -> None:
     work.wait(datetime.timedelta(seconds=timeout_s))
 
 
-def broadcast_weights(pg, named_tensors, load_format: str | None = "flattened_bucket", timeout_s: float = 300.0):
-    """Trainer side of /update_weights_from_distributed: send these tensors, in this order."""
+def broadcast_weights(pg, named_tensors, load_format: str | None = "flattened_bucket", timeout_s: float = 300.0,
+                      out: torch.Tensor | None = None):
+    """Trainer side of /update_weights_from_distributed: send these tensors, in this order.
+    flattened_bucket: flattened into `out` if given (a persistent uint8 send buffer: the broadcast
+    has finished reading it when this returns, on the caller's stream), else into a fresh buffer."""
     if load_format == "flattened_bucket":
-        _broadcast(FlattenedTensorBucket(named_tensors=named_tensors).flattened_tensor, pg, timeout_s)
+        _broadcast(FlattenedTensorBucket(named_tensors=named_tensors, out=out).flattened_tensor, pg, timeout_s)
     else:
         for _, tensor in named_tensors:
             _broadcast(tensor.detach().contiguous(), pg, timeout_s)
 
 
+def bucket_layout(names, dtypes, shapes) -> list[FlattenedTensorMetadata]:
+    """The metadata of the flattened bucket a trainer builds from tensors of these names/dtypes/shapes."""
+    metadata, offset = [], 0
+    for name, dtype, shape in zip(names, dtypes, shapes):
+        dtype, shape = parse_dtype(dtype), torch.Size(shape)
+        nbytes = shape.numel() * dtype.itemsize
+        metadata.append(FlattenedTensorMetadata(name, shape, dtype, offset, offset + nbytes, nbytes))
+        offset += nbytes
+    return metadata
+
+
+def receive_bucket(pg, names, dtypes, shapes, device, timeout_s: float, buffer: torch.Tensor | None = None):
+    """Engine side of a flattened_bucket broadcast: the bucket, received into `buffer` (a persistent
+    1-D uint8 tensor of at least the bucket's size) or a fresh one. Not yet cut into tensors."""
+    metadata = bucket_layout(names, dtypes, shapes)
+    nbytes = metadata[-1].end_idx if metadata else 0
+    if buffer is None:
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    elif buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < nbytes:
+        raise ValueError(f"the receive buffer must be a 1-D uint8 tensor of at least {nbytes} bytes")
+    flat = buffer[:nbytes]
+    _broadcast(flat, pg, timeout_s)
+    return FlattenedTensorBucket(flattened_tensor=flat, metadata=metadata)
+
+
 def receive_weights(pg, names, dtypes, shapes, load_format, device, timeout_s: float):
     """Engine side: fresh buffers of the announced names/dtypes/shapes, filled by rank 0's broadcast."""
-    empties = [(n, torch.empty(tuple(s), dtype=parse_dtype(d), device=device)) for n, d, s in zip(names, dtypes, shapes)]
     if load_format == "flattened_bucket":
-        bucket = FlattenedTensorBucket(named_tensors=empties)
-        _broadcast(bucket.flattened_tensor, pg, timeout_s)
-        return bucket.reconstruct_tensors()
+        return receive_bucket(pg, names, dtypes, shapes, device, timeout_s).reconstruct_tensors()
+    empties = [(n, torch.empty(tuple(s), dtype=parse_dtype(d), device=device)) for n, d, s in zip(names, dtypes, shapes)]
     for _, tensor in empties:
         _broadcast(tensor, pg, timeout_s)
     return empties

@@ -58,6 +58,11 @@ def test_engine_serves_the_trainers_weights_after_each_update(transport, engine_
             stats = ws.sync(f"{transport}-{step}")
             assert stats["verified"] and stats["transport"] == transport and stats["buckets"] > 1
             assert stats["bytes"] == sum(p.numel() * 4 for p in trainer.params)
+            # The trainer's buckets follow HF order, as the engine packs its weights: each bucket of
+            # ipc/distributed is one copy on the engine; disk goes through the per-tensor path.
+            assert stats["fast_path"] is (transport != "disk")
+            assert set(stats["phases_ms"]) == {"prepare", "pack", "send", "free"}
+            assert stats["engine_ms"]["total"] <= stats["phases_ms"]["send"]
             assert engine_client.weight_version() == f"{transport}-{step}"
         batch = engine_rollouts(engine_client, seed=99)
         assert batch.weight_versions[0] == [f"{transport}-2"]

@@ -404,3 +404,68 @@ def test_multi_bucket_sync_moves_the_version_once(engine_client, tiny_model_path
                                                  weight_version="multi-1" if last else None)
         assert version(engine_client) == ("multi-1" if last else before)
     assert_serving(engine_client, tiny_model_path, state)
+
+
+def engine_order(folder, state) -> list:
+    """state's tensors in the engine's (HF named_parameters) order: the layout of its packed weights."""
+    from nano_miles.engine.model import CausalLM, ModelConfig
+
+    return [(n, state[n]) for n, _ in CausalLM(ModelConfig.from_pretrained(str(folder))).named_parameters()]
+
+
+def test_a_bucket_in_the_engines_order_is_applied_with_one_copy(engine_client, tiny_model_path):
+    warm_prefix(engine_client)
+    state = perturbed(tiny_model_path, 21)
+    payload, bucket = W.serialize_bucket(engine_order(tiny_model_path, state))
+    r = engine_client.update_weights_from_tensor(payload, load_format="flattened_bucket", weight_version="flat-1")
+    del bucket
+    assert r["success"] and r["fast_path"] is True and "with one copy" in r["message"]
+    assert set(r["timings_ms"]) == {"decode", "wait", "copy", "release", "total"}
+    assert version(engine_client) == "flat-1"
+    assert_serving(engine_client, tiny_model_path, state)
+
+
+def test_a_bucket_in_another_order_takes_the_per_tensor_path(engine_client, tiny_model_path):
+    state = perturbed(tiny_model_path, 22)
+    named = engine_order(tiny_model_path, state)
+    payload, bucket = W.serialize_bucket(named[1:] + named[:1] + [("lm_head.weight", state["model.embed_tokens.weight"])])
+    r = engine_client.update_weights_from_tensor(payload, load_format="flattened_bucket", weight_version="slow-1")
+    assert r["success"] and r["fast_path"] is False
+    assert_serving(engine_client, tiny_model_path, state)
+
+
+def test_an_ordered_bucket_with_one_bad_tensor_changes_nothing(engine_client, tiny_model_path):
+    before_version, before = version(engine_client), served_checksums(engine_client)
+    named = engine_order(tiny_model_path, perturbed(tiny_model_path, 23))
+    for bad in (named + [("model.no_such.weight", torch.ones(4))],                       # an extra name
+                named[:-1] + [(named[-1][0], torch.ones(65))]):                          # a wrong shape
+        payload, bucket = W.serialize_bucket(bad)
+        with pytest.raises(EngineRequestError, match="HTTP 400"):
+            engine_client.update_weights_from_tensor(payload, load_format="flattened_bucket")
+    assert version(engine_client) == before_version and served_checksums(engine_client) == before
+
+
+def test_gloo_broadcasts_land_in_one_persistent_buffer_and_one_copy(engine_client, tiny_model_path):
+    group, port = "flat-group", free_port()
+    with ThreadPoolExecutor(2) as pool:
+        joined = pool.submit(engine_client.init_weights_update_group, "127.0.0.1", port, 1, 2, group, "gloo")
+        pg = W.init_weight_update_group("127.0.0.1", port, 0, 2, group, "gloo", timeout_s=30)
+        assert joined.result()["success"] is True
+        send = torch.empty(1 << 20, dtype=torch.uint8)  # the trainer's persistent send buffer
+        try:
+            for step, reorder in ((1, False), (2, False), (3, True)):
+                state = perturbed(tiny_model_path, 30 + step)
+                named = engine_order(tiny_model_path, state)
+                if reorder:  # not the engine's layout: received all the same, then the per-tensor path
+                    named = named[::-1]
+                done = pool.submit(engine_client.update_weights_from_distributed, [n for n, _ in named],
+                                   [t.dtype for _, t in named], [t.shape for _, t in named], group,
+                                   "flattened_bucket", f"flat-gloo-{step}")
+                W.broadcast_weights(pg, named, "flattened_bucket", timeout_s=30, out=send)
+                r = done.result()
+                assert r["success"] is True and r["fast_path"] is (not reorder)
+                assert set(r["timings_ms"]) == {"receive", "wait", "copy", "release", "total"}
+                assert_serving(engine_client, tiny_model_path, state)
+        finally:
+            assert engine_client.destroy_weights_update_group(group)["success"] is True
+            W.destroy_weight_update_group(pg)
