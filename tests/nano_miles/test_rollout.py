@@ -264,3 +264,15 @@ def test_rollout_and_eval_cli(engine_server, tiny_model_path, tmp_path, capsys):
     assert all({"date", "commit", "machine", "pass_rate", "mean_reward"} <= set(r) for r in lines)
     assert cli.main(["eval", *common, "--tasks", "no_such_task"]) == 2
     assert "unknown task" in capsys.readouterr().out
+
+
+def test_rollout_cli_starts_its_own_engine(tmp_path, capsys):
+    """Without --engine-url the command starts `nano-miles serve` for the run and stops it after."""
+    from nano_miles import cli
+
+    out = tmp_path / "r.jsonl"
+    assert cli.main(["rollout", "--model", "tiny-random-qwen2", "--tasks", "kernel_name", "--group-size", "1",
+                     "--max-turns", "1", "--max-new-tokens", "8", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "starting an engine" in printed and "pass rate" in printed
+    assert len(out.read_text().splitlines()) == 1
