@@ -104,9 +104,15 @@ def parity(trainer, client, n=8, new_tokens=64, vocab=1000):
     return diff.mean().item(), diff.max().item()
 
 
+def median_phases(dicts) -> dict:
+    """{phase: median ms} over the timed syncs (phases missing from a sync are skipped)."""
+    keys = [k for k in (dicts[0] or {})] if dicts else []
+    return {k: round(statistics.median(d[k] for d in dicts if d and k in d), 3) for k in keys}
+
+
 def measure(trainer, client, url, transport, args, nbytes, raw_one) -> dict:
     with WeightSync(trainer, url, transport=transport, bucket_mb=args.bucket_mb, timeout_s=args.timeout_s) as ws:
-        times = []
+        times, phases, engine_ms, fast = [], [], [], []
         for i in range(2 + args.repeats):
             with torch.no_grad():  # a real update each time, so no stale state can pass
                 trainer.params[0].add_(1e-2 if i % 2 else -1e-2)
@@ -114,13 +120,17 @@ def measure(trainer, client, url, transport, args, nbytes, raw_one) -> dict:
             progress(f"{transport} sync {i}: {stats['ms']:.1f} ms ({ws.transport})")
             if i >= 2:
                 times.append(stats["ms"])
+                phases.append(stats["phases_ms"])
+                engine_ms.append(stats["engine_ms"])
+                fast.append(stats["fast_path"])
         assert client.weight_version() == f"{transport}-{i}"
         ws.verify(f"{transport}-{i}")  # sha256 of every tensor on both sides (not timed)
         name = transport if transport != "auto" else f"auto={ws.transport}"
     ms = statistics.median(times)
     return dict(transport=name, ms=ms, gib_per_s=nbytes / 2**30 / (ms / 1000),
                 vs_raw=ms / raw_one if raw_one == raw_one else None, buckets=stats["buckets"],
-                verified=True, min_ms=min(times), max_ms=max(times))
+                verified=True, min_ms=min(times), max_ms=max(times), fast_path=all(fast),
+                phases_ms=median_phases(phases), engine_ms=median_phases(engine_ms))
 
 
 def main():
@@ -197,6 +207,19 @@ def main():
         vs = f"{r['vs_raw']:.1f}" if r["vs_raw"] is not None else "-"
         print(f"{r['transport']:12s} {r['ms']:12.1f} {r['gib_per_s']:8.1f} {vs:>11s} "
               f"{r['min_ms']:7.1f}..{r['max_ms']:<8.1f} {str(r['verified']):>9s}")
+    print("\nwhere the time goes (CPU wall ms, medians). trainer: prepare = named tensors + bucket split, "
+          "pack = flatten + serialize (+ wait for the GPU), send = HTTP/broadcast until every engine answered, "
+          "free = release the bucket. engine: parse = JSON body, decode (incl. CUDA IPC open) or receive (the "
+          "broadcast), wait = hand-off to the engine thread + drain, copy = the copy until complete + KV flush, "
+          "release = IPC close, answer = back to the event loop; http = send - engine total")
+    for r in rows:
+        if "error" in r:
+            continue
+        ph, en = r["phases_ms"], r["engine_ms"] or {}
+        http = ph.get("send", 0.0) - en.get("total", 0.0) if en else float("nan")
+        eng = " ".join(f"{k} {v:.2f}" for k, v in en.items())
+        print(f"{r['transport']:12s} one copy: {str(r['fast_path']):5s} | trainer: "
+              + " ".join(f"{k} {v:.2f}" for k, v in ph.items()) + f" | engine: {eng} | http {http:.2f}")
     if parity_row:
         print(f"log-prob parity, trainer vs engine ({dtype}, 8 x {args.parity_tokens} sampled tokens): "
               f"mean {parity_row[0]:.2e}, max {parity_row[1]:.2e}")

@@ -23,7 +23,8 @@ the trainer's own; any difference raises WeightSyncError.
 sync() reports where the time went (CPU wall time per phase, ms): prepare (the named tensors and the
 bucket split), pack (flatten each bucket into one buffer + serialize, or the disk write), send (HTTP
 calls / broadcasts until every engine answered), free; and each engine's own timings_ms of its last
-answer (decode or receive, wait, copy, release, total), so send - engine total is the HTTP overhead.
+answer (parse, decode or receive, wait, copy, release, answer, total), so send - engine total is the
+HTTP overhead.
 """
 from __future__ import annotations
 
@@ -136,7 +137,8 @@ class WeightSync:
             named = [(n, p.detach()) for n, p in src.named_parameters()]
         else:
             named = src() if callable(src) else src
-        return [(n, t.detach() if t.dtype == self.engine_dtype else t.detach().to(self.engine_dtype))
+        dtype = self.engine_dtype
+        return [(n, (t.detach() if t.requires_grad else t) if t.dtype == dtype else t.detach().to(dtype))
                 for n, t in named]
 
     def _source_device(self) -> torch.device:

@@ -289,8 +289,9 @@ class Server:
     # --- weights ---
     async def _apply(self, update: "_Update", body, source: str, timings: dict, t0: float) -> web.Response:
         """Swap in `update` on the engine thread once in-flight work allows; bump the version.
-        Answers with per-phase timings_ms (decode/receive, wait: hand-off and drain, copy: the
-        copy until complete + KV flush, release: dropping the trainer's buffer, total)."""
+        Answers with per-phase timings_ms: parse (the JSON body), decode/receive, wait (hand-off to
+        the engine thread and drain), copy (the copy until complete + KV flush), release (dropping
+        the trainer's buffer), answer (back to the event loop), total (handler entry to answer)."""
         abort_first = body.get("abort_all_requests", False)
         if not isinstance(abort_first, bool):
             raise RequestError("abort_all_requests must be a boolean")
@@ -316,13 +317,17 @@ class Server:
             timings["copy"] = (time.perf_counter() - t) * 1000
             t = time.perf_counter()
             del named, flat  # the last references: CUDA IPC memory is closed here, before we answer
-            timings["release"] = (time.perf_counter() - t) * 1000
+            swapped[0] = time.perf_counter()
+            timings["release"] = (swapped[0] - t) * 1000
             if not partial:
                 eng.weight_version = _next_version(old, given)
             return eng.weight_version
 
+        swapped = [0.0]
         version = await self.worker.update(swap, abort_first)
-        timings["total"] = (time.perf_counter() - t0) * 1000
+        now = time.perf_counter()
+        timings["answer"] = (now - swapped[0]) * 1000  # engine thread -> event loop
+        timings["total"] = (now - t0) * 1000
         return web.json_response({
             "success": True, "fast_path": update.fast,
             "message": f"Succeeded to update {update.count} tensors from {source}"
@@ -351,6 +356,7 @@ class Server:
     async def update_from_tensor(self, request):
         t0 = time.perf_counter()
         body = await _json_body(request)
+        parsed = time.perf_counter()
         fmt = body.get("load_format")
         payload = body.get("serialized_named_tensors")
 
@@ -364,7 +370,7 @@ class Server:
             update = await asyncio.to_thread(decode)
         except W.WeightPayloadError as e:
             return _weight_answer(False, f"Failed to update weights from tensor: {e}")
-        timings = {"decode": (time.perf_counter() - t) * 1000}
+        timings = {"parse": (parsed - t0) * 1000, "decode": (time.perf_counter() - t) * 1000}
         return await self._apply(update, body, "tensor", timings, t0)
 
     async def update_from_disk(self, request):
@@ -427,6 +433,7 @@ class Server:
     async def update_from_distributed(self, request):
         t0 = time.perf_counter()
         body = await _json_body(request)
+        parsed = time.perf_counter()
         name = body.get("group_name") or W.DEFAULT_GROUP_NAME
         if name not in self.groups:
             return _weight_answer(False, f"no weight update group {name!r}; call /init_weights_update_group first")
@@ -462,7 +469,7 @@ class Server:
                                              "the group was dropped, call /init_weights_update_group again")
             if error is not None:
                 return _weight_answer(False, f"Failed to update weights from distributed: {error}")
-            timings = {"receive": (time.perf_counter() - t) * 1000}
+            timings = {"parse": (parsed - t0) * 1000, "receive": (time.perf_counter() - t) * 1000}
             return await self._apply(update, body, f"distributed group {name!r}", timings, t0)
 
     def _receive(self, name, names, dtypes, shapes, fmt):

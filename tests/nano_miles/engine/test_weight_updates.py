@@ -420,7 +420,7 @@ def test_a_bucket_in_the_engines_order_is_applied_with_one_copy(engine_client, t
     r = engine_client.update_weights_from_tensor(payload, load_format="flattened_bucket", weight_version="flat-1")
     del bucket
     assert r["success"] and r["fast_path"] is True and "with one copy" in r["message"]
-    assert set(r["timings_ms"]) == {"decode", "wait", "copy", "release", "total"}
+    assert set(r["timings_ms"]) == {"parse", "decode", "wait", "copy", "release", "answer", "total"}
     assert version(engine_client) == "flat-1"
     assert_serving(engine_client, tiny_model_path, state)
 
@@ -464,7 +464,7 @@ def test_gloo_broadcasts_land_in_one_persistent_buffer_and_one_copy(engine_clien
                 W.broadcast_weights(pg, named, "flattened_bucket", timeout_s=30, out=send)
                 r = done.result()
                 assert r["success"] is True and r["fast_path"] is (not reorder)
-                assert set(r["timings_ms"]) == {"receive", "wait", "copy", "release", "total"}
+                assert set(r["timings_ms"]) == {"parse", "receive", "wait", "copy", "release", "answer", "total"}
                 assert_serving(engine_client, tiny_model_path, state)
         finally:
             assert engine_client.destroy_weights_update_group(group)["success"] is True
