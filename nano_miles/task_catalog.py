@@ -386,7 +386,8 @@ def json_sum(ws, rng):
 @task("json_write", "json", "heldout", "write a JSON file with given keys")
 def json_write(ws, rng):
     name, n = rng.choice(WORDS), rng.randint(1, 999)
-    check = (f"python3 -c 'import json,sys; d=json.load(open(\"out.json\")); "
+    # -I: a json.py the policy left in the workspace must not be imported by the check
+    check = (f"python3 -I -c 'import json,sys; d=json.load(open(\"out.json\")); "
              f"sys.exit(0 if d == {{\"name\": \"{name}\", \"count\": {n}}} else 1)'")
     return TaskInstance(f"Create out.json holding a JSON object with exactly two keys: \"name\" set to the string "
                         f"\"{name}\" and \"count\" set to the number {n}. Answer with the value of count.",

@@ -125,3 +125,15 @@ def test_kernel_name_is_computed_not_hardcoded():
         assert re.fullmatch(r"[a-z]+", env.instance.expected)
     finally:
         env.close()
+
+
+def test_checks_cannot_be_hijacked_from_the_workspace():
+    """A json.py planted by the policy must not stand in for the real module in json_write's check."""
+    env = OpenShellEnv(get_task("json_write"), seed=3)
+    try:
+        env.reset()
+        env.step("<bash>echo 'import sys; sys.exit(0)' > json.py</bash>")
+        env.step(f"<answer>{env.instance.expected}</answer>")
+        assert env.components["correct"] == 0.0
+    finally:
+        env.close()
