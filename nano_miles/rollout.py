@@ -134,13 +134,14 @@ async def run_episode(client, fmt: ChatFormat, task: Task, seed: int, group_id: 
 
 async def rollout_groups(urls: list[str], tokenizer, tasks: list[Task], cfg: RolloutConfig,
                          seed: int = 0, sandbox_factory=None, clients=None,
-                         stats: dict | None = None) -> list[Trajectory]:
+                         stats: dict | None = None, on_episode_done=None) -> list[Trajectory]:
     """G samples of every task, all episodes concurrently; group g goes to engine g % len(urls).
 
     Samples in a group share the task seed (same files, same ground truth): GRPO compares them
     against each other. Trajectories come back grouped, in task order. If an engine is unavailable
     the whole call fails with that error (the other episodes are cancelled and their sandboxes closed):
-    the training loop decides whether to retry.
+    the training loop decides whether to retry. on_episode_done(), if given, is called as each
+    episode ends (progress bars).
 
     Episodes whose sandbox setup failed have no prompt and nothing to learn from: they are left out
     of the result and counted in stats["setup_failures"] (with the first errors in stats["setup_errors"]).
@@ -159,7 +160,10 @@ async def rollout_groups(urls: list[str], tokenizer, tasks: list[Task], cfg: Rol
 
     async def one(client, task, task_seed, group_id):
         async with sem:
-            return await run_episode(client, fmt, task, task_seed, group_id, cfg, sandbox_factory, pool)
+            traj = await run_episode(client, fmt, task, task_seed, group_id, cfg, sandbox_factory, pool)
+        if on_episode_done is not None:
+            on_episode_done()
+        return traj
 
     try:
         jobs = []

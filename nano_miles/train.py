@@ -167,10 +167,16 @@ class EngineHandle:
 
 # ----------------------------------------------------------------------------- the loop
 
-def _rollout(urls, tokenizer, tasks, rollout_cfg, seed):
+def _rollout(urls, tokenizer, tasks, rollout_cfg, seed, desc="rollout"):
+    """All groups of one step, with a progress bar (episodes done, ETA) on stderr."""
+    from tqdm import tqdm
+
     from nano_miles.rollout import rollout_groups
 
-    return asyncio.run(rollout_groups(urls, tokenizer, tasks, rollout_cfg, seed=seed))
+    with tqdm(total=len(tasks) * rollout_cfg.group_size, desc=desc, unit="ep", leave=False,
+              dynamic_ncols=True) as bar:
+        return asyncio.run(rollout_groups(urls, tokenizer, tasks, rollout_cfg, seed=seed,
+                                          on_episode_done=lambda: bar.update(1)))
 
 
 def _episode_seed(run_seed: int, step: int) -> int:
@@ -203,11 +209,17 @@ def policy_update(trainer, trajs, advantage_cfg: AdvantageConfig, pad_id: int, e
             return {}, "every group had equal rewards (filtered)"
         batch = build_rollout_batch([trajs[i] for i in rows], pad_id=pad_id)
         advantages = advantages[torch.tensor(rows)]
-    try:
-        return trainer.train_step(batch, advantages), None
-    except FloatingPointError as e:  # NaN/inf loss or gradient: the trainer skipped the update
-        echo(f"update skipped: {e}")
-        return {}, str(e)
+    from tqdm import tqdm
+
+    with tqdm(total=len(batch), desc="update", unit="seq", leave=False, dynamic_ncols=True) as bar:
+        def advance(done, total):
+            bar.update(round(done * len(batch) / total) - bar.n)
+
+        try:
+            return trainer.train_step(batch, advantages, on_micro_batch=advance), None
+        except FloatingPointError as e:  # NaN/inf loss or gradient: the trainer skipped the update
+            echo(f"update skipped: {e}")
+            return {}, str(e)
 
 
 class TrainingRun:
@@ -291,7 +303,7 @@ class TrainingRun:
                 t0 = time.perf_counter()
                 try:
                     trajs = _rollout([self.url], self.tokenizer, tasks, self.cfg.rollout,
-                                     _episode_seed(self.cfg.seed, step))
+                                     _episode_seed(self.cfg.seed, step), desc=f"step {step} rollout")
                 except BaseException:
                     self.stream.position = position
                     raise
@@ -421,7 +433,8 @@ class AsyncProducer:
             self.positions[step] = run.stream.position
             t0 = time.perf_counter()
             try:
-                trajs = _rollout([run.url], run.tokenizer, tasks, run.cfg.rollout, _episode_seed(run.cfg.seed, step))
+                trajs = _rollout([run.url], run.tokenizer, tasks, run.cfg.rollout, _episode_seed(run.cfg.seed, step),
+                                 desc=f"step {step} rollout (async)")
                 item = (step, trajs, time.perf_counter() - t0, None)
             except Exception as e:  # handed to the training thread, which decides what to do
                 run.stream.position = position

@@ -186,8 +186,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ the step
 
-    def train_step(self, batch, advantages, old_logprobs=None, ref_logprobs=None) -> dict:
-        """One optimizer step on the whole batch (accumulated over micro-batches). Returns metrics."""
+    def train_step(self, batch, advantages, old_logprobs=None, ref_logprobs=None, on_micro_batch=None) -> dict:
+        """One optimizer step on the whole batch (accumulated over micro-batches). Returns metrics.
+        on_micro_batch(n_done, n_total), if given, is called after each micro-batch (progress bars)."""
         self._check_batch(batch)
         t0 = time.perf_counter()
         B = batch.tokens.shape[0]
@@ -205,7 +206,7 @@ class Trainer:
         sums, tokens, pg_loss, ratio_max = {}, 0, 0.0, 1.0
         diff_sum, diff_max = 0.0, 0.0
         groups, lengths = self._micro_batches(batch)
-        for idx in groups:
+        for done, idx in enumerate(groups, 1):
             n = int(lengths[idx].max())
             mask = batch.loss_mask[idx, :n - 1].to(self.device)
             logp, entropy = self._logprobs(batch.tokens[idx, :n], mask, need_grad=True, with_entropy=with_entropy)
@@ -231,6 +232,8 @@ class Trainer:
             tokens += n_tok
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + v * n_tok
+            if on_micro_batch is not None:
+                on_micro_batch(done, len(groups))
 
         grad_norm = self._clip_and_step()
         metrics = {k: v / max(tokens, 1) for k, v in sums.items()}
