@@ -20,8 +20,9 @@ parameters are packed in the trainer's order applies a whole bucket with one cop
 nano_miles/engine/flat_params.py). With verify=True each engine's per-tensor sha256 is compared with
 the trainer's own; any difference raises WeightSyncError.
 
-sync() reports where the time went (CPU wall time per phase, ms): prepare (the named tensors and the
-bucket split), pack (flatten each bucket into one buffer + serialize, or the disk write), send (HTTP
+sync() reports where the time went (CPU wall time per phase, ms; GPU work still queued when a phase
+ends is waited for in a later one): prepare (the named tensors and the bucket split), pack (flatten
+each bucket into one buffer + serialize, or the disk write), send (HTTP
 calls / broadcasts until every engine answered), free; and each engine's own timings_ms of its last
 answer (parse, decode or receive, wait, copy, release, answer, total), so send - engine total is the
 HTTP overhead.
@@ -211,19 +212,17 @@ class WeightSync:
                 if self.transport == "staged":  # one contiguous copy onto the engine's own GPU
                     tensor = tensor.to(torch.device(info["device"]), non_blocking=False)
                 payloads.append((W.serialize({"flattened_tensor": tensor, "metadata": flat.metadata}), tensor))
-            if self.device.type == "cuda":
-                # The buffer must be complete before an engine reads it. torch's IPC handle carries
-                # an event the receiver waits on, but a receiver that still caches the storage of the
-                # same memory skips that wait; only finishing here is safe for any receiver.
-                for d in {self.device} | {p[1].device for p in payloads}:
-                    torch.cuda.synchronize(d)
+            # No synchronize: sharing a CUDA storage records an IPC event on its stream after the
+            # flatten (and the staged copy), and the receiver's rebuild makes its stream wait on it
+            # (torch skips that wait only for a storage it still holds, i.e. memory that was never
+            # freed and reused). So the HTTP call overlaps the flatten.
             by_client = {id(c): p for c, (p, _) in zip(self.clients, payloads)}
             t = self._phase("pack", t)
             self._on_all(lambda c: c.update_weights_from_tensor(
                 by_client[id(c)], load_format="flattened_bucket", flush_cache=last,
                 weight_version=version if last else None))
             t = self._phase("send", t)
-            del flat, payloads, by_client  # acknowledged: the engines copied, synchronised and closed it
+            del flat, payloads, by_client, tensor  # acknowledged: the engines copied, synchronised, closed it
             if self.device.type == "cuda":
                 # Buffers an engine still holds stay in torch's IPC limbo until released; this frees
                 # those released since. No empty_cache(): the freed block stays in the caching
@@ -231,6 +230,10 @@ class WeightSync:
                 # cudaFree + cudaMalloc of ~1 GB would cost milliseconds every sync.
                 torch.cuda.ipc_collect()
             self._phase("free", t)
+        if self.transport == "staged":
+            # Except for the staged copy: it lives on the ENGINE's GPU, whose memory the engine
+            # budgeted for itself at startup; give it back (this is the no-P2P fallback anyway).
+            torch.cuda.empty_cache()
 
     def _init_group(self):
         backend = "nccl" if self.device.type == "cuda" else "gloo"
