@@ -54,7 +54,7 @@ class TrainConfig:
     engine_max_running_requests: int = 256
     engine_mem_fraction: float = 0.35  # one GPU shared by trainer and engine: the engine's KV share
     max_engine_restarts: int = 3      # per step, before the run stops with an error
-    micro_batch_size: int = 4
+    micro_batch_size: int = 0         # sequences per forward/backward; 0 = auto (1 on CPU, 8 on GPU)
     logprob_chunk: int = 1024
     gradient_checkpointing: bool = False
     rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(group_size=4))
@@ -66,6 +66,8 @@ class TrainConfig:
     def __post_init__(self):
         if self.steps < 1 or self.tasks_per_step < 1 or self.checkpoint_every < 1:
             raise ValueError("steps, tasks_per_step and checkpoint_every must be >= 1")
+        if self.micro_batch_size < 0:
+            raise ValueError("micro_batch_size must be >= 0 (0 = auto)")
         if self.dtype not in ("auto", *DTYPES):
             raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
         if self.mode not in MODES:
@@ -167,7 +169,7 @@ class EngineHandle:
 
 # ----------------------------------------------------------------------------- the loop
 
-def _rollout(urls, tokenizer, tasks, rollout_cfg, seed, desc="rollout"):
+def _rollout(urls, tokenizer, tasks, rollout_cfg, seed, desc="rollout", stats=None):
     """All groups of one step, with a progress bar (episodes done, ETA) on stderr."""
     from tqdm import tqdm
 
@@ -175,7 +177,7 @@ def _rollout(urls, tokenizer, tasks, rollout_cfg, seed, desc="rollout"):
 
     with tqdm(total=len(tasks) * rollout_cfg.group_size, desc=desc, unit="ep", leave=False,
               dynamic_ncols=True) as bar:
-        return asyncio.run(rollout_groups(urls, tokenizer, tasks, rollout_cfg, seed=seed,
+        return asyncio.run(rollout_groups(urls, tokenizer, tasks, rollout_cfg, seed=seed, stats=stats,
                                           on_episode_done=lambda: bar.update(1)))
 
 
@@ -252,7 +254,8 @@ class TrainingRun:
         self.url = self.engine.start()
         self.trainer = Trainer(TrainerConfig(
             model=self.model_path, device=self.layout.trainer_device, dtype=self.layout.dtype,
-            micro_batch_size=cfg.micro_batch_size, logprob_chunk=cfg.logprob_chunk,
+            micro_batch_size=cfg.micro_batch_size or (8 if self.layout.trainer_device.startswith("cuda") else 1),
+            logprob_chunk=cfg.logprob_chunk,
             gradient_checkpointing=cfg.gradient_checkpointing, optim=cfg.optim, loss=cfg.loss))
         self.stream = TaskStream(select_tasks(cfg.tasks), cfg.seed)
         self.start_step = 0
@@ -303,7 +306,8 @@ class TrainingRun:
                 t0 = time.perf_counter()
                 try:
                     trajs = _rollout([self.url], self.tokenizer, tasks, self.cfg.rollout,
-                                     _episode_seed(self.cfg.seed, step), desc=f"step {step} rollout")
+                                     _episode_seed(self.cfg.seed, step), desc=f"step {step} rollout",
+                                     stats=self.rollout_stats)
                 except BaseException:
                     self.stream.position = position
                     raise
@@ -328,17 +332,23 @@ class TrainingRun:
 
     def step(self, step: int) -> dict:
         t0 = time.perf_counter()
+        self.rollout_stats = {}  # setup failures of this step's episodes (sync mode)
         trajs, rollout_s = self._collect(step)
         policy_version = self.trainer.step
         staleness = [policy_version - min(_version(v) for v in t.weight_versions) if t.weight_versions else 0
                      for t in trajs]
-        kept = [t for t, s in zip(trajs, staleness) if s <= self.cfg.max_staleness]
+        # Sandbox infrastructure failures are not the policy's doing: counted, never trained on.
+        infra = sum(t.finish_reason == "infra_error" for t in trajs)
+        kept = [t for t, s in zip(trajs, staleness)
+                if s <= self.cfg.max_staleness and t.finish_reason != "infra_error"]
         self._mutating = True  # from here until the step is logged, the trainer is between states
         train, skipped = policy_update(self.trainer, kept, self.cfg.advantage, self.pad_id, self.echo)
         sync = self._sync(step)
         response_tokens = sum(len(t.response_ids) for t in trajs)
         return {
-            "step": step, "trajectories": len(trajs), "dropped_stale": len(trajs) - len(kept),
+            "step": step, "trajectories": len(trajs), "infra_failures": infra,
+            "setup_failures": self.rollout_stats.get("setup_failures", 0),
+            "dropped_stale": sum(s > self.cfg.max_staleness for s in staleness),
             "staleness_max": max(staleness, default=0),
             "staleness_trained_max": max((s for s in staleness if s <= self.cfg.max_staleness), default=0),
             "task_ids": [t.task_id for t in trajs],
