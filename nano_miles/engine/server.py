@@ -5,12 +5,16 @@ and loops step(). Handlers talk to it through a queue of commands and await futu
 thread resolves with loop.call_soon_threadsafe. Weight updates, cache flushes and checksums run ON the
 engine thread between two steps, so the engine is never touched by two threads.
 
-Weight updates follow SGLang: decode/receive the new tensors first (off the event loop, into fresh
-buffers), then, unless generation is paused, stop admitting new requests and let in-flight ones
-drain (abort them first with abort_all_requests), swap all weights at once, flush every cached
-KV/prefix block, set weight_version (the given one, else +1; a flush_cache=false bucket without a
-version keeps it, as more buckets follow), and admit what queued meanwhile. A payload that does not fit
-the model is refused before anything changes (HTTP 400, old weights and version kept).
+Weight updates follow SGLang: decode/receive the new tensors first (off the event loop; a broadcast
+lands in a persistent buffer of its group) and validate them, then, unless generation is paused,
+stop admitting new requests and let in-flight ones drain (abort them first with abort_all_requests),
+swap all weights at once, flush every cached KV/prefix block, set weight_version (the given one, else
++1; a flush_cache=false bucket without a version keeps it, as more buckets follow), and admit what
+queued meanwhile. A payload that does not fit the model is refused before anything changes (HTTP 400,
+old weights and version kept). A flattened bucket laid out exactly like a run of the engine's packed
+parameters is swapped in with ONE copy (flat_params.py), anything else tensor by tensor; either way
+the copy is complete and the trainer's buffer released before the answer, which also carries
+timings_ms per phase.
 
 Errors: /generate and control routes answer 400 with {"error": {"message": ...}}; weight routes
 answer {"success": false, "message": ...} with 400, both as SGLang does.
