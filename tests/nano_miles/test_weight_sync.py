@@ -201,7 +201,8 @@ def test_gpu_sync_and_bf16_parity(transport, tiny_model_path):
             for step in range(3):
                 m = trainer.train_step(engine_rollouts(client, seed=step), torch.tensor([-1.0, 1.0, -1.0, 1.0]))
                 assert m["logprob_diff_mean"] <= 5e-3, (step, m["logprob_diff_mean"])
-                assert ws.sync(f"gpu-{step}")["verified"]
+                stats = ws.sync(f"gpu-{step}")
+                assert stats["verified"] and stats["fast_path"]  # one copy on the engine
         client.close()
 
 
@@ -221,7 +222,8 @@ def test_gpu_sync_to_an_engine_on_another_gpu(transport, tiny_model_path):
         with WeightSync(trainer, engine.url, transport=transport, verify=True, timeout_s=60) as ws:
             for step in range(2):
                 trainer.train_step(engine_rollouts(client, seed=step), torch.tensor([-1.0, 1.0, -1.0, 1.0]))
-                assert ws.sync(f"{transport}-{step}")["verified"]
+                stats = ws.sync(f"{transport}-{step}")
+                assert stats["verified"] and stats["fast_path"]  # one (cross-GPU for ipc) copy on the engine
             batch = engine_rollouts(client, seed=9)
             assert (trainer.logprobs(batch) - batch.rollout_logprobs)[batch.loss_mask].abs().mean() <= 5e-3
         client.close()

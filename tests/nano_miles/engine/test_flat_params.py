@@ -119,3 +119,38 @@ def test_a_model_of_mixed_dtypes_is_not_packed(tiny_model_path):
     assert not FlatParameters.packable(model)
     with pytest.raises(ValueError, match="several dtypes"):
         FlatParameters(model)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_one_copy_update_keeps_captured_graphs_valid(tiny_model_path, dtype):
+    """Graph-replayed decode after a one-copy update (from another GPU when there is one, as CUDA
+    IPC does) gives exactly what an engine updated tensor by tensor gives: the graphs read the
+    packed parameters in place, and the bf16 engine's FP32 lm_head copy is refreshed."""
+    src = torch.device("cuda", 1 if torch.cuda.device_count() > 1 else 0)
+    prompt, sp = list(range(20, 50)), SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+
+    def updated(one_copy: bool):
+        eng = Engine(EngineConfig(model=str(tiny_model_path), device="cuda:0", dtype=dtype, num_kv_blocks=64))
+        assert eng.flat_params is not None and eng.graphs is not None
+        eng.add_request("before", prompt, sp)
+        before = []
+        while eng.has_unfinished():
+            before += eng.step()  # captures decode graphs over the old weights
+        assert eng.graphs.graphs
+        named = [(n, (p.detach() * 1.5).to(src)) for n, p in eng.named_parameters()]
+        if one_copy:
+            bucket = W.FlattenedTensorBucket(named_tensors=named)
+            start, _ = eng.flat_params.match(bucket.metadata)
+            eng.load_flat(start, bucket.flattened_tensor)
+        else:
+            eng.load_weights(named)
+        eng.add_request("after", prompt, sp)
+        out = []
+        while eng.has_unfinished():
+            out += eng.step()
+        assert out[0].output_logprobs != before[0].output_logprobs  # the new weights are served
+        return out[0].output_ids, out[0].output_logprobs, out[0].cached_tokens
+
+    assert updated(True) == updated(False)
