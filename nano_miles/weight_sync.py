@@ -118,7 +118,7 @@ class WeightSync:
         self._group = None
         self._group_name = f"nano_miles_sync_{os.getpid()}_{id(self):x}"
         self._disk_dir, self._own_disk_dir = disk_dir, not disk_dir
-        self._send_buffers: dict = {}  # distributed: bucket index -> persistent flattened send buffer
+        self._send_buf = None  # distributed: the persistent flattened send buffer
         self._phases: dict = {}
         self._engine_timings: list = []
 
@@ -254,21 +254,21 @@ class WeightSync:
                 raise WeightSyncError(f"{url} did not join the weight update group: {answer.get('message')}")
         self._group = group
 
-    def _send_buffer(self, i: int, bucket) -> torch.Tensor:
-        """A persistent uint8 buffer for bucket i, on our device: a broadcast reads it completely
-        before it returns (work.wait orders our stream after it), so reusing it is safe."""
+    def _send_buffer(self, bucket) -> torch.Tensor:
+        """The persistent uint8 send buffer on our device, grown to the largest bucket. Reusing it is
+        safe: a broadcast has read it completely when it returns (work.wait orders our stream after
+        the collective, so the next flatten into it cannot start earlier)."""
         nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
-        buf = self._send_buffers.get(i)
-        if buf is None or buf.numel() < nbytes:
-            self._send_buffers[i] = None
-            self._send_buffers[i] = buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        return buf
+        if self._send_buf is None or self._send_buf.numel() < nbytes:
+            self._send_buf = None  # free the smaller one first
+            self._send_buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self._send_buf
 
     def _send_distributed(self, buckets, version):
         if self._group is None:
             self._init_group()
         for i, bucket in enumerate(buckets):
-            t = time.perf_counter()
+            start = time.perf_counter()
             last = i == len(buckets) - 1
             names = [n for n, _ in bucket]
             dtypes = [str(t.dtype).removeprefix("torch.") for _, t in bucket]
@@ -280,7 +280,7 @@ class WeightSync:
                 weight_version=version if last else None, flush_cache=last, timeout=self.cfg.timeout_s))
             try:
                 W.broadcast_weights(self._group, bucket, "flattened_bucket", self.cfg.timeout_s,
-                                    out=self._send_buffer(i, bucket))
+                                    out=self._send_buffer(bucket))
             except Exception as e:
                 self._group = None  # a broken collective cannot be reused
                 raise WeightSyncError(f"broadcast of bucket {i} failed: {type(e).__name__}: {e}") from e
@@ -289,7 +289,7 @@ class WeightSync:
             except WeightSyncError:
                 self._group = None
                 raise
-            self._phase("send", t)  # flatten + broadcast + the engines' swap (they overlap)
+            self._phase("send", start)  # flatten + broadcast + the engines' swap (they overlap)
 
     def _send_disk(self, buckets, version):
         from safetensors.torch import save_file
@@ -337,7 +337,7 @@ class WeightSync:
             except Exception:
                 pass
             self._group = None
-        self._send_buffers.clear()
+        self._send_buf = None
         if self._own_disk_dir and self._disk_dir:
             shutil.rmtree(self._disk_dir, ignore_errors=True)
             self._disk_dir = ""
