@@ -17,7 +17,7 @@ nvidia-smi topo -m | head -5 >> "$OUT/gpus.txt"
 step() { local name=$1 limit=$2; shift 2; echo "=== $name (limit ${limit}s)"; timeout -k 5 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"; echo "=== $name rc=${PIPESTATUS[0]}"; }
 step weight_sync "${WS_LIMIT:-180}" python3 bench/weight_sync.py --watchdog-s "$(( ${WS_LIMIT:-180} - 10 ))" --repeats 5
 step weight_sync_nop2p 90 env NCCL_P2P_DISABLE=1 python3 bench/weight_sync.py --transports distributed --label nccl-no-p2p --watchdog-s 80 --repeats 3 --parity-tokens 0
-step gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="" tests/nano_miles/test_weight_sync.py tests/nano_miles/engine/test_weight_updates.py tests/nano_miles/engine/test_engine_gpu.py
+step gpu_tests 180 python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="" tests/nano_miles/test_weight_sync.py tests/nano_miles/engine/test_weight_updates.py tests/nano_miles/engine/test_engine_gpu.py tests/nano_miles/engine/test_flat_params.py
 step train_tiny 120 python3 -m nano_miles.cli train --set model=tiny-random-qwen2 --set steps=2 --set run_dir=/tmp/run_tiny --set rollout.max_new_tokens=32 --set sync.verify=true
 cp /tmp/run_tiny/metrics.jsonl "$OUT/train_tiny_metrics.jsonl" 2>/dev/null
 cp bench/results.jsonl "$OUT/results.jsonl" 2>/dev/null
