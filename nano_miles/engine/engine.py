@@ -84,6 +84,8 @@ class Engine:
         self.model.eval().requires_grad_(False)
         # One flat buffer behind every parameter, so a matching weight-update bucket is one copy.
         self.flat_params = FlatParameters(self.model) if FlatParameters.packable(self.model) else None
+        if self.flat_params is not None and self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the unpacked copies are free now; let the KV-cache sizing see it
         self.model.init_rope(self.max_model_len, self.device, self.dtype)
         self.model.refresh_lm_head_fp32()
         if self.dtype != torch.float32:
