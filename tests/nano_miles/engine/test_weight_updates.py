@@ -469,3 +469,18 @@ def test_gloo_broadcasts_land_in_one_persistent_buffer_and_one_copy(engine_clien
         finally:
             assert engine_client.destroy_weights_update_group(group)["success"] is True
             W.destroy_weight_update_group(pg)
+
+
+def test_a_bucket_flattened_into_a_persistent_buffer_equals_a_fresh_one():
+    named = [("a", torch.arange(6.0).view(2, 3)), ("b", torch.ones(3, dtype=torch.bfloat16)), ("c", torch.zeros(1))]
+    fresh = W.FlattenedTensorBucket(named_tensors=named)
+    out = torch.full((64,), 7, dtype=torch.uint8)
+    reused = W.FlattenedTensorBucket(named_tensors=named, out=out)
+    assert torch.equal(reused.flattened_tensor, fresh.flattened_tensor)
+    assert reused.flattened_tensor.data_ptr() == out.data_ptr() and reused.metadata == fresh.metadata
+    assert out[fresh.flattened_tensor.numel():].eq(7).all()  # the rest of the buffer is untouched
+    with pytest.raises(ValueError, match="at least 34 bytes"):
+        W.FlattenedTensorBucket(named_tensors=named, out=torch.empty(33, dtype=torch.uint8))
+    assert [(m.name, m.start_idx, m.end_idx) for m in W.bucket_layout(["a", "b", "c"], ["float32", "bfloat16", "float32"],
+                                                                     [[2, 3], [3], [1]])] == \
+        [(m.name, m.start_idx, m.end_idx) for m in fresh.metadata]
