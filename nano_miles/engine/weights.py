@@ -76,15 +76,18 @@ class FlattenedTensorBucket:
             named_tensors = list(named_tensors)
             if not named_tensors:
                 raise ValueError("cannot create an empty tensor bucket")
-            parts, self.metadata, offset = [], [], 0
-            for name, tensor in named_tensors:
-                t = tensor.detach() if tensor.requires_grad else tensor  # ~300 tensors: skip needless ops
-                flat = t.reshape(-1).view(torch.uint8)  # reshape copies only if not contiguous
-                parts.append(flat)
-                self.metadata.append(
-                    FlattenedTensorMetadata(name, tensor.shape, tensor.dtype, offset, offset + flat.numel(), flat.numel())
-                )
-                offset += flat.numel()
+            tensors = [t.detach() if t.requires_grad else t for _, t in named_tensors]
+            self.metadata, offset = [], 0
+            for (name, _), t in zip(named_tensors, tensors):
+                nbytes = t.numel() * t.element_size()
+                self.metadata.append(FlattenedTensorMetadata(name, t.shape, t.dtype, offset, offset + nbytes, nbytes))
+                offset += nbytes
+            if out is None and len(tensors) > 1 and len({t.dtype for t in tensors}) == 1:
+                # One C++ call flattens and concatenates (a model's ~300 tensors: no Python loop of
+                # views); with a single tensor it would return a view, not a fresh buffer.
+                self.flattened_tensor = torch._utils._flatten_dense_tensors(tensors).view(torch.uint8)
+                return
+            parts = [t.reshape(-1).view(torch.uint8) for t in tensors]  # reshape copies only if not contiguous
             if out is None:
                 self.flattened_tensor = torch.cat(parts)
             else:
