@@ -112,6 +112,11 @@ class WeightSync:
         self.engine_dtype = W.parse_dtype(dtypes.pop())
         self.device = self._source_device()
         self.transport = transport if transport != "auto" else choose_transport(self.device, self.infos, self.urls)
+        if self.transport == "distributed" and self.device.type == "cuda" and any(
+                torch.device(info.get("device", "cpu")) == self.device and urlparse(u).hostname in _LOCAL_HOSTS
+                for u, info in zip(self.urls, self.infos)):
+            raise ValueError(f"transport 'distributed' cannot reach an engine on the trainer's own GPU ({self.device}): "
+                             "NCCL refuses two ranks on one device; use 'ipc' (what 'auto' picks there)")
         if self.transport == "staged" and self.device.type != "cuda":
             raise ValueError("transport 'staged' copies to the engine's GPU: it needs a CUDA trainer")
         self._pool = ThreadPoolExecutor(max_workers=len(self.clients) + 1, thread_name_prefix="weight-sync")
