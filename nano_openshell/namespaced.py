@@ -1,8 +1,9 @@
 """The namespaced tier: one bubblewrap invocation per command, no Python in the sandbox's hot path.
 
 Inside: new user, mount, pid, net, ipc, uts (and cgroup) namespaces; a tmpfs root holding read-only
-binds of the host's top-level directories (/root and /home hidden), a private /proc, a minimal /dev,
-a private size-capped /tmp and /dev/shm (the only writable places besides the workspace), the workspace bound read-write at /workspace, every capability dropped,
+binds of the host's top-level directories (/root and /home hidden: empty directories of that root),
+a private /proc, a minimal /dev, a private size-capped /tmp and /dev/shm (the only writable places
+besides the workspace), the workspace bound read-write at /workspace, every capability dropped,
 the seccomp deny list (seccomp.deny_list) loaded through --seccomp FD. bwrap's pid 1 reaps and, when
 the command exits or bwrap is killed (--die-with-parent), the pid namespace dies with every process
 in it, so no escapee outlives the command.
@@ -10,6 +11,10 @@ in it, so no escapee outlives the command.
 When the supervisor runs as root, bwrap itself runs under an unprivileged uid (the Sandbox's own), so
 root-owned host files stay root-owned in there (no /etc/shadow) and /proc/1/environ is bwrap's
 environment, which is already the sandbox allowlist.
+
+Cost: bwrap re-reads /proc/self/mountinfo after every bind and remount, so mounts are what a command's
+start-up pays for: empty host directories become plain directories (--dir), and /root, /home and /run
+are directories of the (read-only) root tmpfs, not tmpfs mounts of their own.
 """
 
 import os
@@ -81,6 +86,14 @@ def forwarder_python(drop_uid: bool) -> str | None:
     return None
 
 
+def _is_empty(path: str) -> bool:
+    try:
+        with os.scandir(path) as it:
+            return next(it, None) is None
+    except OSError:
+        return False
+
+
 def base_argv(bwrap: str, tmp_size: int, drop_uid: bool) -> list[str]:
     """The fixed part of the bwrap command line. The workspace is added per Sandbox (workspace_args)."""
     argv = [bwrap, "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session",
@@ -91,14 +104,16 @@ def base_argv(bwrap: str, tmp_size: int, drop_uid: bool) -> list[str]:
             continue
         if os.path.islink(path):
             argv += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path) and _is_empty(path):  # same view, one mount less
+            argv += ["--perms", f"{os.stat(path).st_mode & 0o7777:o}", "--dir", path]
         elif os.path.isdir(path):
             argv += ["--ro-bind", path, path]
-    # every writable tmpfs is memory: only /tmp and /dev/shm stay writable, each size-capped;
-    # the rest is made read-only once set up (command_args)
+    # every writable tmpfs is memory: only /tmp and /dev/shm stay writable, each size-capped; the
+    # root tmpfs (holding /run and the empty /root and /home) is made read-only once set up (command_args)
     argv += ["--proc", "/proc", "--dev", "/dev", "--size", str(tmp_size), "--tmpfs", "/dev/shm",
-             "--size", str(tmp_size), "--tmpfs", "/tmp", "--tmpfs", "/run", "--dir", RUN_DIR]
+             "--size", str(tmp_size), "--tmpfs", "/tmp", "--dir", RUN_DIR]
     for hidden in HIDDEN:
-        argv += ["--tmpfs", hidden] if os.path.isdir(hidden) else []
+        argv += ["--dir", hidden] if os.path.isdir(hidden) else []
     for path in needed_hidden_paths(drop_uid):
         argv += ["--ro-bind", path, path]
     return argv
@@ -115,7 +130,7 @@ def command_args(seccomp_fd: int, script_fd: int | None = None, socket_fd: int |
         args += ["--bind-fd", str(socket_fd), PROXY_SOCKET]
     if script_fd is not None:
         args += ["--perms", "0444", "--file", str(script_fd), SCRIPT_PATH]
-    for path in ("/", "/dev", "/run") + tuple(h for h in HIDDEN if os.path.isdir(h)):
+    for path in ("/", "/dev"):
         args += ["--remount-ro", path]
     args += ["--seccomp", str(seccomp_fd), "--"]
     return args
