@@ -332,13 +332,16 @@ class WeightSync:
 
     def close(self) -> None:
         if self._group is not None:
+            # Both ends tear the group down at once: NCCL's teardown on one side can wait for the other
+            # (seen on 2 x H200: a sequential close stalled for the whole 60 s timeout).
+            local = self._pool.submit(W.destroy_weight_update_group, self._group)
             for c in self.clients:
                 try:
                     c.destroy_weights_update_group(self._group_name)
                 except Exception:
                     pass  # the engine may be gone already
             try:
-                W.destroy_weight_update_group(self._group)
+                local.result(timeout=self.cfg.timeout_s)
             except Exception:
                 pass
             self._group = None
