@@ -157,7 +157,31 @@ def validate_timeout(timeout) -> float:
     return float(timeout)
 
 
-_SETPRIV = shutil.which("setpriv", path="/usr/bin:/bin:/usr/sbin:/sbin")
+_SBIN_PATH = "/usr/bin:/bin:/usr/sbin:/sbin"
+_UID_DROPPER = None
+
+
+def uid_drop_argv(uid: int) -> list[str] | None:
+    """A prefix that runs the rest of argv with real/effective/saved uid and gid `uid` and no
+    supplementary groups, or None when neither tool is here. util-linux `unshare -S -G` (with no
+    namespace flag it only does unshare(0), setgroups([]), setgid, setuid, exec) takes numbers as
+    they are; setpriv looks every id up through NSS first (getpwnam): ~0.3 ms more per command.
+    unshare is tried once for real: busybox's has no --setuid, and a seccomp filter denying the
+    unshare syscall (a rootless container) makes even unshare(0) fail."""
+    global _UID_DROPPER
+    if _UID_DROPPER is None:
+        unshare, setpriv = shutil.which("unshare", path=_SBIN_PATH), shutil.which("setpriv", path=_SBIN_PATH)
+        works = False
+        if unshare:
+            trial = [unshare, "--setuid=65534", "--setgid=65534", "--", "/bin/sh", "-c", "test $(id -u) = 65534"]
+            works = subprocess.run(trial, stdin=subprocess.DEVNULL, capture_output=True).returncode == 0
+        _UID_DROPPER = ("unshare", unshare) if works else ("setpriv", setpriv) if setpriv else ("", None)
+    kind, path = _UID_DROPPER
+    if kind == "unshare":
+        return [path, f"--setuid={uid}", f"--setgid={uid}", "--"]
+    if kind == "setpriv":
+        return [path, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
+    return None
 _SECCOMP = {}
 _EXECUTOR = None
 _EXECUTOR_LOCK = threading.Lock()
@@ -194,6 +218,7 @@ class Sandbox:
         self.probe = probe()
         self.tier = self._choose_tier(min_tier, tier, allow_unisolated)
         self._closed = False
+        self._handed_over = None  # the workspace's directory state when it was last handed over whole
         self._owned = _Owned()
         self._fds = self._owned.fds
         self._proxy = None
@@ -284,11 +309,22 @@ class Sandbox:
     def _fix_workspace_owner(self) -> None:
         """As root, hand the workspace to the sandbox uid. fd-relative and never following symlinks,
         so a link planted by the command cannot make us chown a host file; files with several hard
-        links are left alone too (where protected_hardlinks is off, one could be a host file)."""
+        links are left alone too (where protected_hardlinks is off, one could be a host file).
+
+        The walk over every file is skipped when no directory of the workspace changed (same inodes,
+        same mtimes) since the last walk: a file the host writes, moves or links in changes its
+        directory's mtime, and the command's own files are its uid's already. The state is taken
+        before the walk, so a write during it shows next time; it is not trusted while a directory
+        changed within _FRESH_NS (coarse timestamp ticks: a later write could keep the same mtime).
+        Not seen: the host chowning an existing file in place (writers create files, they do not chown)."""
         if self.uid is None:
             return
         os.chown(self.workspace, self.uid, self.uid, follow_symlinks=False)
         os.chmod(self.workspace, 0o700)
+        state = _directory_state(self.workspace)
+        if state is not None and state == self._handed_over:
+            return
+        self._handed_over = state
         for _, dirs, files, dir_fd in os.fwalk(self.workspace, follow_symlinks=False):
             for name in dirs + files:
                 try:
@@ -351,10 +387,11 @@ class Sandbox:
             sock_fd = self._socket_fd if self._proxy is not None else None
             argv = self._bwrap_argv + namespaced.command_args(prog_r, script_fd, sock_fd) + tail
             user = {}
-            if self.uid is not None and _SETPRIV:
-                # setpriv changes the uid, so Popen may vfork: a fork of a supervisor holding GBs
+            drop = uid_drop_argv(self.uid) if self.uid is not None else None
+            if drop:
+                # a tool changes the uid, so Popen may vfork: a fork of a supervisor holding GBs
                 # (torch loaded) costs tens of ms, more than the whole sandbox
-                argv = [_SETPRIV, f"--reuid={self.uid}", f"--regid={self.uid}", "--clear-groups", "--"] + argv
+                argv = drop + argv
             elif self.uid is not None:
                 user = dict(user=self.uid, group=self.uid, extra_groups=[])
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -474,6 +511,22 @@ def _drain(proc: subprocess.Popen, deadline: float, cap: int, kill) -> tuple[int
         proc.stdout.close()
         proc.stderr.close()
     return proc.returncode, out, err, timed_out
+
+
+_FRESH_NS = 250_000_000
+
+
+def _directory_state(root: str) -> frozenset | None:
+    """(path, inode, mtime) of every directory under root (symlinks not followed); None when one
+    changed too recently for its mtime to tell a later change apart."""
+    fresh_after = time.time_ns() - _FRESH_NS
+    state = []
+    for path, _, _, dir_fd in os.fwalk(root, follow_symlinks=False):
+        st = os.fstat(dir_fd)
+        if st.st_mtime_ns >= fresh_after:
+            return None
+        state.append((path, st.st_ino, st.st_mtime_ns))
+    return frozenset(state)
 
 
 def _rmtree(path: str) -> None:
