@@ -10,7 +10,8 @@ no isolation, only with allow_unisolated=True). Every tier kills the whole proce
 timeout, closes stdin, caps the output it keeps and gives the command an allowlisted environment.
 
 As root, each Sandbox picks its own unprivileged uid for its commands and hands the workspace to it
-(chown before every exec), so the workspace's parents must be world-traversable.
+(before every exec, whatever the host wrote there since the last one; a host chown of an existing
+file in place is not undone), so the workspace's parents must be world-traversable.
 Known limits: disk use in the workspace is bounded per file (RLIMIT_FSIZE), not in total; memory
 is bounded per process (RLIMIT_AS) and by the tmpfs caps, not by a cgroup; in the fallback tier
 Landlock (below ABI 9) does not cover connect() to pathname Unix sockets, and a non-root supervisor's
