@@ -11,11 +11,9 @@ the table and the JSON line to $OUT when that is set.
 """
 
 import argparse
-import datetime
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,6 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from bench.results import git_commit, save, utc_now  # noqa: E402
 from nano_miles.engine.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 
 QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -121,14 +120,6 @@ def profile_decode(eng, n, plen, device):
         eng.step()
 
 
-def git_commit():
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
-                                       stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        return os.environ.get("BENCH_COMMIT", "unknown")
-
-
 def machine(device):
     if device.startswith("cuda"):
         return f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
@@ -176,7 +167,7 @@ def main():
 
     if args.profile:
         profile_decode(eng, max(conc), plen, args.device)
-    record = dict(bench="engine_throughput", date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    record = dict(bench="engine_throughput", date=utc_now(),
                   commit=git_commit(), machine=machine(args.device), device=args.device, dtype=str(dtype).removeprefix("torch."),
                   cuda_graph=eng.graphs is not None, attention=eng.attention_backend, num_kv_blocks=eng.num_kv_blocks, rows=rows)
     head = "| requests | prompt | new | engine tok/s | HF generate tok/s | ratio | decode step ms | logprob gap vs HF max / mean |"
@@ -188,14 +179,7 @@ def main():
     table = (f"{record['date']}, commit {record['commit']}, {record['machine']}, {record['dtype']}, "
              f"CUDA graphs {record['cuda_graph']}, decode attention {record['attention']}\n\n" + "\n".join(lines))
     print(table)
-    line = json.dumps(record)
-    with open(os.path.join(os.path.dirname(__file__), "results.jsonl"), "a") as f:
-        f.write(line + "\n")
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "engine_throughput.md"), "w") as f:
-            f.write(table + "\n")
-        with open(os.path.join(os.environ["OUT"], "engine_throughput.jsonl"), "a") as f:
-            f.write(line + "\n")
+    save(record, "engine_throughput.md", extra_text=table)
 
 
 if __name__ == "__main__":

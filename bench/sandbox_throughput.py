@@ -13,8 +13,6 @@ is printed before and after: on a shared 2-core machine it moves the figures mor
 """
 
 import argparse
-import datetime
-import json
 import os
 import platform
 import subprocess
@@ -24,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.results import git_commit, save, utc_now  # noqa: E402
 from nano_openshell import Sandbox, probe  # noqa: E402
 from nano_openshell.namespaced import find_bwrap  # noqa: E402
 from nano_openshell.sandbox import uid_drop_argv  # noqa: E402
@@ -43,14 +42,6 @@ def rate(run_one, n: int, concurrency: int) -> float:
         with ThreadPoolExecutor(concurrency) as pool:
             list(pool.map(lambda _: run_one(), range(n)))
     return n / (time.perf_counter() - t0)
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except OSError:
-        return "unknown"
 
 
 def main() -> None:
@@ -110,12 +101,11 @@ def main() -> None:
     for r in rows:
         print(f"| {r['runner']} | {r['sequential_per_s']} | {r[par_key]} |")
     record = {"bench": "sandbox_throughput",
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "date": utc_now(),
               "commit": git_commit(), "machine": machine, "uid": os.geteuid(), "preferred_tier": p["tier"],
               "load_average": round(load, 2), "load_average_before": round(load_before, 2),
               "config": vars(args), "results": rows}
-    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results.jsonl"), "a") as f:
-        f.write(json.dumps(record) + "\n")
+    save(record, "sandbox_throughput.json")
 
 
 if __name__ == "__main__":

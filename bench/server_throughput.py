@@ -8,12 +8,9 @@ JSON line to bench/results.jsonl, and writes both to $OUT when that is set.
 """
 import argparse
 import asyncio
-import datetime
 import gc
-import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -21,6 +18,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from bench.results import git_commit, save, utc_now  # noqa: E402
 from nano_miles.client import AsyncEngineClient, start_engine_process  # noqa: E402
 from nano_miles.engine.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 
@@ -130,23 +128,13 @@ def main():
                         "ratio": served[n] / direct[n]})
     table = "\n".join(lines)
     print(table)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(__file__)).stdout.strip() or "unknown"
-    except OSError:
-        commit = "unknown"
     machine = torch.cuda.get_device_name() if gpu else f"{platform.machine()} {os.cpu_count()} cores"
-    record = {"bench": "server_throughput", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
-        timespec="seconds"), "commit": commit, "machine": machine, "torch": torch.__version__,
+    record = {"bench": "server_throughput", "date": utc_now(), "commit": git_commit(), "machine": machine, "torch": torch.__version__,
         "load_average": round(os.getloadavg()[0], 1),
         "config": {"device": args.device, "dtype": args.dtype, "model": os.path.basename(folder.rstrip("/")),
                    "prompt": args.prompt, "new_tokens": args.new, "repeat": args.repeat,
                    "threads": args.threads}, "results": results}
-    with open(os.path.join(os.path.dirname(__file__), "results.jsonl"), "a") as f:
-        f.write(json.dumps(record) + "\n")
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "server_throughput.txt"), "w") as f:
-            f.write(table + "\n" + json.dumps(record) + "\n")
+    save(record, "server_throughput.txt", extra_text=table)
 
 
 if __name__ == "__main__":

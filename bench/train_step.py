@@ -15,17 +15,14 @@ bench/results.jsonl (and $OUT/train_step.json when $OUT is set).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
 import platform
 import statistics
-import subprocess
 import time
 
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from bench.results import git_commit, save, utc_now
 from nano_miles.batch import Trajectory, build_rollout_batch
 from nano_miles.trainer import OptimConfig, Trainer, TrainerConfig
 
@@ -161,21 +158,9 @@ def main():
     for r in rows:
         print(f"{r['method']:36s} {r['ms']:9.1f} {r['tokens_per_s']:9.0f} {r['peak_gib']:9.2f} "
               f"{100 * r['bf16_changed']:29.2f}%")
-    try:
-        commit = os.environ.get("BENCH_COMMIT") or subprocess.check_output(
-            ["git", "rev-parse", "--short", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
-    record = dict(bench="train_step", date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  commit=commit, machine=name, torch=torch.__version__, config=vars(args), results=rows)
-    line = json.dumps(record)
-    if args.dry_run:
-        return
-    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results.jsonl"), "a") as f:
-        f.write(line + "\n")
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "train_step.json"), "w") as f:
-            f.write(line + "\n")
+    record = dict(bench="train_step", date=utc_now(), commit=git_commit(), machine=name, torch=torch.__version__, config=vars(args), results=rows)
+    if not args.dry_run:
+        save(record, "train_step.json")
 
 
 if __name__ == "__main__":

@@ -15,13 +15,10 @@ engine on rollouts it sampled.
 from __future__ import annotations
 
 import argparse
-import datetime
 import faulthandler
-import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -29,6 +26,7 @@ import time
 
 import torch
 
+from bench.results import git_commit, save, utc_now
 from bench.train_step import SHAPES, make_model
 from nano_miles.batch import Trajectory, build_rollout_batch
 from nano_miles.client import start_engine_process
@@ -223,25 +221,12 @@ def main():
     if parity_row:
         print(f"log-prob parity, trainer vs engine ({dtype}, 8 x {args.parity_tokens} sampled tokens): "
               f"mean {parity_row[0]:.2e}, max {parity_row[1]:.2e}")
-    try:
-        commit = os.environ.get("BENCH_COMMIT") or subprocess.check_output(
-            ["git", "rev-parse", "--short", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
-    record = dict(bench="weight_sync", label=args.label,
-                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  commit=commit, machine=f"{torch.cuda.device_count()} x {name}", torch=torch.__version__,
+    record = dict(bench="weight_sync", label=args.label, date=utc_now(), commit=git_commit(), machine=f"{torch.cuda.device_count()} x {name}", torch=torch.__version__,
                   config=vars(args), bytes=nbytes, raw_copy_ms=raw_one, raw_per_tensor_ms=raw_many,
                   parity_mean=parity_row and parity_row[0], parity_max=parity_row and parity_row[1],
                   nccl_p2p_disable=os.environ.get("NCCL_P2P_DISABLE"), results=rows)
-    line = json.dumps(record)
-    if args.dry_run:
-        return
-    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results.jsonl"), "a") as f:
-        f.write(line + "\n")
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], f"weight_sync{('_' + args.label) if args.label else ''}.json"), "w") as f:
-            f.write(line + "\n")
+    if not args.dry_run:
+        save(record, f"weight_sync{('_' + args.label) if args.label else ''}.json")
 
 
 if __name__ == "__main__":
