@@ -88,7 +88,7 @@ class Engine:
             torch.cuda.empty_cache()  # the unpacked copies are free now; let the KV-cache sizing see it
         self.model.init_rope(self.max_model_len, self.device, self.dtype)
         self.model.refresh_lm_head_fp32()
-        if self.dtype != torch.float32:
+        if self.dtype != torch.float32 and self.device.type == "cuda":
             # The FP32 lm_head matmul takes bf16-valued inputs, which TF32 represents exactly: TF32
             # tensor cores give the FP32-accumulated result at bf16-like speed. No other FP32 matmul
             # runs in a bf16 engine.
