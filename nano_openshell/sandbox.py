@@ -12,6 +12,8 @@ timeout, closes stdin, caps the output it keeps and gives the command an allowli
 As root, each Sandbox picks its own unprivileged uid for its commands and hands the workspace to it
 (before every exec, whatever the host wrote there since the last one; a host chown of an existing
 file in place is not undone), so the workspace's parents must be world-traversable.
+In the namespaced tier a root Sandbox starts its commands through one launcher of its own, already
+under that uid (launcher.py): one program start per command (bwrap), not two.
 Known limits: disk use in the workspace is bounded per file (RLIMIT_FSIZE), not in total; memory
 is bounded per process (RLIMIT_AS) and by the tmpfs caps, not by a cgroup; in the fallback tier
 Landlock (below ABI 9) does not cover connect() to pathname Unix sockets, and a non-root supervisor's
@@ -36,7 +38,7 @@ import time
 import weakref
 from dataclasses import asdict, dataclass, field
 
-from . import namespaced, seccomp
+from . import launcher, namespaced, seccomp
 from .probe import TIERS, probe
 
 MAX_TIMEOUT = 24 * 3600.0
@@ -223,6 +225,7 @@ class Sandbox:
         self._owned = _Owned()
         self._fds = self._owned.fds
         self._proxy = None
+        self._launcher = None
         self._release = weakref.finalize(self, self._owned.release)  # runs at close() or collection
         self.handshake = None
         self._extra_env = self._check_env(env or {})
@@ -246,6 +249,7 @@ class Sandbox:
                 ws_fd = os.open(self.workspace, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
                 self._fds.append(ws_fd)
                 self._bwrap_argv += namespaced.workspace_args(ws_fd)
+                self._start_launcher(ws_fd)
             if policy is not None:
                 self._start_proxy(policy)
         except BaseException:
@@ -253,6 +257,21 @@ class Sandbox:
             raise
 
     # ---- setup -------------------------------------------------------------------------------
+    _LAUNCH_FDS = {"workspace": 3, "seccomp": 4, "socket": 5, "script": 6}  # fd numbers inside bwrap
+
+    def _start_launcher(self, ws_fd: int) -> None:
+        """As root: one launcher per Sandbox, already under the sandbox uid (launcher.py), so a command
+        costs one program start (bwrap), not two. Without a uid-drop tool or a Python the sandbox uid
+        can run, each command drops the uid itself (_exec_namespaced)."""
+        self._ws_fd = ws_fd
+        drop = uid_drop_argv(self.uid) if self.uid is not None else None
+        python = namespaced.forwarder_python(True) if drop else None
+        if python is None:
+            return
+        self._launch_argv = self._bwrap_argv[:-len(namespaced.workspace_args(ws_fd))]
+        self._launch_argv += namespaced.workspace_args(self._LAUNCH_FDS["workspace"])
+        self._launcher = self._owned.launcher = launcher.Launcher(drop, python, {"PATH": SAFE_PATH})
+
     def _choose_tier(self, min_tier, tier, allow_unisolated) -> str:
         if min_tier not in TIERS:
             raise ValueError(f"min_tier must be one of {TIERS}, got {min_tier!r}")
@@ -386,6 +405,9 @@ class Sandbox:
             else:
                 tail = ["/bin/bash", "-c", script]
             sock_fd = self._socket_fd if self._proxy is not None else None
+            if self._launcher is not None:
+                proc = self._spawn_launched(prog_r, script_fd, sock_fd, tail)
+                return _drain(proc, deadline, self.limits.output_bytes, proc.kill)
             argv = self._bwrap_argv + namespaced.command_args(prog_r, script_fd, sock_fd) + tail
             user = {}
             drop = uid_drop_argv(self.uid) if self.uid is not None else None
@@ -403,6 +425,30 @@ class Sandbox:
                 os.close(fd)
         # killing bwrap kills its pid 1 (--die-with-parent), and with it the whole pid namespace
         return _drain(proc, deadline, self.limits.output_bytes, proc.kill)
+
+    def _spawn_launched(self, prog_fd: int, script_fd: int | None, sock_fd: int | None, tail: list[str]):
+        at = self._LAUNCH_FDS
+        argv = self._launch_argv + namespaced.command_args(
+            at["seccomp"], at["script"] if script_fd is not None else None,
+            at["socket"] if sock_fd is not None else None) + tail
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        fds, targets = [out_w, err_w, self._ws_fd, prog_fd], [1, 2, at["workspace"], at["seccomp"]]
+        for fd, name in ((sock_fd, "socket"), (script_fd, "script")):
+            if fd is not None:
+                fds.append(fd)
+                targets.append(at[name])
+        try:
+            proc = self._launcher.spawn(argv, self._env(namespaced.WORKDIR, "/tmp"), fds, targets)
+        except BaseException:
+            os.close(out_r)
+            os.close(err_r)
+            raise
+        finally:
+            os.close(out_w)
+            os.close(err_w)
+        proc.stdout, proc.stderr = open(out_r, "rb", buffering=0), open(err_r, "rb", buffering=0)
+        return proc
 
     def _exec_init(self, command: str, deadline: float):
         tmpdir = tempfile.mkdtemp(prefix="nano-openshell-tmp-")
@@ -461,9 +507,13 @@ class _Owned:
     def __init__(self):
         self.fds: list[int] = []
         self.proxy = None
+        self.launcher = None
         self.dirs: list[str] = []  # removed on release: a temporary workspace, the supervisor dir
 
     def release(self) -> None:
+        if self.launcher is not None:
+            self.launcher.close()
+            self.launcher = None
         if self.proxy is not None:
             self.proxy.stop()
             self.proxy = None

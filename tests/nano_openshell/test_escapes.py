@@ -102,6 +102,22 @@ SUPERVISOR = textwrap.dedent("""
 """)
 
 
+def _uid_gone(uid: int, within: float) -> list[int]:
+    end = time.monotonic() + within
+    while True:
+        left = []
+        for name in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{name}/status") as f:
+                    if any(line.split()[1:2] == [str(uid)] for line in f if line.startswith("Uid:")):
+                        left.append(int(name))
+            except OSError:
+                pass
+        if not left or time.monotonic() > end:
+            return left
+        time.sleep(0.05)
+
+
 def test_killed_supervisor_leaves_nothing_behind(tier):
     tok = token()
     s = sleep_arg(tok)
@@ -122,6 +138,8 @@ def test_killed_supervisor_leaves_nothing_behind(tier):
         sup.wait()
         sup.stdout.close()
     assert wait_gone(s, within=3.0) == []
+    if uid != "None":  # nothing at all of the sandbox's uid is left: its launcher (root, namespaced) neither
+        assert _uid_gone(int(uid), within=3.0) == []
     # a killed supervisor cannot tidy up: remove its workspace and (fallback) the command's tmp dir
     shutil.rmtree(workspace)
     for left in set(glob.glob("/tmp/nano-openshell-tmp-*")) - before:

@@ -3,6 +3,7 @@
 - the uid drop (util-linux unshare -S -G, or setpriv) leaves no root id, group or capability;
 - the workspace handover skips its walk only while no directory changed: whatever the host writes
   between two commands, however soon after the last one, is the sandbox uid's before the next runs;
+- as root, the namespaced tier's per-Sandbox launcher runs under the sandbox uid and ends with close();
 - the namespaced tier's cheaper mount layout still hides /root and /home and keeps / read-only.
 """
 
@@ -51,6 +52,24 @@ def test_sandbox_command_runs_under_the_sandbox_uid(sandbox):
     r = started(sandbox.exec(f"echo {MARK}; cat /proc/self/status", timeout=10))
     ids = _ids_line(r.stdout.split("\n", 1)[1])
     assert ids["Uid"].split() == [str(sandbox.uid)] * 4 and ids["Groups"] == ""
+
+
+def test_root_sandbox_launcher_runs_as_the_sandbox_uid_and_ends_with_close(make_sandbox, tier):
+    if tier != "namespaced" or os.geteuid() != 0:
+        pytest.skip("only a root supervisor's namespaced tier has a launcher")
+    sb = make_sandbox()
+    if sb._launcher is None:
+        pytest.skip("no uid-drop tool or no Python the sandbox uid can run: each command drops the uid itself")
+    started(sb.exec(f"echo {MARK}", timeout=10))  # by now the uid-drop tool has exec'd the launcher
+    pid = sb._launcher._proc.pid
+    with open(f"/proc/{pid}/status") as f:
+        ids = _ids_line(f.read())
+    assert ids["Uid"].split() == [str(sb.uid)] * 4 and ids["Groups"] == "" and int(ids["CapEff"], 16) == 0
+    r = sb.exec("sleep 30", timeout=0.5)  # the timeout kills through the launcher
+    assert r.timed_out and r.exit_code == -9
+    assert started(sb.exec(f"echo {MARK}; echo fine", timeout=10)).stdout.endswith("fine\n")
+    sb.close()
+    assert not os.path.exists(f"/proc/{pid}")  # reaped by close(), not left a zombie
 
 
 def _owner(sb, rel):
