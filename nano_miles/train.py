@@ -99,7 +99,7 @@ def plan_layout(cfg: TrainConfig) -> Layout:
     dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if trainer.startswith("cuda") else "float32")
     args = ["--max-running-requests", str(cfg.engine_max_running_requests)]
     if engine.startswith("cuda") and engine == trainer:
-        args += ["--mem-fraction", str(cfg.engine_mem_fraction)]
+        args += ["--mem-fraction-static", str(cfg.engine_mem_fraction)]
     return Layout(trainer, engine, dtype, args)
 
 

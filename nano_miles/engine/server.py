@@ -50,6 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-running-requests", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--mem-fraction-static", type=float, default=0.85,
+                   help="share of the GPU's free memory for the KV cache (SGLang's name; ignored on CPU)")
     p.add_argument("--no-cuda-graph", action="store_true", help="run decode eagerly on GPU")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None,
@@ -111,7 +113,8 @@ class Server:
             torch.set_num_threads(a.threads)  # called from the engine thread, which runs every forward
         eng = Engine(EngineConfig(model=self.model_path, device=a.device, dtype=a.dtype,
                                   max_running_requests=a.max_running_requests, max_model_len=a.max_model_len,
-                                  num_kv_blocks=a.num_kv_blocks, cuda_graph=not a.no_cuda_graph, seed=a.seed))
+                                  num_kv_blocks=a.num_kv_blocks, kv_cache_memory_fraction=a.mem_fraction_static,
+                                  cuda_graph=not a.no_cuda_graph, seed=a.seed))
         eng.weight_version = str(a.weight_version)
         self.expected = {n: (tuple(p.shape), p.dtype) for n, p in eng.named_parameters()}
         return eng

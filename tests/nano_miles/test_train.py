@@ -182,6 +182,14 @@ def test_layout_follows_the_hardware_and_config_overrides():
     assert layout.dtype == ("float32" if n == 0 else "bfloat16")
     forced = plan_layout(TrainConfig(trainer_device="cpu", engine_device="cpu", dtype="bfloat16"))
     assert (forced.trainer_device, forced.engine_device, forced.dtype) == ("cpu", "cpu", "bfloat16")
+    # One shared GPU: the engine gets a KV share through a flag `nano-miles serve` really has.
+    shared = plan_layout(TrainConfig(trainer_device="cuda:0", engine_device="cuda:0", engine_mem_fraction=0.3))
+    import argparse
+
+    from nano_miles.engine.server import add_arguments
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args(["--model", "m", *shared.engine_args]).mem_fraction_static == 0.3
 
 
 def test_bad_command_lines_are_clear_errors(tmp_path):
