@@ -6,12 +6,6 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from nano_miles.engine.engine import Engine, EngineConfig, FinishedRequest, SamplingParams
-from nano_miles.models import resolve_model
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return str(resolve_model("tiny-random-qwen2"))
 
 
 @pytest.fixture(scope="module")

@@ -5,15 +5,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nano_miles.engine.engine import Engine, EngineConfig, SamplingParams
-from nano_miles.models import resolve_model
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return str(resolve_model("tiny-random-qwen2"))
 
 
 def run(eng, reqs):

@@ -1,12 +1,10 @@
 """Sampling: the distribution drawn from, the reported log-prob, top-k/top-p, per-request seeds."""
 
-import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from nano_miles.engine.engine import Engine, EngineConfig, SamplingParams
 from nano_miles.engine.sampling import filter_top_k_top_p, sample
-from nano_miles.models import resolve_model
 
 
 def draw(logits, n, temperature=1.0, top_p=1.0, top_k=-1, seed=0):
@@ -49,11 +47,6 @@ def test_greedy_rows_and_sampled_rows_mix_in_one_batch():
     tokens, lps = sample(logits, [0.0, 1.0], [1.0, 1.0], [-1, -1], [None, None], torch.Generator().manual_seed(0))
     assert tokens[0] == 1
     assert torch.allclose(lps[0], torch.log_softmax(logits[0], -1)[1])
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return str(resolve_model("tiny-random-qwen2"))
 
 
 def run(eng, reqs):
