@@ -127,9 +127,15 @@ async def run_episode(client, fmt: ChatFormat, task: Task, seed: int, group_id: 
             reward=env.reward, reward_components=components, num_turns=len(versions),
             finish_reason=env.finish_reason, task_id=task.id, group_id=group_id, weight_versions=versions)
     finally:
-        # In a worker thread: even if this await is cancelled, the close still runs, after whatever
-        # setup or command is in flight (env.close waits for it), so no sandbox is leaked.
-        await loop.run_in_executor(executor, env.close)
+        # In a worker thread, after whatever setup or command is in flight (env.close waits for it).
+        # A cancel that lands while we wait for it (rollout_groups cancels the rest on a first error)
+        # must not end the episode before its sandbox is gone: shield the close and wait it out.
+        closing = loop.run_in_executor(executor, env.close)
+        try:
+            await asyncio.shield(closing)
+        except asyncio.CancelledError:
+            await closing
+            raise
 
 
 async def rollout_groups(urls: list[str], tokenizer, tasks: list[Task], cfg: RolloutConfig,
