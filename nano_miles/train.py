@@ -18,6 +18,7 @@ import asyncio
 import json
 import queue
 import random
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -269,6 +270,7 @@ class TrainingRun:
         self.log = MetricsLog(self.run_dir, resume_after_step=self.start_step if resume_dir else None, echo=echo)
         self.syncer = None
         self._mutating = False
+        self._stop_after_step = False
         self._connect()
         self.producer = AsyncProducer(self) if cfg.mode == "async" else None
 
@@ -375,10 +377,22 @@ class TrainingRun:
 
     # -- the whole run -----------------------------------------------------------------------
 
+    def _on_sigint(self, signum, frame) -> None:
+        # Ctrl-C during a rollout stops at once (nothing has changed yet); during the update, sync and
+        # logging of a step it lets that step finish, so the checkpoint written on the way out is that
+        # step's (otherwise every step since the last periodic checkpoint would be lost). Twice: now.
+        if self._mutating and not self._stop_after_step:
+            self._stop_after_step = True
+            self.echo("Ctrl-C: stopping after this step's update and weight sync (Ctrl-C again: stop now)")
+            return
+        raise KeyboardInterrupt
+
     def run(self) -> Path:
         cfg = self.cfg
         self.checkpointed = self.start_step
         completed = self.start_step
+        in_main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, self._on_sigint) if in_main else None
         try:
             if self.producer:
                 self.producer.start(self.start_step + 1)
@@ -388,16 +402,20 @@ class TrainingRun:
                 completed, self._mutating = step, False
                 if step % cfg.checkpoint_every == 0 or step == cfg.steps:
                     self._checkpoint(step)
+                if self._stop_after_step and step < cfg.steps:
+                    raise KeyboardInterrupt
             export_model(self.trainer, self.model_path, self.run_dir / "final")
             self.echo(f"done: metrics, curves and the final policy (final/) in {self.run_dir}")
         except KeyboardInterrupt:
             # Steps are atomic: the trainer state is the one after the last completed step's sync
-            # unless the interrupt hit mid-update, in which case the older checkpoint stands.
+            # unless a second Ctrl-C hit mid-update, in which case the older checkpoint stands.
             if completed > self.checkpointed and not self._mutating:
                 self._checkpoint(completed)
             self.echo(f"interrupted after step {completed}: resume with --resume {self.run_dir}")
             raise
         finally:
+            if in_main:
+                signal.signal(signal.SIGINT, previous)
             self.close()
         return self.run_dir
 

@@ -129,6 +129,31 @@ def test_ctrl_c_leaves_a_resumable_checkpoint_and_no_orphans(tmp_path):
     assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == list(range(1, done + 2))
 
 
+def test_ctrl_c_during_an_update_finishes_that_step_and_checkpoints_it(tmp_path):
+    """Ctrl-C landing mid-update lets the step finish (update, sync, metrics) and checkpoints it on
+    the way out, although no periodic checkpoint is due: no completed step is lost."""
+    from nano_miles.config import load_config, parse_set
+    from nano_miles.train import TrainingRun
+
+    run_dir = tmp_path / "run"
+    cfg = load_config(TrainConfig, None, parse_set(FAST[1::2] + ["steps=5", "checkpoint_every=100",
+                                                                 f"run_dir={run_dir}"]))
+    run = TrainingRun(cfg, echo=lambda *a: None)
+    update = run.trainer.train_step
+
+    def interrupted_update(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # handled in this (main) thread, inside the update
+        return update(*args, **kwargs)
+
+    run.trainer.train_step = interrupted_update
+    with pytest.raises(KeyboardInterrupt):
+        run.run()
+    assert json.loads((run_dir / "checkpoint" / "state.json").read_text())["step"] == 1
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [(r["step"], r["weight_version"], r["update_skipped"]) for r in rows] == [(1, "1", None)]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_a_dead_engine_is_restarted_resynced_and_the_step_retried(tmp_path):
     run_dir = tmp_path / "run"
     proc = _train(["--set", "steps=3", "--set", f"run_dir={run_dir}"])
