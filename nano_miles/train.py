@@ -345,6 +345,10 @@ class TrainingRun:
                 if s <= self.cfg.max_staleness and t.finish_reason != "infra_error"]
         self._mutating = True  # from here until the step is logged, the trainer is between states
         train, skipped = policy_update(self.trainer, kept, self.cfg.advantage, self.pad_id, self.echo)
+        if self.trainer.device.type == "cuda":
+            # AdamW and the master -> bf16 copy are still queued on the GPU: let the update pay for
+            # them, so that sync_ms measures the weight transfer and not the optimizer's tail.
+            torch.cuda.synchronize(self.trainer.device)
         sync = self._sync(step)
         response_tokens = sum(len(t.response_ids) for t in trajs)
         return {
