@@ -7,7 +7,10 @@ The protocol the policy is taught (system prompt + one-shot example):
 Reward components, all recorded on the trajectory:
     correct        1.0 when the verifier accepts the answer (and the workspace check passes)
     exec_ok        +0.1 per *distinct* command that exits 0, capped at 0.2 per episode, so repeating
-                   `true` (or anything) never pays past the cap
+                   `true` (or anything) never pays past the cap; forfeited by an episode that ends
+                   without an answer (turn limit, token budget), or running commands and never
+                   answering would outpay a wrong answer (a policy trained at lr 1e-5 collapsed onto
+                   exactly that: docs/benchmarks.md, headline runs)
     format         -0.1 per turn with neither a <bash> block nor an <answer> (or an empty or refused command)
     timeout        -0.1 per command that hit its time limit
     infra_failures sandbox failures (not the policy's fault): counted, earn nothing, end the episode
@@ -188,7 +191,11 @@ class OpenShellEnv:
     def end(self, reason: str) -> None:
         """End the episode from outside (the rollout's token budget, an engine that stopped)."""
         if not self.done:
-            self.done, self.finish_reason = True, reason
+            self._cut_off(reason)
+
+    def _cut_off(self, reason: str) -> None:
+        self.done, self.finish_reason = True, reason
+        self.components["exec_ok"] = 0.0  # no answer, no shaping (see the module docstring)
 
     @property
     def reward(self) -> float:
@@ -239,7 +246,7 @@ class OpenShellEnv:
 
     def _next(self, observation: str, kind: str) -> StepResult:
         if self.turns >= self.cfg.max_turns:
-            self.done, self.finish_reason = True, "max_turns"
+            self._cut_off("max_turns")
             return StepResult(None, True, "max_turns")
         return StepResult(observation, False, kind)
 

@@ -67,6 +67,21 @@ def test_exec_observation_and_shaping_cap(make_env):
         env.step("<bash>ls</bash>")
 
 
+def test_an_episode_without_an_answer_forfeits_the_shaping(make_env):
+    """Running commands until the turn limit or the token budget never pays more than answering."""
+    env = make_env(max_turns=3)
+    for cmd in ("pwd", "ls"):
+        env.step(f"<bash>{cmd}</bash>")
+    assert env.components["exec_ok"] == pytest.approx(0.2)
+    step = env.step("<bash>id</bash>")
+    assert step.done and env.finish_reason == "max_turns"
+    assert env.components["exec_ok"] == 0.0 and env.reward == 0.0
+    budget = make_env(max_turns=10)
+    budget.step("<bash>pwd</bash>")
+    budget.end("token_budget")
+    assert budget.finish_reason == "token_budget" and budget.components["exec_ok"] == 0.0
+
+
 def test_format_errors_are_penalised_and_explained(make_env):
     env = make_env(max_turns=3)
     for text in ("no tags at all", "<bash>ls -la"):
