@@ -88,6 +88,17 @@ class RolloutBatch:
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
+    def select(self, rows: list[int]) -> "RolloutBatch":
+        """The sub-batch of these rows (same padded length: the trainer trims each micro-batch)."""
+        idx = torch.tensor(rows, dtype=torch.long)
+        return RolloutBatch(
+            tokens=self.tokens[idx], attention_mask=self.attention_mask[idx], loss_mask=self.loss_mask[idx],
+            rollout_logprobs=self.rollout_logprobs[idx], rewards=self.rewards[idx],
+            group_ids=[self.group_ids[i] for i in rows], task_ids=[self.task_ids[i] for i in rows],
+            prompt_lens=[self.prompt_lens[i] for i in rows], response_lens=[self.response_lens[i] for i in rows],
+            weight_versions=[self.weight_versions[i] for i in rows],
+        )
+
 
 def build_rollout_batch(trajectories: list, pad_id: int = 0) -> RolloutBatch:
     """Pad trajectories (Trajectory objects or JSONL dicts) into one RolloutBatch."""

@@ -56,6 +56,7 @@ class TrainConfig:
     engine_mem_fraction: float = 0.35  # one GPU shared by trainer and engine: the engine's KV share
     max_engine_restarts: int = 3      # per step, before the run stops with an error
     micro_batch_size: int = 0         # sequences per forward/backward; 0 = auto (1 on CPU, 8 on GPU)
+    updates_per_step: int = 1         # optimizer steps per rollout batch (PPO mini-batches of whole groups)
     logprob_chunk: int = 1024
     gradient_checkpointing: bool = False
     rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(group_size=4))
@@ -65,8 +66,8 @@ class TrainConfig:
     sync: SyncConfig = field(default_factory=SyncConfig)
 
     def __post_init__(self):
-        if self.steps < 1 or self.tasks_per_step < 1 or self.checkpoint_every < 1:
-            raise ValueError("steps, tasks_per_step and checkpoint_every must be >= 1")
+        if self.steps < 1 or self.tasks_per_step < 1 or self.checkpoint_every < 1 or self.updates_per_step < 1:
+            raise ValueError("steps, tasks_per_step, checkpoint_every and updates_per_step must be >= 1")
         if self.micro_batch_size < 0:
             raise ValueError("micro_batch_size must be >= 0 (0 = auto)")
         if self.dtype not in ("auto", *DTYPES):
@@ -198,8 +199,16 @@ def _mean(xs) -> float:
     return float(sum(xs) / len(xs)) if xs else float("nan")
 
 
-def policy_update(trainer, trajs, advantage_cfg: AdvantageConfig, pad_id: int, echo=print) -> tuple[dict, str | None]:
-    """Advantages and one policy update; returns the trainer's metrics and why the update was skipped."""
+def policy_update(trainer, trajs, advantage_cfg: AdvantageConfig, pad_id: int, echo=print,
+                  updates: int = 1) -> tuple[dict, str | None]:
+    """Advantages and `updates` optimizer steps on the batch; returns the trainer's metrics and why
+    the update was skipped.
+
+    With updates > 1 the batch is split into that many mini-batches of whole groups, one AdamW step
+    each (PPO's mini-batch epoch, verl's ppo_mini_batch_size, slime's num_steps_per_rollout). Every
+    mini-batch's ratio is taken against the policy that sampled, whose log-probs are computed once
+    before the first step: from the second step on the ratio moves away from 1 and the clipping
+    engages. With one update the ratio is 1 by construction and only TIS corrects the mismatch."""
     from nano_miles.batch import build_rollout_batch
 
     if not trajs:
@@ -214,15 +223,60 @@ def policy_update(trainer, trajs, advantage_cfg: AdvantageConfig, pad_id: int, e
         advantages = advantages[torch.tensor(rows)]
     from tqdm import tqdm
 
+    minibatches = _minibatches(batch.group_ids, updates)
+    old = trainer.logprobs(batch) if len(minibatches) > 1 else None
+    results = []
     with tqdm(total=len(batch), desc="update", unit="seq", leave=False, dynamic_ncols=True) as bar:
-        def advance(done, total):
-            bar.update(round(done * len(batch) / total) - bar.n)
+        for rows in minibatches:
+            start = bar.n
 
-        try:
-            return trainer.train_step(batch, advantages, on_micro_batch=advance), None
-        except FloatingPointError as e:  # NaN/inf loss or gradient: the trainer skipped the update
-            echo(f"update skipped: {e}")
-            return {}, str(e)
+            def advance(done, total, start=start, rows=rows):
+                bar.update(start + round(done * len(rows) / total) - bar.n)
+
+            sub = batch if len(minibatches) == 1 else batch.select(rows)
+            try:
+                results.append(trainer.train_step(sub, advantages[torch.tensor(rows)], on_micro_batch=advance,
+                                                  old_logprobs=None if old is None else old[torch.tensor(rows)]))
+            except FloatingPointError as e:  # NaN/inf loss or gradient: the trainer skipped the update
+                echo(f"update skipped: {e}")  # (earlier mini-batches' steps stand; the sync sends them)
+                return {}, str(e)
+    if len(results) == 1:
+        return results[0], None
+    merged = _merge_update_metrics(results)
+    # Parity is a property of the sampling policy: from the log-probs taken before the first step.
+    diff = (old - batch.rollout_logprobs).abs()[batch.loss_mask]
+    merged["logprob_diff_mean"] = float(diff.double().mean()) if diff.numel() else 0.0
+    merged["logprob_diff_max"] = float(diff.max()) if diff.numel() else 0.0
+    return merged, None
+
+
+def _minibatches(group_ids: list[str], updates: int) -> list[list[int]]:
+    """Row indices of `updates` mini-batches (fewer if there are fewer groups), whole groups each,
+    groups dealt in order so the sizes differ by at most one group."""
+    groups: dict[str, list[int]] = {}
+    for i, g in enumerate(group_ids):
+        groups.setdefault(g, []).append(i)
+    k = max(1, min(updates, len(groups)))
+    chunks = [[] for _ in range(k)]
+    for n, rows in enumerate(groups.values()):
+        chunks[n * k // len(groups)].extend(rows)
+    return chunks
+
+
+def _merge_update_metrics(results: list[dict]) -> dict:
+    merged = {}
+    for key in results[0]:
+        values = [r[key] for r in results if r.get(key) is not None]
+        if key in ("ratio_max", "peak_mem_gib", "logprob_diff_max"):
+            merged[key] = max(values)
+        elif key in ("response_tokens", "step_ms"):
+            merged[key] = sum(values)
+        elif key in ("step", "lr"):
+            merged[key] = values[-1]
+        else:
+            merged[key] = sum(values) / len(values)
+    merged["updates"] = len(results)
+    return merged
 
 
 class TrainingRun:
@@ -344,7 +398,8 @@ class TrainingRun:
         kept = [t for t, s in zip(trajs, staleness)
                 if s <= self.cfg.max_staleness and t.finish_reason != "infra_error"]
         self._mutating = True  # from here until the step is logged, the trainer is between states
-        train, skipped = policy_update(self.trainer, kept, self.cfg.advantage, self.pad_id, self.echo)
+        train, skipped = policy_update(self.trainer, kept, self.cfg.advantage, self.pad_id, self.echo,
+                                       updates=self.cfg.updates_per_step)
         if self.trainer.device.type == "cuda":
             # AdamW and the master -> bf16 copy are still queued on the GPU: let the update pay for
             # them, so that sync_ms measures the weight transfer and not the optimizer's tail.
@@ -364,7 +419,7 @@ class TrainingRun:
             "pg_loss": train.get("pg_loss"), "clip_frac": train.get("clip_frac"),
             "approx_kl": train.get("approx_kl"), "entropy": train.get("entropy"), "grad_norm": train.get("grad_norm"),
             "parity_mean": train.get("logprob_diff_mean"), "parity_max": train.get("logprob_diff_max"),
-            "update_skipped": skipped,
+            "update_skipped": skipped, "updates": train.get("updates", 1) if train else 0,
             "sync_ms": sync["ms"], "sync_transport": sync["transport"], "sync_verified": sync["verified"],
             "weight_version": sync["weight_version"],
             "mem_gb": memory_gb(self.layout.trainer_device),
