@@ -206,9 +206,10 @@ def policy_update(trainer, trajs, advantage_cfg: AdvantageConfig, pad_id: int, e
 
     With updates > 1 the batch is split into that many mini-batches of whole groups, one AdamW step
     each (PPO's mini-batch epoch, verl's ppo_mini_batch_size, slime's num_steps_per_rollout). Every
-    mini-batch's ratio is taken against the policy that sampled, whose log-probs are computed once
-    before the first step: from the second step on the ratio moves away from 1 and the clipping
-    engages. With one update the ratio is 1 by construction and only TIS corrects the mismatch."""
+    mini-batch's ratio is taken against the trainer's policy before this step's first update (in sync
+    mode the one that sampled), its log-probs computed once: from the second step on the ratio moves
+    away from 1 and the clipping engages. With one update the ratio is 1 by construction; TIS
+    (against the engine's own log-probs) corrects the train/inference mismatch either way."""
     from nano_miles.batch import build_rollout_batch
 
     if not trajs:
