@@ -105,10 +105,11 @@ def summarize(trajs, setup_failures: int = 0) -> dict:
 
 
 def provenance() -> dict:
-    # BENCH_COMMIT first, as in bench/results.py: a device machine's copy of the tree carries stale git metadata.
+    # BENCH_COMMIT first, as in bench/results.py: a device machine's copy of .git can be stale.
     try:
-        commit = os.environ.get("BENCH_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+        commit = os.environ.get("BENCH_COMMIT") or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     except OSError:
         commit = ""
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
