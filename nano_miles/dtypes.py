@@ -1,0 +1,37 @@
+"""Dtypes by name, and the one rule for "auto": bfloat16 on a GPU, float32 on the CPU.
+
+The trainer, the engine and the weight payloads all name dtypes with these strings; this is the only
+table that maps them to torch dtypes and the only place that decides what "auto" means.
+"""
+from __future__ import annotations
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = ("auto", *DTYPES)  # what a config key or a --dtype flag accepts
+# The trainer keeps FP32 masters and has no loss scaling, which float16's narrow range would need.
+TRAINABLE = ("float32", "bfloat16")
+
+
+def auto_dtype_name(device: torch.device | str) -> str:
+    """bfloat16 on a GPU (the tensor cores' format, FP32's range), float32 on the CPU (no fast bf16
+    matmuls there, and exact parity between trainer and engine)."""
+    return "bfloat16" if torch.device(device).type == "cuda" else "float32"
+
+
+def resolve_dtype_name(name: str, device: torch.device | str) -> str:
+    """A dtype name with "auto" resolved for `device`; ValueError for an unknown name."""
+    if name == "auto":
+        return auto_dtype_name(device)
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {list(DTYPE_NAMES)}, got {name!r}")
+    return name
+
+
+def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
+    return DTYPES[resolve_dtype_name(name, device)]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16" (the inverse of DTYPES; the name a payload or a config writes)."""
+    return str(dtype).removeprefix("torch.")
