@@ -1,13 +1,17 @@
 """`nano-miles` command line: one subcommand per concept, each living in its own module.
 
-Every subcommand module exposes `add_arguments(parser)` and `run(args) -> int`; this file only
-wires them together, importing a module when its subcommand is used (torch imports are slow).
+Every subcommand module exposes `add_arguments(parser)` and `run(args) -> int`, and `CONFIG`, its
+root config dataclass, when it takes config keys (`--config` / `--set`, see nano_miles/config.py and
+docs/config.md). This file only wires them together, importing a module when its subcommand is used
+(torch imports are slow), and prints a bad configuration as one line.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
+
+from nano_miles.config import ConfigError
 
 # subcommand -> (module, one-line help)
 SUBCOMMANDS = {
@@ -43,7 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    return int(modules[args.command].run(args) or 0)
+    try:
+        return int(modules[args.command].run(args) or 0)
+    except ConfigError as e:
+        print(f"nano-miles {args.command}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
