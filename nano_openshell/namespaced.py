@@ -123,6 +123,39 @@ def workspace_args(workspace_fd: int) -> list[str]:
     return ["--bind-fd", str(workspace_fd), WORKDIR, "--chdir", WORKDIR]
 
 
+# where a Sandbox's own writable directories may not go: system trees, the sandbox's private mounts
+RESERVED_MOUNT_PATHS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/usr", "/etc", "/proc",
+                        "/dev", "/sys", "/run", "/tmp", WORKDIR)
+
+
+def check_mount_path(path) -> str:
+    """A path where Sandbox(mounts=...) may put a per-sandbox directory: absolute, normalised, outside
+    the system trees and the sandbox's own mounts. Raises ValueError/TypeError saying why not."""
+    if not isinstance(path, str):
+        raise TypeError(f"a mount path must be a str, got {type(path).__name__}")
+    if not path.startswith("/") or path == "/" or os.path.normpath(path) != path or "\x00" in path:
+        raise ValueError(f"a mount path must be absolute and normalised (no '..', no trailing '/'), got {path!r}")
+    for reserved in RESERVED_MOUNT_PATHS + _host_binds():
+        if _under(path, reserved) or _under(reserved, path):
+            raise ValueError(f"mount path {path!r} overlaps {reserved}, which the sandbox itself provides")
+    return path
+
+
+def _host_binds() -> tuple[str, ...]:
+    """The host directories bound read-only at the top of the sandbox (base_argv)."""
+    return tuple("/" + n for n in os.listdir("/") if n not in SKIPPED and os.path.isdir("/" + n)
+                 and not os.path.islink("/" + n) and not _is_empty("/" + n))
+
+
+def mount_args(mounts: dict[str, str]) -> list[str]:
+    """Per-sandbox writable directories (Sandbox(mounts=...)), each host directory bound read-write at its
+    path (a private temporary directory of the Sandbox: no one else can swap it)."""
+    args = []
+    for path, host in sorted(mounts.items()):
+        args += ["--bind", host, path]
+    return args
+
+
 def command_args(seccomp_fd: int, script_fd: int | None = None, socket_fd: int | None = None) -> list[str]:
     """Per-command tail: the seccomp program, the proxy socket, a large script as a file."""
     args = []

@@ -212,16 +212,20 @@ _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 class Sandbox:
     def __init__(self, workspace=None, policy=None, limits: Limits | None = None,
                  min_tier: str = "namespaced", allow_unisolated: bool = False,
-                 tier: str | None = None, env: dict[str, str] | None = None):
+                 tier: str | None = None, env: dict[str, str] | None = None,
+                 mounts: dict[str, str | None] | None = None):
         """tier: run exactly this tier (it must work here and be >= min_tier); None = the best one.
-        env: extra variables for the command (on top of the allowlist)."""
+        env: extra variables for the command (on top of the allowlist).
+        mounts: {path in the sandbox: None or a host directory}: a writable directory of this Sandbox's
+        own at each fixed absolute path (namespaced tier only), empty (None) or a copy of the host
+        directory, removed at close; path_of(path) is where the host sees it."""
         self.limits = limits if limits is not None else Limits()
         if not isinstance(self.limits, Limits):
             raise TypeError("limits must be a Limits")
         self.probe = probe()
         self.tier = self._choose_tier(min_tier, tier, allow_unisolated)
         self._closed = False
-        self._handed_over = None  # the workspace's directory state when it was last handed over whole
+        self._handed_over = {}  # root -> its directory state when it was last handed over whole
         self._owned = _Owned()
         self._fds = self._owned.fds
         self._proxy = None
@@ -229,6 +233,8 @@ class Sandbox:
         self._release = weakref.finalize(self, self._owned.release)  # runs at close() or collection
         self.handshake = None
         self._extra_env = self._check_env(env or {})
+        self._mounts = {}  # path in the sandbox -> the host directory behind it
+        mounts = self._check_mounts(mounts)
 
         if workspace is None:
             workspace = tempfile.mkdtemp(prefix="nano-openshell-ws-")
@@ -242,6 +248,7 @@ class Sandbox:
             if self.uid is not None and not namespaced.reachable(os.path.dirname(self.workspace), drop_uid=True):
                 raise SandboxError(f"workspace {self.workspace!r} is not reachable by the sandbox's unprivileged "
                                    "uid: as root, every directory above it must be world-traversable (o+x)")
+            self._make_mounts(mounts)
             self._fix_workspace_owner()
             if self.tier == "namespaced":
                 self._bwrap_argv = namespaced.base_argv(self.probe["capabilities"]["bwrap"],
@@ -249,6 +256,7 @@ class Sandbox:
                 ws_fd = os.open(self.workspace, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
                 self._fds.append(ws_fd)
                 self._bwrap_argv += namespaced.workspace_args(ws_fd)
+                self._bwrap_argv += namespaced.mount_args(self._mounts)
                 self._start_launcher(ws_fd)
             if policy is not None:
                 self._start_proxy(policy)
@@ -268,8 +276,10 @@ class Sandbox:
         python = namespaced.forwarder_python(True) if drop else None
         if python is None:
             return
-        self._launch_argv = self._bwrap_argv[:-len(namespaced.workspace_args(ws_fd))]
-        self._launch_argv += namespaced.workspace_args(self._LAUNCH_FDS["workspace"])
+        self._launch_argv = self._bwrap_argv[:-len(namespaced.workspace_args(ws_fd) + namespaced.mount_args(
+            self._mounts))]
+        self._launch_argv += namespaced.workspace_args(self._LAUNCH_FDS["workspace"]) + namespaced.mount_args(
+            self._mounts)
         self._launcher = self._owned.launcher = launcher.Launcher(drop, python, {"PATH": SAFE_PATH})
 
     def _choose_tier(self, min_tier, tier, allow_unisolated) -> str:
@@ -295,6 +305,41 @@ class Sandbox:
             if not (isinstance(k, str) and isinstance(v, str)) or not k or "=" in k or "\x00" in k + v:
                 raise ValueError(f"bad environment entry {k!r}={v!r}")
         return dict(env)
+
+    def _check_mounts(self, mounts) -> dict:
+        if not mounts:
+            return {}
+        if not isinstance(mounts, dict):
+            raise TypeError(f"mounts must be a dict {{path in the sandbox: None or a host directory}}, got {mounts!r}")
+        paths = sorted(namespaced.check_mount_path(p) for p in mounts)
+        for a, b in zip(paths, paths[1:]):
+            if b.startswith(a + "/"):
+                raise ValueError(f"mount paths {a!r} and {b!r} overlap")
+        for path, source in mounts.items():
+            if source is not None and not os.path.isdir(os.fspath(source)):
+                raise ValueError(f"mount {path!r}: host directory {source!r} does not exist or is not a directory")
+        if self.tier != "namespaced":
+            raise SandboxError(f"mounts at fixed paths ({', '.join(paths)}) need the namespaced tier: the "
+                               f"{self.tier!r} tier runs commands in the host's own filesystem, where it cannot "
+                               "mount anything (run the task in the workspace instead)")
+        return mounts
+
+    def _make_mounts(self, mounts: dict) -> None:
+        for path, source in mounts.items():
+            host = tempfile.mkdtemp(prefix="nano-openshell-mnt-")
+            self._owned.dirs.append(host)
+            if source is not None:
+                shutil.copytree(os.fspath(source), host, symlinks=True, dirs_exist_ok=True)
+            self._mounts[path] = host
+
+    def path_of(self, path: str) -> str:
+        """The host directory behind a path of the sandbox: /workspace or one of the Sandbox's mounts."""
+        if path == namespaced.WORKDIR:
+            return self.workspace
+        if path not in self._mounts:
+            known = ", ".join([namespaced.WORKDIR] + sorted(self._mounts))
+            raise ValueError(f"{path!r} is not a directory of this sandbox (it has: {known})")
+        return self._mounts[path]
 
     def _start_proxy(self, policy) -> None:
         if self.tier != "namespaced":
@@ -339,13 +384,17 @@ class Sandbox:
         Not seen: the host chowning an existing file in place (writers create files, they do not chown)."""
         if self.uid is None:
             return
-        os.chown(self.workspace, self.uid, self.uid, follow_symlinks=False)
-        os.chmod(self.workspace, 0o700)
-        state = _directory_state(self.workspace)
-        if state is not None and state == self._handed_over:
+        for root in [self.workspace] + sorted(self._mounts.values()):
+            self._hand_over(root)
+
+    def _hand_over(self, root: str) -> None:
+        os.chown(root, self.uid, self.uid, follow_symlinks=False)
+        os.chmod(root, 0o700)
+        state = _directory_state(root)
+        if state is not None and state == self._handed_over.get(root):
             return
-        self._handed_over = state
-        for _, dirs, files, dir_fd in os.fwalk(self.workspace, follow_symlinks=False):
+        self._handed_over[root] = state
+        for _, dirs, files, dir_fd in os.fwalk(root, follow_symlinks=False):
             for name in dirs + files:
                 try:
                     st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
