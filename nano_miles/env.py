@@ -26,7 +26,7 @@ import re
 import threading
 from dataclasses import dataclass
 
-from nano_miles.tasks import SetupError, Task, TaskInstance, Workspace, verify
+from nano_miles.task_api import SetupError, Task, TaskInstance, Workspace, verify
 
 SYSTEM_PROMPT = """You solve tasks by running commands in a Linux shell (bash, coreutils, python3).
 Each reply must do exactly one of these two things:
