@@ -25,7 +25,8 @@ import uuid
 from dataclasses import dataclass, field
 
 from nano_miles.batch import Trajectory
-from nano_miles.env import ChatFormat, EnvConfig, OpenShellEnv
+from nano_miles.chat_format import ChatFormat
+from nano_miles.env import EnvConfig, OpenShellEnv
 from nano_miles.tasks import SetupError, Task
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import random
 
-from nano_miles.tasks import TaskInstance, Workspace, q, task
+from nano_miles.task_api import TaskInstance, Workspace, q, task
 
 WORDS = ("apple", "river", "stone", "cloud", "tiger", "maple", "ember", "frost", "lemon", "otter",
          "pixel", "quartz", "raven", "solar", "tulip", "umber", "violet", "willow", "yarrow", "zephyr",

@@ -17,7 +17,8 @@ import pytest
 
 from nano_miles.batch import Trajectory, build_rollout_batch
 from nano_miles.client import EngineUnavailable
-from nano_miles.env import ChatFormat, EnvConfig
+from nano_miles.chat_format import ChatFormat
+from nano_miles.env import EnvConfig
 from nano_miles.models import load_tokenizer
 from nano_miles.rollout import RolloutConfig, rollout_groups, run_episode
 from nano_miles.tasks import get_task, select_tasks

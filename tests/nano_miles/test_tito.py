@@ -13,7 +13,8 @@ import difflib
 import pytest
 
 from nano_miles.batch import Trajectory, build_rollout_batch
-from nano_miles.env import ChatFormat, prompt_messages
+from nano_miles.chat_format import ChatFormat
+from nano_miles.env import prompt_messages
 from nano_miles.models import load_tokenizer, resolve_model
 
 QWEN = "qwen2.5-coder-0.5b-instruct"
