@@ -33,7 +33,7 @@ ENGINE_DEVICE="${ENGINE_DEVICE:-$("$py" -c 'import torch; n=torch.cuda.device_co
 layout=()
 read -r -a extra <<<"${EXTRA:-}"        # more --set pairs for every train run (rehearsals)
 read -r -a eval_extra <<<"${EVAL_EXTRA:-}"
-[ -n "${TRAINER_DEVICE:-}" ] && layout+=(--set "trainer_device=$TRAINER_DEVICE" --set "engine_device=$ENGINE_DEVICE")
+[ -n "${TRAINER_DEVICE:-}" ] && layout+=(--set "trainer_device=$TRAINER_DEVICE" --set "engine.device=$ENGINE_DEVICE")
 
 # eval MODEL_OR_DIR NAME TASKS...: one engine on $ENGINE_DEVICE, one eval per task split
 evaluate() {

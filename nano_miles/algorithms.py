@@ -37,9 +37,9 @@ class AdvantageConfig:
 @dataclass
 class LossConfig:
     eps_low: float = 0.2          # ratio clipped to [1 - eps_low, 1 + eps_high] (clip-higher: eps_high > eps_low)
-    eps_high: float = 0.28
+    eps_high: float = 0.28        # upper clip of the ratio (see eps_low)
     dual_clip: float | None = 3.0  # c: for negative advantages the loss is capped at -A * c; None disables
-    aggregation: str = "token-mean"
+    aggregation: str = "token-mean"  # token-mean | seq-mean-token-mean | constant (Dr. GRPO: constant_normalizer)
     constant_normalizer: float | None = None  # Dr. GRPO: tokens per sequence (e.g. max response length)
     kl_coef: float = 0.0          # k3 KL to a frozen reference policy; 0 = off (no reference model needed)
     entropy_coef: float = 0.0     # subtracted from the loss; 0 = entropy is only reported

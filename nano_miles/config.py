@@ -333,7 +333,7 @@ def describe(cfg, prefix: str = "") -> list[tuple[str, str, typing.Any, str]]:
 
 def _type_name(typ) -> str:
     if _is_optional(typ):
-        return " | ".join(_type_name(t) for t in typing.get_args(typ) if t is not type(None)) + " | none"
+        return " or ".join(_type_name(t) for t in typing.get_args(typ) if t is not type(None)) + " or none"
     if typing.get_origin(typ) is list:
         return f"list[{_type_name(typing.get_args(typ)[0])}]"
     return getattr(typ, "__name__", str(typ))
@@ -359,24 +359,25 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls, flags: dict[str, 
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved config as TOML and exit (a file --config takes)")
     rows = {k: (t, d, h) for k, t, d, h in describe(cls)}
-    flag_keys = {}
     for flag, key in (flags or {}).items():
-        dest = "flag_" + flag.lstrip("-").replace("-", "_")
         typ, default, meaning = rows[key]
-        parser.add_argument(flag, dest=dest, default=argparse.SUPPRESS, metavar=typ.split(" ")[0].upper(),
+        parser.add_argument(flag, dest=_dest(flag), default=argparse.SUPPRESS, metavar=typ.split(" ")[0].upper(),
                             action="append" if flag in repeatable else "store",
                             help=f"{meaning} (key {key}, default {_default_text(default)})".lstrip(" "))
-        flag_keys[dest] = key
-    parser.set_defaults(config_flags=flag_keys)
+    parser.set_defaults(config_flags=dict(flags or {}))
+
+
+def _dest(flag: str) -> str:
+    return "flag_" + flag.lstrip("-").replace("-", "_")
 
 
 def config_from_args(cls, args: argparse.Namespace, base: dict | None = None, note=_note_on_stderr):
     """The validated config of a command line made by add_config_arguments: defaults <- base <-
     --config <- flags <- --set. Raises ConfigError (one line)."""
     overrides = {}
-    for dest, key in getattr(args, "config_flags", {}).items():
-        if hasattr(args, dest):
-            value = getattr(args, dest)
+    for flag, key in getattr(args, "config_flags", {}).items():
+        if hasattr(args, _dest(flag)):  # given on this command line (absent flags leave no attribute)
+            value = getattr(args, _dest(flag))
             overrides[key] = ",".join(value) if isinstance(value, list) else value
     for key, value in parse_set(getattr(args, "overrides", [])).items():
         overrides[canonical_key(cls, key, note)] = value  # --set wins over a flag for the same key
@@ -385,8 +386,9 @@ def config_from_args(cls, args: argparse.Namespace, base: dict | None = None, no
 
 # ----------------------------------------------------------------------------- docs/config.md
 
-def commands() -> dict[str, type]:
-    """subcommand -> its root config dataclass: the CONFIG of every subcommand module that has one."""
+def commands() -> dict[str, tuple[type, dict[str, str]]]:
+    """subcommand -> (its root config dataclass, its flags: flag -> key), for every subcommand
+    module that has a CONFIG."""
     # Imported here, not at the top: the subcommand modules import this one (and torch).
     import importlib
 
@@ -394,23 +396,28 @@ def commands() -> dict[str, type]:
 
     found = {}
     for name, (module_name, _) in SUBCOMMANDS.items():
-        cls = getattr(importlib.import_module(module_name), "CONFIG", None)
-        if cls is not None:
-            found[name] = cls
+        module = importlib.import_module(module_name)
+        if getattr(module, "CONFIG", None) is not None:
+            parser = argparse.ArgumentParser()
+            module.add_arguments(parser)
+            found[name] = (module.CONFIG, parser.get_default("config_flags") or {})
     return found
 
 
 def config_docs() -> str:
     out = ["# Config keys", "",
            "Generated from the config dataclasses by `python -m nano_miles.config --write-docs docs/config.md`",
-           "(tests/nano_miles/test_config.py fails when this file is out of date). Every subcommand takes",
+           "(tests/nano_miles/test_config.py fails when this file is out of date). Every subcommand below takes",
            "`--config FILE.toml` and `--set key=value`; `--print-config` prints the resolved values as TOML.",
            "Later wins: defaults, `--config`, the command's own flags, `--set`.", ""]
-    for command, cls in commands().items():
+    for command, (cls, flags) in commands().items():
         out += [f"## nano-miles {command}", "", f"`{cls.__module__}.{cls.__name__}`", "",
                 "| key | type | default | meaning |", "|---|---|---|---|"]
         for key, typ, default, meaning in describe(cls):
-            out.append(f"| `{key}` | {typ} | `{_default_text(default)}` | {meaning.replace('|', '/')} |")
+            meaning = meaning.replace("|", "\\|")  # a literal | inside a Markdown table cell
+            out.append(f"| `{key}` | {typ} | `{_default_text(default)}` | {meaning} |")
+        if flags:
+            out += ["", "Flags, each the key it sets: " + ", ".join(f"`{f}` = `{k}`" for f, k in flags.items()) + "."]
         old = aliases(cls)
         if old:
             out += ["", "Old names that still work: " + ", ".join(f"`{k}` -> `{v}`" for k, v in old.items()) + "."]

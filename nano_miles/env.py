@@ -63,11 +63,11 @@ class EnvConfig:
     max_total_tokens: int = 4096       # prompt + response token budget (enforced by the rollout)
     command_timeout: float = 10.0      # seconds per command
     max_observation_chars: int = 1500  # tool output past this is cut, with a marker saying how much
-    correct_reward: float = 1.0
-    exec_ok_bonus: float = 0.1
-    exec_ok_cap: float = 0.2
-    format_penalty: float = -0.1
-    timeout_penalty: float = -0.1
+    correct_reward: float = 1.0        # reward for an answer the verifier accepts
+    exec_ok_bonus: float = 0.1         # shaping: per distinct command that exits 0 (only when the episode answers)
+    exec_ok_cap: float = 0.2           # shaping: at most this much exec_ok_bonus per episode
+    format_penalty: float = -0.1       # per turn with neither <bash> nor <answer> (or an empty or refused command)
+    timeout_penalty: float = -0.1      # per command that ran past command_timeout
 
     def __post_init__(self):
         if self.max_turns < 1:

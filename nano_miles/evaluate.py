@@ -4,14 +4,26 @@
 
 K samples per task (one group each, same files and ground truth); a sample passes when the verifier
 accepts its answer. pass@k uses the unbiased estimator 1 - C(n-c, k) / C(n, k) per task (n samples,
-c correct), averaged over the tasks of a family.
+c correct), averaged over the tasks of a family. The keys are rollout's (docs/config.md); K is
+`rollout.group_size` (`--samples`).
 """
 from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 
-from nano_miles.rollout_cli import add_common_arguments, append_result, collect, solved, summarize
+from nano_miles.config import config_from_args, to_toml
+from nano_miles.rollout_cli import (RolloutCommandConfig, add_common_arguments, append_result, collect, solved,
+                                    summarize, tasks_or_exit)
+
+
+@dataclass
+class EvalConfig(RolloutCommandConfig):
+    tasks: str = "heldout"            # seed | train | heldout | all | comma-separated task ids
+
+
+CONFIG = EvalConfig
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -39,41 +51,37 @@ def per_family(trajs, tasks, k: int) -> dict[str, dict]:
 
 
 def add_arguments(p) -> None:
-    add_common_arguments(p, default_tasks="heldout")
-    p.add_argument("--samples", type=int, default=8, help="K: samples per task")
+    add_common_arguments(p, EvalConfig, {"--samples": "rollout.group_size"})
     p.add_argument("--json", action="store_true", help="print the table as JSON")
     p.add_argument("--out", default=None, help="also write the trajectories here (JSONL)")
 
 
 def run(args) -> int:
-    from nano_miles.tasks import select_tasks
-
-    if args.samples < 1:
-        print("nano-miles eval: --samples must be >= 1")
+    cfg = config_from_args(EvalConfig, args)
+    if args.print_config:
+        print(to_toml(cfg), end="")
+        return 0
+    tasks = tasks_or_exit("eval", cfg.tasks)
+    if tasks is None:
         return 2
-    try:
-        tasks = select_tasks(args.tasks)
-    except KeyError as e:
-        print(f"nano-miles eval: {e.args[0]}")
-        return 2
-    trajs, secs, setup_failures = collect(args, tasks, args.samples)
+    trajs, secs, setup_failures = collect(cfg, tasks)
     if args.out:
         with open(args.out, "w") as f:
             f.writelines(t.to_json() + "\n" for t in trajs)
-    k = args.samples
+    k = cfg.rollout.group_size
     table = per_family(trajs, tasks, k)
     s = summarize(trajs, setup_failures)
     if args.json:
         print(json.dumps({"per_family": table, **s}))
     else:
-        print(f"{args.model} on {args.tasks}: {len(tasks)} tasks x {k} samples in {secs:.1f}s")
+        print(f"{cfg.model} on {cfg.tasks}: {len(tasks)} tasks x {k} samples in {secs:.1f}s")
         print(f"{'family':<12} {'tasks':>5} {'pass@1':>8} {f'pass@{k}':>8}")
         for fam, row in table.items():
             print(f"{fam:<12} {row['tasks']:>5} {row['pass@1']:>8.3f} {row[f'pass@{k}']:>8.3f}")
         print(f"mean reward {s['mean_reward']:+.3f}   mean turns {s['mean_turns']:.2f}   "
               f"infra failures {s['infra_failures']}   finish {s['finish_reasons']}")
     if args.results_jsonl:
-        append_result(args.results_jsonl, {"kind": "eval", "model": args.model, "tasks": args.tasks, "samples": k,
-                                           "max_turns": args.max_turns, "seconds": round(secs, 1),
+        append_result(args.results_jsonl, {"kind": "eval", "model": cfg.model, "tasks": cfg.tasks, "samples": k,
+                                           "max_turns": cfg.rollout.env.max_turns, "seconds": round(secs, 1),
                                            "per_family": table, **s})
     return 0

@@ -32,11 +32,11 @@ from nano_miles.tasks import SetupError, Task
 
 @dataclass
 class RolloutConfig:
-    group_size: int = 8
-    max_new_tokens: int = 256        # per model turn
-    temperature: float = 1.0         # RL samples at T=1, no top-p/top-k: engines agree on log-probs there
-    top_p: float = 1.0
-    top_k: int = -1
+    group_size: int = 8              # samples per task (a GRPO group: same files, same ground truth)
+    max_new_tokens: int = 256        # tokens the model may write per turn
+    temperature: float = 1.0         # sampling temperature; RL samples at T=1, no top-p/top-k: engines agree on log-probs there
+    top_p: float = 1.0               # nucleus sampling mass (1 = off)
+    top_k: int = -1                  # sample among the k likeliest tokens (-1 = off)
     max_concurrency: int = 64        # episodes in flight at once (each holds a sandbox)
     request_timeout: float = 600.0   # seconds per /generate call, queueing included (slow CPU engines)
     env: EnvConfig = field(default_factory=EnvConfig)

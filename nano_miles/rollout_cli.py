@@ -4,83 +4,88 @@
     nano-miles rollout --model M --engine-url http://h1:30000 --engine-url http://h2:30000 ...
 
 Without --engine-url an engine (`nano-miles serve`) is started for the run and stopped after it.
-Prints pass rate, mean reward and mean turns.
+Prints pass rate, mean reward and mean turns. Every flag sets a config key (docs/config.md), which
+`--config FILE.toml` and `--set key=value` set too: `--group-size 8` is `--set rollout.group_size=8`.
 """
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime
 import json
 import os
 import platform
 import subprocess
+import sys
 import time
+from dataclasses import dataclass, field
 
-from nano_miles.env import EnvConfig
+from transformers import AutoTokenizer
+
+from nano_miles.config import add_config_arguments, config_from_args, to_toml
+from nano_miles.dtypes import DTYPE_NAMES
+from nano_miles.engine_handle import EngineHandle, EngineLaunchConfig, plan_layout
+from nano_miles.models import resolve_model
 from nano_miles.rollout import RolloutConfig, rollout_groups
+from nano_miles.tasks import select_tasks
 
 
-def add_common_arguments(p, default_tasks: str) -> None:
-    p.add_argument("--model", required=True, help="model name (see prepare-model) or HF folder; its tokenizer is used")
-    p.add_argument("--engine-url", action="append", default=[], metavar="URL",
-                   help="an SGLang-protocol engine (repeat for several); none: start one for this run")
-    p.add_argument("--tasks", default=default_tasks, help="seed | train | heldout | all | comma-separated task ids")
-    p.add_argument("--max-turns", type=int, default=6)
-    p.add_argument("--max-new-tokens", type=int, default=256, help="per model turn")
-    p.add_argument("--max-total-tokens", type=int, default=4096, help="prompt + response budget per episode")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0, help="task seed: files and ground truth of every group")
-    p.add_argument("--max-concurrency", type=int, default=64, help="episodes (sandboxes) in flight")
-    p.add_argument("--request-timeout", type=float, default=600.0,
-                   help="seconds per engine request, queueing included (raise it for slow CPU engines)")
-    p.add_argument("--device", default="cpu", help="for the engine started here: cpu | cuda | cuda:N")
-    p.add_argument("--dtype", default="auto", help="for the engine started here")
+@dataclass
+class RolloutCommandConfig:
+    """The keys of `nano-miles rollout`; eval and train have these too (same names, same defaults)."""
+    model: str = "qwen2.5-coder-0.5b-instruct"  # registered name (see prepare-model), HF folder or hub id; its tokenizer is used
+    tasks: str = "seed"               # seed | train | heldout | all | comma-separated task ids
+    seed: int = 0                     # task seed: the files and ground truth of every group
+    dtype: str = "auto"               # float32 | bfloat16 | float16 | auto (bfloat16 on GPU, float32 on CPU)
+    engine: EngineLaunchConfig = field(default_factory=EngineLaunchConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+
+    def __post_init__(self):
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of {list(DTYPE_NAMES)}, got {self.dtype!r}")
+
+
+CONFIG = RolloutCommandConfig
+
+# The flags these commands had before they took config keys: each sets the key it names.
+FLAGS = {"--model": "model", "--engine-url": "engine.url", "--tasks": "tasks",
+         "--max-turns": "rollout.env.max_turns", "--max-new-tokens": "rollout.max_new_tokens",
+         "--max-total-tokens": "rollout.env.max_total_tokens", "--temperature": "rollout.temperature",
+         "--seed": "seed", "--max-concurrency": "rollout.max_concurrency",
+         "--request-timeout": "rollout.request_timeout", "--device": "engine.device", "--dtype": "dtype"}
+
+
+def add_common_arguments(p, cls, flags: dict[str, str]) -> None:
+    add_config_arguments(p, cls, {**FLAGS, **flags}, repeatable=("--engine-url",))
     p.add_argument("--results-jsonl", default=None,
                    help="append a summary line (date, commit, machine, figures) to this file")
 
 
 def add_arguments(p) -> None:
-    add_common_arguments(p, default_tasks="seed")
-    p.add_argument("--group-size", type=int, default=8, help="samples per task")
+    add_common_arguments(p, RolloutCommandConfig, {"--group-size": "rollout.group_size"})
     p.add_argument("--out", default=None, help="write trajectories here (JSONL, one per line)")
 
 
-def rollout_config(args, group_size: int) -> RolloutConfig:
-    return RolloutConfig(group_size=group_size, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                         max_concurrency=args.max_concurrency, request_timeout=args.request_timeout,
-                         env=EnvConfig(max_turns=args.max_turns, max_total_tokens=args.max_total_tokens))
-
-
-@contextlib.contextmanager
-def engine_urls(args):
-    """The engines to use: the given URLs, or one started for this run (stopped on exit)."""
-    if args.engine_url:
-        yield list(args.engine_url)
-        return
-    from nano_miles.client import start_engine_process
-    from nano_miles.models import resolve_model
-
-    print(f"starting an engine for {args.model} on {args.device} ...", flush=True)
-    eng = start_engine_process(str(resolve_model(args.model)), device=args.device, dtype=args.dtype,
-                               ready_timeout=900)
-    try:
-        yield [eng.url]
-    finally:
-        eng.stop()
-
-
-def collect(args, tasks, group_size: int):
-    """Run the rollouts; returns (trajectories, seconds, setup failures)."""
-    from nano_miles.models import load_tokenizer
-
-    tok = load_tokenizer(args.model)
-    cfg = rollout_config(args, group_size)
-    with engine_urls(args) as urls:
+def collect(cfg: RolloutCommandConfig, tasks):
+    """Run the rollouts on cfg.engine.url, or on an engine started for them (stopped after);
+    returns (trajectories, seconds, setup failures)."""
+    model_path = str(resolve_model(cfg.model))
+    tok = AutoTokenizer.from_pretrained(model_path)
+    layout = plan_layout(cfg.dtype, cfg.engine, trainer_device=None)
+    if not cfg.engine.urls:
+        print(f"starting an engine for {cfg.model} on {layout.engine_device} ...", flush=True)
+    with EngineHandle(cfg.engine, layout, model_path, ready_timeout=900) as urls:
         t0 = time.monotonic()
         stats = {}
-        trajs = asyncio.run(rollout_groups(urls, tok, tasks, cfg, seed=args.seed, stats=stats))
+        trajs = asyncio.run(rollout_groups(urls, tok, tasks, cfg.rollout, seed=cfg.seed, stats=stats))
         return trajs, time.monotonic() - t0, stats["setup_failures"]
+
+
+def tasks_or_exit(command: str, which: str):
+    try:
+        return select_tasks(which)
+    except KeyError as e:
+        print(f"nano-miles {command}: {e.args[0]}", file=sys.stderr)
+        return None
 
 
 def solved(t) -> bool:
@@ -122,30 +127,27 @@ def append_result(path: str, record: dict) -> None:
 
 
 def run(args) -> int:
-    from nano_miles.tasks import select_tasks
-
-    if args.group_size < 1 or args.max_turns < 1:
-        print("nano-miles rollout: --group-size and --max-turns must be >= 1")
+    cfg = config_from_args(RolloutCommandConfig, args)
+    if args.print_config:
+        print(to_toml(cfg), end="")
+        return 0
+    tasks = tasks_or_exit("rollout", cfg.tasks)
+    if tasks is None:
         return 2
-    try:
-        tasks = select_tasks(args.tasks)
-    except KeyError as e:
-        print(f"nano-miles rollout: {e.args[0]}")
-        return 2
-    trajs, secs, setup_failures = collect(args, tasks, args.group_size)
+    trajs, secs, setup_failures = collect(cfg, tasks)
     if args.out:
         with open(args.out, "w") as f:
             for t in trajs:
                 f.write(t.to_json() + "\n")
     s = summarize(trajs, setup_failures)
-    print(f"{len(tasks)} tasks x {args.group_size} samples = {s['episodes']} episodes in {secs:.1f}s "
+    print(f"{len(tasks)} tasks x {cfg.rollout.group_size} samples = {s['episodes']} episodes in {secs:.1f}s "
           f"({s['model_tokens'] / max(secs, 1e-9):.0f} model tok/s)")
     print(f"pass rate {s['pass_rate']:.3f}   mean reward {s['mean_reward']:+.3f}   mean turns {s['mean_turns']:.2f}   "
           f"infra failures {s['infra_failures']}   finish {s['finish_reasons']}")
     if args.out:
         print(f"trajectories -> {args.out}")
     if args.results_jsonl:
-        append_result(args.results_jsonl, {"kind": "rollout", "model": args.model, "tasks": args.tasks,
-                                           "group_size": args.group_size, "max_turns": args.max_turns,
-                                           "seconds": round(secs, 1), **s})
+        append_result(args.results_jsonl, {"kind": "rollout", "model": cfg.model, "tasks": cfg.tasks,
+                                           "group_size": cfg.rollout.group_size,
+                                           "max_turns": cfg.rollout.env.max_turns, "seconds": round(secs, 1), **s})
     return 0

@@ -35,6 +35,39 @@ COLUMNS = (
 )
 
 
+def _mean(xs) -> float:
+    xs = list(xs)
+    return float(sum(xs) / len(xs)) if xs else float("nan")
+
+
+def step_metrics(step: int, rollout, staleness: list[int], max_staleness: int, train: dict, skipped: str | None,
+                 sync: dict, **extra) -> dict:
+    """The metrics.jsonl row of one training step: what was rolled out (`rollout`: a StepRollout),
+    how stale it was, what the update did (`train`: the trainer's metrics, {} if `skipped`), and
+    the weight sync; `extra` (timings, memory, restarts) is added as is."""
+    trajs = rollout.trajectories
+    response_tokens = sum(len(t.response_ids) for t in trajs)
+    return {
+        "step": step, "trajectories": len(trajs), "task_ids": [t.task_id for t in trajs],
+        "infra_failures": sum(t.finish_reason == "infra_error" for t in trajs),
+        "setup_failures": rollout.setup_failures,
+        "dropped_stale": sum(s > max_staleness for s in staleness),
+        "staleness_max": max(staleness, default=0),
+        "staleness_trained_max": max((s for s in staleness if s <= max_staleness), default=0),
+        "reward_mean": _mean(t.reward for t in trajs),
+        "acc": _mean(1.0 if t.reward_components.get("correct", 0) > 0 else 0.0 for t in trajs),
+        "turns_mean": _mean(t.num_turns for t in trajs),
+        **{key: train.get(key) for key in ("pg_loss", "clip_frac", "approx_kl", "kl_ref", "entropy", "grad_norm")},
+        "parity_mean": train.get("logprob_diff_mean"), "parity_max": train.get("logprob_diff_max"),
+        "update_skipped": skipped, "updates": train.get("updates", 1) if train else 0,
+        "sync_ms": sync["ms"], "sync_transport": sync["transport"], "sync_verified": sync["verified"],
+        "weight_version": sync["weight_version"],
+        "rollout_s": rollout.seconds, "response_tokens": response_tokens,
+        "tokens_per_s": response_tokens / max(rollout.seconds, 1e-9),
+        **extra,
+    }
+
+
 def memory_gb(device: torch.device | str) -> float:
     """Peak trainer memory: CUDA max allocated on GPU, resident set size on CPU."""
     device = torch.device(device)

@@ -15,6 +15,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -24,17 +25,17 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from nano_miles.algorithms import LossConfig, loss_normalizer, policy_loss
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+from nano_miles.config import filled_in
+from nano_miles.dtypes import DTYPES, TRAINABLE
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-6
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    weight_decay: float = 0.0
+    lr: float = 1e-6            # AdamW learning rate
+    beta1: float = 0.9          # AdamW first-moment decay
+    beta2: float = 0.999        # AdamW second-moment decay
+    eps: float = 1e-8           # AdamW denominator epsilon
+    weight_decay: float = 0.0   # AdamW decoupled weight decay
     max_grad_norm: float = 1.0  # clip the global FP32 gradient norm; 0 disables clipping
 
     def __post_init__(self):
@@ -48,21 +49,25 @@ class OptimConfig:
 
 @dataclass
 class TrainerConfig:
-    model: str = ""               # HF folder (see nano_miles.models.resolve_model)
-    device: str = "cpu"
-    dtype: str = "float32"        # compute dtype: float32 | bfloat16 (masters and AdamW state are FP32)
-    micro_batch_size: int = 1     # sequences per forward/backward
+    """The trainer's own knobs are the `trainer.*` keys of `nano-miles train`; the fields marked
+    filled_in are given by whoever builds the trainer (train: from its model, trainer_device, dtype,
+    optim.* and loss.* keys)."""
+    model: str = field(default="", metadata=filled_in("HF folder (see nano_miles.models.resolve_model)"))
+    device: str = field(default="cpu", metadata=filled_in("the trainer's device"))
+    dtype: str = field(default="float32", metadata=filled_in(
+        "compute dtype: float32 | bfloat16 (masters and AdamW state are FP32)"))
+    micro_batch_size: int = 0     # sequences per forward/backward; 0 = auto (8 on GPU, 1 on CPU)
     logprob_chunk: int = 1024     # tokens per lm_head -> float32 log_softmax chunk
     gradient_checkpointing: bool = False  # recompute decoder layers in backward (long sequences)
     compute_entropy: bool = True  # report the policy entropy (one more pass over each chunk's logits)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig, metadata=filled_in("AdamW"))
+    loss: LossConfig = field(default_factory=LossConfig, metadata=filled_in("the policy loss"))
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.micro_batch_size < 1 or self.logprob_chunk < 1:
-            raise ValueError("micro_batch_size and logprob_chunk must be >= 1")
+        if self.dtype not in TRAINABLE:
+            raise ValueError(f"trainer dtype must be one of {list(TRAINABLE)}, got {self.dtype!r}")
+        if self.micro_batch_size < 0 or self.logprob_chunk < 1:
+            raise ValueError("trainer.micro_batch_size must be >= 0 (0 = auto) and trainer.logprob_chunk >= 1")
 
 
 def _chunk_logprobs(hidden, targets, weight, with_entropy: bool):
@@ -79,8 +84,10 @@ def _chunk_logprobs(hidden, targets, weight, with_entropy: bool):
 
 class Trainer:
     def __init__(self, cfg: TrainerConfig, model: torch.nn.Module | None = None):
-        self.cfg = cfg
         self.device = torch.device(cfg.device)
+        if cfg.micro_batch_size == 0:
+            cfg = dataclasses.replace(cfg, micro_batch_size=8 if self.device.type == "cuda" else 1)
+        self.cfg = cfg
         self.dtype = DTYPES[cfg.dtype]
         if model is None:
             if not cfg.model:

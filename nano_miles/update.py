@@ -3,8 +3,10 @@ optimizer steps (PPO mini-batches of whole groups)."""
 from __future__ import annotations
 
 import torch
+from tqdm import tqdm
 
 from nano_miles.algorithms import AdvantageConfig, compute_advantages
+from nano_miles.batch import build_rollout_batch
 
 
 def policy_update(trainer, trajs, advantage_cfg: AdvantageConfig, pad_id: int, echo=print,
@@ -18,8 +20,6 @@ def policy_update(trainer, trajs, advantage_cfg: AdvantageConfig, pad_id: int, e
     mode the one that sampled), its log-probs computed once: from the second step on the ratio moves
     away from 1 and the clipping engages. With one update the ratio is 1 by construction; TIS
     (against the engine's own log-probs) corrects the train/inference mismatch either way."""
-    from nano_miles.batch import build_rollout_batch
-
     if not trajs:
         return {}, "no trajectory within the staleness bound"
     batch = build_rollout_batch(trajs, pad_id=pad_id)
@@ -30,8 +30,6 @@ def policy_update(trainer, trajs, advantage_cfg: AdvantageConfig, pad_id: int, e
             return {}, "every group had equal rewards (filtered)"
         batch = build_rollout_batch([trajs[i] for i in rows], pad_id=pad_id)
         advantages = advantages[torch.tensor(rows)]
-    from tqdm import tqdm
-
     minibatches = _minibatches(batch.group_ids, updates)
     old = trainer.logprobs(batch) if len(minibatches) > 1 else None
     results = []

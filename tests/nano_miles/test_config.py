@@ -3,12 +3,15 @@ every subcommand uses, renamed keys, TOML out, and the generated key reference."
 import argparse
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import ClassVar
 
 import pytest
 
-from nano_miles.config import (ConfigError, add_config_arguments, all_keys, config_from_args, describe, filled_in,
-                               load_config, parse_set, to_dict, to_toml)
+from nano_miles.config import (ConfigError, add_config_arguments, all_keys, commands, config_docs, config_from_args,
+                               describe, filled_in, load_config, parse_set, to_dict, to_toml)
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 
 
 @dataclass
@@ -121,7 +124,7 @@ def test_toml_out_reads_back_to_the_same_config(tmp_path):
 def test_meanings_come_from_field_comments():
     rows = {key: (typ, default, meaning) for key, typ, default, meaning in describe(Run)}
     assert rows["model"] == ("str", "tiny", "the model to run")
-    assert rows["engine_url"][0] == "str | none" and rows["optim.betas"][0] == "list[float]"
+    assert rows["engine_url"][0] == "str or none" and rows["optim.betas"][0] == "list[float]"
     assert list(rows) == all_keys(Run)
 
 
@@ -149,3 +152,18 @@ def test_command_flag_help_shows_the_key_its_meaning_and_default():
     assert "--steps INT" in text and "(key steps, default 8)" in text and "--print-config" in text
     with pytest.raises(ConfigError, match="steps: expected an integer, got 'x'"):
         config_from_args(Run, _command_line(["--steps", "x"])[1])
+
+
+# ---- the key reference -----------------------------------------------------------------------------
+
+def test_docs_config_md_is_generated_from_the_dataclasses():
+    assert DOCS.read_text() == config_docs(), \
+        "docs/config.md is out of date: python -m nano_miles.config --write-docs docs/config.md"
+
+
+def test_every_key_of_every_command_says_what_it_means():
+    assert {"train", "rollout", "eval"} <= set(commands())
+    assert commands()["eval"][1]["--samples"] == "rollout.group_size"
+    for command, (cls, _) in commands().items():
+        silent = [key for key, _, _, meaning in describe(cls) if not meaning]
+        assert not silent, f"{command}: keys without a comment or metadata help: {silent}"

@@ -264,7 +264,7 @@ def test_rollout_and_eval_cli(engine_server, tiny_model_path, tmp_path, capsys):
     assert [r["kind"] for r in lines] == ["rollout", "eval"]
     assert all({"date", "commit", "machine", "pass_rate", "mean_reward"} <= set(r) for r in lines)
     assert cli.main(["eval", *common, "--tasks", "no_such_task"]) == 2
-    assert "unknown task" in capsys.readouterr().out
+    assert "unknown task" in capsys.readouterr().err
 
 
 def test_rollout_cli_starts_its_own_engine(tmp_path, capsys):

@@ -1,22 +1,28 @@
 """`nano-miles train` end to end on CPU: tiny-random-qwen2 through a real engine process and the real
 sandbox. The run directory, resume after SIGKILL, Ctrl-C, a dead engine, the async staleness bound,
 and a NaN update."""
+import argparse
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
 import torch
 
 from nano_miles.client import EngineClient, start_engine_process
+from nano_miles.config import load_config, parse_set
+from nano_miles.engine.server import add_arguments
+from nano_miles.engine_handle import EngineLaunchConfig, plan_layout
 from nano_miles.models import resolve_model
+from nano_miles.producer import TaskStream
 from nano_miles.tasks import select_tasks
 from nano_miles.telemetry import REQUIRED_KEYS, read_metrics
-from nano_miles.train import TaskStream, TrainConfig, plan_layout
+from nano_miles.train import TrainConfig, TrainingRun
 
 REPO = Path(__file__).resolve().parents[2]
 FAST = ["--set", "model=tiny-random-qwen2", "--set", "rollout.max_new_tokens=24",
@@ -131,9 +137,6 @@ def test_ctrl_c_leaves_a_resumable_checkpoint_and_no_orphans(tmp_path):
 def test_ctrl_c_during_an_update_finishes_that_step_and_checkpoints_it(tmp_path):
     """Ctrl-C landing mid-update lets the step finish (update, sync, metrics) and checkpoints it on
     the way out, although no periodic checkpoint is due: no completed step is lost."""
-    from nano_miles.config import load_config, parse_set
-    from nano_miles.train import TrainingRun
-
     run_dir = tmp_path / "run"
     cfg = load_config(TrainConfig, None, parse_set(FAST[1::2] + ["steps=5", "checkpoint_every=100",
                                                                  f"run_dir={run_dir}"]))
@@ -188,21 +191,30 @@ def test_several_updates_per_step_reach_the_engine(tmp_path):
 
 
 def test_layout_follows_the_hardware_and_config_overrides():
-    layout = plan_layout(TrainConfig())
+    cfg = TrainConfig()
+    layout = plan_layout(cfg.dtype, cfg.engine, cfg.trainer_device)
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     assert (layout.trainer_device, layout.engine_device) == {0: ("cpu", "cpu"), 1: ("cuda:0", "cuda:0")}.get(
         n, ("cuda:0", "cuda:1"))
     assert layout.dtype == ("float32" if n == 0 else "bfloat16")
-    forced = plan_layout(TrainConfig(trainer_device="cpu", engine_device="cpu", dtype="bfloat16"))
+    forced = plan_layout("bfloat16", EngineLaunchConfig(device="cpu"), "cpu")
     assert (forced.trainer_device, forced.engine_device, forced.dtype) == ("cpu", "cpu", "bfloat16")
-    # One shared GPU: the engine gets a KV share through a flag `nano-miles serve` really has.
-    shared = plan_layout(TrainConfig(trainer_device="cuda:0", engine_device="cuda:0", engine_mem_fraction=0.3))
-    import argparse
-
-    from nano_miles.engine.server import add_arguments
+    # An engine alone (rollout, eval) takes the first GPU, or the CPU.
+    alone = plan_layout("auto", EngineLaunchConfig(), trainer_device=None)
+    assert (alone.trainer_device, alone.engine_device) == (None, "cpu" if n == 0 else "cuda:0")
+    # One shared GPU: the engine gets a KV share through a flag `nano-miles serve` really has; 0.35
+    # unless engine.kv_cache_memory_fraction says otherwise (or its old name engine_mem_fraction).
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    assert parser.parse_args(["--model", "m", *shared.engine_args]).mem_fraction_static == 0.3
+    for sets, fraction in (([], 0.35), (["engine.kv_cache_memory_fraction=0.3"], 0.3),
+                           (["engine_mem_fraction=0.25"], 0.25)):
+        cfg = load_config(TrainConfig, overrides=parse_set(["trainer_device=cuda:0", "engine.device=cuda:0", *sets]),
+                          note=lambda _: None)
+        shared = plan_layout(cfg.dtype, cfg.engine, cfg.trainer_device)
+        assert parser.parse_args(["--model", "m", *shared.engine_args]).mem_fraction_static == fraction
+    # A GPU of its own: the engine's own default, no flag.
+    own = plan_layout("auto", EngineLaunchConfig(device="cuda:1"), "cuda:0")
+    assert "--mem-fraction-static" not in own.engine_args
 
 
 def test_bad_command_lines_are_clear_errors(tmp_path):
@@ -214,3 +226,27 @@ def test_bad_command_lines_are_clear_errors(tmp_path):
         proc = subprocess.run([sys.executable, "-m", "nano_miles.cli", "train", *args], cwd=REPO,
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr)
+
+
+def test_old_key_names_still_work_and_say_their_new_name(tmp_path):
+    """run.toml files, --set lines and the config.json of earlier runs use the keys train had before
+    the trainer and the engine got sections of their own."""
+    def print_config(*args):
+        proc = subprocess.run([sys.executable, "-m", "nano_miles.cli", "train", *args, "--print-config"], cwd=REPO,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        return tomllib.loads(proc.stdout), proc.stderr
+
+    cfg, err = print_config("--set", "micro_batch_size=2", "--set", "engine_mem_fraction=0.3",
+                            "--set", "engine_url=http://127.0.0.1:1")
+    assert cfg["trainer"]["micro_batch_size"] == 2 and cfg["engine"]["kv_cache_memory_fraction"] == 0.3
+    assert cfg["engine"]["url"] == "http://127.0.0.1:1" and "micro_batch_size" not in cfg
+    assert "config key 'micro_batch_size' is now 'trainer.micro_batch_size'" in err
+    # An earlier run's config.json resumes with its values, silently; this command line still wins.
+    run_dir = tmp_path / "old-run"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text(json.dumps({"model": "tiny-random-qwen2", "logprob_chunk": 64,
+                                                     "engine_device": "cpu", "rollout": {"group_size": 4}}))
+    cfg, err = print_config("--resume", str(run_dir), "--set", "rollout.group_size=2")
+    assert (cfg["trainer"]["logprob_chunk"], cfg["engine"]["device"], cfg["rollout"]["group_size"]) == (64, "cpu", 2)
+    assert err == ""

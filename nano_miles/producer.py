@@ -1,0 +1,148 @@
+"""Where a training step's trajectories come from.
+
+`TaskStream` is the run's data order; `roll_out_step` is the one way a step gets its trajectories
+(take the step's tasks from the stream, roll them out, and put the stream back if that fails).
+`SyncProducer` calls it when the trainer asks (on-policy); `AsyncProducer` calls it ahead of the
+trainer on a background thread (rollouts for step v+1 while step v trains).
+"""
+from __future__ import annotations
+
+import asyncio
+import queue
+import random
+import threading
+import time
+from dataclasses import dataclass
+
+from tqdm import tqdm
+
+from nano_miles.rollout import RolloutConfig, rollout_groups
+
+
+class TaskStream:
+    """The tasks of the run in a seeded order, epoch after epoch; `position` is all the state a
+    resume needs to continue exactly where the run stopped."""
+
+    def __init__(self, tasks: list, seed: int, position: int = 0):
+        if not tasks:
+            raise ValueError("no tasks selected")
+        self.tasks, self.seed, self.position = list(tasks), seed, position
+
+    def _order(self, epoch: int) -> list:
+        order = list(self.tasks)
+        random.Random(self.seed * 7919 + epoch).shuffle(order)
+        return order
+
+    def take(self, k: int) -> list:
+        out = []
+        for _ in range(k):
+            epoch, i = divmod(self.position, len(self.tasks))
+            out.append(self._order(epoch)[i])
+            self.position += 1
+        return out
+
+
+@dataclass
+class StepRollout:
+    step: int
+    trajectories: list
+    seconds: float
+    setup_failures: int   # episodes lost before their first turn (sandbox setup): counted, not trained on
+    data_position: int    # the stream's position after this step's tasks (what a checkpoint stores)
+
+
+def episode_seed(run_seed: int, step: int) -> int:
+    return run_seed * 1_000_003 + step  # fresh task instances every step, reproducible per run
+
+
+def roll_out_step(step: int, stream: TaskStream, tasks_per_step: int, urls: list[str], tokenizer,
+                  cfg: RolloutConfig, run_seed: int, desc: str = "rollout", sandbox_factory=None) -> StepRollout:
+    """Take the step's tasks from `stream` and roll out a group of each, with a progress bar
+    (episodes done, ETA) on stderr. On any failure the stream is put back, so that a retry takes
+    the same tasks with the same seeds."""
+    position = stream.position
+    tasks = stream.take(tasks_per_step)
+    stats = {}
+    t0 = time.perf_counter()
+    try:
+        with tqdm(total=len(tasks) * cfg.group_size, desc=desc, unit="ep", leave=False, dynamic_ncols=True) as bar:
+            trajs = asyncio.run(rollout_groups(urls, tokenizer, tasks, cfg, seed=episode_seed(run_seed, step),
+                                               sandbox_factory=sandbox_factory, stats=stats,
+                                               on_episode_done=lambda: bar.update(1)))
+    except BaseException:
+        stream.position = position
+        raise
+    return StepRollout(step, trajs, time.perf_counter() - t0, stats.get("setup_failures", 0), stream.position)
+
+
+class SyncProducer:
+    """On-policy: a step's rollouts start when the trainer asks for them, with the latest weights."""
+
+    def __init__(self, roll_out):
+        self.roll_out = roll_out  # roll_out(step, desc) -> StepRollout
+
+    def start(self, first_step: int) -> None:
+        pass
+
+    def get(self, step: int) -> StepRollout:
+        return self.roll_out(step, f"step {step} rollout")
+
+    def restart(self, step: int) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+
+class AsyncProducer:
+    """Fully async: a background thread keeps rolling out the next step's groups while the current
+    step trains. The queue holds one finished step, so rollouts run at most one step ahead of
+    training; the engine's weights change under in-flight episodes, and each turn records the
+    weight_version it was sampled with, which is what staleness is measured on. A failed step is
+    handed to the trainer as its error (the stream already put back), and the thread stops."""
+
+    def __init__(self, roll_out, last_step: int):
+        self.roll_out, self.last_step = roll_out, last_step
+        self.queue: queue.Queue = queue.Queue(maxsize=1)
+        self._stop = threading.Event()
+        self._thread = None
+
+    def start(self, first_step: int) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, args=(first_step,), daemon=True, name="rollout-producer")
+        self._thread.start()
+
+    def _loop(self, step: int) -> None:
+        while not self._stop.is_set() and step <= self.last_step:
+            try:
+                item = self.roll_out(step, f"step {step} rollout (async)")
+            except Exception as e:  # handed to the training thread, which decides what to do
+                item = e
+            while not self._stop.is_set():
+                try:
+                    self.queue.put((step, item), timeout=0.2)
+                    break
+                except queue.Full:
+                    continue
+            if isinstance(item, Exception):
+                return
+            step += 1
+
+    def get(self, step: int) -> StepRollout:
+        got, item = self.queue.get()
+        if isinstance(item, Exception):
+            raise item
+        if got != step:
+            raise RuntimeError(f"async producer delivered step {got} while the trainer is at step {step}")
+        return item
+
+    def restart(self, step: int) -> None:
+        self.stop()
+        self.queue = queue.Queue(maxsize=1)
+        self.start(step)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=120)
+            self._thread = None
