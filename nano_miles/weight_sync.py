@@ -41,6 +41,7 @@ from urllib.parse import urlparse
 import torch
 
 from nano_miles.client import EngineClient
+from nano_miles.engine import weight_group as G
 from nano_miles.engine import weights as W
 
 TRANSPORTS = ("auto", "ipc", "staged", "distributed", "disk")
@@ -250,7 +251,7 @@ class WeightSync:
         futures = [self._pool.submit(c.init_weights_update_group, addr, port, rank, world, self._group_name,
                                      backend, self.cfg.timeout_s) for rank, c in enumerate(self.clients, start=1)]
         try:
-            group = W.init_weight_update_group(addr, port, 0, world, self._group_name, backend, self.cfg.timeout_s)
+            group = G.init_weight_update_group(addr, port, 0, world, self._group_name, backend, self.cfg.timeout_s)
         except Exception as e:
             raise WeightSyncError(f"cannot form the weight update group ({backend}, {addr}:{port}): {e}") from e
         for url, f in zip(self.urls, futures):
@@ -284,7 +285,7 @@ class WeightSync:
                 names, dtypes, shapes, group_name=self._group_name, load_format="flattened_bucket",
                 weight_version=version if last else None, flush_cache=last, timeout=self.cfg.timeout_s))
             try:
-                W.broadcast_weights(self._group, bucket, "flattened_bucket", self.cfg.timeout_s,
+                G.broadcast_weights(self._group, bucket, "flattened_bucket", self.cfg.timeout_s,
                                     out=self._send_buffer(bucket))
             except Exception as e:
                 self._group = None  # a broken collective cannot be reused
@@ -334,7 +335,7 @@ class WeightSync:
         if self._group is not None:
             # Both ends tear the group down at once: NCCL's teardown on one side can wait for the other
             # (seen on 2 x H200: a sequential close stalled for the whole 60 s timeout).
-            local = self._pool.submit(W.destroy_weight_update_group, self._group)
+            local = self._pool.submit(G.destroy_weight_update_group, self._group)
             for c in self.clients:
                 try:
                     c.destroy_weights_update_group(self._group_name)

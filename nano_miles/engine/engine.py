@@ -82,6 +82,7 @@ class Engine:
             self.model = CausalLM(mc).to(self.dtype)
         load_safetensors(self.model, config.model)
         self.model.eval().requires_grad_(False)
+        self.weight_specs = {n: (tuple(p.shape), p.dtype) for n, p in self.model.named_parameters()}  # name -> (shape, dtype)
         # One flat buffer behind every parameter, so a matching weight-update bucket is one copy.
         self.flat_params = FlatParameters(self.model) if FlatParameters.packable(self.model) else None
         if self.flat_params is not None and self.device.type == "cuda":

@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
+DEFAULT_GROUP_NAME = "weight_update_group"  # SGLang's weight-update group name when a request names none
 
 # sampling key -> the only value we accept (None also accepted): keys that only matter away from it.
 _NOOP_DEFAULTS = {

@@ -18,6 +18,7 @@ from nano_miles.client import (
     EngineClient,
     EngineRequestError,
     EngineUnavailable,
+    Routes,
     start_engine_process,
 )
 
@@ -52,6 +53,33 @@ def test_async_no_server_raises_engine_unavailable():
             await client.close()
 
     asyncio.run(go())
+
+
+ROUTE_METHODS = sorted(n for n, v in vars(Routes).items() if callable(v) and not n.startswith("_"))
+
+
+def test_both_clients_share_one_definition_of_every_route():
+    assert len(ROUTE_METHODS) >= 17
+    for name in ROUTE_METHODS:  # inherited, never redefined: the two cannot drift apart
+        assert getattr(EngineClient, name) is getattr(AsyncEngineClient, name) is getattr(Routes, name), name
+
+
+def test_both_clients_get_the_same_answers(engine_server):
+    sync = EngineClient(engine_server.url)
+
+    async def ask():
+        client = AsyncEngineClient(engine_server.url)
+        try:
+            return [await client.health(), await client.model_info(), await client.weight_version(),
+                    await client.weights_checksum(["model.norm.weight"]),
+                    await client.generate([1, 2, 3], {"max_new_tokens": 3, "temperature": 0})]
+        finally:
+            await client.close()
+
+    answers = asyncio.run(ask())
+    assert answers[:4] == [sync.health(), sync.model_info(), sync.weight_version(),
+                           sync.weights_checksum(["model.norm.weight"])]
+    assert answers[4]["output_ids"] == sync.generate([1, 2, 3], {"max_new_tokens": 3, "temperature": 0})["output_ids"]
 
 
 def test_400_carries_the_servers_message(engine_client):

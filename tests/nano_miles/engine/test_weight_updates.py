@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from nano_miles.client import EngineRequestError
+from nano_miles.engine import weight_group as G
 from nano_miles.engine import weights as W
 from tests.nano_miles.engine.test_server import hf_model, teacher_forced_logprobs
 
@@ -113,7 +114,7 @@ def test_gloo_broadcast_from_a_trainer_process(engine_client, tiny_model_path, l
     port = free_port()
     with ThreadPoolExecutor(2) as pool:
         joined = pool.submit(engine_client.init_weights_update_group, "127.0.0.1", port, 1, 2, group, "gloo")
-        pg = W.init_weight_update_group("127.0.0.1", port, 0, 2, group, "gloo", timeout_s=30)
+        pg = G.init_weight_update_group("127.0.0.1", port, 0, 2, group, "gloo", timeout_s=30)
         assert joined.result()["success"] is True
         assert not torch.distributed.is_initialized()  # a group of its own: no default group was made
         try:
@@ -126,22 +127,22 @@ def test_gloo_broadcast_from_a_trainer_process(engine_client, tiny_model_path, l
                                    load_format, f"gloo-{step}")
                 time.sleep(0.2)  # the engine waits on the broadcast OFF its event loop: still serving
                 assert engine_client.generate([1, 2, 3], {"max_new_tokens": 2})["output_ids"]
-                W.broadcast_weights(pg, named, load_format, timeout_s=30)
+                G.broadcast_weights(pg, named, load_format, timeout_s=30)
                 assert done.result()["success"] is True
                 assert version(engine_client) == f"gloo-{step}"
                 assert_serving(engine_client, tiny_model_path, state)
         finally:
             assert engine_client.destroy_weights_update_group(group)["success"] is True
-            W.destroy_weight_update_group(pg)
+            G.destroy_weight_update_group(pg)
 
 
 ENGINE_SIDE = """
 import sys, time
-from nano_miles.engine import weights as W
-pg = W.init_weight_update_group("127.0.0.1", int(sys.argv[1]), 1, 2, "timeout-group", "gloo", timeout_s=20)
+from nano_miles.engine import weight_group as G
+pg = G.init_weight_update_group("127.0.0.1", int(sys.argv[1]), 1, 2, "timeout-group", "gloo", timeout_s=20)
 t = time.monotonic()
 try:
-    W.receive_weights(pg, ["x"], ["float32"], [[4]], None, "cpu", timeout_s=1.0)
+    G.receive_weights(pg, ["x"], ["float32"], [[4]], None, "cpu", timeout_s=1.0)
 except RuntimeError as e:
     print(f"gave up after {time.monotonic() - t:.1f}s: {e}", flush=True)
 import os; os._exit(0)  # skip the group's teardown handshake with a trainer that never answers
@@ -155,12 +156,12 @@ def test_distributed_receive_times_out_instead_of_hanging():
     port = free_port()
     engine = subprocess.Popen([sys.executable, "-c", ENGINE_SIDE, str(port)], stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "PYTHONPATH": os.getcwd()})
-    pg = W.init_weight_update_group("127.0.0.1", port, 0, 2, "timeout-group", "gloo", timeout_s=20)
+    pg = G.init_weight_update_group("127.0.0.1", port, 0, 2, "timeout-group", "gloo", timeout_s=20)
     try:
         out, _ = engine.communicate(timeout=30)  # the trainer never broadcasts
     finally:
         engine.kill()
-        W.destroy_weight_update_group(pg)
+        G.destroy_weight_update_group(pg)
     assert "gave up after" in out
 
 
@@ -332,6 +333,7 @@ def test_bucket_by_bytes_keeps_order_and_limit():
 CUDA_TRAINER = """
 import sys, torch
 from nano_miles.client import EngineClient
+from nano_miles.engine import weight_group as G
 from nano_miles.engine import weights as W
 from safetensors.torch import load_file
 client = EngineClient(sys.argv[1])
@@ -449,7 +451,7 @@ def test_gloo_broadcasts_land_in_one_persistent_buffer_and_one_copy(engine_clien
     group, port = "flat-group", free_port()
     with ThreadPoolExecutor(2) as pool:
         joined = pool.submit(engine_client.init_weights_update_group, "127.0.0.1", port, 1, 2, group, "gloo")
-        pg = W.init_weight_update_group("127.0.0.1", port, 0, 2, group, "gloo", timeout_s=30)
+        pg = G.init_weight_update_group("127.0.0.1", port, 0, 2, group, "gloo", timeout_s=30)
         assert joined.result()["success"] is True
         send = torch.empty(1 << 20, dtype=torch.uint8)  # the trainer's persistent send buffer
         try:
@@ -461,14 +463,14 @@ def test_gloo_broadcasts_land_in_one_persistent_buffer_and_one_copy(engine_clien
                 done = pool.submit(engine_client.update_weights_from_distributed, [n for n, _ in named],
                                    [t.dtype for _, t in named], [t.shape for _, t in named], group,
                                    "flattened_bucket", f"flat-gloo-{step}")
-                W.broadcast_weights(pg, named, "flattened_bucket", timeout_s=30, out=send)
+                G.broadcast_weights(pg, named, "flattened_bucket", timeout_s=30, out=send)
                 r = done.result()
                 assert r["success"] is True and r["fast_path"] is (not reorder)
                 assert set(r["timings_ms"]) == {"parse", "receive", "wait", "copy", "release", "answer", "total"}
                 assert_serving(engine_client, tiny_model_path, state)
         finally:
             assert engine_client.destroy_weights_update_group(group)["success"] is True
-            W.destroy_weight_update_group(pg)
+            G.destroy_weight_update_group(pg)
 
 
 def test_a_bucket_flattened_into_a_persistent_buffer_equals_a_fresh_one():
@@ -481,6 +483,6 @@ def test_a_bucket_flattened_into_a_persistent_buffer_equals_a_fresh_one():
     assert out[fresh.flattened_tensor.numel():].eq(7).all()  # the rest of the buffer is untouched
     with pytest.raises(ValueError, match="at least 34 bytes"):
         W.FlattenedTensorBucket(named_tensors=named, out=torch.empty(33, dtype=torch.uint8))
-    assert [(m.name, m.start_idx, m.end_idx) for m in W.bucket_layout(["a", "b", "c"], ["float32", "bfloat16", "float32"],
+    assert [(m.name, m.start_idx, m.end_idx) for m in G.bucket_layout(["a", "b", "c"], ["float32", "bfloat16", "float32"],
                                                                      [[2, 3], [3], [1]])] == \
         [(m.name, m.start_idx, m.end_idx) for m in fresh.metadata]
