@@ -41,7 +41,7 @@ class LossConfig:
     dual_clip: float | None = 3.0  # c: for negative advantages the loss is capped at -A * c; None disables
     aggregation: str = "token-mean"  # token-mean | seq-mean-token-mean | constant (Dr. GRPO: constant_normalizer)
     constant_normalizer: float | None = None  # Dr. GRPO: tokens per sequence (e.g. max response length)
-    kl_coef: float = 0.0          # k3 KL to a frozen reference policy; 0 = off (no reference model needed)
+    kl_coef: float = 0.0          # k3 KL to the initial policy (a frozen copy on the trainer's device); 0 = off, no copy
     entropy_coef: float = 0.0     # subtracted from the loss; 0 = entropy is only reported
     tis_cap: float | None = 2.0   # truncated importance sampling weight min(pi_old / pi_rollout, cap); None = off
 

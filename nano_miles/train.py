@@ -36,6 +36,7 @@ from nano_miles.dtypes import TRAINABLE
 from nano_miles.engine_handle import EngineHandle, plan_layout
 from nano_miles.models import resolve_model
 from nano_miles.producer import AsyncProducer, StepRollout, SyncProducer, TaskStream, roll_out_step
+from nano_miles.reference import ReferencePolicy
 from nano_miles.rollout_cli import RolloutCommandConfig
 from nano_miles.tasks import select_tasks
 from nano_miles.telemetry import MetricsLog, memory_gb, step_metrics
@@ -127,6 +128,7 @@ class TrainingRun:
         self.trainer = Trainer(dataclasses.replace(
             cfg.trainer, model=self.model_path, device=self.layout.trainer_device, dtype=self.layout.dtype,
             optim=cfg.optim, loss=cfg.loss))
+        self.reference = ReferencePolicy(self.trainer) if cfg.loss.kl_coef > 0 else None  # before any resume
         self.stream = TaskStream(select_tasks(cfg.tasks), cfg.seed)
         self.start_step = 0
         if resume_dir:
@@ -198,7 +200,7 @@ class TrainingRun:
                 if s <= self.cfg.max_staleness and t.finish_reason != "infra_error"]
         self._mutating = True  # from here until the step is logged, the trainer is between states
         train, skipped = policy_update(self.trainer, kept, self.cfg.advantage, self.pad_id, self.echo,
-                                       updates=self.cfg.updates_per_step)
+                                       updates=self.cfg.updates_per_step, reference=self.reference)
         if self.trainer.device.type == "cuda":
             # AdamW and the master -> bf16 copy are still queued on the GPU: let the update pay for
             # them, so that sync_ms measures the weight transfer and not the optimizer's tail.

@@ -10,9 +10,9 @@ from nano_miles.batch import build_rollout_batch
 
 
 def policy_update(trainer, trajs, advantage_cfg: AdvantageConfig, pad_id: int, echo=print,
-                  updates: int = 1) -> tuple[dict, str | None]:
+                  updates: int = 1, reference=None) -> tuple[dict, str | None]:
     """Advantages and `updates` optimizer steps on the batch; returns the trainer's metrics and why
-    the update was skipped.
+    the update was skipped. `reference` (a ReferencePolicy) gives the KL penalty's log-probs.
 
     With updates > 1 the batch is split into that many mini-batches of whole groups, one AdamW step
     each (PPO's mini-batch epoch, verl's ppo_mini_batch_size, slime's num_steps_per_rollout). Every
@@ -32,6 +32,7 @@ def policy_update(trainer, trajs, advantage_cfg: AdvantageConfig, pad_id: int, e
         advantages = advantages[torch.tensor(rows)]
     minibatches = _minibatches(batch.group_ids, updates)
     old = trainer.logprobs(batch) if len(minibatches) > 1 else None
+    ref = reference.logprobs(batch) if reference is not None else None
     results = []
     with tqdm(total=len(batch), desc="update", unit="seq", leave=False, dynamic_ncols=True) as bar:
         for rows in minibatches:
@@ -43,7 +44,8 @@ def policy_update(trainer, trajs, advantage_cfg: AdvantageConfig, pad_id: int, e
             sub = batch if len(minibatches) == 1 else batch.select(rows)
             try:
                 results.append(trainer.train_step(sub, advantages[torch.tensor(rows)], on_micro_batch=advance,
-                                                  old_logprobs=None if old is None else old[torch.tensor(rows)]))
+                                                  old_logprobs=None if old is None else old[torch.tensor(rows)],
+                                                  ref_logprobs=None if ref is None else ref[torch.tensor(rows)]))
             except FloatingPointError as e:  # NaN/inf loss or gradient: the trainer skipped the update
                 echo(f"update skipped: {e}")  # (earlier mini-batches' steps stand; the sync sends them)
                 return {}, str(e)

@@ -1,4 +1,4 @@
-"""Shared fixtures. Owner: helper E (engine server); used by the engine, rollout and training tests.
+"""Shared fixtures, used by the engine, rollout and training tests.
 
 engine_server (session scope)
     A real `nano-miles serve` subprocess: tiny-random-qwen2 on CPU, float32, on a free port, started

@@ -181,13 +181,17 @@ def test_async_mode_respects_the_staleness_bound(tmp_path):
     assert sum(r["dropped_stale"] for r in rows) >= 1
 
 
-def test_several_updates_per_step_reach_the_engine(tmp_path):
+def test_several_updates_per_step_reach_the_engine_with_the_kl_penalty(tmp_path):
+    """loss.kl_coef > 0 builds the frozen reference and trains with the penalty (it used to pass
+    validation and fail at step 1). Whether the KL grows depends on the tiny model's rewards; the
+    update test shows it does once the policy moves."""
     run_dir = tmp_path / "run"
     _finish(_train(["--set", "steps=1", "--set", "updates_per_step=2", "--set", "sync.verify=true",
-                    "--set", f"run_dir={run_dir}"]))
+                    "--set", "loss.kl_coef=0.1", "--set", f"run_dir={run_dir}"]))
     (row,) = read_metrics(run_dir / "metrics.jsonl")
     assert row["updates"] == 2 and row["weight_version"] == "2"  # one version per optimizer step
     assert row["sync_verified"] is True and row["parity_max"] <= 1e-5
+    assert row["update_skipped"] is None and row["kl_ref"] >= 0.0  # computed against the reference
 
 
 def test_layout_follows_the_hardware_and_config_overrides():

@@ -1,4 +1,4 @@
-"""Fixtures for the sandbox tests (owner: helper A).
+"""Fixtures for the sandbox tests.
 
 Tests that need isolation take the `tier` fixture: they run once per isolated tier that the probe
 finds working here ("namespaced" and/or "fallback"). Every adversarial command prints MARK first, so a
