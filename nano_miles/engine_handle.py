@@ -13,8 +13,9 @@ from pathlib import Path
 
 import torch
 
-from nano_miles.client import EngineClient, start_engine_process
+from nano_miles.client import EngineClient
 from nano_miles.dtypes import resolve_dtype_name
+from nano_miles.engine_process import start_engine_process
 
 # A KV cache sized for a GPU of its own would leave the trainer nothing on a shared one.
 SHARED_GPU_KV_FRACTION = 0.35

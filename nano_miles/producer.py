@@ -51,6 +51,18 @@ class StepRollout:
     data_position: int    # the stream's position after this step's tasks (what a checkpoint stores)
 
 
+def _version(v) -> int:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return -1  # an engine with non-numeric versions: treated as maximally stale
+
+
+def staleness(traj, policy_version: int) -> int:
+    """Weight versions between the policy being trained and the oldest turn of `traj`."""
+    return policy_version - min(_version(v) for v in traj.weight_versions) if traj.weight_versions else 0
+
+
 def episode_seed(run_seed: int, step: int) -> int:
     return run_seed * 1_000_003 + step  # fresh task instances every step, reproducible per run
 

@@ -35,7 +35,7 @@ from nano_miles.config import ConfigError, add_config_arguments, config_from_arg
 from nano_miles.dtypes import TRAINABLE
 from nano_miles.engine_handle import EngineHandle, plan_layout
 from nano_miles.models import resolve_model
-from nano_miles.producer import AsyncProducer, StepRollout, SyncProducer, TaskStream, roll_out_step
+from nano_miles.producer import AsyncProducer, StepRollout, SyncProducer, TaskStream, roll_out_step, staleness
 from nano_miles.reference import ReferencePolicy
 from nano_miles.rollout_cli import RolloutCommandConfig
 from nano_miles.tasks import select_tasks
@@ -89,18 +89,6 @@ class TrainConfig(RolloutCommandConfig):
 
 
 CONFIG = TrainConfig
-
-
-def _version(v) -> int:
-    try:
-        return int(v)
-    except (TypeError, ValueError):
-        return -1  # an engine with non-numeric versions: treated as maximally stale
-
-
-def staleness(traj, policy_version: int) -> int:
-    """Weight versions between the policy being trained and the oldest turn of `traj`."""
-    return policy_version - min(_version(v) for v in traj.weight_versions) if traj.weight_versions else 0
 
 
 class TrainingRun:

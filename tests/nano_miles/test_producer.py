@@ -5,9 +5,10 @@ import functools
 
 import pytest
 
+from nano_miles.batch import Trajectory
 from nano_miles.client import EngineUnavailable
 from nano_miles.models import load_tokenizer
-from nano_miles.producer import AsyncProducer, SyncProducer, TaskStream, roll_out_step
+from nano_miles.producer import AsyncProducer, SyncProducer, TaskStream, roll_out_step, staleness
 from nano_miles.rollout import RolloutConfig
 from nano_miles.tasks import select_tasks
 from nano_openshell import Sandbox
@@ -65,3 +66,11 @@ def test_a_failed_step_puts_the_stream_back(mode, tok):
     finally:
         producer.stop()
     assert stream.position == 0
+
+
+def test_staleness_is_measured_on_the_oldest_turn():
+    def traj(*versions):
+        return Trajectory([1], [2], [0.0], [True], reward=0.0, weight_versions=list(versions))
+    assert staleness(traj("3", "5"), policy_version=5) == 2
+    assert staleness(traj(), policy_version=5) == 0
+    assert staleness(traj("5", "sglang-v1"), policy_version=5) == 6  # a non-numeric version: maximally stale
