@@ -201,15 +201,15 @@ def serialize(obj) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def serialize_bucket(named_tensors) -> tuple[str, FlattenedTensorBucket]:
-    """One "flattened_bucket" payload entry, and the bucket (keep it alive until the engine answers)."""
-    bucket = FlattenedTensorBucket(named_tensors=named_tensors)
+def serialize_bucket(bucket, device: torch.device | None = None) -> tuple[str, FlattenedTensorBucket]:
+    """One "flattened_bucket" payload entry: `bucket` (a FlattenedTensorBucket, or (name, tensor)
+    pairs to flatten), its buffer first copied to `device` if given (the staged transport). Returns
+    the payload and the bucket whose memory it shares: keep that alive until the engine answered."""
+    if not isinstance(bucket, FlattenedTensorBucket):
+        bucket = FlattenedTensorBucket(named_tensors=bucket)
+    if device is not None and bucket.flattened_tensor.device != device:
+        bucket = FlattenedTensorBucket(flattened_tensor=bucket.flattened_tensor.to(device), metadata=bucket.metadata)
     return serialize({"flattened_tensor": bucket.flattened_tensor, "metadata": bucket.metadata}), bucket
-
-
-def serialize_direct(named_tensors) -> str:
-    """One payload entry for load_format None or "direct": a pickled list of (name, tensor)."""
-    return serialize([(name, tensor.detach()) for name, tensor in named_tensors])
 
 
 # ----------------------------------------------------------------------------- consumer side
