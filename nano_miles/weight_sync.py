@@ -41,6 +41,7 @@ from urllib.parse import urlparse
 import torch
 
 from nano_miles.client import EngineClient
+from nano_miles.dtypes import dtype_name
 from nano_miles.engine import weight_group as G
 from nano_miles.engine import weights as W
 
@@ -274,7 +275,7 @@ class WeightSync:
             start = time.perf_counter()
             last = i == len(buckets) - 1
             names = [n for n, _ in bucket]
-            dtypes = [str(t.dtype).removeprefix("torch.") for _, t in bucket]
+            dtypes = [dtype_name(t.dtype) for _, t in bucket]
             shapes = [list(t.shape) for _, t in bucket]
             # The engines' HTTP calls and our broadcast run at the same time (each side blocks in the
             # collective until the other joins); both have timeouts, so a dead peer cannot hang us.

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from nano_miles.dtypes import resolve_dtype
 from nano_miles.engine.flat_params import FlatParameters, wait_for_copies
 from nano_miles.engine.kv_cache import BlockManager, KVCache
 from nano_miles.engine.model import Batch, CausalLM, ModelConfig, load_safetensors, skip_weight_name
@@ -27,7 +28,7 @@ __all__ = ["Engine", "EngineConfig", "SamplingParams", "FinishedRequest"]
 class EngineConfig:
     model: str                          # a local Hugging Face folder (config.json + *.safetensors)
     device: str = "cpu"                 # "cpu" | "cuda" | "cuda:N"
-    dtype: str = "auto"                 # "float32" | "bfloat16" | "float16" | "auto" (bf16 on GPU, fp32 on CPU)
+    dtype: str = "auto"                 # "float32" | "bfloat16" | "float16" | "auto" (nano_miles.dtypes: bf16 on GPU, fp32 on CPU)
     max_running_requests: int = 256
     block_size: int = 16
     num_kv_blocks: int | None = None    # None: fill kv_cache_memory_fraction of free GPU memory / a CPU cap
@@ -49,15 +50,6 @@ class FinishedRequest:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if name not in table:
-        raise ValueError(f"dtype must be one of {sorted(table) + ['auto']}, got {name!r}")
-    return table[name]
 
 
 class Engine:

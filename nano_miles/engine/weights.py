@@ -35,6 +35,8 @@ import torch
 import torch.multiprocessing  # registers torch's ForkingPickler reductions
 from torch.multiprocessing import reductions
 
+from nano_miles.dtypes import DTYPES
+
 SGLANG_BUCKET_MODULE = "sglang.srt.weight_sync.tensor_bucket"
 # SGLang's index of the device argument in torch's rebuild_cuda_tensor(...) arguments.
 _CUDA_DEVICE_ARG = 6
@@ -379,12 +381,12 @@ def load_safetensors_folder(path: str | Path) -> list[tuple[str, torch.Tensor]]:
 
 
 def parse_dtype(name) -> torch.dtype:
-    """'bfloat16' or 'torch.bfloat16' -> torch.bfloat16."""
+    """A payload's dtype: 'bfloat16' or 'torch.bfloat16' -> torch.bfloat16 (nano_miles.dtypes' table)."""
     if isinstance(name, torch.dtype):
         return name
-    dtype = _torch_dtype_global(str(name).removeprefix("torch.")) if isinstance(name, str) else None
+    dtype = DTYPES.get(name.removeprefix("torch.")) if isinstance(name, str) else None
     if dtype is None:
-        raise WeightPayloadError(f"unknown dtype {name!r}")
+        raise WeightPayloadError(f"unknown dtype {name!r}; one of {list(DTYPES)}")
     return dtype
 
 
