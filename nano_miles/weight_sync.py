@@ -41,6 +41,7 @@ from urllib.parse import urlparse
 import torch
 
 from nano_miles.client import EngineClient
+from nano_miles.dtypes import dtype_name
 from nano_miles.engine import weight_group as G
 from nano_miles.engine import weights as W
 
@@ -212,12 +213,9 @@ class WeightSync:
             last = i == len(buckets) - 1
             t = time.perf_counter()
             flat = W.FlattenedTensorBucket(named_tensors=bucket)  # a fresh buffer for every sync
-            payloads = []
-            for info in self.infos:
-                tensor = flat.flattened_tensor
-                if self.transport == "staged":  # one contiguous copy onto the engine's own GPU
-                    tensor = tensor.to(torch.device(info["device"]), non_blocking=False)
-                payloads.append((W.serialize({"flattened_tensor": tensor, "metadata": flat.metadata}), tensor))
+            # staged: one contiguous copy onto each engine's own GPU
+            payloads = [W.serialize_bucket(flat, torch.device(info["device"]) if self.transport == "staged" else None)
+                        for info in self.infos]
             # No synchronize: sharing a CUDA storage records an IPC event on its stream after the
             # flatten (and the staged copy), and the receiver's rebuild makes its stream wait on it
             # (torch skips that wait only for a storage it still holds, i.e. memory that was never
@@ -228,7 +226,7 @@ class WeightSync:
                 by_client[id(c)], load_format="flattened_bucket", flush_cache=last,
                 weight_version=version if last else None))
             t = self._phase("send", t)
-            del flat, payloads, by_client, tensor  # acknowledged: the engines copied, synchronised, closed it
+            del flat, payloads, by_client  # acknowledged: the engines copied, synchronised, closed it
             if self.device.type == "cuda":
                 # Buffers an engine still holds stay in torch's IPC limbo until released; this frees
                 # those released since. No empty_cache(): the freed block stays in the caching
@@ -277,7 +275,7 @@ class WeightSync:
             start = time.perf_counter()
             last = i == len(buckets) - 1
             names = [n for n, _ in bucket]
-            dtypes = [str(t.dtype).removeprefix("torch.") for _, t in bucket]
+            dtypes = [dtype_name(t.dtype) for _, t in bucket]
             shapes = [list(t.shape) for _, t in bucket]
             # The engines' HTTP calls and our broadcast run at the same time (each side blocks in the
             # collective until the other joins); both have timeouts, so a dead peer cannot hang us.

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from nano_miles.dtypes import resolve_dtype
 from nano_miles.engine.flat_params import FlatParameters, wait_for_copies
 from nano_miles.engine.kv_cache import BlockManager, KVCache
 from nano_miles.engine.model import Batch, CausalLM, ModelConfig, load_safetensors, skip_weight_name
@@ -27,7 +28,7 @@ __all__ = ["Engine", "EngineConfig", "SamplingParams", "FinishedRequest"]
 class EngineConfig:
     model: str                          # a local Hugging Face folder (config.json + *.safetensors)
     device: str = "cpu"                 # "cpu" | "cuda" | "cuda:N"
-    dtype: str = "auto"                 # "float32" | "bfloat16" | "float16" | "auto" (bf16 on GPU, fp32 on CPU)
+    dtype: str = "auto"                 # "float32" | "bfloat16" | "float16" | "auto" (nano_miles.dtypes: bf16 on GPU, fp32 on CPU)
     max_running_requests: int = 256
     block_size: int = 16
     num_kv_blocks: int | None = None    # None: fill kv_cache_memory_fraction of free GPU memory / a CPU cap
@@ -49,15 +50,6 @@ class FinishedRequest:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if name not in table:
-        raise ValueError(f"dtype must be one of {sorted(table) + ['auto']}, got {name!r}")
-    return table[name]
 
 
 class Engine:
@@ -145,20 +137,17 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, rid: str, input_ids: list, params: SamplingParams, return_logprob: bool = True):
-        if not isinstance(rid, str) or not rid:
-            raise ValueError("rid must be a non-empty string")
-        if rid in self.seqs:
-            raise ValueError(f"request id {rid!r} is already running")
-        if not isinstance(input_ids, (list, tuple)) or len(input_ids) == 0:
-            raise ValueError("input_ids must be a non-empty list of token ids")
-        for t in input_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise ValueError(f"input_ids contains {t!r}, not a token id in [0, {self.vocab_size})")
-        params.validate(self.vocab_size)
+        """Queue a request. Its input is validated where it comes in (protocol.py for HTTP); here only
+        asserts guard the invariants a bad in-process call would break. A request that can never fit
+        the KV cache raises ValueError (only the engine knows its size)."""
+        assert isinstance(rid, str) and rid and rid not in self.seqs, f"rid {rid!r} is empty or already running"
+        assert input_ids and all(isinstance(t, int) and 0 <= t < self.vocab_size for t in input_ids), \
+            "input_ids must be token ids in [0, vocab_size)"
+        assert params.max_new_tokens >= 1 and params.temperature >= 0 and 0 < params.top_p <= 1, params
+        assert (params.top_k == -1 or params.top_k >= 0) and 0 <= params.min_new_tokens <= params.max_new_tokens, params
+        assert all(0 <= t < self.vocab_size for t in params.stop_token_ids), "stop_token_ids outside the vocabulary"
         total = len(input_ids) + params.max_new_tokens
-        if total > self.max_model_len:
-            raise ValueError(f"prompt ({len(input_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) "
-                             f"exceeds the context length {self.max_model_len}")
+        assert total <= self.max_model_len, f"{total} tokens exceed the context length {self.max_model_len}"
         if self.blocks.blocks_needed(total) > self.num_kv_blocks:
             raise ValueError(f"request needs {self.blocks.blocks_needed(total)} KV blocks; the cache has {self.num_kv_blocks}")
         seq = Sequence(rid=rid, token_ids=list(input_ids), num_prompt_tokens=len(input_ids), params=params,
@@ -190,25 +179,20 @@ class Engine:
         return self.model.named_parameters()
 
     def load_weights(self, named_tensors) -> None:
-        """Validate every (name, tensor) first, then copy all in place. Floating-point tensors of any
-        dtype are accepted and cast (as SGLang's loaders do); names, shapes and non-float dtypes are
-        checked. On any error nothing has changed. Any subset of the parameters may be sent.
+        """Copy (name, tensor) pairs into the parameters (floats of any dtype are cast), then flush
+        every KV block. Payloads are validated where they come in (weights.check_against, in the
+        server's weight_receiver.py); here asserts guard the invariants, all before the first copy,
+        so a bad call changes nothing. A tied checkpoint's lm_head.weight is skipped, as SGLang does.
         Returns once the copies are complete (the sources may be another process's GPU memory)."""
-        items = list(named_tensors)
         params = dict(self.model.named_parameters())
         todo = []
-        for name, t in items:
-            if not isinstance(t, torch.Tensor):
-                raise ValueError(f"weight {name!r}: expected a tensor, got {type(t).__name__}")
-            if name not in params:
-                if skip_weight_name(name, self.model_config):
-                    continue
-                raise ValueError(f"unknown weight name {name!r}")
-            p = params[name]
-            if tuple(t.shape) != tuple(p.shape):
-                raise ValueError(f"weight {name!r}: shape {tuple(t.shape)} != expected {tuple(p.shape)}")
-            if not t.is_floating_point():
-                raise ValueError(f"weight {name!r}: dtype {t.dtype} is not a floating-point dtype (engine holds {p.dtype})")
+        for name, t in named_tensors:
+            if name not in params and skip_weight_name(name, self.model_config):
+                continue
+            p = params.get(name)
+            assert p is not None, f"unknown weight name {name!r}"
+            assert isinstance(t, torch.Tensor) and t.is_floating_point() and t.shape == p.shape, \
+                f"weight {name!r} is not a float tensor of shape {tuple(p.shape)}"
             todo.append((p, t))
         with torch.no_grad():
             for p, t in todo:

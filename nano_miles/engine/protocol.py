@@ -14,6 +14,8 @@ import math
 import uuid
 from dataclasses import dataclass
 
+from nano_miles.engine.sampling import SamplingParams
+
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 DEFAULT_GROUP_NAME = "weight_update_group"  # SGLang's weight-update group name when a request names none
 
@@ -52,7 +54,7 @@ class GenerateItem:
 
     rid: str
     input_ids: list[int]
-    sampling: dict  # keyword arguments for the engine's SamplingParams
+    sampling: SamplingParams
     return_logprob: bool = False
     no_stop_trim: bool = False
     skip_special_tokens: bool = True
@@ -86,8 +88,8 @@ def _per_request(body: dict, key: str, n: int, batched: bool, default):
     return [value] * n
 
 
-def parse_sampling_params(sp, prompt_len: int, vocab_size: int, max_model_len: int, where: str = "") -> dict:
-    """SGLang sampling_params -> validated keyword arguments for the engine's SamplingParams."""
+def parse_sampling_params(sp, prompt_len: int, vocab_size: int, max_model_len: int, where: str = "") -> SamplingParams:
+    """SGLang sampling_params -> the engine's SamplingParams, validated (the only place that does)."""
     if sp is None:
         sp = {}
     if not isinstance(sp, dict):
@@ -150,7 +152,7 @@ def parse_sampling_params(sp, prompt_len: int, vocab_size: int, max_model_len: i
     if seed is not None and not _is_int(seed):
         raise RequestError(f"{where}sampling_seed must be an integer or null, got {seed!r}")
 
-    out = dict(
+    return SamplingParams(
         max_new_tokens=max_new,
         temperature=float(temperature),
         top_p=float(top_p),
@@ -158,10 +160,8 @@ def parse_sampling_params(sp, prompt_len: int, vocab_size: int, max_model_len: i
         stop_token_ids=sorted(set(stop_ids)),
         ignore_eos=_bool(sp, "ignore_eos", False, where),
         sampling_seed=seed,
+        min_new_tokens=min_new,
     )
-    if min_new:
-        out["min_new_tokens"] = min_new
-    return out
 
 
 def _check_ids(ids, vocab_size: int, where: str) -> list[int]:

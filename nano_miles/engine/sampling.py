@@ -14,6 +14,9 @@ import torch
 
 @dataclass
 class SamplingParams:
+    """Validated where requests come in (protocol.parse_sampling_params for HTTP); the engine only
+    guards its invariants with asserts."""
+
     max_new_tokens: int = 128
     temperature: float = 1.0
     top_p: float = 1.0
@@ -22,25 +25,6 @@ class SamplingParams:
     ignore_eos: bool = False           # as in SGLang: also disables stop_token_ids
     sampling_seed: int | None = None   # per-request reproducible sampling
     min_new_tokens: int = 0            # stop tokens are masked out until this many were generated
-
-    def validate(self, vocab_size: int):
-        def bad(msg):
-            raise ValueError(f"invalid sampling params: {msg}")
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            bad(f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
-        if not self.temperature >= 0:
-            bad(f"temperature must be >= 0, got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
-            bad(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k not in (-1, 0)):
-            bad(f"top_k must be -1 (off) or a positive int, got {self.top_k!r}")
-        if not isinstance(self.min_new_tokens, int) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
-            bad(f"min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens!r}")
-        for t in self.stop_token_ids or []:
-            if not isinstance(t, int) or not 0 <= t < vocab_size:
-                bad(f"stop_token_ids entry {t!r} is not a token id in [0, {vocab_size})")
-        if self.sampling_seed is not None and not isinstance(self.sampling_seed, int):
-            bad(f"sampling_seed must be an int or None, got {self.sampling_seed!r}")
 
 
 def sample(logits: torch.Tensor, temperatures: list, top_ps: list, top_ks: list, generators: list,

@@ -20,6 +20,7 @@ import uuid
 
 from aiohttp import web
 
+from nano_miles.dtypes import dtype_name
 from nano_miles.engine.http_io import error, json_body
 from nano_miles.engine.protocol import RequestError, parse_generate
 from nano_miles.engine.weight_receiver import WeightReceiver
@@ -183,7 +184,7 @@ class Server:
             "served_model_name": self.args.model,
             "weight_version": eng.weight_version,
             "device": str(eng.device),
-            "dtype": str(eng.dtype).removeprefix("torch."),
+            "dtype": dtype_name(eng.dtype),
             "max_model_len": eng.max_model_len,
             "vocab_size": eng.vocab_size,
             "eos_token_ids": list(eng.eos_token_ids),
@@ -271,7 +272,7 @@ async def _serve(args, model_path) -> int:
     else:
         eng = server.engine
         print(f"nano-miles serve: ready on http://{args.host}:{port} (model {model_path}, {eng.device}, "
-              f"{str(eng.dtype).removeprefix('torch.')}, weight_version {eng.weight_version})", flush=True)
+              f"{dtype_name(eng.dtype)}, weight_version {eng.weight_version})", flush=True)
         await stop.wait()
         await server.worker.abort(None, "the server is shutting down")  # lets open /generate calls answer
     server.worker.stop()

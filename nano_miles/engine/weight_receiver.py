@@ -20,6 +20,7 @@ import time
 import torch
 from aiohttp import web
 
+from nano_miles.dtypes import dtype_name
 from nano_miles.engine import weight_group as G
 from nano_miles.engine import weights as W
 from nano_miles.engine.http_io import json_body, weight_answer
@@ -310,5 +311,5 @@ class WeightReceiver:
             return eng.weight_version, W.checksums(eng.named_parameters(), names)
 
         version, sums = await self.worker.call(compute)
-        return web.json_response({"weight_version": version, "dtype": str(self.engine.dtype).removeprefix("torch."),
+        return web.json_response({"weight_version": version, "dtype": dtype_name(self.engine.dtype),
                                   "algorithm": "sha256", "checksums": sums})

@@ -35,6 +35,8 @@ import torch
 import torch.multiprocessing  # registers torch's ForkingPickler reductions
 from torch.multiprocessing import reductions
 
+from nano_miles.dtypes import DTYPES
+
 SGLANG_BUCKET_MODULE = "sglang.srt.weight_sync.tensor_bucket"
 # SGLang's index of the device argument in torch's rebuild_cuda_tensor(...) arguments.
 _CUDA_DEVICE_ARG = 6
@@ -201,15 +203,15 @@ def serialize(obj) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def serialize_bucket(named_tensors) -> tuple[str, FlattenedTensorBucket]:
-    """One "flattened_bucket" payload entry, and the bucket (keep it alive until the engine answers)."""
-    bucket = FlattenedTensorBucket(named_tensors=named_tensors)
+def serialize_bucket(bucket, device: torch.device | None = None) -> tuple[str, FlattenedTensorBucket]:
+    """One "flattened_bucket" payload entry: `bucket` (a FlattenedTensorBucket, or (name, tensor)
+    pairs to flatten), its buffer first copied to `device` if given (the staged transport). Returns
+    the payload and the bucket whose memory it shares: keep that alive until the engine answered."""
+    if not isinstance(bucket, FlattenedTensorBucket):
+        bucket = FlattenedTensorBucket(named_tensors=bucket)
+    if device is not None and bucket.flattened_tensor.device != device:
+        bucket = FlattenedTensorBucket(flattened_tensor=bucket.flattened_tensor.to(device), metadata=bucket.metadata)
     return serialize({"flattened_tensor": bucket.flattened_tensor, "metadata": bucket.metadata}), bucket
-
-
-def serialize_direct(named_tensors) -> str:
-    """One payload entry for load_format None or "direct": a pickled list of (name, tensor)."""
-    return serialize([(name, tensor.detach()) for name, tensor in named_tensors])
 
 
 # ----------------------------------------------------------------------------- consumer side
@@ -379,12 +381,12 @@ def load_safetensors_folder(path: str | Path) -> list[tuple[str, torch.Tensor]]:
 
 
 def parse_dtype(name) -> torch.dtype:
-    """'bfloat16' or 'torch.bfloat16' -> torch.bfloat16."""
+    """A payload's dtype: 'bfloat16' or 'torch.bfloat16' -> torch.bfloat16 (nano_miles.dtypes' table)."""
     if isinstance(name, torch.dtype):
         return name
-    dtype = _torch_dtype_global(str(name).removeprefix("torch.")) if isinstance(name, str) else None
+    dtype = DTYPES.get(name.removeprefix("torch.")) if isinstance(name, str) else None
     if dtype is None:
-        raise WeightPayloadError(f"unknown dtype {name!r}")
+        raise WeightPayloadError(f"unknown dtype {name!r}; one of {list(DTYPES)}")
     return dtype
 
 

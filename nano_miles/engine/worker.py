@@ -121,8 +121,6 @@ class EngineWorker:
 
     def _admit(self, items, futs):
         eng = self.engine
-        from nano_miles.engine.engine import SamplingParams
-
         busy = set(self.futures) | {it.rid for batch, _ in self.parked for it in batch}
         clash = [it.rid for it in items if it.rid in busy]
         if clash:
@@ -133,10 +131,10 @@ class EngineWorker:
         added = []
         try:
             for it, fut in zip(items, futs):
-                eng.add_request(it.rid, it.input_ids, SamplingParams(**it.sampling), return_logprob=it.return_logprob)
+                eng.add_request(it.rid, it.input_ids, it.sampling, return_logprob=it.return_logprob)
                 self.futures[it.rid] = fut
                 added.append(it.rid)
-        except ValueError as e:  # all or nothing for a batch
+        except (ValueError, AssertionError) as e:  # all or nothing for a batch (KV capacity; asserts: a bug)
             for rid in added:
                 eng.abort_request(rid)
                 self.futures.pop(rid, None)

@@ -247,13 +247,15 @@ def test_load_weights_invalidates_prefix_cache(tiny, hf):
 
 @pytest.mark.parametrize("bad", ["name", "shape", "dtype", "not_tensor"])
 def test_load_weights_bad_payload_changes_nothing(tiny, hf, bad):
+    """Payloads are validated where they come in (the server: weights.check_against); the in-process
+    API guards its invariants with asserts, all before the first copy."""
     eng = make_engine(tiny)
     before = {n: t.clone() for n, t in eng.named_parameters()}
     good = [(n, t + 1.0) for n, t in hf.named_parameters()]
     name, t = good[3]
     broken = {"name": ("model.layers.9.nope.weight", t), "shape": (name, t[:-1]),
               "dtype": (name, t.to(torch.int32)), "not_tensor": (name, t.tolist())}[bad]
-    with pytest.raises(ValueError):
+    with pytest.raises(AssertionError):
         eng.load_weights(good[:5] + [broken] + good[5:])
     for n, t in eng.named_parameters():
         assert torch.equal(t, before[n]), n
@@ -275,8 +277,10 @@ def test_flush_cache_drops_every_prefix(tiny):
     assert run_all(eng)["b"].cached_tokens == 0
 
 
-def test_bad_requests_raise_clear_errors_and_lose_nothing(tiny):
-    eng = make_engine(tiny, max_model_len=64)
+def test_bad_requests_are_refused_and_lose_nothing(tiny):
+    """HTTP input is validated by protocol.py (test_server.py's BAD_GENERATE); the in-process API
+    guards its invariants with asserts, and refuses what cannot fit its KV cache with ValueError."""
+    eng = make_engine(tiny, max_model_len=64, num_kv_blocks=8)  # 8 blocks of 4: 32 tokens
     eng.add_request("ok", [5, 6, 7], SamplingParams(max_new_tokens=3, ignore_eos=True))
     cases = [
         ("e", [], SamplingParams()),
@@ -292,8 +296,10 @@ def test_bad_requests_raise_clear_errors_and_lose_nothing(tiny):
         ("ok", [5, 6], SamplingParams()),  # duplicate rid of a running request
     ]
     for rid, ids, sp in cases:
-        with pytest.raises(ValueError):
+        with pytest.raises(AssertionError):
             eng.add_request(rid, ids, sp)
+    with pytest.raises(ValueError, match="KV blocks"):
+        eng.add_request("big", [5] * 30, SamplingParams(max_new_tokens=10))
     done = run_all(eng)
     assert list(done) == ["ok"] and done["ok"].completion_tokens == 3
 

@@ -28,6 +28,11 @@ pytestmark = pytest.mark.usefixtures("restore_engine_weights")
 CACHED_PROMPT = [(17 * i) % 700 + 6 for i in range(40)]  # 2 full KV blocks
 
 
+def direct(named) -> str:
+    """A payload entry for load_format None or "direct" (what verl sends): pickled (name, tensor) pairs."""
+    return W.serialize([(name, tensor.detach()) for name, tensor in named])
+
+
 def folder_state(folder) -> dict:
     state = {}
     for f in sorted(folder.glob("*.safetensors")):
@@ -79,7 +84,7 @@ def test_direct_named_tensors_and_version_plus_one(engine_client, tiny_model_pat
     engine_client.update_weights_from_disk(tiny_model_path, weight_version="41")
     warm_prefix(engine_client)
     state = perturbed(tiny_model_path, 2)
-    r = engine_client.update_weights_from_tensor(W.serialize_direct(state.items()), load_format="direct")
+    r = engine_client.update_weights_from_tensor(direct(state.items()), load_format="direct")
     assert r["success"] is True
     assert version(engine_client) == "42"  # no weight_version given: +1
     assert_serving(engine_client, tiny_model_path, state)
@@ -237,9 +242,9 @@ def _bad_tensor_payloads():
     norm = torch.ones(64)
     good, bad = ("model.norm.weight", norm), ("model.norm.weight", torch.ones(63))
     return {
-        "unknown name": ([W.serialize_direct([("model.no_such.weight", norm)])], None, "unknown parameter"),
-        "wrong shape": ([W.serialize_direct([bad])], "direct", "shape"),
-        "wrong dtype": ([W.serialize_direct([("model.norm.weight", norm.to(torch.bfloat16))])], None, "dtype"),
+        "unknown name": ([direct([("model.no_such.weight", norm)])], None, "unknown parameter"),
+        "wrong shape": ([direct([bad])], "direct", "shape"),
+        "wrong dtype": ([direct([("model.norm.weight", norm.to(torch.bfloat16))])], None, "dtype"),
         "half good half bad": ([W.serialize_bucket([good, ("model.layers.0.mlp.up_proj.weight", norm)])[0]],
                                "flattened_bucket", "shape"),
         "not base64": (["!!!not base64!!!"], None, "base64"),
@@ -247,8 +252,8 @@ def _bad_tensor_payloads():
         "CUDA IPC on a CPU engine": ([_b64([("model.norm.weight", CudaHandle())])], None, "no CUDA device"),
         "empty list": ([], None, "non-empty list"),
         "bucket as direct": ([W.serialize_bucket([good])[0]], None, "(name, tensor) pairs"),
-        "direct as bucket": ([W.serialize_direct([good])], "flattened_bucket", "flattened_bucket payload"),
-        "unknown load_format": ([W.serialize_direct([good])], "pickle", "load_format"),
+        "direct as bucket": ([direct([good])], "flattened_bucket", "flattened_bucket payload"),
+        "unknown load_format": ([direct([good])], "pickle", "load_format"),
     }
 
 
