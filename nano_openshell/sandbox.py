@@ -67,6 +67,9 @@ class Limits:
     tmp_bytes: int = 256 << 20      # size of the private /tmp (namespaced tier)
     command_bytes: int = 4 << 20    # the longest command accepted
     memory_bytes: int = 4 << 30     # all the sandbox's processes together (its cgroup's memory.max)
+    proxy_requests_per_second: int = 50  # egress requests refused (429) beyond this rate...
+    proxy_request_burst: int = 200       # ...once a burst of this many is spent (a token bucket)
+    audit_log_bytes: int = 4 << 20  # the proxy's audit log rotates at this size (one old file kept)
 
     def __post_init__(self):
         for name, value in asdict(self).items():
@@ -386,7 +389,8 @@ class Sandbox:
         info = {"tier": self.tier, "capabilities": self.probe["capabilities"]}
         # the socket may be opened by the sandbox's uid; the private directory guards it from the host
         self._proxy = ProxyServer(policy, sock, audit_path=os.path.join(self._supervisor_dir, "audit.jsonl"),
-                                  info=info, socket_mode=0o666)
+                                  info=info, socket_mode=0o666, audit_max_bytes=self.limits.audit_log_bytes,
+                                  rate=(self.limits.proxy_requests_per_second, self.limits.proxy_request_burst))
         self._owned.proxy = self._proxy.start()
         self.handshake = handshake(sock, protocol=PROTOCOL_VERSION)
         self.audit_path = self._proxy.audit_path
