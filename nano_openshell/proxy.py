@@ -5,7 +5,7 @@ Clients (the in-sandbox forwarder) send absolute-form HTTP requests (`GET http:/
 served on its own connection: one request per connection, then the connection is closed, so no
 second request can ride along unchecked. The name is resolved once and the proxy connects only to
 the addresses it checked (no DNS rebinding between check and use). Requests beyond a rate
-(a token bucket: `rate` = (per second, burst)) are refused with 429 before they are read, and the
+(a token bucket: `rate` = (per second, burst)) get 429 without being parsed or decided, and the
 audit log is bounded (audit.py: fields cut, rotation at audit_max_bytes, refusals summarised).
 Reading and parsing a request head is request.py's.
 
@@ -122,22 +122,17 @@ class ProxyServer:
                     return
                 time.sleep(0.01)
                 continue
-            if self._bucket is not None and not self._bucket.take():
-                # refused unread, in this thread: a flood costs no thread, no parsing, no log line each
-                if self._log is not None:
-                    self._log.refused()
-                conn.setblocking(False)
-                _quiet(conn.send, _response(429, "rate limit: too many requests from this sandbox"))
-                conn.close()
-                continue
+            limited = self._bucket is not None and not self._bucket.take()
             if not self._slots.acquire(blocking=False):
                 _quiet(conn.sendall, _response(503, "too many connections"))
                 conn.close()
                 continue
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            threading.Thread(target=self._serve, args=(conn, limited), daemon=True).start()
 
     # ---- one connection ----
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, limited: bool) -> None:
+        """limited: over the rate; the head is read (so the client's send completes and the answer
+        reaches it through the forwarder), then 429: not parsed, not decided, not logged alone."""
         upstream = None
         with self._conns_lock:
             self._conns.add(conn)
@@ -145,13 +140,19 @@ class ProxyServer:
             client = _peer(conn)
             try:
                 head, rest = read_head(conn, time.monotonic() + self.header_timeout)
-                if head is None:
-                    return  # connected and left without sending anything: nothing to decide
-                req = parse_request(head)
+                req = parse_request(head) if head is not None and not limited else None
             except BadRequest as e:
-                self._audit(client, e.method, e.host, e.port, e.path, "deny", None, e.reason, e.status)
-                _quiet(conn.sendall, _response(e.status, e.reason))
+                if not limited:
+                    self._audit(client, e.method, e.host, e.port, e.path, "deny", None, e.reason, e.status)
+                    _quiet(conn.sendall, _response(e.status, e.reason))
+                    return
+            if limited:
+                if self._log is not None:
+                    self._log.refused()
+                _quiet(conn.sendall, _response(429, "rate limit: too many requests from this sandbox"))
                 return
+            if req is None:
+                return  # connected and left without sending anything: nothing to decide
             if req["kind"] == "handshake":
                 self._handshake(conn, client, req)
                 return
