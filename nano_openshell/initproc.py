@@ -1,13 +1,17 @@
-"""The fallback tier's per-command init (runs as `python -I -S`, config as JSON on stdin).
+"""The fallback tier's per-command init (runs as `python -I -S`, config as JSON on stdin), and the
+supervisor's handle on it (Init, at the end).
 
 It is a child subreaper in a new session: every process the command starts, including setsid and
 double-forked escapees, is reparented to it when its parent dies. When the command exits, or on
-SIGTERM (sent by the supervisor at the timeout, or by the kernel as PDEATHSIG when the supervisor
-dies), it SIGKILLs what is left, level by level, until it has no child, then exits with the command's
-status. The command itself runs with rlimits, under another uid when we are root, with
-no_new_privs, Landlock (workspace and private tmp writable, the rest read-only, no TCP, signals
-scoped) and the AF_UNIX-only seccomp filter. The init stays outside the Landlock domain and, as root,
-under another uid: the command can neither signal it nor read its /proc entries.
+SIGTERM (sent by the kernel as PDEATHSIG when the supervisor dies), it SIGKILLs its whole tree, scan
+after scan of /proc, until a scan finds nothing alive it has not killed, then exits with the
+command's status. At the timeout or at close() the supervisor kills the tree itself: by cgroup.kill
+when the Sandbox has a cgroup (cgroup.py), else by the same scan, with the init frozen meanwhile.
+The command itself runs with rlimits, under another uid when we are root, with no_new_privs,
+Landlock (workspace and private tmp writable, the rest read-only, /proc hidden but for a few
+system-wide files, no TCP, signals scoped) and the AF_UNIX-only seccomp filter. The init stays
+outside the Landlock domain and, as root, under another uid: the command can neither signal it nor
+read its /proc entries.
 """
 
 import ctypes
@@ -32,8 +36,9 @@ def _prctl(option: int, value: int) -> None:
         raise OSError(ctypes.get_errno(), f"prctl({option})")
 
 
-def _children(me: int) -> list[int]:
-    out = []
+def _scan() -> dict[int, tuple[int, bytes, int]]:
+    """pid -> (ppid, state, start time) of every process, from one pass over /proc."""
+    out = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
@@ -42,23 +47,60 @@ def _children(me: int) -> list[int]:
                 stat = f.read()
         except OSError:
             continue
-        if int(stat.rsplit(b")", 1)[1].split()[1]) == me:  # field 4: ppid (comm may hold spaces)
-            out.append(int(name))
+        fields = stat.rsplit(b")", 1)[1].split()  # after comm, which may hold spaces and parentheses
+        out[int(name)] = (int(fields[1]), fields[0], int(fields[19]))  # fields 4, 3 and 22 of stat
     return out
 
 
-def kill_tree() -> None:
-    me = os.getpid()
+def descendants(root: int) -> dict[int, int]:
+    """{pid: start time} of every live (not zombie) process whose parent chain reaches root."""
+    procs = _scan()
+    children = {}
+    for pid, (ppid, _, _) in procs.items():
+        children.setdefault(ppid, []).append(pid)
+    out, todo = {}, [root]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            _, state, start = procs[child]
+            if state not in (b"Z", b"X"):
+                out[child] = start
+            todo.append(child)
+    return out
+
+
+def kill_descendants(root: int) -> None:
+    """SIGKILL root's whole tree, one scan of /proc after another, until a scan finds no live
+    descendant that was not killed already: once SIGKILL is pending a process cannot fork, so
+    nothing new can appear after that. The whole tree goes in each pass (not level by level: a
+    200-deep fork chain costs one pass, not 200). Each kill goes through a pidfd, and the start time
+    is checked again once it is open, so a pid reused by another process since the scan is spared."""
+    killed = set()
     while True:
-        for pid in _children(me):
+        fresh = {pid: start for pid, start in descendants(root).items() if (pid, start) not in killed}
+        if not fresh:
+            return
+        for pid, start in fresh.items():
+            killed.add((pid, start))
             try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
+                fd = os.pidfd_open(pid)
+            except OSError:
+                continue
+            try:
+                with open(f"/proc/{pid}/stat", "rb") as f:
+                    if int(f.read().rsplit(b")", 1)[1].split()[19]) == start:
+                        signal.pidfd_send_signal(fd, signal.SIGKILL)
+            except OSError:
                 pass
+            finally:
+                os.close(fd)
+
+
+def kill_tree() -> None:
+    """In the init: kill every descendant, then reap them all."""
+    kill_descendants(os.getpid())
+    while True:
         try:
-            os.waitpid(-1, 0)  # a dead child's own children are already ours when it is reaped
-            while os.waitpid(-1, os.WNOHANG)[0]:
-                pass
+            os.waitpid(-1, 0)  # an orphan of a killed process is already ours, and already killed
         except ChildProcessError:
             return
 
@@ -123,6 +165,54 @@ def main() -> None:
     if os.WIFSIGNALED(status):  # 128+N, as bash and bwrap's pid 1 report it, in every tier
         os._exit(128 + os.WTERMSIG(status))
     os._exit(os.WEXITSTATUS(status))
+
+
+# ---- the supervisor's side -------------------------------------------------------------------
+_BOOT = "import sys; sys.path.insert(0, sys.argv[1]); from nano_openshell.initproc import main; main()"
+_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Init:
+    """One command's init, seen from the supervisor: Init(cfg, leaf) starts it (in the cgroup leaf
+    when the Sandbox has a cgroup), stop() kills the command's whole tree, close() once it is over."""
+
+    def __init__(self, cfg: dict, leaf=None, path: str = "/usr/bin:/bin"):
+        import subprocess  # here, not at the top: the init itself starts faster without it
+
+        self.leaf = leaf
+        self.proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _BOOT, _PACKAGE_PARENT],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     env={"PATH": path}, start_new_session=True)
+        try:
+            if leaf is not None:
+                leaf.add(self.proc.pid)  # before the config: the init forks nothing until it has it
+            self.proc.stdin.write(json.dumps(cfg).encode())
+            self.proc.stdin.close()
+        except BrokenPipeError:
+            pass
+        except BaseException:
+            self.proc.kill()
+            self.proc.wait()
+            for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+                pipe.close()
+            raise
+
+    def stop(self) -> None:
+        """Kill everything the command started. With a cgroup: cgroup.kill. Without: freeze the init
+        (SIGSTOP; it stays the subreaper its orphans are reparented to, so the tree keeps its
+        ancestry), kill its descendants until a scan finds none, then the init. Never the init
+        first: its orphans would go to PID 1, out of reach."""
+        if self.leaf is not None:
+            self.leaf.kill()
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGSTOP)
+            kill_descendants(self.proc.pid)
+        self.proc.kill()
+
+    def close(self) -> None:
+        if self.leaf is not None:
+            self.leaf.close()  # an escapee the init missed would die here; the leaf goes
 
 
 if __name__ == "__main__":

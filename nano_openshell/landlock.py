@@ -1,10 +1,13 @@
 """Landlock for the fallback tier, through ctypes (no dependency).
 
-restrict(rw=[...], ro=["/"], devices=["/dev/null"]) makes the calling thread (and what it execs)
-read-only everywhere except `rw`, denies every TCP bind/connect (ABI >= 4), and scopes signals and
-abstract Unix sockets to the sandbox's own domain (ABI >= 6), so a command cannot signal or ptrace the
-supervisor or its init, nor read their /proc/<pid>/environ. Landlock does not cover UDP: the fallback
-tier's seccomp filter (AF_UNIX only) does.
+restrict(rw=[...]) makes the calling thread (and what it execs) read-only everywhere except `rw`
+and a few devices, hides /proc but for a few system-wide files (PROC_VISIBLE: no other process's
+cmdline, environ or status, nor its own), denies every TCP bind/connect (ABI >= 4), and scopes
+signals and abstract Unix sockets to the sandbox's own domain (ABI >= 6), so a command cannot signal
+the supervisor or its init. Landlock grants, never subtracts: "read-only everywhere but /proc" is a
+rule per entry of / (each one read-only) plus listing / itself (so `ls /proc` lists pids, and every
+file in them stays unreadable). A procfs mounted somewhere else than /proc would be readable there.
+Landlock does not cover UDP: the fallback tier's seccomp filter (AF_UNIX only) does.
 """
 
 import ctypes
@@ -23,6 +26,8 @@ SCOPE_ABSTRACT_UNIX_SOCKET, SCOPE_SIGNAL = 1 << 0, 1 << 1  # ABI 6
 
 READ = EXECUTE | READ_FILE | READ_DIR
 FILE_RIGHTS = EXECUTE | WRITE_FILE | READ_FILE | TRUNCATE | IOCTL_DEV
+# what stays readable of /proc: system-wide figures that tools like free, uptime and nproc read
+PROC_VISIBLE = ("cpuinfo", "meminfo", "stat", "uptime", "loadavg", "version", "filesystems", "sys")
 
 
 class _RulesetAttr(ctypes.Structure):
@@ -69,29 +74,46 @@ def handled_fs(abi: int) -> int:
     return rights
 
 
-def restrict(rw: list[str], ro: list[str] = ("/",), devices: list[str] = ("/dev/null", "/dev/zero"),
-             abi: int | None = None) -> int:
+def readable_without_proc() -> list[tuple[str, int]]:
+    """(path, rights): every entry of / but /proc read-only, / itself listable, PROC_VISIBLE readable."""
+    out = [("/", READ_DIR)]
+    for name in sorted(os.listdir("/")):
+        path = "/" + name
+        if name != "proc" and (os.path.isdir(path) or os.path.isfile(path)):  # also follows symlinks
+            out.append((path, READ))
+    out += [("/proc/" + name, READ) for name in PROC_VISIBLE if os.path.exists("/proc/" + name)]
+    return out
+
+
+def restrict(rw: list[str], devices: list[str] = ("/dev/null", "/dev/zero"), abi: int | None = None) -> int:
     """Apply the ruleset to the calling thread; returns the ABI used. Needs no_new_privs (or CAP_SYS_ADMIN)."""
     abi = abi_version() if abi is None else abi
     if abi < 1:
         raise OSError("Landlock is not available on this kernel")
     fs = handled_fs(abi)
+    # (path, rights, required): an entry of / that went away since the listing is skipped
+    rules = ([(p, r, False) for p, r in readable_without_proc()] + [(p, fs, True) for p in rw]
+             + [(p, FILE_RIGHTS | READ_FILE, True) for p in devices])
     attr = _RulesetAttr(fs, NET_BIND_TCP | NET_CONNECT_TCP if abi >= 4 else 0,
                         SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL if abi >= 6 else 0)
     size = 8 if abi < 4 else 16 if abi < 6 else 24
     ruleset = _syscall("create_ruleset", ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0))
     try:
-        for paths, rights in ((ro, READ), (rw, fs), (devices, FILE_RIGHTS | READ_FILE)):
-            for path in paths:
+        for path, rights, required in rules:
+            try:
                 fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
-                try:
-                    # a rule on a file may only carry file rights
-                    allowed = rights if os.path.isdir(path) else rights & FILE_RIGHTS
-                    rule = _PathBeneath(allowed & fs, fd)
-                    _syscall("add_rule", ctypes.c_int(ruleset), ctypes.c_int(_RULE_PATH_BENEATH),
-                             ctypes.byref(rule), ctypes.c_uint32(0))
-                finally:
-                    os.close(fd)
+            except FileNotFoundError:
+                if required:
+                    raise
+                continue
+            try:
+                # a rule on a file may only carry file rights
+                allowed = rights if os.path.isdir(path) else rights & FILE_RIGHTS
+                rule = _PathBeneath(allowed & fs, fd)
+                _syscall("add_rule", ctypes.c_int(ruleset), ctypes.c_int(_RULE_PATH_BENEATH),
+                         ctypes.byref(rule), ctypes.c_uint32(0))
+            finally:
+                os.close(fd)
         _syscall("restrict_self", ctypes.c_int(ruleset), ctypes.c_uint32(0))
     finally:
         os.close(ruleset)

@@ -1,8 +1,11 @@
 """Which isolation tier works here, and why: never chosen silently.
 
-probe() -> {"tier": best working tier, "reason": why, "tiers": {tier: {"ok", "reason"}},
+probe() -> {"tier": best working tier, "reason": why, "tiers": {tier: {"ok", "reason", "gaps"}},
             "capabilities": {...}}; computed once per process (refresh=True recomputes).
-The namespaced tier is accepted only after a real bwrap sandbox with our full command line has run.
+The namespaced tier is accepted only after a real bwrap sandbox with our full command line has run,
+and the cgroup capability only after a real cgroup was made (and removed) with our caps.
+gaps: what that tier does not protect on this host, one sentence each (a Sandbox reports its own,
+with the cgroup it really got, in Sandbox.gaps and every ExecResult.gaps).
 """
 
 import os
@@ -12,7 +15,7 @@ import subprocess
 import tempfile
 import threading
 
-from . import landlock, namespaced, seccomp
+from . import cgroup, landlock, namespaced, seccomp
 
 TIERS = ("none", "fallback", "namespaced")  # weakest first
 
@@ -51,10 +54,23 @@ def _cgroup() -> dict:
     root = "/sys/fs/cgroup"
     v2 = os.path.exists(os.path.join(root, "cgroup.controllers"))
     hybrid = os.path.exists(os.path.join(root, "unified", "cgroup.controllers"))
-    pids_v1 = os.path.isdir(os.path.join(root, "pids"))
-    return {"version": "v2" if v2 else "hybrid" if hybrid else "v1" if pids_v1 else "none",
-            "pids_controller_writable": pids_v1 and os.access(os.path.join(root, "pids"), os.W_OK),
-            "used": False}
+    v1 = os.path.isdir(os.path.join(root, "memory")) or os.path.isdir(os.path.join(root, "pids"))
+    return {"version": "v2" if v2 else "hybrid" if hybrid else "v1" if v1 else "none", **cgroup.check()}
+
+
+def _gaps(caps: dict) -> dict[str, list[str]]:
+    memory = ([] if "memory" in caps["cgroup"]["capped"] else
+              [f"memory is capped per process (RLIMIT_AS), not per sandbox: {caps['cgroup']['reason']}"])
+    fallback = list(memory)
+    if caps["landlock_abi"] < 1:
+        fallback.append("host processes' command lines (/proc/*/cmdline) are readable: no Landlock to hide /proc")
+        fallback.append("files outside the workspace are writable wherever the uid may write: no Landlock")
+    if caps["landlock_abi"] < 9:
+        fallback.append("connect() to host pathname Unix sockets is not blocked (Landlock ABI < 9)")
+    if not caps["root"]:
+        fallback.append("sandboxes share the supervisor's uid: they can read each other's workspaces")
+    return {"namespaced": memory, "fallback": fallback,
+            "none": ["no isolation at all: the command runs as the supervisor's uid, unconfined"] + memory}
 
 
 def _try_namespaced(bwrap: str | None) -> tuple[bool, str, str]:
@@ -115,9 +131,10 @@ def _compute() -> dict:
                  + (", seccomp (AF_UNIX only + deny list)" if caps["seccomp"] else "")
                  + (", uid drop" if caps["uid_drop"] else "")
                  + (f"; MISSING here: {', '.join(missing)}" if missing else ""))
-    tiers = {"namespaced": {"ok": ns_ok, "reason": ns_reason},
-             "fallback": {"ok": True, "reason": fb_reason},
-             "none": {"ok": True, "reason": "no isolation: only with allow_unisolated=True"}}
+    gaps = _gaps(caps)
+    tiers = {"namespaced": {"ok": ns_ok, "reason": ns_reason, "gaps": gaps["namespaced"]},
+             "fallback": {"ok": True, "reason": fb_reason, "gaps": gaps["fallback"]},
+             "none": {"ok": True, "reason": "no isolation: only with allow_unisolated=True", "gaps": gaps["none"]}}
     tier = "namespaced" if ns_ok else "fallback"
     reason = ns_reason if ns_ok else f"namespaced tier unavailable ({ns_reason}); fallback: {fb_reason}"
     return {"tier": tier, "reason": reason, "tiers": tiers, "capabilities": caps}

@@ -4,7 +4,10 @@ Clients (the in-sandbox forwarder) send absolute-form HTTP requests (`GET http:/
 `CONNECT host:port` for TLS. Each request is decided once, logged as one JSONL audit line, and
 served on its own connection: one request per connection, then the connection is closed, so no
 second request can ride along unchecked. The name is resolved once and the proxy connects only to
-the addresses it checked (no DNS rebinding between check and use).
+the addresses it checked (no DNS rebinding between check and use). Requests beyond a rate
+(a token bucket: `rate` = (per second, burst)) get 429 without being parsed or decided, and the
+audit log is bounded (audit.py: fields cut, rotation at audit_max_bytes, refusals summarised).
+Reading and parsing a request head is request.py's.
 
 The supervisor handshake is an origin-form request on the same socket:
     GET /.openshell/handshake HTTP/1.1  +  X-OpenShell-Protocol: 1
@@ -16,38 +19,21 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import selectors
 import socket
 import struct
 import threading
 import time
-from pathlib import Path
 
-from .policy import HostError, Policy, normalize_host
+from .audit import AuditLog
+from .policy import Policy
+from .request import CHUNK, HANDSHAKE_PATH, MAX_HEAD, BadRequest, parse_request, read_head
 
 PROTOCOL_VERSION = 1
-HANDSHAKE_PATH = "/.openshell/handshake"
-PROTOCOL_HEADER = "x-openshell-protocol"
-MAX_REQUEST_LINE = 8 * 1024
-MAX_HEAD = 64 * 1024  # request line + headers
-MAX_HEADERS = 100
-CHUNK = 64 * 1024
-
-_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
-_HOP_BY_HOP = {"connection", "proxy-connection", "keep-alive", "proxy-authorization",
-               "proxy-authenticate", "te", "trailer", "upgrade"}
 
 
 class HandshakeError(RuntimeError):
     """The proxy refused the handshake, or did not answer it properly."""
-
-
-class BadRequest(Exception):
-    def __init__(self, status: int, reason: str, method="", host="", port=0, path=""):
-        super().__init__(reason)
-        self.status, self.reason = status, reason
-        self.method, self.host, self.port, self.path = method, host, port, path
 
 
 def default_resolve(host: str, port: int) -> list[str]:
@@ -58,14 +44,17 @@ def default_resolve(host: str, port: int) -> list[str]:
 class ProxyServer:
     def __init__(self, policy, socket_path, audit_path=None, info=None, *, resolve=None,
                  socket_mode=0o600, header_timeout=10.0, connect_timeout=10.0,
-                 idle_timeout=60.0, max_connections=256):
+                 idle_timeout=60.0, max_connections=256, rate=(50, 200), audit_max_bytes=4 << 20):
         """policy: a Policy or a policy file path (PolicyError if invalid: nothing starts).
 
         resolve(host, port) -> [ip, ...] replaces DNS (pinned names, like curl --resolve).
+        rate: (requests per second, burst) for everyone on this socket together; None: no limit.
         """
         self.policy = policy if isinstance(policy, Policy) else Policy.load(policy)
         self.socket_path = str(socket_path)
         self.audit_path = str(audit_path) if audit_path is not None else None
+        self._log = AuditLog(self.audit_path, audit_max_bytes) if audit_path is not None else None
+        self._bucket = _TokenBucket(*rate) if rate is not None else None
         self.info = dict(info or {})
         self.resolve = resolve or default_resolve
         self.socket_mode = socket_mode
@@ -73,7 +62,6 @@ class ProxyServer:
         self.connect_timeout = connect_timeout
         self.idle_timeout = idle_timeout
         self._slots = threading.BoundedSemaphore(max_connections)
-        self._audit_lock = threading.Lock()
         self._conns: set[socket.socket] = set()
         self._conns_lock = threading.Lock()
         self._listener: socket.socket | None = None
@@ -115,6 +103,8 @@ class ProxyServer:
             os.unlink(self.socket_path)
         except FileNotFoundError:
             pass
+        if self._log is not None:
+            self._log.close()
         self._listener = None
 
     def __enter__(self):
@@ -132,28 +122,37 @@ class ProxyServer:
                     return
                 time.sleep(0.01)
                 continue
+            limited = self._bucket is not None and not self._bucket.take()
             if not self._slots.acquire(blocking=False):
                 _quiet(conn.sendall, _response(503, "too many connections"))
                 conn.close()
                 continue
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            threading.Thread(target=self._serve, args=(conn, limited), daemon=True).start()
 
     # ---- one connection ----
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, limited: bool) -> None:
+        """limited: over the rate; the head is read (so the client's send completes and the answer
+        reaches it through the forwarder), then 429: not parsed, not decided, not logged alone."""
         upstream = None
         with self._conns_lock:
             self._conns.add(conn)
         try:
             client = _peer(conn)
             try:
-                head, rest = _read_head(conn, time.monotonic() + self.header_timeout)
-                if head is None:
-                    return  # connected and left without sending anything: nothing to decide
-                req = _parse_request(head)
+                head, rest = read_head(conn, time.monotonic() + self.header_timeout)
+                req = parse_request(head) if head is not None and not limited else None
             except BadRequest as e:
-                self._audit(client, e.method, e.host, e.port, e.path, "deny", None, e.reason, e.status)
-                _quiet(conn.sendall, _response(e.status, e.reason))
+                if not limited:
+                    self._audit(client, e.method, e.host, e.port, e.path, "deny", None, e.reason, e.status)
+                    _quiet(conn.sendall, _response(e.status, e.reason))
+                    return
+            if limited:
+                if self._log is not None:
+                    self._log.refused()
+                _quiet(conn.sendall, _response(429, "rate limit: too many requests from this sandbox"))
                 return
+            if req is None:
+                return  # connected and left without sending anything: nothing to decide
             if req["kind"] == "handshake":
                 self._handshake(conn, client, req)
                 return
@@ -237,198 +236,28 @@ class ProxyServer:
                 "policy_sha256": self.policy.sha256}
 
     def _audit(self, client, method, host, port, path, decision, rule, reason, status) -> None:
-        if self.audit_path is None:
-            return
-        line = json.dumps({"ts": round(time.time(), 6), "client": client, "method": method,
-                           "host": host, "port": port, "path": path, "decision": decision,
-                           "rule": rule, "reason": reason, "status": status}) + "\n"
-        with self._audit_lock, open(self.audit_path, "a", encoding="utf-8") as f:
-            f.write(line)
+        if self._log is not None:
+            self._log.write({"client": client, "method": method, "host": host, "port": port, "path": path,
+                             "decision": decision, "rule": rule, "reason": reason, "status": status})
 
 
-# ---- reading and parsing a request head ----
+class _TokenBucket:
+    """`burst` requests at once, then `per_second` on average."""
 
-def _read_head(conn: socket.socket, deadline: float):
-    """Read until the blank line, with bounded memory and work; returns (head, bytes after it)."""
-    buf = bytearray()
-    scanned = 0  # bytes of buf already checked for bare LF and the end of the head
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise BadRequest(408, "timed out reading the request head")
-        conn.settimeout(left)
-        try:
-            data = conn.recv(CHUNK)
-        except socket.timeout:
-            raise BadRequest(408, "timed out reading the request head") from None
-        if not data:
-            if not buf:
-                return None, b""
-            raise BadRequest(400, "malformed request: connection closed before the end of the head")
-        buf += data
-        start = max(0, scanned - 3)
-        end = buf.find(b"\r\n\r\n", start)
-        limit = end if end >= 0 else len(buf)
-        i = buf.find(b"\n", scanned, limit)
-        while i >= 0:
-            if i == 0 or buf[i - 1] != 13:
-                raise BadRequest(400, "malformed request: lines must end with CRLF")
-            i = buf.find(b"\n", i + 1, limit)
-        scanned = len(buf)
-        first_nl = buf.find(b"\n", 0, MAX_REQUEST_LINE + 2)
-        if first_nl < 0 and len(buf) > MAX_REQUEST_LINE:
-            raise BadRequest(400, f"request line longer than {MAX_REQUEST_LINE} bytes")
-        if end >= 0:
-            if end + 2 > MAX_HEAD:
-                raise BadRequest(400, f"request head larger than {MAX_HEAD} bytes")
-            return bytes(buf[:end + 2]), bytes(buf[end + 4:])
-        if len(buf) > MAX_HEAD:
-            raise BadRequest(400, f"request head larger than {MAX_HEAD} bytes")
+    def __init__(self, per_second: float, burst: int):
+        if per_second <= 0 or burst < 1:
+            raise ValueError(f"rate must be (per_second > 0, burst >= 1), got ({per_second}, {burst})")
+        self.per_second, self.burst = per_second, burst
+        self.tokens, self.at = float(burst), time.monotonic()
 
-
-def _parse_request(head: bytes) -> dict:
-    try:
-        text = head.decode("ascii")
-    except UnicodeDecodeError:
-        raise BadRequest(400, "malformed request: non-ASCII bytes in the request head") from None
-    lines = text.split("\r\n")[:-1]  # head ends with CRLF
-    parts = lines[0].split(" ")
-    if len(parts) != 3 or not _TOKEN.fullmatch(parts[0]) or parts[2] not in ("HTTP/1.1", "HTTP/1.0"):
-        raise BadRequest(400, "malformed request line")
-    method, target, version = parts
-    if not target.isprintable():
-        raise BadRequest(400, "malformed request target", method)
-    headers, raw_headers = _parse_headers(lines[1:], method)
-
-    if target.startswith("/"):  # origin-form: only the supervisor handshake is served this way
-        if method == "GET" and target == HANDSHAKE_PATH:
-            return {"kind": "handshake", "protocol": headers.get(PROTOCOL_HEADER, [""])[0]}
-        raise BadRequest(400, "this is a proxy: send absolute-form (http://host/path) or CONNECT",
-                         method, path=target)
-    if method == "CONNECT":
-        host, port = _authority(target, None, method)
-        path = ""
-    else:
-        scheme, sep, after = target.partition("://")
-        if not sep or scheme.lower() != "http":
-            raise BadRequest(400, "only http:// targets are proxied; use CONNECT for https",
-                             method, path=target[:200])
-        cut = min([i for i in (after.find("/"), after.find("?"), after.find("#")) if i >= 0],
-                  default=len(after))
-        authority, path = after[:cut], after[cut:] or "/"
-        if path.startswith("?"):
-            path = "/" + path
-        host, port = _authority(authority, 80, method)
-        _check_path(path, method, host, port)
-    _check_host_header(headers, host, port, method, path)
-
-    if method == "CONNECT":
-        return {"kind": "connect", "method": method, "host": host, "port": port, "path": path}
-    length = _content_length(headers, method, host, port, path)
-    out = [f"{method} {path} {version}"]
-    drop = set(_HOP_BY_HOP)
-    for v in headers.get("connection", []):
-        drop |= {t.strip().lower() for t in v.split(",")}
-    out += [f"{name}: {v}" for name, v in raw_headers if name.lower() not in drop]
-    if "host" not in headers:
-        out.append(f"Host: {_hostport(host, port, 80)}")
-    out.append("Connection: close")
-    upstream_head = ("\r\n".join(out) + "\r\n\r\n").encode("ascii")
-    return {"kind": "http", "method": method, "host": host, "port": port, "path": path,
-            "length": length, "upstream_head": upstream_head}
-
-
-def _parse_headers(lines: list[str], method: str):
-    """-> ({lower-case name: [values]}, [(name as sent, value)])."""
-    if len(lines) > MAX_HEADERS:
-        raise BadRequest(400, f"more than {MAX_HEADERS} header lines", method)
-    headers: dict[str, list[str]] = {}
-    raw: list[tuple[str, str]] = []
-    for line in lines:
-        name, sep, value = line.partition(":")
-        if not sep or not _TOKEN.fullmatch(name):  # also refuses obs-fold and "Name :" forms
-            raise BadRequest(400, f"malformed header line {line[:80]!r}", method)
-        value = value.strip(" \t")
-        if not value.isprintable():
-            raise BadRequest(400, f"control characters in header {name}", method)
-        headers.setdefault(name.lower(), []).append(value)
-        raw.append((name, value))
-    return headers, raw
-
-
-def _authority(text: str, default_port, method: str) -> tuple[str, int]:
-    if "@" in text:
-        raise BadRequest(400, "userinfo (user@host) is not allowed", method, text[:200])
-    if text.startswith("["):
-        close = text.find("]")
-        if close < 0:
-            raise BadRequest(400, "malformed IPv6 authority", method, text[:200])
-        raw_host, rest = text[:close + 1], text[close + 1:]
-        if rest and not rest.startswith(":"):
-            raise BadRequest(400, "malformed authority", method, text[:200])
-        port_text = rest[1:] if rest else None
-    else:
-        raw_host, sep, port_text = text.rpartition(":")
-        if not sep:
-            raw_host, port_text = text, None
-    if port_text is None:
-        if default_port is None:
-            raise BadRequest(400, "CONNECT needs host:port", method, text[:200])
-        port = default_port
-    elif not port_text.isdigit() or len(port_text) > 5 or not 1 <= int(port_text) <= 65535:
-        raise BadRequest(400, f"port out of range or malformed: {port_text[:20]!r}", method, text[:200])
-    else:
-        port = int(port_text)
-    try:
-        return normalize_host(raw_host), port
-    except HostError as e:
-        raise BadRequest(400, str(e), method, raw_host[:200], port) from None
-
-
-def _check_path(path: str, method: str, host: str, port: int) -> None:
-    # Prefix rules must see the path the server will act on: refuse dot segments, encoded
-    # dots/slashes/backslashes and fragments rather than guess how the server decodes them.
-    p = path.split("?", 1)[0]
-    low = p.lower()
-    if "#" in path or "\\" in p or any(x in low for x in ("%2e", "%2f", "%5c")):
-        raise BadRequest(400, "ambiguous path (fragment, backslash or encoded '.', '/', '\\')",
-                         method, host, port, path[:200])
-    if any(seg in (".", "..") for seg in p.split("/")):
-        raise BadRequest(400, "dot segments are not allowed in the path", method, host, port, path[:200])
-
-
-def _check_host_header(headers, host: str, port: int, method: str, path: str) -> None:
-    values = headers.get("host", [])
-    if len(values) > 1:
-        raise BadRequest(400, "more than one Host header", method, host, port, path)
-    if not values:
-        return
-    default = None if method == "CONNECT" else 80
-    try:
-        h_host, h_port = _authority(values[0], default if default else port, method)
-    except BadRequest as e:
-        raise BadRequest(400, f"bad Host header: {e.reason}", method, host, port, path) from None
-    if (h_host, h_port) != (host, port):
-        raise BadRequest(400, f"Host header {values[0][:100]!r} disagrees with the request target",
-                         method, host, port, path)
-
-
-def _content_length(headers, method, host, port, path) -> int:
-    if "transfer-encoding" in headers:
-        raise BadRequest(400, "Transfer-Encoding request bodies are not supported; send Content-Length",
-                         method, host, port, path)
-    values = {v for raw in headers.get("content-length", []) for v in raw.split(",")}
-    values = {v.strip() for v in values}
-    if not values:
-        return 0
-    if len(values) != 1 or not next(iter(values)).isdigit():
-        raise BadRequest(400, "malformed Content-Length", method, host, port, path)
-    return int(next(iter(values)))
-
-
-def _hostport(host: str, port: int, default: int) -> str:
-    h = f"[{host}]" if ":" in host else host
-    return h if port == default else f"{h}:{port}"
+    def take(self) -> bool:  # only the accept loop calls it: no lock
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.per_second)
+        self.at = now
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
 
 
 # ---- moving bytes ----
@@ -467,8 +296,8 @@ def _relay(client: socket.socket, upstream: socket.socket, idle: float, limit: i
 
 
 def _response(status: int, reason: str) -> bytes:
-    phrase = {400: "Bad Request", 403: "Forbidden", 408: "Request Timeout", 502: "Bad Gateway",
-              503: "Service Unavailable"}.get(status, "Error")
+    phrase = {400: "Bad Request", 403: "Forbidden", 408: "Request Timeout", 429: "Too Many Requests",
+              502: "Bad Gateway", 503: "Service Unavailable"}.get(status, "Error")
     body = (json.dumps({"error": reason}) + "\n").encode()
     return (f"HTTP/1.1 {status} {phrase}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\nConnection: close\r\n"

@@ -14,21 +14,23 @@ As root, each Sandbox picks its own unprivileged uid for its commands and hands 
 file in place is not undone), so the workspace's parents must be world-traversable.
 In the namespaced tier a root Sandbox starts its commands through one launcher of its own, already
 under that uid (launcher.py): one program start per command (bwrap), not two.
-Known limits: disk use in the workspace is bounded per file (RLIMIT_FSIZE), not in total; memory
-is bounded per process (RLIMIT_AS) and by the tmpfs caps, not by a cgroup; in the fallback tier
-Landlock (below ABI 9) does not cover connect() to pathname Unix sockets, and a non-root supervisor's
-sandboxes share its uid, so they can read (not write) each other's workspaces.
+Where the host lets us create one (cgroup.py; as root it usually does), each Sandbox has its own
+cgroup: memory (Limits.memory_bytes) and processes (Limits.processes) are capped for the sandbox as a
+whole, and its commands are killed by cgroup.kill. Without one, a command's tree is killed by
+scanning /proc for its init's descendants, and memory is bounded per process only (RLIMIT_AS).
+What a Sandbox does not protect here is listed in `gaps` (ExecResult.gaps, probe's tiers[t]["gaps"]).
+Known limits: disk use in the workspace is bounded per file (RLIMIT_FSIZE), not in total; in the
+fallback tier Landlock (below ABI 9) does not cover connect() to pathname Unix sockets, and a
+non-root supervisor's sandboxes share its uid, so they can read (not write) each other's workspaces.
 """
 
 import asyncio
 import concurrent.futures
-import json
 import math
 import os
 import random
 import selectors
 import shutil
-import signal
 import stat
 import subprocess
 import sys
@@ -38,7 +40,8 @@ import time
 import weakref
 from dataclasses import asdict, dataclass, field
 
-from . import launcher, namespaced, seccomp
+from . import initproc, launcher, namespaced, seccomp
+from .cgroup import SandboxCgroup
 from .probe import TIERS, probe
 
 MAX_TIMEOUT = 24 * 3600.0
@@ -63,6 +66,10 @@ class Limits:
     output_bytes: int = 256 << 10   # kept per stream: head and tail, the middle is dropped
     tmp_bytes: int = 256 << 20      # size of the private /tmp (namespaced tier)
     command_bytes: int = 4 << 20    # the longest command accepted
+    memory_bytes: int = 4 << 30     # all the sandbox's processes together (its cgroup's memory.max)
+    proxy_requests_per_second: int = 50  # egress requests refused (429) beyond this rate...
+    proxy_request_burst: int = 200       # ...once a burst of this many is spent (a token bucket)
+    audit_log_bytes: int = 4 << 20  # the proxy's audit log rotates at this size (one old file kept)
 
     def __post_init__(self):
         for name, value in asdict(self).items():
@@ -88,7 +95,8 @@ class ExecResult:
     """exit_code: the command's status; 128+N when a signal N killed it inside the sandbox (as bash
     reports it, in every tier); negative (-9) when the supervisor killed the sandbox, which it does
     only at the timeout: timed_out is the authority. stdout/stderr: UTF-8 with errors replaced,
-    head and tail kept when longer than Limits.output_bytes (truncated=True, the cut is marked)."""
+    head and tail kept when longer than Limits.output_bytes (truncated=True, the cut is marked).
+    gaps: what this sandbox does not protect on this host (Sandbox.gaps), one sentence each."""
     exit_code: int
     stdout: str
     stderr: str
@@ -96,6 +104,7 @@ class ExecResult:
     truncated: bool
     duration_ms: float
     tier: str
+    gaps: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -204,21 +213,17 @@ def _executor() -> concurrent.futures.ThreadPoolExecutor:
         return _EXECUTOR
 
 
-_INIT_BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
-              "from nano_openshell.initproc import main; main()")
-_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
 class Sandbox:
     def __init__(self, workspace=None, policy=None, limits: Limits | None = None,
                  min_tier: str = "namespaced", allow_unisolated: bool = False,
                  tier: str | None = None, env: dict[str, str] | None = None,
-                 mounts: dict[str, str | None] | None = None):
+                 mounts: dict[str, str | None] | None = None, use_cgroup: bool = True):
         """tier: run exactly this tier (it must work here and be >= min_tier); None = the best one.
         env: extra variables for the command (on top of the allowlist).
         mounts: {path in the sandbox: None or a host directory}: a writable directory of this Sandbox's
         own at each fixed absolute path (namespaced tier only), empty (None) or a copy of the host
-        directory, removed at close; path_of(path) is where the host sees it."""
+        directory, removed at close; path_of(path) is where the host sees it.
+        use_cgroup=False: no cgroup even where one could be made (tests of the path without one)."""
         self.limits = limits if limits is not None else Limits()
         if not isinstance(self.limits, Limits):
             raise TypeError("limits must be a Limits")
@@ -235,6 +240,8 @@ class Sandbox:
         self._extra_env = self._check_env(env or {})
         self._mounts = {}  # path in the sandbox -> the host directory behind it
         mounts = self._check_mounts(mounts)
+        self.cgroup, self.cgroup_reason = None, "not asked for (use_cgroup=False)"
+        self._processes_in_cgroup = False  # does every process of this tier start inside self.cgroup
 
         if workspace is None:
             workspace = tempfile.mkdtemp(prefix="nano-openshell-ws-")
@@ -250,6 +257,11 @@ class Sandbox:
                                    "uid: as root, every directory above it must be world-traversable (o+x)")
             self._make_mounts(mounts)
             self._fix_workspace_owner()
+            if use_cgroup and self.tier != "none":
+                self.cgroup, self.cgroup_reason = SandboxCgroup.create(self.limits.memory_bytes,
+                                                                       self.limits.processes)
+                self._owned.cgroup = self.cgroup
+                self._processes_in_cgroup = self.cgroup is not None and self.tier == "fallback"
             if self.tier == "namespaced":
                 self._bwrap_argv = namespaced.base_argv(self.probe["capabilities"]["bwrap"],
                                                         self.limits.tmp_bytes, self.uid is not None)
@@ -260,6 +272,7 @@ class Sandbox:
                 self._start_launcher(ws_fd)
             if policy is not None:
                 self._start_proxy(policy)
+            self.gaps = self._gaps()
         except BaseException:
             self.close()
             raise
@@ -281,6 +294,9 @@ class Sandbox:
         self._launch_argv += namespaced.workspace_args(self._LAUNCH_FDS["workspace"]) + namespaced.mount_args(
             self._mounts)
         self._launcher = self._owned.launcher = launcher.Launcher(drop, python, {"PATH": SAFE_PATH})
+        if self.cgroup is not None:  # idle until the first command: every bwrap starts inside
+            self.cgroup.leaf().add(self._launcher._proc.pid)
+            self._processes_in_cgroup = True
 
     def _choose_tier(self, min_tier, tier, allow_unisolated) -> str:
         if min_tier not in TIERS:
@@ -298,6 +314,19 @@ class Sandbox:
         if tier == "none" and not allow_unisolated:
             raise SandboxError("running without isolation needs allow_unisolated=True")
         return tier
+
+    def _gaps(self) -> list[str]:
+        """The probe's gaps for this tier, with the memory one decided for this Sandbox."""
+        gaps = [g for g in self.probe["tiers"][self.tier]["gaps"] if not g.startswith("memory")]
+        if self.cgroup is None:
+            why = self.cgroup_reason
+        elif not self._processes_in_cgroup:
+            why = "this Sandbox's processes do not start in its cgroup"
+        elif "memory" not in self.cgroup.capped:
+            why = "no memory controller we may use"
+        else:
+            return gaps
+        return gaps + [f"memory is capped per process (RLIMIT_AS), not per sandbox: {why}"]
 
     @staticmethod
     def _check_env(env: dict) -> dict[str, str]:
@@ -360,7 +389,8 @@ class Sandbox:
         info = {"tier": self.tier, "capabilities": self.probe["capabilities"]}
         # the socket may be opened by the sandbox's uid; the private directory guards it from the host
         self._proxy = ProxyServer(policy, sock, audit_path=os.path.join(self._supervisor_dir, "audit.jsonl"),
-                                  info=info, socket_mode=0o666)
+                                  info=info, socket_mode=0o666, audit_max_bytes=self.limits.audit_log_bytes,
+                                  rate=(self.limits.proxy_requests_per_second, self.limits.proxy_request_burst))
         self._owned.proxy = self._proxy.start()
         self.handshake = handshake(sock, protocol=PROTOCOL_VERSION)
         self.audit_path = self._proxy.audit_path
@@ -427,7 +457,7 @@ class Sandbox:
         else:
             code, out, err, timed_out = self._exec_init(command, start + timeout)
         return ExecResult(code, out.text(), err.text(), timed_out, out.truncated or err.truncated,
-                          round((time.monotonic() - start) * 1000, 3), self.tier)
+                          round((time.monotonic() - start) * 1000, 3), self.tier, list(self.gaps))
 
     async def aexec(self, command, timeout: float = 30.0) -> ExecResult:
         return await asyncio.get_running_loop().run_in_executor(_executor(), self.exec, command, timeout)
@@ -456,7 +486,7 @@ class Sandbox:
             sock_fd = self._socket_fd if self._proxy is not None else None
             if self._launcher is not None:
                 proc = self._spawn_launched(prog_r, script_fd, sock_fd, tail)
-                return _drain(proc, deadline, self.limits.output_bytes, proc.kill)
+                return _drain(proc, deadline, self.limits.output_bytes, proc.kill, self._owned)
             argv = self._bwrap_argv + namespaced.command_args(prog_r, script_fd, sock_fd) + tail
             user = {}
             drop = uid_drop_argv(self.uid) if self.uid is not None else None
@@ -473,7 +503,7 @@ class Sandbox:
             for fd in owned:
                 os.close(fd)
         # killing bwrap kills its pid 1 (--die-with-parent), and with it the whole pid namespace
-        return _drain(proc, deadline, self.limits.output_bytes, proc.kill)
+        return _drain(proc, deadline, self.limits.output_bytes, proc.kill, self._owned)
 
     def _spawn_launched(self, prog_fd: int, script_fd: int | None, sock_fd: int | None, tail: list[str]):
         at = self._LAUNCH_FDS
@@ -517,29 +547,18 @@ class Sandbox:
                    "landlock": isolated and caps["landlock_abi"] > 0,
                    "seccomp": _seccomp_program(True).hex() if isolated and caps["seccomp"] else None,
                    "argv": argv, "env": self._env(self.workspace, tmpdir)}
-            proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _INIT_BOOT, _PACKAGE_PARENT],
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    env={"PATH": SAFE_PATH}, start_new_session=True)
+            init = initproc.Init(cfg, self.cgroup.leaf() if self.cgroup is not None else None, SAFE_PATH)
             try:
-                proc.stdin.write(json.dumps(cfg).encode())
-                proc.stdin.close()
-            except BrokenPipeError:
-                pass
-
-            def stop():  # the init kills the tree; SIGKILL only if it does not go in time
-                try:
-                    proc.send_signal(signal.SIGTERM)
-                    proc.wait(timeout=_KILL_GRACE)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-
-            return _drain(proc, deadline, self.limits.output_bytes, stop)
+                return _drain(init.proc, deadline, self.limits.output_bytes, init.stop, self._owned)
+            finally:
+                init.close()
         finally:
             _rmtree(tmpdir)
 
     # ---- lifetime ----------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop the proxy, close our fds, remove the temporary workspace. Idempotent."""
+        """Kill every command still running (its exec returns with exit_code -9), stop the proxy,
+        close our fds, remove the cgroup and the temporary workspace. Idempotent."""
         self._closed = True
         self._release()
 
@@ -557,9 +576,32 @@ class _Owned:
         self.fds: list[int] = []
         self.proxy = None
         self.launcher = None
+        self.cgroup = None
         self.dirs: list[str] = []  # removed on release: a temporary workspace, the supervisor dir
+        self.running: set = set()  # the kill function of every command in flight
+        self.lock = threading.Lock()
+        self.released = False
+
+    def track(self, kill) -> None:
+        """A command started: release() kills it; once released, it is killed at once."""
+        with self.lock:
+            if not self.released:
+                self.running.add(kill)
+                return
+        kill()
+
+    def untrack(self, kill) -> None:
+        with self.lock:
+            self.running.discard(kill)
 
     def release(self) -> None:
+        with self.lock:
+            self.released, running = True, list(self.running)
+        for kill in running:  # no command outlives its Sandbox (its workspace is about to go)
+            kill()
+        if self.cgroup is not None:
+            self.cgroup.close()  # whatever is left, at once; then the cgroup directories go
+            self.cgroup = None
         if self.launcher is not None:
             self.launcher.close()
             self.launcher = None
@@ -572,9 +614,11 @@ class _Owned:
             _rmtree(self.dirs.pop())
 
 
-def _drain(proc: subprocess.Popen, deadline: float, cap: int, kill) -> tuple[int, _Capped, _Capped, bool]:
+def _drain(proc: subprocess.Popen, deadline: float, cap: int, kill,
+           owned: "_Owned | None" = None) -> tuple[int, _Capped, _Capped, bool]:
     """Read stdout/stderr until EOF or the deadline; at the deadline kill, then give the pipes a short
-    grace to reach EOF (they do once the tree is dead) and stop reading regardless."""
+    grace to reach EOF (they do once the tree is dead) and stop reading regardless. owned: the
+    Sandbox's, so that close() kills the command meanwhile."""
     out, err = _Capped(cap), _Capped(cap)
     sinks = {proc.stdout.fileno(): out, proc.stderr.fileno(): err}
     sel = selectors.DefaultSelector()
@@ -583,6 +627,8 @@ def _drain(proc: subprocess.Popen, deadline: float, cap: int, kill) -> tuple[int
         sel.register(fd, selectors.EVENT_READ)
     timed_out, give_up = False, None
     try:
+        if owned is not None:
+            owned.track(kill)
         while sel.get_map():
             now = time.monotonic()
             if not timed_out and now >= deadline:
@@ -607,6 +653,8 @@ def _drain(proc: subprocess.Popen, deadline: float, cap: int, kill) -> tuple[int
                 kill()
         proc.wait()
     finally:
+        if owned is not None:
+            owned.untrack(kill)
         sel.close()
         proc.stdout.close()
         proc.stderr.close()

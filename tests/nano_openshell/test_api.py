@@ -20,7 +20,9 @@ def test_result_fields_and_exit_codes(sandbox, tier):
     assert (r.exit_code, r.stdout, r.stderr, r.timed_out, r.truncated, r.tier) == (7, "out\n", "err\n", False, False, tier)
     assert 0 < r.duration_ms < 10_000
     assert sandbox.exec("kill -9 $$", timeout=10).exit_code == 128 + 9  # the same in every tier
-    assert set(r.to_dict()) == {"exit_code", "stdout", "stderr", "timed_out", "truncated", "duration_ms", "tier"}
+    assert set(r.to_dict()) == {"exit_code", "stdout", "stderr", "timed_out", "truncated", "duration_ms", "tier",
+                                "gaps"}
+    assert r.gaps == sandbox.gaps and all(isinstance(g, str) and g for g in r.gaps)
 
 
 def test_output_is_decoded_with_replacement(sandbox):

@@ -12,6 +12,8 @@ import time
 
 import pytest
 
+from nano_openshell import SandboxError, probe
+
 from .conftest import MARK, Limits, processes_with, sleep_arg, started, token, wait_gone
 
 ESCAPES = {
@@ -145,3 +147,52 @@ def test_killed_supervisor_leaves_nothing_behind(tier):
     for left in set(glob.glob("/tmp/nano-openshell-tmp-*")) - before:
         if uid != "None" and os.stat(left).st_uid == int(uid):
             shutil.rmtree(left)
+
+
+# ---- the sandbox's cgroup (cgroup.kill) and, without one, the scan of /proc ------------------------
+
+@pytest.fixture(params=["cgroup", "scan"])
+def kill_path_sandbox(request, make_sandbox):
+    """A Sandbox killing by cgroup.kill where the host lets us make a cgroup, and one that never does
+    (the kill by scanning /proc for the init's descendants: what a host without cgroups gets)."""
+    sb = make_sandbox(use_cgroup=request.param == "cgroup")
+    usable = probe()["capabilities"]["cgroup"]["usable"]
+    assert (sb.cgroup is not None) == (request.param == "cgroup" and usable), sb.cgroup_reason
+    return sb
+
+
+DEEP_FORK_CHAIN = ("python3 -I -c \"import os\nfor i in range({depth}):\n    if os.fork(): break\n"
+                   "os.execvp('sleep', ['sleep', '{s}'])\"")
+
+
+def test_deep_fork_chain_is_killed_at_the_timeout(kill_path_sandbox):
+    """Each process of a 150-deep chain is its child's parent: a level-by-level kill took longer
+    than the init was given, and the rest of the chain went to PID 1 alive."""
+    tok = token()
+    cmd = f"echo {MARK}; " + DEEP_FORK_CHAIN.format(depth=150, s=sleep_arg(tok))
+    r = started(kill_path_sandbox.exec(cmd, timeout=1.5))
+    assert r.timed_out and r.exit_code < 0
+    assert wait_gone(sleep_arg(tok), within=1.0) == []
+
+
+def test_close_kills_a_command_another_thread_runs(kill_path_sandbox):
+    """close() while exec runs in another thread: the command dies then, not at its own timeout."""
+    tok = token()
+    results = []
+    runner = threading.Thread(target=lambda: results.append(kill_path_sandbox.exec(
+        f"echo {MARK}; setsid sleep {sleep_arg(tok)} & sleep {sleep_arg(tok)}", timeout=60)))
+    runner.start()
+    sleeping = f"sleep\0{sleep_arg(tok)}"  # the sleeps themselves, not the shell or bwrap naming them
+    end = time.monotonic() + 10
+    while len(processes_with(sleeping)) < 2 and time.monotonic() < end:
+        time.sleep(0.02)
+    assert len(processes_with(sleeping)) == 2, "the command never started"
+    t0 = time.monotonic()
+    kill_path_sandbox.close()
+    runner.join(timeout=5)
+    assert not runner.is_alive() and time.monotonic() - t0 < 5
+    assert wait_gone(sleep_arg(tok), within=1.0) == []
+    [r] = results
+    assert started(r).exit_code < 0 and not r.timed_out
+    with pytest.raises(SandboxError):
+        kill_path_sandbox.exec("true", timeout=5)

@@ -9,13 +9,14 @@
 
 import os
 import subprocess
+import threading
 import time
 
 import pytest
 
 from nano_openshell import sandbox as sandbox_mod
 
-from .conftest import MARK, started
+from .conftest import MARK, processes_with, sleep_arg, started, token
 
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="only a root supervisor drops to another uid")
 
@@ -47,11 +48,24 @@ def test_uid_drop_leaves_no_root_id_group_or_capability(tool, monkeypatch):
 
 
 def test_sandbox_command_runs_under_the_sandbox_uid(sandbox):
+    """Read from the host: the fallback tier hides /proc from the command, its own entries too."""
     if sandbox.uid is None:
         pytest.skip("a non-root supervisor's commands keep its uid")
-    r = started(sandbox.exec(f"echo {MARK}; cat /proc/self/status", timeout=10))
-    ids = _ids_line(r.stdout.split("\n", 1)[1])
-    assert ids["Uid"].split() == [str(sandbox.uid)] * 4 and ids["Groups"] == ""
+    arg = sleep_arg(token())
+    running = threading.Thread(target=sandbox.exec, args=(f"exec sleep {arg}",), kwargs={"timeout": 10})
+    arg = f"sleep\0{arg}"  # the command itself, not bwrap's command line naming it
+    running.start()
+    try:
+        end = time.monotonic() + 5
+        while not processes_with(arg) and time.monotonic() < end:
+            time.sleep(0.02)
+        [pid] = processes_with(arg)
+        with open(f"/proc/{pid}/status") as f:
+            ids = _ids_line(f.read())
+    finally:
+        sandbox.close()  # kills the command
+        running.join()
+    assert ids["Uid"].split() == [str(sandbox.uid)] * 4 and ids["Groups"] == "" and int(ids["CapEff"], 16) == 0
 
 
 def test_root_sandbox_launcher_runs_as_the_sandbox_uid_and_ends_with_close(make_sandbox, tier):

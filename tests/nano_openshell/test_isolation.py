@@ -2,11 +2,15 @@
 
 import os
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
 
 import pytest
+
+from nano_openshell import probe
 
 from .conftest import MARK, started
 
@@ -26,6 +30,28 @@ def test_secrets_unreadable_via_env_and_every_proc_environ(make_sandbox, monkeyp
     assert "end" in r.stdout and "PATH=" in r.stdout
     for k, v in SECRETS.items():
         assert v not in seen, f"{k} leaked into the sandbox"
+
+
+def test_host_command_lines_are_unreadable(sandbox):
+    """A host process (the trainer, another sandbox's command) with a secret in its argv: no command
+    in the sandbox reads it, whichever way it looks. Where the host gives us no way to hide /proc,
+    the Sandbox must say so in its gaps instead."""
+    secret = "hf_" + os.urandom(8).hex()
+    host = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", f"--hf-token={secret}"])
+    try:
+        r = started(sandbox.exec(
+            f"echo {MARK}; cat /proc/{host.pid}/cmdline; cat /proc/[0-9]*/cmdline /proc/[0-9]*/task/*/cmdline; "
+            f"tr '\\0' ' ' < /proc/{host.pid}/cmdline; ps -eo args 2>/dev/null; "
+            f"python3 -I -c 'print(open(\"/proc/{host.pid}/cmdline\").read())'; "
+            "head -1 /proc/meminfo; echo end", timeout=20))
+    finally:
+        host.kill()
+        host.wait()
+    assert r.stdout.endswith("end\n"), r.stderr
+    assert r.stdout.split("\n")[-3].startswith("MemTotal:"), "system-wide figures stay readable"
+    hidden = not any("command lines" in g for g in sandbox.gaps)
+    assert hidden == (secret not in r.stdout + r.stderr), (sandbox.gaps, r.stdout[-300:])
+    assert hidden or (sandbox.tier == "fallback" and probe()["capabilities"]["landlock_abi"] == 0)
 
 
 def test_environment_is_an_allowlist(sandbox, monkeypatch):

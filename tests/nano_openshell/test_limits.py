@@ -3,6 +3,7 @@
 import os
 import time
 
+from nano_openshell import probe
 from nano_openshell.sandbox import _Capped
 
 from .conftest import MARK, Limits, started
@@ -14,6 +15,27 @@ def test_memory_bomb_is_stopped(make_sandbox):
                         timeout=20))
     assert "survived 600000000" not in r.stdout
     assert not r.timed_out
+
+
+HOLD_150_MIB = ("python3 -I -c \"import time; b = b'x' * (150 << 20); print('held', flush=True); "
+                "time.sleep(1.5); print('done', flush=True)\"")
+
+
+def test_memory_is_capped_for_the_sandbox_as_a_whole(make_sandbox):
+    """Three children of 150 MiB each against a 256 MiB sandbox: each is under every per-process
+    limit, together they are not. With a cgroup one of them is killed; without, the probe and the
+    Sandbox say that memory is capped per process only."""
+    sb = make_sandbox(limits=Limits(memory_bytes=256 << 20))
+    r = started(sb.exec(f"echo {MARK}; {HOLD_150_MIB} & {HOLD_150_MIB} & {HOLD_150_MIB} & wait; echo end",
+                        timeout=30))
+    assert r.stdout.endswith("end\n") and not r.timed_out
+    memory_gaps = [g for g in r.gaps if g.startswith("memory")]
+    if probe()["capabilities"]["cgroup"]["usable"] and os.geteuid() == 0:
+        assert memory_gaps == [], "as root with a usable cgroup, every tier's processes start in it"
+    if memory_gaps:  # the hole is there, and reported
+        assert r.stdout.count("done") == 3 and "not per sandbox" in memory_gaps[0]
+    else:
+        assert r.stdout.count("done") < 3, r.stdout
 
 
 def test_file_size_bomb_is_capped(make_sandbox):

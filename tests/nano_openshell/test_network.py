@@ -291,3 +291,25 @@ def test_a_policy_below_the_namespaced_tier_is_a_clear_error(server_port):
             Sandbox(workspace=ws, policy=policy, tier="fallback", min_tier="fallback")
     finally:
         shutil.rmtree(ws, ignore_errors=True)
+
+
+def test_sandbox_requests_beyond_its_rate_get_429(server_port):
+    """Limits.proxy_requests_per_second / proxy_request_burst reach the sandbox's proxy."""
+    from nano_openshell.probe import probe
+    from nano_openshell.sandbox import Limits, Sandbox
+
+    if not probe()["tiers"]["namespaced"]["ok"]:
+        pytest.skip(f"network policies need the namespaced tier: {probe()['tiers']['namespaced']['reason']}")
+    policy = Policy.from_dict({"version": 1, "rules": [
+        {"name": "local", "host": "127.0.0.1", "ports": [server_port], "methods": ["GET"]}]})
+    code = ("import urllib.request as u, urllib.error as e\n"
+            "for i in range(12):\n"
+            "    try:\n"
+            f"        print(u.urlopen(f'http://127.0.0.1:{server_port}/r{{i}}', timeout=5).status)\n"
+            "    except e.HTTPError as err:\n"
+            "        print(err.code)\n")
+    with Sandbox(policy=policy, limits=Limits(proxy_requests_per_second=1, proxy_request_burst=3)) as sb:
+        r, out = run_marked(sb, f"python3 -I -c \"{code}\"")
+    codes = out.split()
+    assert len(codes) == 12 and codes[0] == "200", (out, r.stderr)
+    assert codes.count("429") >= 7, codes  # the burst (less the supervisor's handshake), then 1 a second

@@ -446,3 +446,40 @@ def test_policy_file_path_start_stop_and_context_manager(workdir, upstream):
         assert status(send(proxy, get(f"127.0.0.1:{port}"))) == 200
         assert handshake(sock)["tier"] == "fallback"
     assert not os.path.exists(sock)
+
+
+# ---- a flood from one sandbox: bounded disk, bounded rate ----
+
+def test_audit_log_stays_bounded_under_large_denied_requests(make_proxy):
+    """Large denied requests as fast as they go (44.9 MB of log in 8 s before): every field is cut,
+    the log rotates at audit_max_bytes and one old file is kept."""
+    cap = 64 << 10
+    proxy = make_proxy(audit_max_bytes=cap, rate=None)
+    for i in range(300):
+        assert status(send(proxy, get("denied.test", f"/{i}/" + "a" * 7000))) == 403
+    assert os.path.getsize(proxy.audit_path) <= cap and os.path.getsize(proxy.audit_path + ".1") <= cap
+    assert not os.path.exists(proxy.audit_path + ".2")
+    last = audit(proxy)[-1]
+    assert last["path"].startswith("/299/") and last["path"].endswith("more chars]") and len(last["path"]) < 300
+    assert (last["decision"], last["status"]) == ("deny", 403)
+
+
+def test_requests_beyond_the_rate_are_refused_429_and_summarised(make_proxy, upstream):
+    port, _ = upstream
+    proxy = make_proxy(rate=(2, 5))
+    codes = [status(send(proxy, get("denied.test", f"/{i}"))) for i in range(30)]
+    assert codes[:5] == [403] * 5 and codes.count(429) >= 23, codes  # a burst of 5, then 2 a second
+    time.sleep(0.6)
+    assert status(send(proxy, get(f"127.0.0.1:{port}", "/again"))) == 200, "the bucket refills"
+    proxy.stop()  # writes the count still pending
+    lines = audit(proxy)
+    assert len([a for a in lines if a["status"] == 403]) == codes.count(403)
+    summaries = [a for a in lines if a["status"] == 429]
+    assert sum(a["count"] for a in summaries) == codes.count(429), "each refusal counted, none logged alone"
+    assert len(summaries) <= 3 and all("rate limit" in a["reason"] for a in summaries)
+
+
+def test_a_bad_rate_is_refused(workdir):
+    for bad in ((0, 5), (1, 0), (-1, 1)):
+        with pytest.raises(ValueError, match="rate"):
+            ProxyServer(Policy.from_dict({"version": 1, "rules": []}), os.path.join(workdir, "p.sock"), rate=bad)

@@ -1,0 +1,278 @@
+"""A cgroup per Sandbox: one kill for everything its commands started, and memory and process caps
+for the sandbox as a whole (not per process).
+
+    cg, why = SandboxCgroup.create(memory_bytes, processes)   # None and the reason where we cannot
+    leaf = cg.leaf(); leaf.add(pid)    # before pid starts anything: its descendants stay inside
+    leaf.kill(); leaf.close()          # one command;  cg.close(): kill all, remove the directories
+
+Layout, under the supervisor's own cgroup (what it was given: we never touch anything above it,
+except its parent where that one already hands controllers down and is ours to write):
+  cgroup v2 (the whole tree, or the unified tree of a hybrid host):
+      <base>/nano-openshell-<pid>-<n>/        the Sandbox: memory.max, memory.swap.max = 0, pids.max
+      <base>/nano-openshell-<pid>-<n>/c<k>/   a leaf per command (or per launcher): processes live only
+                                              in leaves, so v2's "no internal processes" rule never bites
+  v1 memory / pids hierarchies (a hybrid host, where those controllers are not on the v2 tree):
+      <base>/nano-openshell-<pid>-<n>/        memory.limit_in_bytes (+ memsw), pids.max; every process joins it
+The v2 tree is required (it is what kills); the caps come from v2 controllers where our cgroup can
+hand them down, otherwise from v1. kill() writes cgroup.kill (Linux 5.14+): the kernel kills every
+process of the tree at once, whatever it forks meanwhile; without that file, SIGKILL what
+cgroup.procs lists until it lists nothing. A command cannot move itself out: the cgroup files are
+not its uid's, or (non-root supervisor, delegated tree) Landlock keeps /sys read-only.
+A supervisor killed with SIGKILL leaves its (empty) cgroups behind: the name carries its pid and
+start time, and the first create() of a later supervisor removes those whose owner is gone.
+"""
+
+import itertools
+import os
+import secrets
+import signal
+import time
+
+_counter = itertools.count()
+_layout = None  # (v2 parent, v2 caps?, {v1 controller: parent}): where this process makes its cgroups
+_EMPTY_WAIT = 2.0  # after a kill, how long we wait for the kernel to tear processes down
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _hierarchies() -> tuple[str | None, dict[str, str]]:
+    """(our v2 cgroup directory, {v1 controller: our cgroup directory}) for memory and pids, from
+    /proc/self/mountinfo and /proc/self/cgroup. A cgroup mounted elsewhere than we sit is skipped."""
+    mounts = {}  # "" for v2, else the v1 controller -> (mount point, root of the mount)
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            sep = fields.index("-")
+            fstype, options = fields[sep + 1], fields[sep + 3].split(",")
+            if fstype == "cgroup2":
+                mounts.setdefault("", (fields[4], fields[3]))
+            elif fstype == "cgroup":
+                for ctrl in ("memory", "pids"):
+                    if ctrl in options:
+                        mounts.setdefault(ctrl, (fields[4], fields[3]))
+    ours = {}
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            _, ctrls, path = line.rstrip("\n").split(":", 2)
+            for ctrl in ctrls.split(",") if ctrls else [""]:
+                if ctrl in mounts:
+                    mount, root = mounts[ctrl]
+                    rel = path if root == "/" else path[len(root):] if path.startswith(root) else None
+                    if rel is not None:
+                        ours[ctrl] = os.path.normpath(mount + "/" + rel.lstrip("/"))
+    v2 = ours.pop("", None)
+    return v2, ours
+
+
+def _v2_parent(base: str) -> tuple[str, bool]:
+    """Where the sandbox's v2 cgroup goes, and whether memory and pids can be capped there: our own
+    cgroup, if it hands both controllers down (or we can make it: only a cgroup without processes
+    can); else its parent, if that one already does and we may write it; else our own, uncapped."""
+    want = {"memory", "pids"}
+    if want <= set(_read(os.path.join(base, "cgroup.subtree_control")).split()):
+        return base, True
+    if want <= set(_read(os.path.join(base, "cgroup.controllers")).split()):
+        try:
+            _write(os.path.join(base, "cgroup.subtree_control"), "+memory +pids")
+            return base, True
+        except OSError:
+            pass  # EBUSY: we live in it ("no internal processes"), or it is not ours
+    parent = os.path.dirname(base)
+    try:
+        if (want <= set(_read(os.path.join(parent, "cgroup.subtree_control")).split())
+                and os.access(parent, os.W_OK) and os.access(os.path.join(parent, "cgroup.procs"), os.W_OK)):
+            return parent, True
+    except OSError:
+        pass
+    return base, False
+
+
+def _start_time(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _owner_gone(name: str) -> bool:
+    """nano-openshell-<pid>-<start time>-...: is that process gone (or its pid reused)?"""
+    parts = name.split("-")
+    if len(parts) < 5 or not (parts[2].isdigit() and parts[3].isdigit()):
+        return False
+    return _start_time(int(parts[2])) != int(parts[3])
+
+
+def _sweep(parents: list[str]) -> None:
+    """Remove the empty cgroups of supervisors that died without close()."""
+    for parent in parents:
+        try:
+            names = [n for n in os.listdir(parent) if n.startswith("nano-openshell-") and _owner_gone(n)]
+        except OSError:
+            continue
+        for name in names:
+            path = os.path.join(parent, name)
+            if not _populated(path):
+                _remove(path, wait=0.0)
+
+
+def _kill(path: str) -> None:
+    """Kill every process in the cgroup tree at path."""
+    try:
+        _write(os.path.join(path, "cgroup.kill"), "1")
+        return
+    except FileNotFoundError:
+        pass  # older than Linux 5.14: kill what is listed until nothing is (a fork lands in the list)
+    except OSError:
+        return  # already removed
+    end = time.monotonic() + _EMPTY_WAIT
+    while time.monotonic() < end:
+        pids = []
+        for dirpath, _, _ in os.walk(path):
+            try:
+                pids += [int(p) for p in _read(os.path.join(dirpath, "cgroup.procs")).split()]
+            except OSError:
+                pass
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.001)
+
+
+def _populated(path: str) -> bool:
+    try:
+        return "populated 1" in _read(os.path.join(path, "cgroup.events"))
+    except OSError:
+        return False
+
+
+def _remove(path: str, wait: float = _EMPTY_WAIT) -> None:
+    """rmdir a cgroup tree (leaves first) once its processes are gone; a directory still busy
+    after `wait` is left behind."""
+    end = time.monotonic() + wait
+    while _populated(path) and time.monotonic() < end:
+        time.sleep(0.001)
+    for dirpath, _, _ in sorted(os.walk(path), key=lambda w: -len(w[0])):
+        while True:
+            try:
+                os.rmdir(dirpath)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:  # EBUSY: v1 tasks still exiting
+                if time.monotonic() > end:
+                    break
+                time.sleep(0.001)
+
+
+class Leaf:
+    """One command's (or one launcher's) place in the sandbox cgroup."""
+
+    def __init__(self, path: str, v1_dirs: list[str]):
+        self.path, self._v1_dirs = path, v1_dirs
+
+    def add(self, pid: int) -> None:
+        """Move pid in; what it starts afterwards is born inside."""
+        _write(os.path.join(self.path, "cgroup.procs"), str(pid))
+        for d in self._v1_dirs:
+            _write(os.path.join(d, "cgroup.procs"), str(pid))
+
+    def kill(self) -> None:
+        _kill(self.path)
+
+    def close(self) -> None:
+        """Kill what is left, wait until it is gone, remove the leaf."""
+        _kill(self.path)
+        _remove(self.path)
+
+
+class SandboxCgroup:
+    def __init__(self, path: str, v1_dirs: dict[str, str], capped: list[str]):
+        self.path = path          # the Sandbox's v2 cgroup
+        self.v1_dirs = v1_dirs    # {controller: its v1 cgroup} on a hybrid host
+        self.capped = capped      # what is capped for the whole sandbox: "memory", "pids"
+        self._leaves = itertools.count()
+
+    @classmethod
+    def create(cls, memory_bytes: int, processes: int) -> "tuple[SandboxCgroup | None, str]":
+        """A new cgroup with these caps, or (None, why not)."""
+        global _layout
+        name = f"nano-openshell-{os.getpid()}-{_start_time(os.getpid())}-{next(_counter)}-{secrets.token_hex(3)}"
+        made = []
+        try:
+            if _layout is None:  # once per process (a supervisor does not change cgroups under us)
+                v2_base, v1_bases = _hierarchies()
+                if v2_base is None:
+                    return None, "no cgroup v2 tree is mounted (cgroup.kill needs one)"
+                _layout = (*_v2_parent(v2_base), v1_bases)
+                _sweep([_layout[0], *v1_bases.values()])
+            parent, v2_caps, v1_bases = _layout
+            path = os.path.join(parent, name)
+            os.mkdir(path)
+            made.append(path)
+            capped, v1_dirs = [], {}
+            if v2_caps:
+                _write(os.path.join(path, "memory.max"), str(memory_bytes))
+                if os.path.exists(os.path.join(path, "memory.swap.max")):
+                    _write(os.path.join(path, "memory.swap.max"), "0")
+                _write(os.path.join(path, "pids.max"), str(processes))
+                capped = ["memory", "pids"]
+            else:
+                for ctrl, base in sorted(v1_bases.items()):
+                    d = os.path.join(base, name)
+                    try:
+                        os.mkdir(d)
+                    except OSError:
+                        continue  # not ours to write: that cap stays per process
+                    made.append(d)
+                    if ctrl == "memory":
+                        _write(os.path.join(d, "memory.limit_in_bytes"), str(memory_bytes))
+                        if os.path.exists(os.path.join(d, "memory.memsw.limit_in_bytes")):
+                            _write(os.path.join(d, "memory.memsw.limit_in_bytes"), str(memory_bytes))
+                    else:
+                        _write(os.path.join(d, "pids.max"), str(processes))
+                    v1_dirs[ctrl] = d
+                    capped.append(ctrl)
+        except (OSError, ValueError) as e:
+            for d in reversed(made):
+                _remove(d)
+            return None, f"cannot create a cgroup here: {e}"
+        how = "cgroup.kill" if os.path.exists(os.path.join(path, "cgroup.kill")) else "SIGKILL of cgroup.procs"
+        caps = ", ".join(f"{c} (v1)" if c in v1_dirs else c for c in capped) or "nothing (no controller we may use)"
+        return cls(path, v1_dirs, capped), f"{path}: kill by {how}; capped per sandbox: {caps}"
+
+    def leaf(self) -> Leaf:
+        path = os.path.join(self.path, f"c{next(self._leaves)}")
+        os.mkdir(path)
+        return Leaf(path, list(self.v1_dirs.values()))
+
+    def kill(self) -> None:
+        _kill(self.path)  # every process is in the v2 tree too: the v1 groups need no kill of their own
+
+    def close(self) -> None:
+        """Kill every process of the sandbox and remove its cgroups. Idempotent."""
+        self.kill()
+        _remove(self.path)
+        for d in self.v1_dirs.values():
+            _remove(d)
+
+
+def check() -> dict:
+    """What a Sandbox would get here (probe.py): a real cgroup made and removed again."""
+    cg, why = SandboxCgroup.create(1 << 30, 64)
+    if cg is None:
+        return {"usable": False, "kill": False, "capped": [], "reason": why}
+    cg.close()
+    return {"usable": True, "kill": True, "capped": cg.capped, "reason": why}
