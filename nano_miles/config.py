@@ -348,10 +348,11 @@ def _default_text(value) -> str:
 # ----------------------------------------------------------------------------- command lines
 
 def add_config_arguments(parser: argparse.ArgumentParser, cls, flags: dict[str, str] | None = None,
-                         repeatable: tuple[str, ...] = ()) -> None:
+                         repeatable: tuple[str, ...] = (), switches: dict[str, tuple[str, str]] | None = None) -> None:
     """--config FILE, --set KEY=VALUE (repeatable), --print-config, and one flag per `flags` item
     (flag -> the dotted key it sets). A flag in `repeatable` may be given several times; its values
-    join with commas. A flag's help is its key's meaning and default."""
+    join with commas. A flag's help is its key's meaning and default. `switches` are flags without a
+    value (flag -> (key, the value it sets)), e.g. {"--no-cuda-graph": ("engine.cuda_graph", "false")}."""
     parser.add_argument("--config", metavar="FILE.toml",
                         help="a TOML file of config keys (sections for dotted keys, e.g. [optim] lr = 1e-6)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -364,7 +365,10 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls, flags: dict[str, 
         parser.add_argument(flag, dest=_dest(flag), default=argparse.SUPPRESS, metavar=typ.split(" ")[0].upper(),
                             action="append" if flag in repeatable else "store",
                             help=f"{meaning} (key {key}, default {_default_text(default)})".lstrip(" "))
-    parser.set_defaults(config_flags=dict(flags or {}))
+    for flag, (key, value) in (switches or {}).items():
+        parser.add_argument(flag, dest=_dest(flag), default=argparse.SUPPRESS, action="store_const", const=value,
+                            help=f"{key} = {value} ({rows[key][2]})")
+    parser.set_defaults(config_flags={**(flags or {}), **{f: k for f, (k, _) in (switches or {}).items()}})
 
 
 def _dest(flag: str) -> str:

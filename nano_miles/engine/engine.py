@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nano_miles.dtypes import resolve_dtype
+from nano_miles.dtypes import DTYPE_NAMES, resolve_dtype
 from nano_miles.engine.flat_params import FlatParameters, wait_for_copies
 from nano_miles.engine.kv_cache import BlockManager, KVCache
 from nano_miles.engine.model import Batch, CausalLM, ModelConfig, load_safetensors, skip_weight_name
@@ -26,19 +26,43 @@ __all__ = ["Engine", "EngineConfig", "SamplingParams", "FinishedRequest"]
 
 @dataclass
 class EngineConfig:
-    model: str                          # a local Hugging Face folder (config.json + *.safetensors)
-    device: str = "cpu"                 # "cpu" | "cuda" | "cuda:N"
-    dtype: str = "auto"                 # "float32" | "bfloat16" | "float16" | "auto" (nano_miles.dtypes: bf16 on GPU, fp32 on CPU)
-    max_running_requests: int = 256
-    block_size: int = 16
-    num_kv_blocks: int | None = None    # None: fill kv_cache_memory_fraction of free GPU memory / a CPU cap
-    max_model_len: int | None = None    # None: the config's max_position_embeddings, capped at 32768
+    """The engine's knobs; `nano-miles serve` takes them as the engine.* config keys."""
+    model: str = ""                     # the model: a local HF folder (serve also takes a registered name or a hub id)
+    device: str = "cpu"                 # cpu | cuda | cuda:N
+    dtype: str = "auto"                 # float32 | bfloat16 | float16 | auto (bfloat16 on GPU, float32 on CPU)
+    max_running_requests: int = 256     # requests decoded at once (more wait in the queue)
+    block_size: int = 16                # tokens per KV-cache block (the prefix cache's granularity)
+    num_kv_blocks: int | None = None    # KV-cache blocks; none = kv_cache_memory_fraction of free GPU memory, or cpu_kv_cache_bytes
+    max_model_len: int | None = None    # context length; none = the model's max_position_embeddings, capped at 32768
     max_num_batched_tokens: int = 8192  # prefill token budget of one step (longer prompts are chunked)
-    cuda_graph: bool = True             # capture decode steps (GPU only)
-    attention_backend: str = "auto"     # decode attention: "torch" (gather + SDPA) | "triton" (paged kernel, GPU) | "auto"
-    kv_cache_memory_fraction: float = 0.85
-    cpu_kv_cache_bytes: int = 2 << 30
-    seed: int = 0
+    cuda_graph: bool = True             # capture decode steps as CUDA graphs (GPU only)
+    attention_backend: str = "auto"     # decode attention: torch (gather + SDPA) | triton (paged kernel, GPU) | auto
+    kv_cache_memory_fraction: float = 0.85  # share of the GPU's free memory for the KV cache (ignored on CPU)
+    cpu_kv_cache_bytes: int = 2 << 30   # KV-cache bytes on CPU when num_kv_blocks is none
+    seed: int = 0                       # seed of the sampling generator (requests may bring their own sampling_seed)
+
+    def __post_init__(self):
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"engine.dtype must be one of {list(DTYPE_NAMES)}, got {self.dtype!r}")
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, ValueError):
+            raise ValueError(f"engine.device must be cpu, cuda or cuda:N, got {self.device!r}") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"engine.device={self.device}: this torch ({torch.__version__}) sees no CUDA GPU; "
+                             "use --device cpu, or install a CUDA build of torch on a machine with a GPU")
+        if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"engine.device={self.device}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"engine.device must be cpu, cuda or cuda:N, got {self.device!r}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"engine.attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+        if not 0 < self.kv_cache_memory_fraction <= 1:
+            raise ValueError(f"engine.kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        for key in ("max_running_requests", "block_size", "max_num_batched_tokens", "num_kv_blocks", "max_model_len"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ValueError(f"engine.{key} must be >= 1, got {value}")
 
 
 @dataclass
@@ -118,8 +142,6 @@ class Engine:
         usable = triton_attention.available(self.device) and D >= 16 and D & (D - 1) == 0
         if wanted == "triton" and not usable:
             raise ValueError("attention_backend='triton' needs triton, a CUDA device and a power-of-two head_dim >= 16")
-        if wanted not in ("auto", "torch", "triton"):
-            raise ValueError(f"attention_backend must be auto|torch|triton, got {wanted!r}")
         return "triton" if wanted == "triton" or (wanted == "auto" and usable) else "torch"
 
     def _auto_num_blocks(self) -> int:

@@ -11,67 +11,83 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import errno
 import os
 import signal
 import sys
 import time
 import traceback
 import uuid
+from dataclasses import dataclass, field
 
+import torch
 from aiohttp import web
 
+from nano_miles.config import add_config_arguments, config_from_args, to_dict, to_toml
 from nano_miles.dtypes import dtype_name
+from nano_miles.engine.engine import Engine, EngineConfig
 from nano_miles.engine.http_io import error, json_body
 from nano_miles.engine.protocol import RequestError, parse_generate
 from nano_miles.engine.weight_receiver import WeightReceiver
 from nano_miles.engine.worker import EngineWorker
+from nano_miles.models import resolve_model
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
+@dataclass
+class ServerConfig:
+    """The keys of `nano-miles serve` (docs/config.md); the engine's own knobs are engine.*."""
+    host: str = "127.0.0.1"           # address to listen on
+    port: int = 30000                 # port to listen on; 0 picks a free one (printed in the ready line)
+    served_model_name: str = ""       # the model's name in /model_info; "" = engine.model as given
+    threads: int | None = None        # torch CPU threads of the engine thread; none = torch's (1 is far faster for small models on a busy machine)
+    weight_version: str = "0"         # the weight_version served before the first update
+    dist_timeout: float = 300.0       # seconds before a weight-update group rendezvous or broadcast gives up
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def __post_init__(self):
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if not self.dist_timeout > 0:
+            raise ValueError(f"dist_timeout must be > 0, got {self.dist_timeout}")
+
+
+CONFIG = ServerConfig
+
+# SGLang's flags and our older ones: each sets the key it names (one name and one default per knob).
+FLAGS = {"--model": "engine.model", "--model-path": "engine.model", "--device": "engine.device",
+         "--dtype": "engine.dtype", "--host": "host", "--port": "port",
+         "--max-running-requests": "engine.max_running_requests", "--max-model-len": "engine.max_model_len",
+         "--context-length": "engine.max_model_len", "--num-kv-blocks": "engine.num_kv_blocks",
+         "--mem-fraction-static": "engine.kv_cache_memory_fraction", "--seed": "engine.seed",
+         "--random-seed": "engine.seed", "--served-model-name": "served_model_name", "--threads": "threads",
+         "--weight-version": "weight_version", "--dist-timeout": "dist_timeout"}
+SWITCHES = {"--no-cuda-graph": ("engine.cuda_graph", "false"), "--disable-cuda-graph": ("engine.cuda_graph", "false")}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="model name (see prepare-model), HF folder or hub id")
-    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000, help="0 picks a free port (printed in the ready line)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--max-running-requests", type=int, default=256)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--mem-fraction-static", type=float, default=0.85,
-                   help="share of the GPU's free memory for the KV cache (SGLang's name; ignored on CPU)")
-    p.add_argument("--no-cuda-graph", action="store_true", help="run decode eagerly on GPU")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads of the engine thread (default: torch's); 1 is far faster for small "
-                        "models on a busy machine")
-    p.add_argument("--weight-version", default="0", help="initial weight_version")
-    p.add_argument("--dist-timeout", type=float, default=300.0,
-                   help="seconds before a weight-update group rendezvous or broadcast gives up")
+    add_config_arguments(p, ServerConfig, FLAGS, switches=SWITCHES)
 
 
 # ----------------------------------------------------------------------------- HTTP
 
 
 class Server:
-    def __init__(self, args, model_path):
-        self.args = args
+    def __init__(self, cfg: ServerConfig, model_path):
+        self.cfg = cfg
         self.model_path = str(model_path)
         self.started = time.time()
 
     # --- setup ---
-    def make_engine(self):
-        from nano_miles.engine.engine import Engine, EngineConfig
-
-        a = self.args
-        if a.threads:
-            import torch
-            torch.set_num_threads(a.threads)  # called from the engine thread, which runs every forward
-        eng = Engine(EngineConfig(model=self.model_path, device=a.device, dtype=a.dtype,
-                                  max_running_requests=a.max_running_requests, max_model_len=a.max_model_len,
-                                  num_kv_blocks=a.num_kv_blocks, kv_cache_memory_fraction=a.mem_fraction_static,
-                                  cuda_graph=not a.no_cuda_graph, seed=a.seed))
-        eng.weight_version = str(a.weight_version)
+    def make_engine(self) -> Engine:
+        if self.cfg.threads:
+            torch.set_num_threads(self.cfg.threads)  # called from the engine thread, which runs every forward
+        eng = Engine(dataclasses.replace(self.cfg.engine, model=self.model_path))
+        eng.weight_version = self.cfg.weight_version
         return eng
 
     def app(self, loop) -> web.Application:
@@ -90,7 +106,7 @@ class Server:
         r.add_post("/pause_generation", self.pause_generation)
         r.add_post("/continue_generation", self.continue_generation)
         r.add_post("/abort_request", self.abort_request)
-        self.weights = WeightReceiver(self.worker, self.args.dist_timeout)
+        self.weights = WeightReceiver(self.worker, self.cfg.dist_timeout)
         self.weights.add_routes(r)
         return app
 
@@ -181,7 +197,7 @@ class Server:
             "model_path": self.model_path,
             "tokenizer_path": self.model_path,
             "is_generation": True,
-            "served_model_name": self.args.model,
+            "served_model_name": self.cfg.served_model_name or self.cfg.engine.model,
             "weight_version": eng.weight_version,
             "device": str(eng.device),
             "dtype": dtype_name(eng.dtype),
@@ -203,7 +219,8 @@ class Server:
                     "num_kv_blocks": eng.num_kv_blocks, "block_size": eng.config.block_size}
 
         internal = await self.worker.call(state)
-        args = {k: v for k, v in vars(self.args).items() if k != "func" and not callable(v)}
+        keys = to_dict(self.cfg)  # flat, as SGLang's server_args: the engine's keys beside the server's
+        args = {**{k: v for k, v in keys.items() if not isinstance(v, dict)}, **keys["engine"]}
         return web.json_response({**args, **self._info(), "max_total_num_tokens": internal["num_kv_blocks"] *
                                   internal["block_size"], "internal_states": [internal],
                                   "version": "nano-miles", "uptime_s": round(time.time() - self.started, 1)})
@@ -248,17 +265,23 @@ class Server:
 # ----------------------------------------------------------------------------- main
 
 
-async def _serve(args, model_path) -> int:
+async def _serve(cfg: ServerConfig, model_path) -> int:
     loop = asyncio.get_running_loop()
-    server = Server(args, model_path)
+    server = Server(cfg, model_path)
     app = server.app(loop)
     try:  # a client that disconnects cancels its handler, which aborts its requests (aiohttp >= 3.9)
         runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=5)
     except TypeError:
         runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, args.host, args.port)
-    await site.start()
+    try:
+        await web.TCPSite(runner, cfg.host, cfg.port).start()
+    except OSError as e:
+        reason = {errno.EADDRINUSE: "the address is already in use", errno.EACCES: "permission denied",
+                  errno.EADDRNOTAVAIL: "the address is not one of this machine's"}.get(e.errno, e.strerror)
+        print(f"nano-miles serve: cannot listen on {cfg.host}:{cfg.port}: {reason}", file=sys.stderr)
+        await runner.cleanup()
+        return 1
     port = runner.addresses[0][1]
     server.worker.thread.start()
     stop = asyncio.Event()
@@ -271,7 +294,7 @@ async def _serve(args, model_path) -> int:
         rc = 1
     else:
         eng = server.engine
-        print(f"nano-miles serve: ready on http://{args.host}:{port} (model {model_path}, {eng.device}, "
+        print(f"nano-miles serve: ready on http://{cfg.host}:{port} (model {model_path}, {eng.device}, "
               f"{dtype_name(eng.dtype)}, weight_version {eng.weight_version})", flush=True)
         await stop.wait()
         await server.worker.abort(None, "the server is shutting down")  # lets open /generate calls answer
@@ -285,14 +308,19 @@ async def _serve(args, model_path) -> int:
 
 
 def run(args) -> int:
-    from nano_miles.models import resolve_model
-
+    cfg = config_from_args(ServerConfig, args)  # a ConfigError is one line (cli.py prints it)
+    if args.print_config:
+        print(to_toml(cfg), end="")
+        return 0
+    if not cfg.engine.model:
+        print("nano-miles serve: which model? give --model NAME|FOLDER (or --set engine.model=...)", file=sys.stderr)
+        return 2
     try:
-        model_path = resolve_model(args.model)
+        model_path = resolve_model(cfg.engine.model)
     except Exception as e:
         print(f"nano-miles serve: {e}", file=sys.stderr)
         return 2
-    return asyncio.run(_serve(args, model_path))
+    return asyncio.run(_serve(cfg, model_path))
 
 
 if __name__ == "__main__":
