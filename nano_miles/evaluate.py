@@ -61,7 +61,7 @@ def run(args) -> int:
     if args.print_config:
         print(to_toml(cfg), end="")
         return 0
-    tasks = tasks_or_exit("eval", cfg.tasks)
+    tasks = tasks_or_exit("eval", cfg.tasks, cfg.tasks_module)
     if tasks is None:
         return 2
     trajs, secs, setup_failures = collect(cfg, tasks)
