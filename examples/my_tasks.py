@@ -57,3 +57,17 @@ def log_rotate(ws: Workspace, rng: random.Random) -> TaskInstance:
         check=f"test ! -e {q(name)} && [ \"$(gzip -dc archive/{q(name)}.gz | sha256sum | cut -d' ' -f1)\" = {want} ]",
         solution=["mkdir -p archive", f"gzip {q(name)}", f"mv {q(name)}.gz archive/",
                   f"gzip -dc archive/{q(name)}.gz | wc -l"])
+
+
+# A task that needs files at a fixed absolute path: /srv/app is a fresh directory of each episode's
+# sandbox, prepared here and thrown away with the episode (the namespaced tier; elsewhere the task is
+# skipped with the reason). The policy's commands start in /srv/app (workdir).
+@task("app_config_port", family="logs", split="heldout", summary="a port number from /srv/app/config.ini",
+      mounts=("/srv/app",), workdir="/srv/app")
+def app_config_port(ws: Workspace, rng: random.Random) -> TaskInstance:
+    port = rng.randint(1024, 65000)
+    ws.write("/srv/app/config.ini", f"[server]\nhost = 0.0.0.0\nport = {port}\n[db]\nport = {port + 1}\n")
+    cmd = "awk -F' = ' '/^\\[server\\]/{s=1} /^\\[db\\]/{s=0} s && $1 == \"port\" {print $2}' /srv/app/config.ini"
+    return TaskInstance("Which port does the [server] section of /srv/app/config.ini set? Answer with the number.",
+                        expected=ws.run(cmd), kind="int", solution=["grep -A3 '^\\[server\\]' config.ini | "
+                                                                   "grep '^port' | cut -d' ' -f3"])

@@ -26,8 +26,10 @@ import re
 import threading
 from dataclasses import dataclass
 
+from nano_openshell.sandbox import SandboxError
+
 from nano_miles.task_api import (WORKDIR, Attempt, SetupError, Task, TaskInstance, TaskUnavailable, Workspace,
-                                 q, verify)
+                                 in_workdir, verify)
 
 SYSTEM_PROMPT = """You solve tasks by running commands in a Linux shell (bash, coreutils, python3).
 Each reply must do exactly one of these two things:
@@ -174,9 +176,7 @@ class OpenShellEnv:
         except TypeError as e:  # a factory (or Sandbox) that takes no mounts
             raise TaskUnavailable(f"needs directories at fixed paths ({paths}), which this sandbox cannot "
                                   f"mount: {e}") from e
-        except Exception as e:
-            if "tier" not in str(e) and "mount" not in str(e):
-                raise
+        except SandboxError as e:  # the tier cannot mount (fallback): said in the error
             raise TaskUnavailable(f"needs directories at fixed paths ({paths}): {e}") from e
         if sandbox.tier != "namespaced":
             sandbox.close()
@@ -206,7 +206,7 @@ class OpenShellEnv:
             kind, body = self._begin_turn(action_text)
             if kind != "bash":
                 return self._non_exec(kind, body)
-            cmd = f"cd {q(self.task.workdir)} || exit 125\n{body}" if self.task.workdir else body
+            cmd = in_workdir(body, self.task.workdir)
             try:
                 r = self.sandbox.exec(cmd, timeout=self.cfg.command_timeout)
             except ValueError as e:  # the sandbox refused the command itself (a NUL byte...): the policy's fault
@@ -303,4 +303,4 @@ def default_sandbox(mounts: dict | None = None):
     """One sandbox per episode, with its own fresh workspace (removed on close), no network; a task's
     fixed paths (mounts={path: None}) are fresh directories of its own, removed with it too."""
     from nano_openshell import Sandbox
-    return Sandbox(mounts=mounts) if mounts else Sandbox()
+    return Sandbox(mounts=mounts)

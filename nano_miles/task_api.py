@@ -83,14 +83,28 @@ class Workspace:
         self._new_sandbox = new_sandbox
 
     def write(self, rel: str, data: str | bytes, mode: int = 0o644) -> None:
-        """Write a file from the host (the Sandbox hands workspace files to its own uid before each exec)."""
-        full = os.path.join(self.path, rel)
-        if os.path.isabs(rel) or not os.path.realpath(full).startswith(os.path.realpath(self.path) + os.sep):
-            raise ValueError(f"task files must stay inside the workspace: {rel!r}")
+        """Write a file from the host: a path relative to the workspace, or an absolute one under one of
+        the task's mounts (/testbed/a.txt). The Sandbox hands the files to its own uid before each exec."""
+        root, inside = self._host_root(rel)
+        full = os.path.join(root, inside)
+        if os.path.isabs(inside) or not os.path.realpath(full).startswith(os.path.realpath(root) + os.sep):
+            raise ValueError(f"task files must stay inside the workspace or the task's mounts: {rel!r}")
         os.makedirs(os.path.dirname(full), exist_ok=True)
         with open(full, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
         os.chmod(full, mode)
+
+    def _host_root(self, path: str) -> tuple[str, str]:
+        """(host directory, path inside it) for a workspace-relative path or a path under a mount."""
+        if not os.path.isabs(path):
+            return self.path, path
+        parts = os.path.normpath(path).split("/")
+        for i in range(len(parts) - 1, 1, -1):
+            try:
+                return self.sandbox.path_of("/".join(parts[:i])), "/".join(parts[i:])
+            except (ValueError, AttributeError):
+                continue
+        return self.path, path  # refused by write()
 
     def run(self, cmd: str) -> str:
         """Run a setup command in the sandbox; its stdout with the trailing newline removed."""
@@ -146,6 +160,11 @@ def verify(inst: TaskInstance, answer: str | None, ws: Workspace) -> bool:
 
 def q(s: str) -> str:
     return shlex.quote(s)
+
+
+def in_workdir(cmd: str, workdir: str | None) -> str:
+    """The command as the sandbox runs it for a task whose commands start in `workdir`."""
+    return f"cd {q(workdir)} || exit 125\n{cmd}" if workdir else cmd
 
 
 # ---- the registry -------------------------------------------------------------------------------

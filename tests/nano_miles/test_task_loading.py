@@ -56,7 +56,7 @@ def play(task, answer=None, seed=7):
 def test_the_example_module_registers_and_its_tasks_are_solved_in_a_real_sandbox():
     assert load_task_modules([EXAMPLE_PY]) == []
     logs = select_tasks("logs")
-    assert {t.id for t in logs} == {"log_errors", "log_busiest_worker", "log_rotate"}
+    assert {t.id for t in logs} == {"log_errors", "log_busiest_worker", "log_rotate", "app_config_port"}
     assert {t.split for t in logs} == {"train", "heldout"} and all(t.source == EXAMPLE_PY for t in logs)
     for t in logs:
         row = play(t)
@@ -71,7 +71,7 @@ def test_the_example_module_registers_and_its_tasks_are_solved_in_a_real_sandbox
     finally:
         env.close()
     assert load_task_modules([EXAMPLE_PY]) == []          # loading it again is a no-op, not a duplicate
-    assert len(select_tasks("logs")) == 3
+    assert len(select_tasks("logs")) == 4
 
 
 def test_the_example_task_file_registers_and_its_tasks_are_solved():
@@ -296,8 +296,9 @@ def test_tasks_cli_reports_bad_input_in_one_line_each_and_lists_the_rest(tmp_pat
     assert err == (f"nano-miles tasks: {broken}: cannot load: ModuleNotFoundError: No module named "
                    "'nonexistent_dependency_xyz'\n")
     rows = [json.loads(line) for line in out.splitlines()]
-    assert [r["id"] for r in rows] == ["log_errors", "log_busiest_worker", "log_rotate",
+    assert [r["id"] for r in rows] == ["log_errors", "log_busiest_worker", "log_rotate", "app_config_port",
                                        "inventory_total", "inventory_rename"]
+    assert rows[3]["mounts"] == ["/srv/app"]
     assert cli.main(["tasks", "check", "--tasks-module", EXAMPLE_TOML, "--tasks", "inventory", "--jobs", "2"]) == 0
     out = capsys.readouterr().out
     assert "2 tasks: 2 solved by their scripted solution, 0 cannot run here (left out), 0 FAILED" in out
@@ -315,7 +316,8 @@ def test_selections_and_the_training_guard(tmp_path):
     assert load_task_modules([bench, EXAMPLE_TOML]) == []
     assert [t.id for t in select_tasks("inventory_total,mybench")] == ["inventory_total", "my_bench_task"]
     assert "my_bench_task" not in {t.id for t in select_tasks("all")}      # benchmarks are chosen by name
-    assert [t.id for t in select_tasks("benchmark")] == ["my_bench_task"]
+    bench_split = select_tasks("benchmark")  # (ALFA too, when an earlier test loaded it)
+    assert "my_bench_task" in {t.id for t in bench_split} and {t.split for t in bench_split} == {"benchmark"}
     assert {t.id for t in training_tasks("inventory")} == {"inventory_total", "inventory_rename"}
     with pytest.raises(KeyError, match="never trained on"):
         training_tasks("inventory,mybench")
@@ -380,3 +382,21 @@ def test_fixed_paths_in_the_fallback_tier_are_skipped_with_the_reason(tmp_path):
                                                                                       min_tier="fallback", **kw))
     assert row["status"] == "unavailable", row
     assert row["reason"].startswith(f"{path}: task 'testbed_files': needs directories at fixed paths (/testbed)")
+
+
+def test_fixed_paths_are_fresh_per_episode_and_gone_with_it():
+    """app_config_port's /srv/app: prepared by its setup, private to the episode, removed at close."""
+    assert load_task_modules([EXAMPLE_PY]) == []
+    first, second = OpenShellEnv(TASKS["app_config_port"], 1), OpenShellEnv(TASKS["app_config_port"], 2)
+    try:
+        first.reset()
+        second.reset()
+        host_dir = first.sandbox.path_of("/srv/app")
+        assert first.step("<bash>pwd; echo mine > /srv/app/left_behind</bash>").observation.startswith("/srv/app\n")
+        assert "left_behind" not in second.step("<bash>ls /srv/app</bash>").observation
+        with pytest.raises(ValueError, match="inside the workspace or the task's mounts"):
+            tasks.Workspace(first.sandbox, first.workdir).write("/etc/passwd", "x")
+    finally:
+        first.close()
+        second.close()
+    assert not os.path.exists(host_dir)
