@@ -168,23 +168,25 @@ class Reference:
     seconds: float                   # one fresh copy: set-up + gold + snapshots
 
 
-_references: dict[str, Reference | str] = {}   # task id -> its reference, or why it is unavailable
-_reference_locks: dict[str, threading.Lock] = {}
+# (task id, sandbox tier) -> its reference, or why it is unavailable
+_references: dict[tuple[str, str], Reference | str] = {}
+_reference_locks: dict[tuple[str, str], threading.Lock] = {}
 _locks_lock = threading.Lock()
 
 
 def reference(task_id: str, setup: str, script: str, gold: str, ws: Workspace) -> Reference:
     """The task's reference, computed once per process (the group's other episodes wait for it).
     TaskUnavailable when the gold command cannot run here."""
+    key = (task_id, ws.sandbox.tier)
     with _locks_lock:
-        lock = _reference_locks.setdefault(task_id, threading.Lock())
+        lock = _reference_locks.setdefault(key, threading.Lock())
     with lock:
-        if task_id not in _references:
+        if key not in _references:
             try:
-                _references[task_id] = compute_reference(setup, script, gold, ws)
+                _references[key] = compute_reference(setup, script, gold, ws)
             except TaskUnavailable as e:
-                _references[task_id] = str(e)
-        ref = _references[task_id]
+                _references[key] = str(e)
+        ref = _references[key]
     if isinstance(ref, str):
         raise TaskUnavailable(ref)
     return ref
