@@ -26,7 +26,10 @@ import re
 import threading
 from dataclasses import dataclass
 
-from nano_miles.task_api import SetupError, Task, TaskInstance, Workspace, verify
+from nano_openshell.sandbox import SandboxError
+
+from nano_miles.task_api import (WORKDIR, Attempt, SetupError, Task, TaskInstance, TaskUnavailable, Workspace,
+                                 in_workdir, verify)
 
 SYSTEM_PROMPT = """You solve tasks by running commands in a Linux shell (bash, coreutils, python3).
 Each reply must do exactly one of these two things:
@@ -126,6 +129,8 @@ class OpenShellEnv:
         self.infra_error: str | None = None   # what broke, when the sandbox failed mid-episode
         self.components = {"correct": 0.0, "exec_ok": 0.0, "format": 0.0, "timeout": 0.0, "infra_failures": 0}
         self._ok_commands: set[str] = set()
+        self.commands: list[str] = []          # what the policy ran, in order (scoring by execution)
+        self.last_output: str | None = None    # stdout then stderr of the last command
         # reset/step run in worker threads that a cancelled caller cannot stop; close() takes the same
         # lock, so it waits for the one in flight and no setup can create a sandbox after close.
         self._busy = threading.Lock()
@@ -143,16 +148,41 @@ class OpenShellEnv:
         if self._closed:
             raise SetupError(f"task {self.task.id}: the episode was closed before its setup ran")
         try:
-            self.sandbox = self.sandbox_factory()
+            self.sandbox = self._new_sandbox()
             self.workdir = self.sandbox.workspace   # a fresh directory the sandbox owns and removes
-            self.instance = self.task.setup(Workspace(self.sandbox, self.workdir), random.Random(self.seed))
-        except SetupError:
+            self.instance = self.task.setup(self._workspace(), random.Random(self.seed))
+        except SetupError as e:
             self._close()
-            raise
+            raise type(e)(f"{self._name()}: {e}") from e
         except Exception as e:  # the sandbox could not start or exec: an infrastructure failure
             self._close()
-            raise SetupError(f"task {self.task.id}: sandbox failed during setup: {type(e).__name__}: {e}") from e
+            raise SetupError(f"{self._name()}: sandbox failed during setup: {type(e).__name__}: {e}") from e
         return self.messages()
+
+    def _name(self) -> str:
+        """The task as error lines name it: its file or module, then its id."""
+        return f"{self.task.source}: task {self.task.id!r}" if self.task.source else f"task {self.task.id!r}"
+
+    def _workspace(self) -> Workspace:
+        return Workspace(self.sandbox, self.workdir, new_sandbox=self._new_sandbox)
+
+    def _new_sandbox(self):
+        """A sandbox for this task: with its directories mounted at their fixed paths, if it has any."""
+        if not self.task.mounts:
+            return self.sandbox_factory()
+        paths = ", ".join(self.task.mounts)
+        try:  # the episode's workspace is at WORKDIR already: only the other paths are mounts
+            sandbox = self.sandbox_factory(mounts={m: None for m in self.task.mounts if m != WORKDIR})
+        except TypeError as e:  # a factory (or Sandbox) that takes no mounts
+            raise TaskUnavailable(f"needs directories at fixed paths ({paths}), which this sandbox cannot "
+                                  f"mount: {e}") from e
+        except SandboxError as e:  # the tier cannot mount (fallback): said in the error
+            raise TaskUnavailable(f"needs directories at fixed paths ({paths}): {e}") from e
+        if sandbox.tier != "namespaced":
+            sandbox.close()
+            raise TaskUnavailable(f"needs directories at fixed paths ({paths}): the {sandbox.tier} tier has no "
+                                  "mount namespace, so it cannot put them there")
+        return sandbox
 
     def messages(self) -> list[dict]:
         return prompt_messages(self.instance.instruction)
@@ -176,8 +206,9 @@ class OpenShellEnv:
             kind, body = self._begin_turn(action_text)
             if kind != "bash":
                 return self._non_exec(kind, body)
+            cmd = in_workdir(body, self.task.workdir)
             try:
-                r = self.sandbox.exec(body, timeout=self.cfg.command_timeout)
+                r = self.sandbox.exec(cmd, timeout=self.cfg.command_timeout)
             except ValueError as e:  # the sandbox refused the command itself (a NUL byte...): the policy's fault
                 return self._format_error(f"Command refused: {e}.")
             except Exception as e:
@@ -217,6 +248,8 @@ class OpenShellEnv:
         return parsed
 
     def _after_exec(self, cmd: str, r) -> StepResult:
+        self.commands.append(cmd)
+        self.last_output = r.stdout + r.stderr
         if r.timed_out:
             self.components["timeout"] = round(self.components["timeout"] + self.cfg.timeout_penalty, 6)
             kind = "timeout"
@@ -232,13 +265,22 @@ class OpenShellEnv:
         if kind == "answer":
             self.answer = body
             try:
-                ok = verify(self.instance, body, Workspace(self.sandbox, self.workdir))
+                ok = self._judge(body)
             except Exception as e:
                 return self._infra_failure(e)
             self.components["correct"] = self.cfg.correct_reward if ok else 0.0
             self.done, self.finish_reason = True, "answer"
             return StepResult(None, True, "answer")
         return self._format_error(FORMAT_ERROR)
+
+    def _judge(self, answer: str) -> bool:
+        """The task's verifier; a task scored by execution (ALFA) also records its metrics."""
+        if self.instance.score is None:
+            return verify(self.instance, answer, self._workspace())
+        metrics = dict(self.instance.score(Attempt(answer, list(self.commands), self.last_output, self._workspace())))
+        correct = bool(metrics.pop("correct"))
+        self.components.update({k: float(v) for k, v in metrics.items()})
+        return correct
 
     def _format_error(self, observation: str) -> StepResult:
         self.components["format"] = round(self.components["format"] + self.cfg.format_penalty, 6)
@@ -257,7 +299,8 @@ class OpenShellEnv:
         return StepResult(None, True, "infra_error")
 
 
-def default_sandbox():
-    """One sandbox per episode, with its own fresh workspace (removed on close), no network."""
+def default_sandbox(mounts: dict | None = None):
+    """One sandbox per episode, with its own fresh workspace (removed on close), no network; a task's
+    fixed paths (mounts={path: None}) are fresh directories of its own, removed with it too."""
     from nano_openshell import Sandbox
-    return Sandbox()
+    return Sandbox(mounts=mounts)

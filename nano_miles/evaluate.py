@@ -13,6 +13,7 @@ import json
 import math
 from dataclasses import dataclass
 
+from nano_miles.alfa import three_part_summary
 from nano_miles.config import config_from_args, to_toml
 from nano_miles.rollout_cli import (RolloutCommandConfig, add_common_arguments, append_result, collect, solved,
                                     summarize, tasks_or_exit)
@@ -61,7 +62,7 @@ def run(args) -> int:
     if args.print_config:
         print(to_toml(cfg), end="")
         return 0
-    tasks = tasks_or_exit("eval", cfg.tasks)
+    tasks = tasks_or_exit("eval", cfg.tasks, cfg.tasks_module)
     if tasks is None:
         return 2
     trajs, secs, setup_failures = collect(cfg, tasks)
@@ -71,6 +72,9 @@ def run(args) -> int:
     k = cfg.rollout.group_size
     table = per_family(trajs, tasks, k)
     s = summarize(trajs, setup_failures)
+    alfa = three_part_summary(trajs)  # ALFA episodes: the benchmark's own score too
+    if alfa:
+        s["alfa_three_part"] = alfa
     if args.json:
         print(json.dumps({"per_family": table, **s}))
     else:
@@ -80,6 +84,10 @@ def run(args) -> int:
             print(f"{fam:<12} {row['tasks']:>5} {row['pass@1']:>8.3f} {row[f'pass@{k}']:>8.3f}")
         print(f"mean reward {s['mean_reward']:+.3f}   mean turns {s['mean_turns']:.2f}   "
               f"infra failures {s['infra_failures']}   finish {s['finish_reasons']}")
+        if alfa:
+            print(f"ALFA three-part score (exact output for the judge) {alfa['score']:.3f}   output matched "
+                  f"{alfa['output']:.3f}   files matched {alfa['files']:.3f}   over {alfa['episodes']} episodes "
+                  f"({alfa['answered']} answered)")
     if args.results_jsonl:
         append_result(args.results_jsonl, {"kind": "eval", "model": cfg.model, "tasks": cfg.tasks, "samples": k,
                                            "max_turns": cfg.rollout.env.max_turns, "seconds": round(secs, 1),

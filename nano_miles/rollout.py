@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from nano_miles.batch import Trajectory
 from nano_miles.chat_format import ChatFormat
 from nano_miles.env import EnvConfig, OpenShellEnv
-from nano_miles.tasks import SetupError, Task
+from nano_miles.task_api import SetupError, Task, TaskUnavailable
 
 
 @dataclass
@@ -82,6 +82,9 @@ async def run_episode(client, fmt: ChatFormat, task: Task, seed: int, group_id: 
     try:
         try:
             messages = await loop.run_in_executor(executor, env.reset)
+        except TaskUnavailable as e:  # cannot run on this machine: skipped, with the reason
+            return Trajectory([], [], [], [], reward=0.0, reward_components={"unavailable": str(e)}, num_turns=0,
+                              finish_reason="unavailable", task_id=task.id, group_id=group_id)
         except SetupError as e:
             return Trajectory([], [], [], [], reward=0.0, reward_components={"infra_failures": 1, "error": str(e)},
                               num_turns=0, finish_reason="infra_error", task_id=task.id, group_id=group_id)
@@ -152,6 +155,8 @@ async def rollout_groups(urls: list[str], tokenizer, tasks: list[Task], cfg: Rol
 
     Episodes whose sandbox setup failed have no prompt and nothing to learn from: they are left out
     of the result and counted in stats["setup_failures"] (with the first errors in stats["setup_errors"]).
+    Tasks that cannot run on this machine (TaskUnavailable) are left out too, listed with their reason
+    on stderr and in stats["unavailable"] ({task id: reason}), and counted nowhere else.
     Sandbox failures later in an episode stay in, with finish_reason "infra_error" and reward 0.
     """
     from nano_miles.client import AsyncEngineClient
@@ -201,6 +206,12 @@ async def rollout_groups(urls: list[str], tokenizer, tasks: list[Task], cfg: Rol
         if failed:
             print(f"rollout: {len(failed)} episode(s) lost to sandbox setup failures, e.g. "
                   f"{failed[0].reward_components.get('error', '')}", file=sys.stderr)
+        unavailable = {t.task_id: t.reward_components["unavailable"] for t in results if t.finish_reason == "unavailable"}
+        if stats is not None:
+            stats["unavailable"] = unavailable
+        if unavailable:
+            print(f"rollout: {len(unavailable)} of {len(tasks)} task(s) cannot run here and are left out of every "
+                  "score:\n" + "\n".join(f"  {why}" for why in unavailable.values()), file=sys.stderr)
         return [t for t in results if t.prompt_ids]
     finally:
         pool.shutdown(wait=False)  # queued closes still run; the threads finish before the process exits

@@ -26,14 +26,15 @@ from nano_miles.dtypes import DTYPE_NAMES
 from nano_miles.engine_handle import EngineHandle, EngineLaunchConfig, plan_layout
 from nano_miles.models import resolve_model
 from nano_miles.rollout import RolloutConfig, rollout_groups
-from nano_miles.tasks import select_tasks
+from nano_miles.tasks import report_load_errors, select_tasks
 
 
 @dataclass
 class RolloutCommandConfig:
     """The keys of `nano-miles rollout`; eval and train have these too (same names, same defaults)."""
     model: str = "qwen2.5-coder-0.5b-instruct"  # registered name (see prepare-model), HF folder or hub id; its tokenizer is used
-    tasks: str = "seed"               # seed | train | heldout | all | comma-separated task ids
+    tasks: str = "seed"               # seed | train | heldout | all | a family (alfa) | comma-separated task ids
+    tasks_module: list[str] = field(default_factory=list)  # your own tasks: PATH.py, package.module or FILE.toml (docs/tasks.md)
     seed: int = 0                     # task seed: the files and ground truth of every group
     dtype: str = "auto"               # float32 | bfloat16 | float16 | auto (bfloat16 on GPU, float32 on CPU)
     engine: EngineLaunchConfig = field(default_factory=EngineLaunchConfig)
@@ -51,11 +52,12 @@ FLAGS = {"--model": "model", "--engine-url": "engine.url", "--tasks": "tasks",
          "--max-turns": "rollout.env.max_turns", "--max-new-tokens": "rollout.max_new_tokens",
          "--max-total-tokens": "rollout.env.max_total_tokens", "--temperature": "rollout.temperature",
          "--seed": "seed", "--max-concurrency": "rollout.max_concurrency",
-         "--request-timeout": "rollout.request_timeout", "--device": "engine.device", "--dtype": "dtype"}
+         "--request-timeout": "rollout.request_timeout", "--device": "engine.device", "--dtype": "dtype",
+         "--tasks-module": "tasks_module"}
 
 
 def add_common_arguments(p, cls, flags: dict[str, str]) -> None:
-    add_config_arguments(p, cls, {**FLAGS, **flags}, repeatable=("--engine-url",))
+    add_config_arguments(p, cls, {**FLAGS, **flags}, repeatable=("--engine-url", "--tasks-module"))
     p.add_argument("--results-jsonl", default=None,
                    help="append a summary line (date, commit, machine, figures) to this file")
 
@@ -80,7 +82,8 @@ def collect(cfg: RolloutCommandConfig, tasks):
         return trajs, time.monotonic() - t0, stats["setup_failures"]
 
 
-def tasks_or_exit(command: str, which: str):
+def tasks_or_exit(command: str, which: str, modules=()):
+    report_load_errors(modules, f"nano-miles {command}")  # one line per bad module; the rest loads
     try:
         return select_tasks(which)
     except KeyError as e:
@@ -131,7 +134,7 @@ def run(args) -> int:
     if args.print_config:
         print(to_toml(cfg), end="")
         return 0
-    tasks = tasks_or_exit("rollout", cfg.tasks)
+    tasks = tasks_or_exit("rollout", cfg.tasks, cfg.tasks_module)
     if tasks is None:
         return 2
     trajs, secs, setup_failures = collect(cfg, tasks)

@@ -38,7 +38,7 @@ from nano_miles.models import resolve_model
 from nano_miles.producer import AsyncProducer, StepRollout, SyncProducer, TaskStream, roll_out_step, staleness
 from nano_miles.reference import ReferencePolicy
 from nano_miles.rollout_cli import RolloutCommandConfig
-from nano_miles.tasks import select_tasks
+from nano_miles.tasks import report_load_errors, training_tasks
 from nano_miles.telemetry import MetricsLog, memory_gb, step_metrics
 from nano_miles.trainer import OptimConfig, Trainer, TrainerConfig
 from nano_miles.update import policy_update
@@ -56,7 +56,7 @@ class TrainConfig(RolloutCommandConfig):
         "engine_mem_fraction": "engine.kv_cache_memory_fraction",
         "micro_batch_size": "trainer.micro_batch_size", "logprob_chunk": "trainer.logprob_chunk",
         "gradient_checkpointing": "trainer.gradient_checkpointing"}
-    tasks: str = "train"              # seed | train | heldout | all | comma-separated task ids
+    tasks: str = "train"              # seed | train | heldout | all | a family | comma-separated task ids (never a benchmark)
     seed: int = 0                     # run seed: initial RNG, task order, and every step's task instances
     dtype: str = "auto"               # trainer and engine compute dtype: float32 | bfloat16 | auto (bfloat16 on GPU, float32 on CPU)
     steps: int = 8                    # training steps, each one rollout batch and its update
@@ -96,6 +96,11 @@ class TrainingRun:
 
     def __init__(self, cfg: TrainConfig, resume_dir: str | None = None, echo=print):
         self.cfg, self.echo = cfg, echo
+        report_load_errors(cfg.tasks_module, "nano-miles train")
+        try:  # before anything starts: a bad selection, or a benchmark (never trained on), is one line
+            tasks = training_tasks(cfg.tasks)
+        except KeyError as e:
+            raise RuntimeError(e.args[0]) from None
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
         self.run_dir = Path(resume_dir or cfg.run_dir or Path("runs") / stamp)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -117,7 +122,7 @@ class TrainingRun:
             cfg.trainer, model=self.model_path, device=self.layout.trainer_device, dtype=self.layout.dtype,
             optim=cfg.optim, loss=cfg.loss))
         self.reference = ReferencePolicy(self.trainer) if cfg.loss.kl_coef > 0 else None  # before any resume
-        self.stream = TaskStream(select_tasks(cfg.tasks), cfg.seed)
+        self.stream = TaskStream(tasks, cfg.seed)
         self.start_step = 0
         if resume_dir:
             state = load_checkpoint(self.run_dir, self.trainer)
