@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from transformers import AutoTokenizer
 
 
 def save_checkpoint(run_dir: Path, trainer, state: dict) -> None:
@@ -46,8 +47,6 @@ def load_checkpoint(run_dir: Path, trainer) -> dict | None:
 
 def export_model(trainer, tokenizer_dir: str, out_dir: Path) -> Path:
     """The final policy as a HF folder (`nano-miles serve --model DIR` and `eval --model DIR` take it)."""
-    from transformers import AutoTokenizer
-
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model = trainer.model

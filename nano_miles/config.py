@@ -20,6 +20,7 @@ import argparse
 import ast
 import dataclasses
 import difflib
+import importlib
 import inspect
 import io
 import json
@@ -313,7 +314,7 @@ def field_help(cls, name: str) -> str:
         if f.name == name and f.metadata.get("help"):
             return f.metadata["help"]
     for klass in cls.__mro__:  # the class that declares (or last re-declares) the field
-        if name in klass.__dict__.get("__annotations__", {}):
+        if name in inspect.get_annotations(klass):
             return _source_comments(klass).get(name, "")
     return ""
 
@@ -393,9 +394,7 @@ def config_from_args(cls, args: argparse.Namespace, base: dict | None = None, no
 def commands() -> dict[str, tuple[type, dict[str, str]]]:
     """subcommand -> (its root config dataclass, its flags: flag -> key), for every subcommand
     module that has a CONFIG."""
-    # Imported here, not at the top: the subcommand modules import this one (and torch).
-    import importlib
-
+    # Imported here, not at the top: cli.py imports this module (and the subcommands import torch).
     from nano_miles.cli import SUBCOMMANDS
 
     found = {}

@@ -146,7 +146,7 @@ def write_curves(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
     rows = read_metrics(metrics_path)
     if not rows:
         return []
-    import matplotlib
+    import matplotlib  # slow import, and the Agg backend must be chosen before pyplot loads
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
