@@ -21,7 +21,7 @@ A task whose gold command cannot run here is unavailable (TaskUnavailable, with 
 left out of every score: a tool missing, a write outside the task's directories (the sandbox's /
 is read-only), the network, a file of the Docker image's root, or an output that differs between
 two fresh set-ups (time, process or machine state, which no policy could match).
-The reference (gold run twice, in two fresh copies) is computed once per task per process.
+The reference (gold run twice, in two fresh copies) is computed once per task, again after 5 minutes.
 """
 from __future__ import annotations
 
@@ -44,6 +44,9 @@ SETUPS = {"fs1": (("/testbed",), 153), "fs2": (("/system",), 49), "fs3": (("/wor
           "fs4": ((), 23), "fs5": (("/testbed",), 18)}
 GOLD_TIMEOUT = 10.0      # seconds, as EnvConfig.command_timeout: a policy running the gold gets the same
 REPRODUCE_GAP_S = 1.1    # the second gold run starts this long after the first: a clock in seconds shows
+# A reference is reused for this long, then computed again: golds compare file times with the clock
+# (find -mmin +5), so the policy's copy must be set up, pinned to the same time, soon after the gold ran.
+REFERENCE_TTL_S = 300.0
 INSTALL_HINT = "pip install icalfa==0.3.6 (the project's [alfa] extra)"
 # gold commands that need what the benchmark's Docker image has and this sandbox cannot have
 IMAGE_ONLY = ((re.compile(r"setup_nl2b_fs_\d\.sh"), "reads {m}, a file at the root of the benchmark's Docker "
@@ -175,13 +178,14 @@ _locks_lock = threading.Lock()
 
 
 def reference(task_id: str, setup: str, script: str, gold: str, ws: Workspace) -> Reference:
-    """The task's reference, computed once per process (the group's other episodes wait for it).
-    TaskUnavailable when the gold command cannot run here."""
+    """The task's reference, computed once per REFERENCE_TTL_S (the group's other episodes wait for it).
+    TaskUnavailable when the gold command cannot run here (that verdict is kept for the process)."""
     key = (task_id, ws.sandbox.tier)
     with _locks_lock:
         lock = _reference_locks.setdefault(key, threading.Lock())
     with lock:
-        if key not in _references:
+        cached = _references.get(key)
+        if cached is None or (isinstance(cached, Reference) and time.time() - cached.pinned > REFERENCE_TTL_S):
             try:
                 _references[key] = compute_reference(setup, script, gold, ws)
             except TaskUnavailable as e:

@@ -21,7 +21,7 @@ from nano_miles.rollout_cli import (RolloutCommandConfig, add_common_arguments, 
 
 @dataclass
 class EvalConfig(RolloutCommandConfig):
-    tasks: str = "heldout"            # seed | train | heldout | all | comma-separated task ids
+    tasks: str = "heldout"            # seed | train | heldout | all | a family (alfa: per set-up) | comma-separated task ids
 
 
 CONFIG = EvalConfig

@@ -126,3 +126,15 @@ def test_eval_gives_pass_at_k_per_set_up_and_the_three_part_score(engine_server,
     assert result["per_family"]["all"]["tasks"] == 3                 # the unavailable one is not in the denominator
     three = result["alfa_three_part"]
     assert three["episodes"] == 6 and 0 <= three["answered"] <= 6 and 0.0 <= three["score"] <= 1.0
+
+
+def test_a_stale_reference_is_computed_again():
+    """Golds compare file times with the clock: an old reference (and its pinned time) is not reused."""
+    import dataclasses
+
+    episode("alfa_fs5_4", gold("alfa_fs5_4"))
+    key = ("alfa_fs5_4", "namespaced")
+    old = alfa._references[key]
+    alfa._references[key] = dataclasses.replace(old, pinned=old.pinned - alfa.REFERENCE_TTL_S - 1)
+    assert episode("alfa_fs5_4", gold("alfa_fs5_4"))["correct"] == 1.0
+    assert alfa._references[key].pinned >= old.pinned
