@@ -1,0 +1,44 @@
+"""Fixtures of the sharded-trainer tests: one 2-rank run (gloo, CPU) shared by the trainer and the
+checkpoint tests, and the single-process Trainer's results on the same batches to compare it with."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.nano_miles import sharded_ranks
+
+
+@pytest.fixture(scope="session")
+def two_rank_run(tmp_path_factory, tiny_model_path):
+    """The folder where 2 ranks left each scenario's result (rank 0's) and a DCP checkpoint."""
+    from nano_miles.distributed import launch
+
+    out = tmp_path_factory.mktemp("two_ranks")
+    launch(2, sharded_ranks.scenarios, (str(out), str(tiny_model_path)))
+    return out
+
+
+@pytest.fixture(scope="session")
+def one_process_results(tiny_model_path):
+    """The single-process Trainer on every scenario (one torch thread, as in the ranks):
+    {name: (metrics, full state + "delta": masters after - before)}, and "continued": the
+    checkpointed scenario after its second update."""
+    from nano_miles.trainer import Trainer
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        results = {}
+        for name in sharded_ranks.SCENARIOS:
+            trainer = Trainer(sharded_ranks.trainer_config(str(tiny_model_path), name))
+            initial = sharded_ranks.full_state(trainer)["masters"]
+            metrics = sharded_ranks.update(trainer, name)
+            state = sharded_ranks.full_state(trainer)
+            state["delta"] = {n: m - initial[n] for n, m in state["masters"].items()}
+            results[name] = (metrics, state)
+            if name == sharded_ranks.CHECKPOINTED:
+                sharded_ranks.update(trainer, name)
+                results["continued"] = (None, sharded_ranks.full_state(trainer))
+        return results
+    finally:
+        torch.set_num_threads(threads)

@@ -1,0 +1,52 @@
+"""The sharded trainer (FSDP2, nano_miles/sharded_trainer.py): 2 ranks on gloo make exactly the update
+that the single-process Trainer makes on the same batch, whatever the split of the groups."""
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from nano_miles.sharded_trainer import assign_groups
+from tests.nano_miles.sharded_ranks import SCENARIOS
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_two_ranks_make_the_update_of_one_process(two_rank_run, one_process_results, tiny_model_path, name):
+    """even groups; groups that do not split evenly (one rank runs filler passes to keep step); one
+    group that all goes to rank 0; PPO mini-batches (updates_per_step=2); bf16 compute.
+
+    With micro-batches of one row both sides compute every row alike and the FP32 weights agree to
+    1e-6. With two rows per micro-batch the ranks pair other rows than one process does, and padding
+    changes the float rounding; Adam's first step (lr * g / (|g| + eps)) amplifies that where |g| is
+    near eps: one process alone moves by ~1e-5 between micro-batch sizes 1 and 2, so that is the
+    bound there. In bf16 the updates are compared: the sharded masters start from the checkpoint's
+    FP32 values, the single-process Trainer's from their bf16 rounding (it loads the model in bf16)."""
+    got = torch.load(two_rank_run / f"{name}.pt")
+    metrics, state = one_process_results[name]
+    _, micro_batch_size, _, dtype = SCENARIOS[name]
+    initial = load_file(str(tiny_model_path / "model.safetensors"))
+    assert got["fp32"].keys() == state["masters"].keys()
+    if dtype == "float32":
+        worst = max(float((got["fp32"][n] - m).abs().max()) for n, m in state["masters"].items())
+    else:
+        worst = max(float((got["fp32"][n] - initial[n] - d).abs().max()) for n, d in state["delta"].items())
+    bound = 1e-6 if micro_batch_size == 1 else 2e-5
+    assert worst <= bound, f"{name}: the update differs from one process's by {worst:.2e}"
+    moved = max(float((got["fp32"][n] - initial[n]).abs().max()) for n in state["masters"])
+    assert moved > 5e-5  # the step did move the weights (lr 1e-4)
+    for n, w in got["fp32"].items():  # the engine's bf16 weights: the FP32 masters rounded once
+        assert got["bf16"][n].dtype == torch.bfloat16 and torch.equal(got["bf16"][n], w.to(torch.bfloat16)), n
+
+    m = got["metrics"]
+    assert m["response_tokens"] == metrics["response_tokens"] and m["step"] == metrics["step"]
+    assert m.get("updates") == metrics.get("updates") and m["world_size"] == 2
+    for key in ("pg_loss", "grad_norm", "entropy", "clip_frac", "ratio_mean", "ratio_max",
+                "logprob_diff_mean", "logprob_diff_max", "tis_mean"):
+        assert m[key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-7), key
+
+
+def test_groups_go_whole_to_the_least_loaded_rank():
+    ids = ["a", "a", "b", "b", "b", "c", "c"]
+    lengths = [10, 10, 3, 3, 3, 8, 8]  # a: 20 tokens, c: 16, b: 9
+    assert assign_groups(ids, lengths, 2) == [[0, 1], [2, 3, 4, 5, 6]]
+    assert assign_groups(ids, lengths, 3) == [[0, 1], [5, 6], [2, 3, 4]]
+    assert assign_groups(ids, lengths, 1) == [list(range(7))]
+    assert assign_groups(["a", "a"], [5, 5], 3) == [[0, 1], [], []]  # more ranks than groups
