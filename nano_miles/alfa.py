@@ -8,12 +8,14 @@ imported (it pulls in docker, openai and scikit-learn at import time).
 Each task is `alfa_<setup>_<index>` (alfa_fs1_0 ... alfa_fs5_17, the index within its set-up, as
 icalfa numbers them), family "alfa/<setup>", split "benchmark": evaluated, never trained on.
 An episode's sandbox gets the set-up's directories (/testbed, /system, /workspace + /backup) as
-fresh mounts, and the set-up script runs once in it. The policy's commands start in /, as in the
-benchmark's containers. Scoring by execution, as the benchmark's own reward does, without its LLM
-judge: the gold command runs in a fresh copy of the same set-up, and the episode is correct when
-the output of the policy's last command matches the gold output (whitespace normalised) AND the
-files its commands changed match the gold's changes (added, modified and deleted paths, with
-content hashes and modes). The benchmark's three-part score (icalfa BashEnv.get_reward: 0.01 +
+fresh mounts, and the set-up script runs once in it. The policy answers with a bash command
+(<answer>COMMAND</answer>, as the benchmark submits one), after looking around with <bash> turns
+if it likes; commands start in /, as in the benchmark's containers. Scoring by execution, as the
+benchmark's own reward does, without its LLM judge: the gold command runs in a fresh copy of the
+same set-up, the answered command runs in the policy's copy, and the episode is correct when its
+output matches the gold output (whitespace normalised) AND the files changed in the policy's copy
+match the gold's changes (added, modified and deleted paths, with content hashes and modes).
+The benchmark's three-part score (icalfa BashEnv.get_reward: 0.01 +
 0.33 file-set diff + 0.33 content hashes of common changes + 0.33 output, with exact output
 equality standing in for the judge) is recorded as well, as reward components alfa_*.
 
@@ -36,7 +38,7 @@ import time
 from dataclasses import dataclass
 
 from nano_miles.task_api import (WORKDIR, Attempt, SetupError, Task, TaskInstance, TaskUnavailable, Workspace,
-                                 in_workdir, q, register)
+                                 in_workdir, normalize, q, register)
 
 # set-up -> the directories its script writes (each mounted fresh per episode) and its task count;
 # fs4's script writes nothing (its tasks read the system). Counts as icalfa.main.index_to_img.
@@ -244,21 +246,29 @@ def alfa_setup(task_id: str, setup: str, script: str, row: dict, ws: Workspace, 
     """An episode: the reference (once per task), then this copy's set-up; scored by `score`."""
     ref = reference(task_id, setup, script, row["gold"], ws)
     before = prepare(ws, setup, script, ref.pinned)
-    instruction = (f"{row['query'].strip()}\n\nThe shell starts in /. The output of the last command you run, and "
-                   "the files your commands change, are compared with those of a reference command. When you "
-                   "are done, reply <answer>done</answer>.")
-    return TaskInstance(instruction, expected=ref.output, kind="text", solution=[row["gold"]],
+    instruction = (f"{row['query'].strip()}\n\nAnswer with one bash command that does this: <answer>COMMAND</answer>. "
+                   "It runs in /, and its output and the files it changes are compared with those of a reference "
+                   "command. You may look around first with <bash>...</bash>.")
+    return TaskInstance(instruction, expected=ref.output, kind="text", solution=[], solution_answer=row["gold"],
                         score=functools.partial(score, ref, before, setup, row["gold"]))
 
 
 def score(ref: Reference, before: dict, setup: str, gold: str, attempt: Attempt) -> dict[str, float]:
-    """correct: output and file changes both match the gold's; alfa_*: the benchmark's three parts."""
-    sandbox = attempt.workspace.sandbox
+    """The answered command runs in the policy's copy (after whatever it ran before), as the gold ran in its
+    fresh one. correct: its output and the copy's file changes both match the gold's; alfa_*: the
+    benchmark's three parts."""
+    sandbox, command = attempt.workspace.sandbox, command_from(attempt.answer)
+    output = None
+    if command:
+        try:
+            r = sandbox.exec(in_workdir(command, "/"), timeout=GOLD_TIMEOUT)
+            output = normalize_output(r.stdout + r.stderr, sandbox.uid)
+        except ValueError:  # a command the sandbox refuses (a NUL byte): no output
+            pass
     after = parse_snapshot(sandbox.exec(snapshot_command(setup), timeout=attempt.workspace.timeout).stdout)
     if after is None:  # too many files to list, or the listing itself failed: nothing to compare
         after = {}
     diff = changes(before, after)
-    output = normalize_output(attempt.last_output, sandbox.uid)
     output_ok = output is not None and output == ref.output
     files_ok = diff == ref.diff
     # icalfa BashEnv.get_reward, judge left out: (path, status) sets, then hashes of common additions/changes
@@ -267,15 +277,20 @@ def score(ref: Reference, before: dict, setup: str, gold: str, attempt: Attempt)
     file_diff = round(0.33 * (1 - math.erf(len(mine ^ gold_set))), 2)
     common = [p for p, s in mine & gold_set if s in ("A", "M")]
     file_changes = round(0.33 * sum(diff[p] == ref.diff[p] for p in common) / len(common), 2) if common else 0.33
-    last = attempt.commands[-1] if attempt.commands else None
-    answer = 0.33 if output_ok or last == gold else 0.0
+    answer = 0.33 if output_ok or command == gold else 0.0
     return {"correct": float(output_ok and files_ok), "alfa_score": round(0.01 + file_diff + file_changes + answer, 2),
             "alfa_output": float(output_ok), "alfa_files": float(files_ok)}
 
 
+def command_from(answer: str) -> str:
+    """The command in an answer: inside a ```bash fence, or with one layer of quotes/backticks removed."""
+    fenced = re.fullmatch(r"```[\w-]*\n(.*?)\n?```", answer.strip(), re.DOTALL)
+    return fenced.group(1).strip() if fenced else normalize(answer, "text")
+
+
 def three_part_summary(trajs) -> dict | None:
     """Means of the benchmark's score and its output / files parts over the ALFA episodes (None: none).
-    An episode that ended without an answer (turn or token limit) was never scored: it counts 0."""
+    An episode that ended without an answer (turn or token limit) submitted no command: it counts 0."""
     rows = [t.reward_components for t in trajs if t.task_id.startswith("alfa_")]
     if not rows:
         return None

@@ -41,10 +41,8 @@ class TaskUnavailable(SetupError):
 
 @dataclass
 class Attempt:
-    """What the policy did in an episode, for tasks scored by execution rather than by the answer."""
+    """An episode's answer and its sandbox, for tasks scored by execution (ALFA runs the answered command)."""
     answer: str
-    commands: list[str]             # the commands the policy ran, in order
-    last_output: str | None         # stdout then stderr of the last one (None: it ran none)
     workspace: "Workspace"
 
 
@@ -55,6 +53,7 @@ class TaskInstance:
     kind: str = "text"             # how an answer is compared: text | int | lower | hex
     check: str | None = None       # a command that must exit 0 (workspace state) for success
     solution: list[str] = field(default_factory=list)  # scripted policy; last stdout = answer
+    solution_answer: str | None = None  # the scripted policy's answer, when it is not that stdout (ALFA: a command)
     # Scoring by execution (ALFA): called with the Attempt instead of comparing the answer with
     # `expected`; returns {"correct": 0.0 or 1.0, other metrics...}, all recorded on the trajectory.
     score: Callable[[Attempt], dict[str, float]] | None = None

@@ -22,14 +22,13 @@ import importlib.util
 import json
 import os
 import sys
-import time
 
 from nano_miles import task_catalog  # noqa: F401  (registers the built-in tasks)
 from nano_miles import task_files
 from nano_miles.task_check import check_tasks
+# the public task API, re-exported: a user's module imports it from here
 from nano_miles.task_api import (KINDS, SPLITS, TASKS, Attempt, SetupError, Task, TaskInstance,  # noqa: F401
-                                 TaskUnavailable, Workspace, check_task, loading, normalize, q, register,
-                                 task, verify)
+                                 TaskUnavailable, Workspace, loading, normalize, q, register, task, verify)
 
 _LOADED: dict[str, list[str]] = {}  # user modules and task files loaded -> their report (loaded once)
 
@@ -70,7 +69,8 @@ def _load_one(spec: str) -> list[str]:
 
 
 def _import_file(path: str) -> None:
-    name = f"nano_miles_user_tasks.{os.path.basename(path)[:-3]}_{hashlib.sha1(key_of(path)).hexdigest()[:8]}"
+    digest = hashlib.sha1(os.path.realpath(path).encode()).hexdigest()[:8]
+    name = f"_nano_miles_user_tasks_{os.path.basename(path)[:-3]}_{digest}"  # two my_tasks.py never collide
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses and pickling look a task's module up by name
@@ -79,10 +79,6 @@ def _import_file(path: str) -> None:
     except BaseException:
         del sys.modules[name]
         raise
-
-
-def key_of(path: str) -> bytes:
-    return os.path.realpath(path).encode()
 
 
 def one_line(e: BaseException) -> str:

@@ -1,8 +1,8 @@
 """InterCode-ALFA in our sandbox: the 300 tasks from the installed icalfa package, scored by execution.
 
 Real sandboxes throughout: each episode's set-up script runs in the episode's own mounted directories,
-the gold command runs in fresh copies, and a policy's commands are compared with it by output and by
-the files they change.
+the gold command runs in fresh copies, and the policy's answered command is compared with it by output
+and by the files changed.
 """
 import json
 import os
@@ -21,14 +21,15 @@ def gold(task_id: str) -> str:
     return alfa.load_dataset(setup)[1][int(index)]["gold"]
 
 
-def episode(task_id: str, *commands: str, seed: int = 0) -> dict:
-    """Play the commands as the policy's <bash> turns, answer, and return the reward components."""
+def episode(task_id: str, answer: str, explore: tuple[str, ...] = (), seed: int = 0) -> dict:
+    """Play `explore` as the policy's <bash> turns, then answer; the reward components."""
     env = OpenShellEnv(get_task(task_id), seed)
     try:
         env.reset()
-        for cmd in commands:
+        assert "Answer with one bash command" in env.instance.instruction
+        for cmd in explore:
             assert not env.step(f"<bash>{cmd}</bash>").done
-        assert env.step("<answer>done</answer>").done
+        assert env.step(f"<answer>{answer}</answer>").done
         return dict(env.components)
     finally:
         env.close()
@@ -68,8 +69,8 @@ def test_the_gold_command_as_the_policy_scores_1_and_a_wrong_one_0(task_id):
     assert right["alfa_score"] == 1.0 and right["alfa_output"] == 1.0 and right["alfa_files"] == 1.0
     wrong = episode(task_id, "ls /")
     assert wrong["correct"] == 0.0 and wrong["alfa_score"] < 1.0, wrong
-    # exploring first is fine: what counts is the last command's output and the files in the end
-    assert episode(task_id, "ls / >/dev/null", gold(task_id))["correct"] == 1.0
+    # looking around first is fine, and so is a fenced answer
+    assert episode(task_id, f"```bash\n{gold(task_id)}\n```", explore=("ls /", "pwd"))["correct"] == 1.0
 
 
 def test_the_output_alone_is_not_enough_when_files_should_change():
@@ -80,11 +81,11 @@ def test_the_output_alone_is_not_enough_when_files_should_change():
     # the right file with the wrong content is a modification the gold did not make
     content = episode("alfa_fs1_4", "echo x > /testbed/test.txt")
     assert content["correct"] == 0.0 and content["alfa_files"] == 0.0
-    # the right change plus a stray deletion fails too
-    stray = episode("alfa_fs1_4", "touch /testbed/test.txt && rm /testbed/hello.c")
-    assert stray["correct"] == 0.0
-    # an episode that runs no command at all has no output to compare
-    assert episode("alfa_fs1_4")["correct"] == 0.0
+    # the right answer after a stray deletion in a <bash> turn fails too: the files count in the end
+    stray = episode("alfa_fs1_4", "touch /testbed/test.txt", explore=("rm /testbed/hello.c",))
+    assert stray["correct"] == 0.0 and stray["alfa_output"] == 1.0
+    # an empty answer submits no command: nothing to compare
+    assert episode("alfa_fs1_4", "")["correct"] == 0.0
 
 
 def test_tasks_whose_gold_cannot_run_here_are_unavailable_with_the_reason():
