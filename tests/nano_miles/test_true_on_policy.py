@@ -10,7 +10,9 @@ import torch
 
 from nano_miles.batch import Trajectory, build_rollout_batch
 from nano_miles.client import start_engine_process
+from nano_miles.config import ConfigError, load_config, parse_set
 from nano_miles.engine.engine import Engine, EngineConfig, SamplingParams
+from nano_miles.train import TrainConfig, train_layout
 from nano_miles.trainer import Trainer, TrainerConfig
 
 PREFIX = [1, 77, 301, 5, 912, 44, 610, 23, 9, 450, 99, 17]  # shared by every prompt: prefix-cache hits
@@ -127,3 +129,11 @@ def test_through_the_http_server(tiny_model_path):
                                         response_mask=[True] * len(lps)))
         client.close()
     assert_exact(trainer, trajs)
+
+
+def test_the_train_key_turns_on_both_sides_and_refuses_a_tempered_rollout():
+    cfg = load_config(TrainConfig, None, parse_set(["true_on_policy=true"]))
+    assert "--true-on-policy" in train_layout(cfg).engine_args
+    assert "--true-on-policy" not in train_layout(TrainConfig()).engine_args
+    with pytest.raises(ConfigError, match="temperature"):
+        load_config(TrainConfig, None, parse_set(["true_on_policy=true", "rollout.temperature=0.7"]))
