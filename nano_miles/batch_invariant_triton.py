@@ -168,8 +168,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, positions, rows_per_table
         raise ValueError(f"batch-invariant triton attention needs a power-of-two head_dim >= 16, got {D}")
     G = H // KV
     q = q.contiguous()
-    k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
-    block_tables, positions = block_tables.contiguous(), positions.contiguous()
+    k_cache, v_cache, positions = k_cache.contiguous(), v_cache.contiguous(), positions.contiguous()
+    if block_tables.stride(-1) != 1:  # rows may be strided (a CUDA graph's static slice): the kernel takes the row stride
+        block_tables = block_tables.contiguous()
     out = torch.empty_like(q)
     if R:
         _attention_kernel[(R, KV)](

@@ -172,7 +172,7 @@ def write_curves(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
         values = [r.get(key) for r in rows]
         fig, ax = plt.subplots(figsize=(6, 3.5))
         ax.plot(steps, [float("nan") if v is None else v for v in values], marker="o")
-        if key == "parity_mean":
+        if key == "parity_mean" and any(v is not None and v > 0 for v in values):  # true on-policy: all 0.0
             ax.set_yscale("log")
         ax.set_xlabel("step")
         ax.set_title(title)

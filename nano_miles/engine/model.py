@@ -300,7 +300,7 @@ class CausalLM(nn.Module):
         train/inference parity is not lost to that rounding. Call it outside graph capture, before a
         forward: tensor._version moves with every in-place write, weight updates included."""
         w = self.lm_head_weight()
-        if w.dtype == torch.float32:
+        if w.dtype == torch.float32 or self.batch_invariant:  # batch-invariant logits read the bf16 weight itself
             return w
         if self._lm_head_fp32 is None:
             self._lm_head_fp32 = torch.empty(w.shape, dtype=torch.float32, device=w.device)
