@@ -137,6 +137,9 @@ def _rms_norm_value(x, weight, eps):
 
 
 def _silu_mul_value(gate, up):
+    tk = _triton(gate)
+    if tk is not None:
+        return tk.silu_mul(gate, up)
     g = gate.float()
     return (g / (1.0 + _exp(-g))).to(gate.dtype) * up
 

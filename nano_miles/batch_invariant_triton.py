@@ -7,6 +7,7 @@ program (or one row of a fixed tile) whose reduction order depends only on the r
 
 - linear: BM x BN output tiles, K walked in BK steps from 0 (no split-K); the row count M is not a
   compile-time specialisation (do_not_specialize), so every M runs the same compiled kernel;
+- silu_mul: elementwise, one kernel (each element's arithmetic is the same wherever it sits);
 - rms_norm, log_softmax: one program per row (log_softmax walks the vocabulary in fixed chunks with
   per-lane accumulators, then one tl.sum);
 - paged_attention: one program per (query row, KV head) with its G query heads, online softmax over
@@ -63,6 +64,14 @@ if triton is not None:
         y = (x * (1.0 / tl.sqrt_rn(var + eps))).to(y_ptr.dtype.element_ty)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0)
         tl.store(y_ptr + row * stride_y + cols, (w * y).to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        g = tl.load(g_ptr + i, mask=i < n, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + i, mask=i < n, other=0.0)
+        s = (g / (1.0 + tl.exp(-g))).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + i, (s * u).to(y_ptr.dtype.element_ty), mask=i < n)
 
     @triton.jit
     def _log_softmax_kernel(x_ptr, y_ptr, stride_x, stride_y, V, BLOCK: tl.constexpr):
@@ -150,6 +159,15 @@ def rms_norm(x, weight, eps):
         _rms_norm_kernel[(x2.shape[0],)](x2, weight, y, x2.stride(0), y.stride(0), N, eps,
                                          BLOCK=triton.next_power_of_2(N), num_warps=4)
     return y.view(x.shape)
+
+
+def silu_mul(gate, up):
+    gate, up = gate.contiguous(), up.contiguous()
+    y = torch.empty_like(gate)
+    n = gate.numel()
+    if n:
+        _silu_mul_kernel[(triton.cdiv(n, 1024),)](gate, up, y, n, BLOCK=1024, num_warps=4)
+    return y
 
 
 def log_softmax(logits):

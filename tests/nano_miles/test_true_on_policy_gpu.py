@@ -41,8 +41,12 @@ def test_triton_kernels_are_row_invariant_and_right(dtype):
     logits = bi.linear(x, w, out_dtype=torch.float32)
     logp = bi.log_softmax(logits)
     assert torch.allclose(logp, torch.log_softmax(logits, -1), atol=1e-4)
+    up = randn(300, 896, dtype=dtype, seed=7)
+    silu = bi.silu_mul(x, up)
+    assert torch.allclose(silu.double(), F.silu(x.double()) * up.double(), rtol=tol, atol=tol)
     for start, count in ((0, 1), (7, 3), (64, 8), (1, 64), (200, 100)):
         rows = slice(start, start + count)
+        assert torch.equal(bi.silu_mul(x[rows], up[rows]), silu[rows])
         assert torch.equal(bi.linear(x[rows], w, b), whole[rows])
         assert torch.equal(bi.rms_norm(x[rows], norm_w, 1e-6), norms[rows])
         assert torch.equal(bi.log_softmax(logits[rows]), logp[rows])
