@@ -6,7 +6,13 @@ Random-initialised Qwen2.5-0.5B shapes (hidden 896, 24 layers, 14 heads / 2 KV h
 forward of the same weights (in the run's dtype). Prints a table, appends one JSON line to bench/results.jsonl, and writes
 the table and the JSON line to $OUT when that is set.
 
+--true-on-policy runs the same requests a second time through an engine in true on-policy mode
+(batch-invariant kernels, nano_miles/batch_invariant.py) in the same process, reports its slowdown
+against the normal mode, and checks its log-probs against the true on-policy trainer's forward of the
+same weights (must be exactly 0).
+
     PYTHONPATH=. python3 bench/engine_throughput.py                  # GPU defaults: 64 and 256 requests
+    PYTHONPATH=. python3 bench/engine_throughput.py --true-on-policy --skip-hf
     PYTHONPATH=. python3 bench/engine_throughput.py --device cpu     # small CPU scale
 """
 
@@ -23,11 +29,16 @@ from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench.results import git_commit, save, utc_now  # noqa: E402
+from nano_miles import batch_invariant  # noqa: E402
 from nano_miles.engine.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from nano_miles.engine.model import CausalLM  # noqa: E402
 
 QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                   num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0,
                   tie_word_embeddings=True, rms_norm_eps=1e-6)
+SHAPES = {"qwen2.5-0.5b": QWEN25_05B,  # --shapes tiny: a CPU rehearsal of the script (true on-policy's CPU path is slow)
+          "tiny": dict(QWEN25_05B, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=1024)}
 
 
 def sync(device):
@@ -35,11 +46,11 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def make_model_folder(device, dtype) -> str:
+def make_model_folder(device, dtype, shapes) -> str:
     torch.manual_seed(0)
     folder = tempfile.mkdtemp(prefix="bench_qwen05b_")
     with torch.device(device):
-        model = Qwen2ForCausalLM(Qwen2Config(**QWEN25_05B)).to(dtype)
+        model = Qwen2ForCausalLM(Qwen2Config(**shapes)).to(dtype)
     model.save_pretrained(folder)
     del model
     return folder
@@ -98,9 +109,22 @@ def logprob_gap(hf, done, ps_by_rid, device, n=4):
     return e.max().item(), e.mean().item()
 
 
+def trainer_parity(exact_model, done, ps_by_rid, device, n=4):
+    """max |engine log-prob - true on-policy trainer log-prob| over n requests (must be 0.0)."""
+    worst = 0.0
+    for r in done[:n]:
+        p = ps_by_rid[r.rid]
+        with torch.no_grad():
+            hidden = exact_model.forward_sequences(torch.tensor([p + r.output_ids], device=device))[0, :-1]
+            logp = batch_invariant.log_softmax(exact_model.logits(hidden[len(p) - 1:]))
+        mine = logp.gather(-1, torch.tensor(r.output_ids, device=device)[:, None]).squeeze(-1).cpu()
+        worst = max(worst, (mine - torch.tensor(r.output_logprobs)).abs().max().item())
+    return worst
+
+
 def profile_decode(eng, n, plen, device):
     from torch.profiler import ProfilerActivity, profile
-    for i, p in enumerate(prompts(n, plen, QWEN25_05B["vocab_size"], seed=7)):
+    for i, p in enumerate(prompts(n, plen, eng.vocab_size, seed=7)):
         eng.add_request(f"prof{i}", p, SamplingParams(max_new_tokens=16, ignore_eos=True))
     while any(s.num_uncomputed > 1 for s in eng.scheduler.running) or eng.scheduler.waiting:
         eng.step()
@@ -136,6 +160,9 @@ def main():
     ap.add_argument("--no-cuda-graph", action="store_true")
     ap.add_argument("--attention", default="auto", choices=["auto", "torch", "triton"])
     ap.add_argument("--profile", action="store_true", help="profile a few decode steps; table to stdout and $OUT")
+    ap.add_argument("--shapes", default="qwen2.5-0.5b", choices=sorted(SHAPES))
+    ap.add_argument("--true-on-policy", action="store_true",
+                    help="also run the requests in true on-policy mode (batch-invariant kernels) and report the slowdown")
     args = ap.parse_args()
     gpu = args.device.startswith("cuda")
     conc = [int(c) for c in (args.concurrency or ("64,256" if gpu else "8")).split(",")]
@@ -143,39 +170,58 @@ def main():
     new = args.new_tokens or (256 if gpu else 32)
     dtype = torch.bfloat16 if gpu else torch.float32
 
-    folder = make_model_folder(args.device, dtype)
-    eng = Engine(EngineConfig(model=folder, device=args.device, dtype="bfloat16" if gpu else "float32",
-                              max_running_requests=max(conc), cuda_graph=not args.no_cuda_graph,
-                              max_model_len=plen + new + 16, attention_backend=args.attention))
-    hf = None if args.skip_hf else AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(args.device).eval()
+    shapes = SHAPES[args.shapes]
+    folder = make_model_folder(args.device, dtype, shapes)
+    hf = None
+    if not args.skip_hf or args.true_on_policy:
+        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(args.device).eval()
 
     rows = []
-    for c in conc:
-        ps = prompts(c, plen, QWEN25_05B["vocab_size"], seed=c)
-        run_engine(eng, prompts(c, plen, QWEN25_05B["vocab_size"], seed=c + 1000), new, "warm")  # graphs, allocator
-        eng.flush_cache()
-        done, tps, secs, decode_ms = run_engine(eng, ps, new, f"c{c}-")
-        row = dict(concurrency=c, prompt_len=plen, new_tokens=new, engine_tok_s=round(tps, 1),
-                   engine_seconds=round(secs, 3), decode_step_ms=round(decode_ms, 3))
-        if hf is not None:
-            hf_tps = bench_hf(hf, ps, new, args.device)
-            row.update(hf_tok_s=round(hf_tps, 1), ratio=round(tps / hf_tps, 2))
-            gap_max, gap_mean = logprob_gap(hf, done, {f"c{c}-{i}": p for i, p in enumerate(ps)}, args.device)
-            row.update(logprob_gap_max=round(gap_max, 5), logprob_gap_mean=round(gap_mean, 5))
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+    for mode in ("normal", "true_on_policy") if args.true_on_policy else ("normal",):
+        top = mode == "true_on_policy"
+        eng = Engine(EngineConfig(model=folder, device=args.device, dtype="bfloat16" if gpu else "float32",
+                                  max_running_requests=max(conc), cuda_graph=not args.no_cuda_graph,
+                                  max_model_len=plen + new + 16, attention_backend=args.attention,
+                                  true_on_policy=top))
+        exact_model = CausalLM.sharing_parameters(hf).use_batch_invariant_ops() if top else None
+        for c in conc:
+            ps = prompts(c, plen, shapes["vocab_size"], seed=c)
+            run_engine(eng, prompts(c, plen, shapes["vocab_size"], seed=c + 1000), new, "warm")  # graphs, allocator
+            eng.flush_cache()
+            done, tps, secs, decode_ms = run_engine(eng, ps, new, f"c{c}-")
+            row = dict(mode=mode, concurrency=c, prompt_len=plen, new_tokens=new, engine_tok_s=round(tps, 1),
+                       engine_seconds=round(secs, 3), decode_step_ms=round(decode_ms, 3))
+            by_rid = {f"c{c}-{i}": p for i, p in enumerate(ps)}
+            if top:
+                base = next(r for r in rows if r["mode"] == "normal" and r["concurrency"] == c)
+                row.update(slower_pct=round(100 * (base["engine_tok_s"] / tps - 1), 1),
+                           trainer_parity_max=trainer_parity(exact_model, done, by_rid, args.device))
+            elif not args.skip_hf:
+                hf_tps = bench_hf(hf, ps, new, args.device)
+                row.update(hf_tok_s=round(hf_tps, 1), ratio=round(tps / hf_tps, 2))
+                gap_max, gap_mean = logprob_gap(hf, done, by_rid, args.device)
+                row.update(logprob_gap_max=round(gap_max, 5), logprob_gap_mean=round(gap_mean, 5))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        if mode == "normal" and args.true_on_policy:
+            del eng
+            if gpu:
+                torch.cuda.empty_cache()
 
     if args.profile:
         profile_decode(eng, max(conc), plen, args.device)
     record = dict(bench="engine_throughput", date=utc_now(),
-                  commit=git_commit(), machine=machine(args.device), device=args.device, dtype=str(dtype).removeprefix("torch."),
+                  commit=git_commit(), machine=machine(args.device), device=args.device, dtype=str(dtype).removeprefix("torch."), shapes=args.shapes,
                   cuda_graph=eng.graphs is not None, attention=eng.attention_backend, num_kv_blocks=eng.num_kv_blocks, rows=rows)
-    head = "| requests | prompt | new | engine tok/s | HF generate tok/s | ratio | decode step ms | logprob gap vs HF max / mean |"
-    lines = [head, "|" + "---|" * 8]
+    head = ("| mode | requests | prompt | new | engine tok/s | HF generate tok/s | ratio | decode step ms | "
+            "logprob gap vs HF max / mean | slower than normal | parity vs true on-policy trainer |")
+    lines = [head, "|" + "---|" * 11]
     for r in rows:
         gap = f"{r['logprob_gap_max']} / {r['logprob_gap_mean']}" if "logprob_gap_max" in r else "-"
-        lines.append(f"| {r['concurrency']} | {r['prompt_len']} | {r['new_tokens']} | {r['engine_tok_s']:,.0f} | "
-                     f"{r.get('hf_tok_s', '-')} | {r.get('ratio', '-')} | {r['decode_step_ms']} | {gap} |")
+        slower = f"{r['slower_pct']}%" if "slower_pct" in r else "-"
+        lines.append(f"| {r['mode']} | {r['concurrency']} | {r['prompt_len']} | {r['new_tokens']} | {r['engine_tok_s']:,.0f} | "
+                     f"{r.get('hf_tok_s', '-')} | {r.get('ratio', '-')} | {r['decode_step_ms']} | {gap} | {slower} | "
+                     f"{r.get('trainer_parity_max', '-')} |")
     table = (f"{record['date']}, commit {record['commit']}, {record['machine']}, {record['dtype']}, "
              f"CUDA graphs {record['cuda_graph']}, decode attention {record['attention']}\n\n" + "\n".join(lines))
     print(table)

@@ -11,6 +11,7 @@ bench/results.jsonl (and $OUT/train_step.json when $OUT is set).
 
   PYTHONPATH=. python3 bench/train_step.py                 # the GPU figure (cuda)
   PYTHONPATH=. python3 bench/train_step.py --shapes tiny   # a CPU smoke run
+  PYTHONPATH=. python3 bench/train_step.py --true-on-policy  # + the same step in true on-policy mode
 """
 from __future__ import annotations
 
@@ -118,6 +119,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--dry-run", action="store_true", help="print only; do not append to bench/results.jsonl")
+    ap.add_argument("--true-on-policy", action="store_true", help="also time the step in true on-policy mode")
     args = ap.parse_args()
     device = torch.device(args.device)
     batch, adv = make_batch(args.seqs, args.seq_len, args.prompt_len, SHAPES[args.shapes]["vocab_size"])
@@ -139,6 +141,21 @@ def main():
     del trainer, init
     reset(device)
 
+    if args.true_on_policy:  # the same step with batch-invariant forward values (nano_miles/batch_invariant.py)
+        trainer = Trainer(TrainerConfig(device=args.device, dtype="bfloat16", micro_batch_size=args.micro_batch_size,
+                                        logprob_chunk=args.chunk, optim=OptimConfig(lr=1e-6), true_on_policy=True),
+                          model=make_model(args.shapes, device))
+        batch.rollout_logprobs = trainer.logprobs(batch)  # what a true on-policy engine returns, bit for bit
+        init = [p.detach().clone() for p in trainer.params]
+        ms = timed(lambda: trainer.train_step(batch, adv), device, args.warmup, args.steps)
+        m = trainer.train_step(batch, adv)
+        rows.append(dict(method="nano_miles true on-policy", ms=ms, tokens_per_s=tokens / ms * 1000,
+                         peak_gib=peak_gib(device), bf16_changed=changed_share(trainer.params, init),
+                         grad_norm=m["grad_norm"], entropy=m.get("entropy"), logprob_diff_mean=m["logprob_diff_mean"],
+                         slower_pct=100 * (ms / rows[0]["ms"] - 1)))
+        del trainer, init
+        reset(device)
+
     # --- naive bf16 loop
     model = make_model(args.shapes, device)
     model.config.use_cache = False
@@ -157,7 +174,7 @@ def main():
     print(f"{'method':36s} {'ms/step':>9s} {'tok/s':>9s} {'peak GiB':>9s} {f'bf16 weights moved in {n_steps} steps':>30s}")
     for r in rows:
         print(f"{r['method']:36s} {r['ms']:9.1f} {r['tokens_per_s']:9.0f} {r['peak_gib']:9.2f} "
-              f"{100 * r['bf16_changed']:29.2f}%")
+              f"{100 * r['bf16_changed']:29.2f}%" + (f"   {r['slower_pct']:+.1f}% vs nano_miles" if "slower_pct" in r else ""))
     record = dict(bench="train_step", date=utc_now(), commit=git_commit(), machine=name, torch=torch.__version__, config=vars(args), results=rows)
     if not args.dry_run:
         save(record, "train_step.json")

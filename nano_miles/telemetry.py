@@ -76,6 +76,16 @@ def memory_gb(device: torch.device | str) -> float:
     return psutil.Process(os.getpid()).memory_info().rss / 2**30
 
 
+def parity_error(metrics: dict) -> str | None:
+    """The table's error line when a true on-policy step's log-probs were not bit-identical: in that
+    mode parity_max must be exactly 0.0, and any other value (even 1e-9) is a bug, not noise."""
+    value = metrics.get("parity_max")
+    if not metrics.get("true_on_policy") or value is None or value == 0.0:
+        return None
+    return (f"ERROR step {metrics.get('step')}: true_on_policy but parity_max = {float(value):.3e} "
+            "(the engine's log-probs differ from the trainer's; they must be equal bit for bit)")
+
+
 def format_row(metrics: dict) -> str:
     cells = []
     for key, title, fmt in COLUMNS:
@@ -117,6 +127,9 @@ class MetricsLog:
         missing = [k for k in REQUIRED_KEYS if k not in metrics]
         if missing:
             raise ValueError(f"metrics for step {metrics.get('step')} lack keys {missing}")
+        error = parity_error(metrics)
+        if metrics.get("true_on_policy"):
+            metrics = {**metrics, "parity_error": error is not None}
         self._file.write(json.dumps(metrics, sort_keys=True) + "\n")
         step = int(metrics["step"])
         for key, value in metrics.items():
@@ -127,6 +140,8 @@ class MetricsLog:
             self.echo(format_header())
             self._header_printed = True
         self.echo(format_row(metrics))
+        if error is not None:
+            self.echo(error)
 
     def close(self) -> None:
         self._file.close()
@@ -157,7 +172,7 @@ def write_curves(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
         values = [r.get(key) for r in rows]
         fig, ax = plt.subplots(figsize=(6, 3.5))
         ax.plot(steps, [float("nan") if v is None else v for v in values], marker="o")
-        if key == "parity_mean":
+        if key == "parity_mean" and any(v is not None and v > 0 for v in values):  # true on-policy: all 0.0
             ax.set_yscale("log")
         ax.set_xlabel("step")
         ax.set_title(title)

@@ -68,6 +68,7 @@ class TrainConfig(RolloutCommandConfig):
     checkpoint_every: int = 1         # steps between checkpoints (the latest one is kept)
     trainer_device: str = "auto"      # auto = cuda:0 with a GPU, else cpu
     max_engine_restarts: int = 3      # per step, before the run stops with an error
+    true_on_policy: bool = False      # batch-invariant engine and trainer: log-probs equal bit for bit, parity_max 0.0
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossConfig = field(default_factory=LossConfig)
@@ -86,9 +87,21 @@ class TrainConfig(RolloutCommandConfig):
             raise ValueError("max_staleness and max_engine_restarts must be >= 0")
         if len(self.engine.urls) > 1:
             raise ValueError(f"train drives one engine: engine.url takes one URL, got {self.engine.url!r}")
+        if self.true_on_policy and self.rollout.temperature != 1.0:
+            raise ValueError("true_on_policy needs rollout.temperature = 1 (the engine's log-probs are of the "
+                             "tempered distribution, the trainer's of the model's)")
 
 
 CONFIG = TrainConfig
+
+
+def train_layout(cfg: TrainConfig):
+    """plan_layout for a training run: true_on_policy turns the engine's side on too (an engine given
+    by engine.url must have been started with `serve --true-on-policy`)."""
+    layout = plan_layout(cfg.dtype, cfg.engine, cfg.trainer_device)
+    if cfg.true_on_policy:
+        layout.engine_args.append("--true-on-policy")
+    return layout
 
 
 class TrainingRun:
@@ -106,7 +119,7 @@ class TrainingRun:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if not resume_dir:
             (self.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
-        self.layout = plan_layout(cfg.dtype, cfg.engine, cfg.trainer_device)
+        self.layout = train_layout(cfg)
         self.model_path = str(resolve_model(cfg.model))
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
@@ -120,7 +133,7 @@ class TrainingRun:
         (self.url,) = self.engine.start()
         self.trainer = Trainer(dataclasses.replace(
             cfg.trainer, model=self.model_path, device=self.layout.trainer_device, dtype=self.layout.dtype,
-            optim=cfg.optim, loss=cfg.loss))
+            true_on_policy=cfg.true_on_policy, optim=cfg.optim, loss=cfg.loss))
         self.reference = ReferencePolicy(self.trainer) if cfg.loss.kl_coef > 0 else None  # before any resume
         self.stream = TaskStream(tasks, cfg.seed)
         self.start_step = 0
@@ -199,9 +212,10 @@ class TrainingRun:
             # them, so that sync_ms measures the weight transfer and not the optimizer's tail.
             torch.cuda.synchronize(self.trainer.device)
         sync = self._sync(step)
-        return step_metrics(step, rollout, stale, self.cfg.max_staleness, train, skipped, sync,
-                            mem_gb=memory_gb(self.layout.trainer_device), step_s=time.perf_counter() - t0,
-                            engine_restarts=self.engine.restarts)
+        metrics = step_metrics(step, rollout, stale, self.cfg.max_staleness, train, skipped, sync,
+                               mem_gb=memory_gb(self.layout.trainer_device), step_s=time.perf_counter() - t0,
+                               engine_restarts=self.engine.restarts)
+        return {**metrics, "true_on_policy": self.cfg.true_on_policy}  # parity_max != 0 is then an error
 
     def _checkpoint(self, step: int) -> None:
         save_checkpoint(self.run_dir, self.trainer, {"step": step, "data_position": self.data_position[step],

@@ -10,6 +10,11 @@
   of every parameter (and FP32 moments); gradients are accumulated into them in FP32 after every
   micro-batch, and after each step the compute model receives masters.to(bfloat16). With dtype
   float32 the masters are the model's own parameters.
+- True on-policy (`true_on_policy=True`): the log-probs come from the ENGINE's model code
+  (nano_miles/engine/model.py) run over whole sequences on this trainer's own parameters, with every
+  op from nano_miles/batch_invariant.py, so they equal the engine's returned log-probs bit for bit
+  (the engine must run with the same flag). Forward values are the batch-invariant ones; gradients
+  come from the ordinary fast backward of each op.
 - One optimizer step per train_step. Unless old log-probs are passed in, the policy that sampled
   the batch is the current one, so the PPO ratio is exactly 1 and old = logprobs.detach().
 """
@@ -24,9 +29,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from nano_miles import batch_invariant
 from nano_miles.algorithms import LossConfig, loss_normalizer, policy_loss
 from nano_miles.config import filled_in
 from nano_miles.dtypes import DTYPES, TRAINABLE
+from nano_miles.engine.model import CausalLM
 
 
 @dataclass
@@ -60,6 +67,8 @@ class TrainerConfig:
     logprob_chunk: int = 1024     # tokens per lm_head -> float32 log_softmax chunk
     gradient_checkpointing: bool = False  # recompute decoder layers in backward (long sequences)
     compute_entropy: bool = True  # report the policy entropy (one more pass over each chunk's logits)
+    true_on_policy: bool = field(default=False, metadata=filled_in(
+        "batch-invariant forward shared with the engine: log-probs equal bit for bit (train: true_on_policy)"))
     optim: OptimConfig = field(default_factory=OptimConfig, metadata=filled_in("AdamW"))
     loss: LossConfig = field(default_factory=LossConfig, metadata=filled_in("the policy loss"))
 
@@ -76,6 +85,15 @@ def _chunk_logprobs(hidden, targets, weight, with_entropy: bool):
     # state that differs from the engine's in its last bit would then round to a different logit.
     logits = F.linear(hidden.float(), weight.float())
     logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
+    if not with_entropy:
+        return logp, torch.zeros_like(logp)
+    return logp, -(logp_all.exp() * logp_all).sum(-1)
+
+
+def _exact_chunk_logprobs(hidden, targets, weight, with_entropy: bool):
+    """_chunk_logprobs with the engine's batch-invariant head (true on-policy mode)."""
+    logp_all = batch_invariant.log_softmax(batch_invariant.linear(hidden, weight, out_dtype=torch.float32))
     logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
     if not with_entropy:
         return logp, torch.zeros_like(logp)
@@ -120,6 +138,8 @@ class Trainer:
                 self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
             else:
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        # True on-policy: the engine's model code over these very parameters (shared, not copied).
+        self.exact_model = CausalLM.sharing_parameters(self.model).use_batch_invariant_ops() if cfg.true_on_policy else None
         # named_parameters() lists a tied weight once (embed_tokens, not lm_head).
         self.names, self.params = zip(*[(n, p) for n, p in self.model.named_parameters() if p.requires_grad])
         if self.dtype == torch.float32:
@@ -144,17 +164,22 @@ class Trainer:
         """Log-probs [b, l-1] (float32, 0 where score_mask is False) and entropy (or None)."""
         tokens = tokens.to(self.device, non_blocking=True)
         score_mask = score_mask.to(self.device, non_blocking=True)
-        hidden = self.model.base_model(input_ids=tokens).last_hidden_state[:, :-1]  # position t predicts t+1
+        if self.exact_model is not None:
+            checkpoint_layers = self.cfg.gradient_checkpointing and need_grad
+            hidden = self.exact_model.forward_sequences(tokens, checkpoint_layers)[:, :-1]
+            weight, chunk_logprobs = self.exact_model.lm_head_weight(), _exact_chunk_logprobs
+        else:
+            hidden = self.model.base_model(input_ids=tokens).last_hidden_state[:, :-1]  # position t predicts t+1
+            weight, chunk_logprobs = self.model.get_output_embeddings().weight, _chunk_logprobs
         rows, cols = score_mask.nonzero(as_tuple=True)
         h, targets = hidden[rows, cols], tokens[:, 1:][rows, cols]
-        weight = self.model.get_output_embeddings().weight
         logps, ents = [], []
         for s in range(0, h.shape[0], self.cfg.logprob_chunk):
             args = (h[s:s + self.cfg.logprob_chunk], targets[s:s + self.cfg.logprob_chunk], weight, with_entropy)
             if need_grad:  # recompute the chunk's logits in backward instead of keeping them
-                lp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
+                lp, ent = checkpoint(chunk_logprobs, *args, use_reentrant=False)
             else:
-                lp, ent = _chunk_logprobs(*args)
+                lp, ent = chunk_logprobs(*args)
             logps.append(lp)
             ents.append(ent)
         out = torch.zeros(score_mask.shape, dtype=torch.float32, device=self.device)

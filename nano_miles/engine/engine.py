@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from nano_miles import batch_invariant
 from nano_miles.dtypes import DTYPE_NAMES, resolve_dtype
 from nano_miles.engine.flat_params import FlatParameters, wait_for_copies
 from nano_miles.engine.kv_cache import BlockManager, KVCache
@@ -40,6 +41,7 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.85  # share of the GPU's free memory for the KV cache (ignored on CPU)
     cpu_kv_cache_bytes: int = 2 << 30   # KV-cache bytes on CPU when num_kv_blocks is none
     seed: int = 0                       # seed of the sampling generator (requests may bring their own sampling_seed)
+    true_on_policy: bool = False        # batch-invariant kernels: log-probs equal a true on-policy trainer's bit for bit
 
     def __post_init__(self):
         if self.dtype not in DTYPE_NAMES:
@@ -96,6 +98,8 @@ class Engine:
 
         with torch.device(self.device):
             self.model = CausalLM(mc).to(self.dtype)
+        if config.true_on_policy:
+            self.model.use_batch_invariant_ops()
         load_safetensors(self.model, config.model)
         self.model.eval().requires_grad_(False)
         self.weight_specs = {n: (tuple(p.shape), p.dtype) for n, p in self.model.named_parameters()}  # name -> (shape, dtype)
@@ -307,7 +311,8 @@ class Engine:
             if not p.ignore_eos and len(seq.output_ids) < p.min_new_tokens:
                 logits[i, list(p.stop_token_ids or []) + self.eos_token_ids] = float("-inf")
         tokens, logprobs = sample(logits, [s.params.temperature for s in seqs], [s.params.top_p for s in seqs],
-                                  [s.params.top_k for s in seqs], [s.generator for s in seqs], self.generator)
+                                  [s.params.top_k for s in seqs], [s.generator for s in seqs], self.generator,
+                                  log_softmax=batch_invariant.log_softmax if self.config.true_on_policy else None)
         out = torch.stack([tokens.double(), logprobs.double()]).cpu()  # the step's one host sync
         return [int(x) for x in out[0].tolist()], out[1].tolist()
 

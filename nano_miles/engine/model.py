@@ -8,15 +8,25 @@ token writes its K/V into the cache at `slot_mapping`, then attends over its seq
 through `block_tables`, masked by `key_index <= position` (causal and length mask in one).
 Padded query rows use position 0 and write into a spare "trash" block, so shapes stay static for CUDA
 graphs and no row is ever fully masked.
+
+True on-policy mode (`use_batch_invariant_ops()`): every linear, RMSNorm, SiLU, the attention and the
+FP32 logits go through nano_miles/batch_invariant.py, whose results do not depend on the batch or on
+how a sequence was split. The trainer runs this same module over whole sequences (`forward_sequences`,
+with the trainer's own parameters bound in by `sharing_parameters`), so its log-probs equal the
+engine's bit for bit.
 """
 
 import json
 import os
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from nano_miles import batch_invariant
 
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
 
@@ -45,7 +55,17 @@ class ModelConfig:
             raise FileNotFoundError(f"no config.json in model folder {folder!r}")
         with open(path) as f:
             c = json.load(f)
-        arch = (c.get("architectures") or ["?"])[0]
+        eos = c.get("eos_token_id")
+        gen_path = os.path.join(folder, "generation_config.json")
+        if os.path.isfile(gen_path):  # generation_config's eos list (e.g. <|im_end|>) is the one generate uses
+            with open(gen_path) as f:
+                eos = json.load(f).get("eos_token_id", eos)
+        return cls.from_dict(c, eos_token_id=eos)
+
+    @classmethod
+    def from_dict(cls, c: dict, architecture: str | None = None, eos_token_id=None) -> "ModelConfig":
+        """From a config.json dict (or a transformers config's to_dict())."""
+        arch = architecture or (c.get("architectures") or ["?"])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported architecture {arch!r}; supported: {SUPPORTED_ARCHITECTURES}")
         rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
@@ -59,11 +79,7 @@ class ModelConfig:
         is_qwen2 = arch == "Qwen2ForCausalLM"
         if is_qwen2 and c.get("use_sliding_window") and c.get("sliding_window"):
             raise ValueError("sliding-window attention is not supported")
-        eos = c.get("eos_token_id")
-        gen_path = os.path.join(folder, "generation_config.json")
-        if os.path.isfile(gen_path):  # generation_config's eos list (e.g. <|im_end|>) is the one generate uses
-            with open(gen_path) as f:
-                eos = json.load(f).get("eos_token_id", eos)
+        eos = c.get("eos_token_id") if eos_token_id is None else eos_token_id
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return cls(
             architecture=arch,
@@ -93,18 +109,33 @@ class Batch:
     last_index: torch.Tensor     # [B] int64, which query column to take logits from
 
 
+class FastOps:
+    """The engine's ordinary kernels (library GEMMs, fused reductions): the default ops of every module."""
+    linear = staticmethod(F.linear)
+
+    @staticmethod
+    def rms_norm(x, weight, eps):
+        # Same op order as HF: normalise in fp32, cast back, then scale.
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * x.to(dtype)
+
+    @staticmethod
+    def silu_mul(gate, up):
+        return F.silu(gate) * up
+
+
 class RMSNorm(nn.Module):
+    ops = FastOps
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x):
-        # Same op order as HF: normalise in fp32, cast back, then scale.
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
 
 def rotate_half(x):
@@ -113,6 +144,8 @@ def rotate_half(x):
 
 
 class Attention(nn.Module):
+    ops = FastOps
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -123,33 +156,53 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, batch: Batch, k_cache, v_cache, attn_info, decode_attention=None):
+    def forward(self, x, cos, sin, attend):
+        """attend(q [B, Q, H, D], k, v [B, Q, KV, D]) -> [B, Q, H * D]: paged (engine) or whole-sequence (trainer)."""
         B, Q, _ = x.shape
-        H, KV, D, G = self.num_heads, self.num_kv_heads, self.head_dim, self.group
-        q = self.q_proj(x).view(B, Q, H, D)
-        k = self.k_proj(x).view(B, Q, KV, D)
-        v = self.v_proj(x).view(B, Q, KV, D)
+        H, KV, D = self.num_heads, self.num_kv_heads, self.head_dim
+        lin = self.ops.linear
+        q = lin(x, self.q_proj.weight, self.q_proj.bias).view(B, Q, H, D)
+        k = lin(x, self.k_proj.weight, self.k_proj.bias).view(B, Q, KV, D)
+        v = lin(x, self.v_proj.weight, self.v_proj.bias).view(B, Q, KV, D)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        # k_cache: [num_blocks, block_size, KV, D]; write this step's keys/values, then read the pages.
-        slots = batch.slot_mapping.reshape(-1)
-        k_cache.view(-1, KV, D).index_copy_(0, slots, k.reshape(-1, KV, D).to(k_cache.dtype))
-        v_cache.view(-1, KV, D).index_copy_(0, slots, v.reshape(-1, KV, D).to(v_cache.dtype))
-        if decode_attention is not None:  # Q == 1: read the pages in place (see triton_attention.py)
-            out = decode_attention(q.view(B, H, D), k_cache, v_cache, batch.block_tables, attn_info)
-            return self.o_proj(out.view(B, Q, H * D))
-        N = batch.block_tables.shape[1]
-        keys = k_cache[batch.block_tables].view(B, N * k_cache.shape[1], KV, D).transpose(1, 2)
-        vals = v_cache[batch.block_tables].view(B, N * v_cache.shape[1], KV, D).transpose(1, 2)
-        # GQA without repeating K/V: fold each KV head's G query heads into the query-length axis,
-        # rows ordered (query token, head in group), so one SDPA call covers prefill and decode.
-        q = q.view(B, Q, KV, G, D).permute(0, 2, 1, 3, 4).reshape(B, KV, Q * G, D)
-        out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=attn_info)
-        out = out.view(B, KV, Q, G, D).permute(0, 2, 1, 3, 4).reshape(B, Q, H * D)
-        return self.o_proj(out)
+        return lin(attend(q, k, v), self.o_proj.weight)
+
+
+def paged_attention(q, k, v, batch: "Batch", k_cache, v_cache, attn_info, decode_attention=None, exact=False):
+    """The engine's attention: write this step's keys/values into the cache, then read the pages.
+    k_cache: [num_blocks, block_size, KV, D]."""
+    B, Q, H, D = q.shape
+    KV = k.shape[2]
+    G = H // KV
+    slots = batch.slot_mapping.reshape(-1)
+    k_cache.view(-1, KV, D).index_copy_(0, slots, k.reshape(-1, KV, D).to(k_cache.dtype))
+    v_cache.view(-1, KV, D).index_copy_(0, slots, v.reshape(-1, KV, D).to(v_cache.dtype))
+    if exact:  # every query row, prefill or decode, through the same batch-invariant loop over its pages
+        out = batch_invariant.paged_attention(q.reshape(B * Q, H, D), k_cache, v_cache, batch.block_tables,
+                                              batch.positions.reshape(-1), queries_per_table=Q)
+        return out.view(B, Q, H * D)
+    if decode_attention is not None:  # Q == 1: read the pages in place (see triton_attention.py)
+        return decode_attention(q.view(B, H, D), k_cache, v_cache, batch.block_tables, attn_info).view(B, Q, H * D)
+    N = batch.block_tables.shape[1]
+    keys = k_cache[batch.block_tables].view(B, N * k_cache.shape[1], KV, D).transpose(1, 2)
+    vals = v_cache[batch.block_tables].view(B, N * v_cache.shape[1], KV, D).transpose(1, 2)
+    # GQA without repeating K/V: fold each KV head's G query heads into the query-length axis,
+    # rows ordered (query token, head in group), so one SDPA call covers prefill and decode.
+    q = q.view(B, Q, KV, G, D).permute(0, 2, 1, 3, 4).reshape(B, KV, Q * G, D)
+    out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=attn_info)
+    return out.view(B, KV, Q, G, D).permute(0, 2, 1, 3, 4).reshape(B, Q, H * D)
+
+
+def sequence_attention(q, k, v):
+    """The trainer's attention in true on-policy mode: causal over whole right-padded sequences."""
+    B, L, H, D = q.shape
+    return batch_invariant.causal_attention(q, k, v).reshape(B, L, H * D)
 
 
 class MLP(nn.Module):
+    ops = FastOps
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
@@ -157,7 +210,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        lin = self.ops.linear
+        return lin(self.ops.silu_mul(lin(x, self.gate_proj.weight), lin(x, self.up_proj.weight)), self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -168,8 +222,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, batch, k_cache, v_cache, attn_info, decode_attention=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, k_cache, v_cache, attn_info, decode_attention)
+    def forward(self, x, cos, sin, attend):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -192,11 +246,43 @@ class CausalLM(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope_cache = None  # (cos, sin) [max_pos, D], built on the right device by init_rope
         self.decode_attention = None  # optional paged kernel for Q == 1 batches (set by the engine)
+        self.batch_invariant = False  # true on-policy mode: see use_batch_invariant_ops
         self._lm_head_fp32 = None     # FP32 copy of the output projection (see lm_head_fp32)
         self._lm_head_version = None
 
+    @classmethod
+    def sharing_parameters(cls, hf_model: nn.Module) -> "CausalLM":
+        """This module over a transformers Qwen2/Llama model's OWN parameters (the same tensors, by
+        HF name): what the trainer runs in true on-policy mode, so gradients land in the HF model."""
+        cfg = ModelConfig.from_dict(hf_model.config.to_dict(), architecture=type(hf_model).__name__)
+        with torch.device("meta"):
+            model = cls(cfg)
+        theirs = dict(hf_model.named_parameters())
+        ours = [name for name, _ in model.named_parameters()]
+        missing = [name for name in ours if name not in theirs]
+        if missing:
+            raise ValueError(f"{type(hf_model).__name__} lacks parameters {missing[:3]}; cannot share them")
+        for name in ours:
+            owner, attr = name.rsplit(".", 1)
+            setattr(model.get_submodule(owner), attr, theirs[name])
+        return model
+
+    def use_batch_invariant_ops(self) -> "CausalLM":
+        """Switch every op to nano_miles/batch_invariant.py (true on-policy mode)."""
+        self.batch_invariant = True
+        for module in self.modules():
+            if hasattr(module, "ops"):
+                module.ops = batch_invariant
+        if self.rope_cache is not None:  # rebuild with the position-exact table
+            self.init_rope(self.rope_cache[0].shape[0], self.rope_cache[0].device, self.rope_cache[0].dtype)
+        return self
+
     def init_rope(self, max_positions: int, device, dtype):
         D = self.config.head_dim
+        if self.batch_invariant:
+            cos, sin = batch_invariant.rope_table(max_positions, D, self.config.rope_theta)
+            self.rope_cache = (cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype))
+            return
         inv_freq = 1.0 / (self.config.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64, device=device).float() / D))
         t = torch.arange(max_positions, device=device, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
@@ -214,7 +300,7 @@ class CausalLM(nn.Module):
         train/inference parity is not lost to that rounding. Call it outside graph capture, before a
         forward: tensor._version moves with every in-place write, weight updates included."""
         w = self.lm_head_weight()
-        if w.dtype == torch.float32:
+        if w.dtype == torch.float32 or self.batch_invariant:  # batch-invariant logits read the bf16 weight itself
             return w
         if self._lm_head_fp32 is None:
             self._lm_head_fp32 = torch.empty(w.shape, dtype=torch.float32, device=w.device)
@@ -223,15 +309,24 @@ class CausalLM(nn.Module):
             self._lm_head_version = w._version
         return self._lm_head_fp32
 
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """FP32 logits of final-normed hidden states [..., hidden]."""
+        if self.batch_invariant:  # bf16 operands, FP32 products and sums: the same values as the FP32 copy
+            return batch_invariant.linear(hidden, self.lm_head_weight(), out_dtype=torch.float32)
+        w = self._lm_head_fp32 if self._lm_head_fp32 is not None else self.refresh_lm_head_fp32()
+        return F.linear(hidden.float(), w)
+
     def forward(self, batch: Batch, k_caches, v_caches) -> torch.Tensor:
         """Returns FP32 logits [B, V] of the query column `batch.last_index` of each row."""
         cos, sin = self.rope_cache
         cos = cos[batch.positions].unsqueeze(2)  # [B, Q, 1, D], broadcast over heads
         sin = sin[batch.positions].unsqueeze(2)
         B, Q = batch.input_ids.shape
-        decode_attention = self.decode_attention if Q == 1 else None
+        decode_attention = self.decode_attention if Q == 1 and not self.batch_invariant else None
         if decode_attention is not None:
             attn_info = batch.positions[:, 0] + 1  # the paged kernel takes context lengths, not a mask
+        elif self.batch_invariant:
+            attn_info = None  # the batch-invariant loop masks by batch.positions itself
         else:
             L = batch.block_tables.shape[1] * k_caches[0].shape[1]
             G = self.config.num_heads // self.config.num_kv_heads
@@ -241,11 +336,35 @@ class CausalLM(nn.Module):
             attn_info = attn_info.unsqueeze(2).expand(B, Q, G, L).reshape(B, 1, Q * G, L)
         x = self.model.embed_tokens(batch.input_ids)
         for layer, kc, vc in zip(self.model.layers, k_caches, v_caches):
-            x = layer(x, cos, sin, batch, kc, vc, attn_info, decode_attention)
+            attend = partial(paged_attention, batch=batch, k_cache=kc, v_cache=vc, attn_info=attn_info,
+                             decode_attention=decode_attention, exact=self.batch_invariant)
+            x = layer(x, cos, sin, attend)
         x = x[torch.arange(B, device=x.device), batch.last_index]  # [B, hidden]
-        x = self.model.norm(x)
-        w = self._lm_head_fp32 if self._lm_head_fp32 is not None else self.refresh_lm_head_fp32()
-        return F.linear(x.float(), w)
+        return self.logits(self.model.norm(x))
+
+    def forward_sequences(self, input_ids: torch.Tensor, checkpoint_layers: bool = False) -> torch.Tensor:
+        """The trainer's forward: final-normed hidden states [B, L, hidden] of whole right-padded
+        sequences (no cache; causal attention, so a real token never sees the padding after it).
+        checkpoint_layers recomputes each layer in backward instead of keeping its activations."""
+        B, L = input_ids.shape
+        if self.rope_cache is None or self.rope_cache[0].shape[0] < L:
+            p = self.model.embed_tokens.weight
+            self.init_rope(max(L, self.config.max_position_embeddings), p.device, p.dtype)
+        cos = self.rope_cache[0][:L].view(1, L, 1, -1)
+        sin = self.rope_cache[1][:L].view(1, L, 1, -1)
+        attend = sequence_attention if self.batch_invariant else _fast_sequence_attention
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            if checkpoint_layers and torch.is_grad_enabled():
+                x = checkpoint(layer, x, cos, sin, attend, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, attend)
+        return self.model.norm(x)
+
+
+def _fast_sequence_attention(q, k, v):
+    B, L, H, D = q.shape
+    return batch_invariant._causal_attention_fast(q, k, v).reshape(B, L, H * D)
 
 
 def load_safetensors(model: CausalLM, folder: str):

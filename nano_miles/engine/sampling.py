@@ -28,16 +28,17 @@ class SamplingParams:
 
 
 def sample(logits: torch.Tensor, temperatures: list, top_ps: list, top_ks: list, generators: list,
-           default_generator: torch.Generator | None):
+           default_generator: torch.Generator | None, log_softmax=None):
     """logits: [B, V] fp32. temperatures, top_ps, top_ks (<= 0 = off), generators (a torch.Generator or
     None = default_generator): per-row Python lists, so deciding what to do needs no device sync.
+    log_softmax: the function over the last dim (true on-policy mode passes the batch-invariant one).
     Returns (tokens [B] int64, logprobs [B] fp32), both still on the device."""
     device = logits.device
     greedy_rows = [t == 0 for t in temperatures]
     if any(t not in (0, 1) for t in temperatures):
         temps = torch.tensor([1.0 if t == 0 else float(t) for t in temperatures], dtype=torch.float32)
         logits = logits / temps.to(device, non_blocking=True).unsqueeze(1)
-    logprobs = torch.log_softmax(logits, dim=-1)
+    logprobs = log_softmax(logits) if log_softmax is not None else torch.log_softmax(logits, dim=-1)
     if all(greedy_rows):
         tokens = logits.argmax(dim=-1)
     else:

@@ -66,7 +66,8 @@ FLAGS = {"--model": "engine.model", "--model-path": "engine.model", "--device": 
          "--mem-fraction-static": "engine.kv_cache_memory_fraction", "--seed": "engine.seed",
          "--random-seed": "engine.seed", "--served-model-name": "served_model_name", "--threads": "threads",
          "--weight-version": "weight_version", "--dist-timeout": "dist_timeout"}
-SWITCHES = {"--no-cuda-graph": ("engine.cuda_graph", "false"), "--disable-cuda-graph": ("engine.cuda_graph", "false")}
+SWITCHES = {"--no-cuda-graph": ("engine.cuda_graph", "false"), "--disable-cuda-graph": ("engine.cuda_graph", "false"),
+            "--true-on-policy": ("engine.true_on_policy", "true")}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

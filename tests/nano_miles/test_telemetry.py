@@ -52,3 +52,17 @@ def test_resume_drops_steps_after_the_checkpoint(tmp_path):
 def test_row_formats_missing_values_as_dash():
     row = format_row({"step": 1, "reward_mean": None, "acc": float("nan")})
     assert row.split()[:3] == ["1", "-", "-"]
+
+
+def test_true_on_policy_parity_that_is_not_zero_is_an_error_line(tmp_path):
+    printed = []
+    log = MetricsLog(tmp_path, echo=printed.append)
+    log.log(_metrics(1, true_on_policy=True, parity_mean=0.0, parity_max=0.0))
+    log.log(_metrics(2, true_on_policy=True, parity_mean=1e-9, parity_max=2e-7))  # one token off: not averaged away
+    log.log(_metrics(3, parity_max=2e-3))                                          # normal mode: parity is noise
+    log.close()
+    errors = [line for line in printed if line.startswith("ERROR")]
+    assert len(errors) == 1 and "step 2" in errors[0] and "2.000e-07" in errors[0]
+    assert printed.index(errors[0]) == 3  # right under step 2's row
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r.get("parity_error") for r in rows] == [False, True, None]
