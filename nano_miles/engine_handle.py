@@ -1,43 +1,66 @@
 """The engine a command uses, and where things run.
 
 `plan_layout` decides the devices from the hardware (two or more GPUs: trainer on cuda:0, engine on
-cuda:1; one GPU: both on it; none: the CPU) and the dtype ("auto": nano_miles.dtypes). `EngineHandle`
+cuda:1; one GPU: both on it; none: the CPU) and the dtype ("auto": nano_miles.dtypes), and turns the
+engine.* keys into `nano-miles serve` arguments. `EngineHandle`
 is either an engine somebody else runs (`engine.url`: not ours to restart) or a `nano-miles serve`
 process this command starts, restarts when it dies, and stops at the end.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from nano_miles.client import EngineClient
+from nano_miles.config import filled_in
 from nano_miles.dtypes import resolve_dtype_name
+from nano_miles.engine.engine import EngineConfig
 from nano_miles.engine_process import start_engine_process
 
 # A KV cache sized for a GPU of its own would leave the trainer nothing on a shared one.
 SHARED_GPU_KV_FRACTION = 0.35
+AUTO = "auto"
 
 
 @dataclass
-class EngineLaunchConfig:
-    """The `engine.*` keys. Field names are the engine's own (`nano-miles serve`)."""
-    url: str = ""                    # an engine somebody else runs (ours or SGLang); "" = start one (rollout/eval: several, comma-separated)
-    device: str = "auto"             # for an engine started here: auto = cuda:1 beside a trainer on cuda:0, else cuda:0, or cpu without a GPU
-    max_running_requests: int = 256  # requests the engine decodes at once
-    kv_cache_memory_fraction: float | None = None  # share of free GPU memory for the KV cache; none = the engine's 0.85, or 0.35 on a GPU shared with the trainer
+class EngineLaunchConfig(EngineConfig):
+    """The engine.* keys of rollout, eval and train: the engine's own keys (`nano-miles serve
+    --set engine.KEY=...`, nano_miles/engine/engine.py), plus where the engine is. Its model and dtype
+    are the command's own `model` and `dtype` keys; device and KV share default to the layout's choice."""
+    model: str = field(default="", metadata=filled_in("the command's model key"))
+    device: str = AUTO                # auto = cuda:1 beside a trainer on cuda:0, else cuda:0, or cpu without a GPU
+    dtype: str = field(default=AUTO, metadata=filled_in("the command's dtype key"))
+    kv_cache_memory_fraction: float | None = None  # share of the GPU's free memory for the KV cache; none = 0.85, or 0.35 on a GPU shared with the trainer
+    url: str = ""                     # an engine somebody else runs (ours or SGLang); "" = start one (rollout/eval: several, comma-separated)
 
     def __post_init__(self):
-        if self.max_running_requests < 1:
-            raise ValueError(f"engine.max_running_requests must be >= 1, got {self.max_running_requests}")
-        if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction < 1:
-            raise ValueError(f"engine.kv_cache_memory_fraction must be in (0, 1), got {self.kv_cache_memory_fraction}")
+        # Checked as the engine will check it, with the layout's choices standing in for "auto"/none.
+        engine_keys = {f.name: getattr(self, f.name) for f in dataclasses.fields(EngineConfig)}
+        fraction = DEFAULT_KV_FRACTION if self.kv_cache_memory_fraction is None else self.kv_cache_memory_fraction
+        EngineConfig(**{**engine_keys, "device": "cpu" if self.device == AUTO else self.device,
+                        "kv_cache_memory_fraction": fraction})
 
     @property
     def urls(self) -> list[str]:
         return [u.strip() for u in self.url.split(",") if u.strip()]
+
+    def serve_args(self, kv_cache_memory_fraction: float | None) -> list[str]:
+        """`nano-miles serve` arguments for every engine key that differs from the engine's default
+        (model, device and dtype are the layout's, passed as flags)."""
+        args = []
+        for f in dataclasses.fields(EngineConfig):
+            value = kv_cache_memory_fraction if f.name == "kv_cache_memory_fraction" else getattr(self, f.name)
+            if f.name not in ("model", "device", "dtype") and value is not None and value != _ENGINE_DEFAULTS[f.name]:
+                args += ["--set", f"engine.{f.name}={value}"]
+        return args
+
+
+_ENGINE_DEFAULTS = {f.name: getattr(EngineConfig(), f.name) for f in dataclasses.fields(EngineConfig)}
+DEFAULT_KV_FRACTION = _ENGINE_DEFAULTS["kv_cache_memory_fraction"]
 
 
 @dataclass
@@ -48,23 +71,22 @@ class Layout:
     engine_args: list[str]      # extra `nano-miles serve` flags for an engine started here
 
 
-def plan_layout(dtype: str, engine: EngineLaunchConfig, trainer_device: str | None = "auto") -> Layout:
+def plan_layout(dtype: str, engine: EngineLaunchConfig, trainer_device: str | None = "auto",
+                gpus: int | None = None) -> Layout:
     """Devices and dtype for a trainer (trainer_device, "auto" from the hardware) and its engine, or
-    for an engine alone (trainer_device=None). The dtype follows the trainer's device when there is one."""
-    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for an engine alone (trainer_device=None). The dtype follows the trainer's device when there is one.
+    `gpus`: how many GPUs to plan for (None: the ones torch sees)."""
+    n = gpus if gpus is not None else torch.cuda.device_count() if torch.cuda.is_available() else 0
     auto_trainer, auto_engine = ("cpu", "cpu") if n == 0 else ("cuda:0", "cuda:0")
     if n >= 2 and trainer_device is not None:
         auto_engine = "cuda:1"
     trainer = None if trainer_device is None else (auto_trainer if trainer_device == "auto" else trainer_device)
-    engine_device = auto_engine if engine.device == "auto" else engine.device
+    engine_device = auto_engine if engine.device == AUTO else engine.device
     resolved = resolve_dtype_name(dtype, trainer or engine_device)
-    args = ["--max-running-requests", str(engine.max_running_requests)]
     fraction = engine.kv_cache_memory_fraction
     if fraction is None and engine_device.startswith("cuda") and engine_device == trainer:
         fraction = SHARED_GPU_KV_FRACTION
-    if fraction is not None:
-        args += ["--mem-fraction-static", str(fraction)]  # serve's SGLang-named flag
-    return Layout(trainer, engine_device, resolved, args)
+    return Layout(trainer, engine_device, resolved, engine.serve_args(fraction))
 
 
 class EngineHandle:

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from nano_miles.client import EngineClient, start_engine_process
-from nano_miles.config import load_config, parse_set
-from nano_miles.engine.server import add_arguments
+from nano_miles.config import config_from_args, load_config, parse_set
+from nano_miles.engine.engine import EngineConfig
+from nano_miles.engine.server import ServerConfig, add_arguments
 from nano_miles.engine_handle import EngineLaunchConfig, plan_layout
 from nano_miles.models import resolve_model
 from nano_miles.producer import TaskStream
@@ -196,29 +197,45 @@ def test_several_updates_per_step_reach_the_engine_with_the_kl_penalty(tmp_path)
 
 def test_layout_follows_the_hardware_and_config_overrides():
     cfg = TrainConfig()
-    layout = plan_layout(cfg.dtype, cfg.engine, cfg.trainer_device)
+    layout = plan_layout(cfg.dtype, cfg.engine, cfg.trainer_device)  # this machine's GPUs
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     assert (layout.trainer_device, layout.engine_device) == {0: ("cpu", "cpu"), 1: ("cuda:0", "cuda:0")}.get(
         n, ("cuda:0", "cuda:1"))
     assert layout.dtype == ("float32" if n == 0 else "bfloat16")
-    forced = plan_layout("bfloat16", EngineLaunchConfig(device="cpu"), "cpu")
+    for gpus, devices, dtype in ((0, ("cpu", "cpu"), "float32"), (1, ("cuda:0", "cuda:0"), "bfloat16"),
+                                 (2, ("cuda:0", "cuda:1"), "bfloat16")):
+        planned = plan_layout("auto", EngineLaunchConfig(), "auto", gpus=gpus)
+        assert ((planned.trainer_device, planned.engine_device), planned.dtype) == (devices, dtype)
+    forced = plan_layout("bfloat16", EngineLaunchConfig(device="cpu"), "cpu", gpus=2)
     assert (forced.trainer_device, forced.engine_device, forced.dtype) == ("cpu", "cpu", "bfloat16")
     # An engine alone (rollout, eval) takes the first GPU, or the CPU.
-    alone = plan_layout("auto", EngineLaunchConfig(), trainer_device=None)
-    assert (alone.trainer_device, alone.engine_device) == (None, "cpu" if n == 0 else "cuda:0")
-    # One shared GPU: the engine gets a KV share through a flag `nano-miles serve` really has; 0.35
-    # unless engine.kv_cache_memory_fraction says otherwise (or its old name engine_mem_fraction).
+    alone = plan_layout("auto", EngineLaunchConfig(), trainer_device=None, gpus=2)
+    assert (alone.trainer_device, alone.engine_device) == (None, "cuda:0")
+
+
+def _served_engine(layout) -> EngineConfig:
+    """The engine config `nano-miles serve` builds from the layout's arguments (serve's own parser)."""
     parser = argparse.ArgumentParser()
     add_arguments(parser)
+    return config_from_args(ServerConfig, parser.parse_args(["--model", "m", *layout.engine_args])).engine
+
+
+def test_engine_keys_reach_the_engine_process():
+    """train's engine.* keys are serve's: the layout passes the ones that differ from the engine's
+    defaults. On one shared GPU the KV share is 0.35 unless engine.kv_cache_memory_fraction (or its
+    old name engine_mem_fraction) says otherwise; on a GPU of its own the engine's default stands."""
     for sets, fraction in (([], 0.35), (["engine.kv_cache_memory_fraction=0.3"], 0.3),
                            (["engine_mem_fraction=0.25"], 0.25)):
-        cfg = load_config(TrainConfig, overrides=parse_set(["trainer_device=cuda:0", "engine.device=cuda:0", *sets]),
-                          note=lambda _: None)
-        shared = plan_layout(cfg.dtype, cfg.engine, cfg.trainer_device)
-        assert parser.parse_args(["--model", "m", *shared.engine_args]).mem_fraction_static == fraction
-    # A GPU of its own: the engine's own default, no flag.
-    own = plan_layout("auto", EngineLaunchConfig(device="cuda:1"), "cuda:0")
-    assert "--mem-fraction-static" not in own.engine_args
+        cfg = load_config(TrainConfig, overrides=parse_set(sets), note=lambda _: None)
+        shared = plan_layout(cfg.dtype, cfg.engine, cfg.trainer_device, gpus=1)
+        assert _served_engine(shared).kv_cache_memory_fraction == fraction
+    own = plan_layout("auto", EngineLaunchConfig(), "auto", gpus=2)
+    assert own.engine_args == [] and _served_engine(own).kv_cache_memory_fraction == 0.85
+    cfg = load_config(TrainConfig, overrides=parse_set(["engine.max_running_requests=32", "engine.block_size=32",
+                                                        "engine.cuda_graph=false", "engine.max_model_len=2048"]))
+    served = _served_engine(plan_layout(cfg.dtype, cfg.engine, cfg.trainer_device, gpus=0))
+    assert (served.max_running_requests, served.block_size, served.cuda_graph, served.max_model_len) == (
+        32, 32, False, 2048)
 
 
 def test_bad_command_lines_are_clear_errors(tmp_path):
@@ -226,6 +243,7 @@ def test_bad_command_lines_are_clear_errors(tmp_path):
                           (["--set", "mode=turbo"], "mode must be one of"),
                           (["--set", "nope=1"], "unknown config key 'nope'"),
                           (["--set", "updates_per_step=0"], "updates_per_step must be >= 1"),
+                          (["--set", "engine.attention_backend=fast"], "engine.attention_backend must be auto"),
                           (["--resume", str(tmp_path)], "not a run directory")):
         proc = subprocess.run([sys.executable, "-m", "nano_miles.cli", "train", *args], cwd=REPO,
                               capture_output=True, text=True, timeout=60)
