@@ -35,6 +35,7 @@ class EngineLaunchConfig(EngineConfig):
     device: str = AUTO                # auto = cuda:1 beside a trainer on cuda:0, else cuda:0, or cpu without a GPU
     dtype: str = field(default=AUTO, metadata=filled_in("the command's dtype key"))
     kv_cache_memory_fraction: float | None = None  # share of the GPU's free memory for the KV cache; none = 0.85, or 0.35 on a GPU shared with the trainer
+    true_on_policy: bool = field(default=False, metadata=filled_in("train's true_on_policy key (trainer and engine)"))
     url: str = ""                     # an engine somebody else runs (ours or SGLang); "" = start one (rollout/eval: several, comma-separated)
 
     def __post_init__(self):
