@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -55,7 +54,7 @@ class SyncConfig:
     verify: bool = False           # compare per-tensor checksums with every engine after each sync
     bucket_mb: float = 1024.0      # MiB per flattened bucket (one HTTP call / broadcast each)
     timeout_s: float = 300.0       # per HTTP call and per broadcast
-    master_address: str = "127.0.0.1"  # distributed: where this (rank 0) process hosts the store
+    master_address: str = "127.0.0.1"  # distributed: the address this (rank 0) process's store listens on, and only it
     master_port: int = 0           # 0: a free port
     disk_dir: str = ""             # disk: the folder written each sync ("" = a temporary folder)
 
@@ -70,12 +69,6 @@ class SyncConfig:
 
 class WeightSyncError(RuntimeError):
     """An engine refused an update, a transport failed, or a verified sync found different weights."""
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def choose_transport(trainer_device: torch.device, engine_infos: list[dict], engine_urls: list[str]) -> str:
@@ -123,6 +116,7 @@ class WeightSync:
             raise ValueError("transport 'staged' copies to the engine's GPU: it needs a CUDA trainer")
         self._pool = ThreadPoolExecutor(max_workers=len(self.clients) + 1, thread_name_prefix="weight-sync")
         self._group = None
+        self.store_port: int | None = None  # distributed: where rank 0's store listens (on master_address)
         self._group_name = f"nano_miles_sync_{os.getpid()}_{id(self):x}"
         self._disk_dir, self._own_disk_dir = disk_dir, not disk_dir
         self._send_buf = None  # distributed: the persistent flattened send buffer
@@ -242,14 +236,16 @@ class WeightSync:
     def _init_group(self):
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         addr = self.cfg.master_address
-        port = self.cfg.master_port or _free_port(addr)
+        listener = G.listen(addr, self.cfg.master_port)  # on master_address only; port 0: a free one
+        port = self.store_port = listener.getsockname()[1]
         world = len(self.clients) + 1
         if backend == "nccl":
             torch.cuda.set_device(self.device)
         futures = [self._pool.submit(c.init_weights_update_group, addr, port, rank, world, self._group_name,
                                      backend, self.cfg.timeout_s) for rank, c in enumerate(self.clients, start=1)]
         try:
-            group = G.init_weight_update_group(addr, port, 0, world, self._group_name, backend, self.cfg.timeout_s)
+            group = G.init_weight_update_group(addr, port, 0, world, self._group_name, backend, self.cfg.timeout_s,
+                                               listener=listener)
         except Exception as e:
             raise WeightSyncError(f"cannot form the weight update group ({backend}, {addr}:{port}): {e}") from e
         for url, f in zip(self.urls, futures):

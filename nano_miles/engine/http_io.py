@@ -1,15 +1,33 @@
 """Request bodies in, JSON answers out: what every route of the engine server shares.
 
+A body is read with a cap (the route's: weight routes may take large bodies, the others not) and
+refused with 413 before it is read when its Content-Length is over it. A small body is parsed on
+the event loop; a large one in a child process (json_parser.py says why), so that no request,
+however large, stalls the others.
+
 Errors: /generate and control routes answer 400 with {"error": {"message": ...}}; weight routes
 answer {"success": false, "message": ...} with 400, both as SGLang does.
 """
 from __future__ import annotations
 
-import json
+import asyncio
+import multiprocessing
+import os
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 
 from aiohttp import web
 
+from nano_miles.engine import json_parser
 from nano_miles.engine.protocol import RequestError
+
+MiB = 1 << 20
+INLINE_PARSE_BYTES = 1 * MiB  # parsed on the event loop (~5 ms at most); larger bodies in the child
+
+
+class BodyTooLarge(RequestError):
+    status = 413
 
 
 def error(message: str, status: int = 400) -> web.Response:
@@ -20,17 +38,121 @@ def weight_answer(success: bool, message: str) -> web.Response:
     return web.json_response({"success": success, "message": message}, status=200 if success else 400)
 
 
-async def json_body(request: web.Request, default=None) -> dict:
-    """The body as a JSON object; `default` for an empty body if given, else RequestError."""
-    raw = await request.read()
-    if not raw.strip():
-        if default is not None:
-            return default
-        raise RequestError("the request body is empty; send a JSON object")
+def check_length(request: web.Request, limit: int, key: str) -> None:
+    """413 at once for a declared Content-Length over `limit` (nothing of the body is read)."""
+    length = request.content_length
+    if length is not None and length > limit:
+        raise BodyTooLarge(f"the body is {length / MiB:.1f} MiB; {request.path} takes at most "
+                           f"{limit / MiB:g} MiB (config key {key})")
+
+
+class _Body:
+    """A request body as it arrives: in memory while small, spooled to a file once large (the child
+    parser reads it there, json_parser.py)."""
+
+    def __init__(self):
+        self.data, self.size = bytearray(), 0
+        self.path, self._fd = None, None
+
+    def add(self, chunk: bytes) -> None:
+        self.size += len(chunk)
+        if self._fd is None and self.size > INLINE_PARSE_BYTES:
+            self._fd, self.path = tempfile.mkstemp(prefix="nano-miles-body-", suffix=".json")
+            os.write(self._fd, self.data)
+            self.data = bytearray()
+        if self._fd is not None:
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(self._fd, view):]
+        else:
+            self.data += chunk
+
+    def done(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def remove(self) -> None:
+        self.done()
+        if self.path is not None:
+            os.unlink(self.path)
+            self.path = None
+
+
+async def _read(request: web.Request, limit: int, key: str) -> _Body:
+    """The body, at most `limit` bytes."""
+    body = _Body()
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RequestError(f"invalid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise RequestError("the body must be a JSON object")
+        async for chunk in request.content.iter_chunked(MiB):
+            if body.size + len(chunk) > limit:
+                raise BodyTooLarge(f"the body is over {limit / MiB:g} MiB, the most {request.path} takes "
+                                   f"(config key {key})")
+            body.add(chunk)
+        body.done()
+    except BaseException:
+        body.remove()
+        raise
     return body
+
+
+class BodyParser:
+    """Parses JSON bodies for one server: small ones inline, large ones in ONE child process
+    (spawned at start, not forked from a process that runs the engine's threads)."""
+
+    def __init__(self):
+        self._pool = None
+
+    def start(self) -> None:
+        self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                         initializer=json_parser.die_with_parent)
+        self._pool.submit(json_parser.loads, b"{}")  # spawn it now, not on the first large body
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def json(self, request: web.Request, limit: int, key: str, default=None) -> dict:
+        """The body as a JSON object of at most `limit` bytes; `default` for an empty body if given."""
+        check_length(request, limit, key)
+        raw = await _read(request, limit, key)
+        request["body_bytes"] = raw.size
+        try:
+            if raw.path is None and (not raw.data or raw.data.isspace()):
+                if default is not None:
+                    return default
+                raise RequestError("the request body is empty; send a JSON object")
+            body = json_parser.loads(raw.data) if raw.path is None else await self._parse_in_child(raw.path)
+        except json_parser.BodyError as e:
+            raise RequestError(str(e)) from None
+        finally:
+            if raw.path is not None:
+                await asyncio.to_thread(raw.remove)
+        if not isinstance(body, dict):
+            raise RequestError("the body must be a JSON object")
+        return body
+
+    async def _parse_in_child(self, path: str):
+        try:
+            skeleton = await asyncio.get_running_loop().run_in_executor(self._pool, json_parser.parse_file, path)
+        except BrokenProcessPool:  # the child died (killed for memory?): a fresh one for the next body
+            self.close()
+            self.start()
+            raise RequestError("the body could not be parsed: the parser process died") from None
+        return await asyncio.to_thread(json_parser.unpack_file, skeleton, path)
+
+
+async def json_body(request: web.Request, default=None) -> dict:
+    """The request's JSON object, read under the cap the server's middleware chose for its route."""
+    limit, key = request["body_limit"]
+    return await request.config_dict["body_parser"].json(request, limit, key, default)
+
+
+def is_large(request: web.Request) -> bool:
+    """Was this request's body large enough that its validation should leave the event loop too?"""
+    return request.get("body_bytes", 0) > INLINE_PARSE_BYTES
+
+
+async def release(request: web.Request, body) -> None:
+    """Free a large body's lists off the event loop (json_parser.release); a small one frees itself."""
+    if is_large(request):
+        await asyncio.to_thread(json_parser.release, body)

@@ -45,7 +45,9 @@ _UNSUPPORTED_TOP = ("text", "input_embeds", "image_data", "video_data", "audio_d
 
 
 class RequestError(ValueError):
-    """A bad request: the message goes back to the caller with HTTP 400."""
+    """A bad request: the message goes back to the caller with HTTP `status`."""
+
+    status = 400
 
 
 @dataclass
@@ -192,7 +194,11 @@ def parse_generate(body, vocab_size: int, max_model_len: int) -> tuple[list[Gene
     prompts = ids if batched else [ids]
     n = len(prompts)
     for i, p in enumerate(prompts):
-        _check_ids(p, vocab_size, f"request {i}: " if batched else "")
+        where = f"request {i}: " if batched else ""
+        if isinstance(p, list) and len(p) >= max_model_len:  # before looking at every id of a huge prompt
+            raise RequestError(f"{where}the prompt has {len(p)} tokens; the model's context is {max_model_len} "
+                               "tokens, which leaves no room for a completion")
+        _check_ids(p, vocab_size, where)
 
     rids = body.get("rid")
     if rids is None:

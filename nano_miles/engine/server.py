@@ -27,9 +27,9 @@ from aiohttp import web
 from nano_miles.config import add_config_arguments, config_from_args, to_dict, to_toml
 from nano_miles.dtypes import dtype_name
 from nano_miles.engine.engine import Engine, EngineConfig
-from nano_miles.engine.http_io import error, json_body
+from nano_miles.engine.http_io import MiB, BodyParser, check_length, error, is_large, json_body, release
 from nano_miles.engine.protocol import RequestError, parse_generate
-from nano_miles.engine.weight_receiver import WeightReceiver
+from nano_miles.engine.weight_receiver import LARGE_BODY_ROUTES, WeightReceiver
 from nano_miles.engine.worker import EngineWorker
 from nano_miles.models import resolve_model
 
@@ -44,7 +44,10 @@ class ServerConfig:
     served_model_name: str = ""       # the model's name in /model_info; "" = engine.model as given
     threads: int | None = None        # torch CPU threads of the engine thread; none = torch's (1 is far faster for small models on a busy machine)
     weight_version: str = "0"         # the weight_version served before the first update
-    dist_timeout: float = 300.0       # seconds before a weight-update group rendezvous or broadcast gives up
+    dist_timeout: float = 300.0       # seconds before a weight-update broadcast (or torch's own rendezvous) gives up
+    dist_connect_timeout: float = 60.0  # seconds to reach the trainer's rendezvous and form a weight-update group
+    max_body_mb: float = 64.0         # largest request body (MiB) of every route but the weight routes (413 beyond)
+    max_weight_body_mb: float = 1024.0  # largest request body (MiB) of the weight-update routes
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self):
@@ -52,8 +55,10 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
-        if not self.dist_timeout > 0:
-            raise ValueError(f"dist_timeout must be > 0, got {self.dist_timeout}")
+        if not (self.dist_timeout > 0 and self.dist_connect_timeout > 0):
+            raise ValueError("dist_timeout and dist_connect_timeout must be > 0")
+        if not (self.max_body_mb > 0 and self.max_weight_body_mb > 0):
+            raise ValueError("max_body_mb and max_weight_body_mb must be > 0")
 
 
 CONFIG = ServerConfig
@@ -93,7 +98,8 @@ class Server:
 
     def app(self, loop) -> web.Application:
         self.worker = EngineWorker(self.make_engine, loop)
-        app = web.Application(client_max_size=1 << 30, middlewares=[self._errors])
+        app = web.Application(client_max_size=int(self.cfg.max_weight_body_mb * MiB), middlewares=[self._errors])
+        app["body_parser"] = self.body_parser = BodyParser()
         r = app.router
         r.add_post("/generate", self.generate)
         r.add_put("/generate", self.generate)
@@ -107,7 +113,7 @@ class Server:
         r.add_post("/pause_generation", self.pause_generation)
         r.add_post("/continue_generation", self.continue_generation)
         r.add_post("/abort_request", self.abort_request)
-        self.weights = WeightReceiver(self.worker, self.cfg.dist_timeout)
+        self.weights = WeightReceiver(self.worker, self.cfg.dist_timeout, self.cfg.dist_connect_timeout)
         self.weights.add_routes(r)
         return app
 
@@ -118,9 +124,14 @@ class Server:
         if self.worker.error is not None and request.path != "/health":
             return error(f"the engine failed to start: {self.worker.error}", 503)
         try:
+            if request.path in LARGE_BODY_ROUTES:
+                request["body_limit"] = (int(self.cfg.max_weight_body_mb * MiB), "max_weight_body_mb")
+            else:
+                request["body_limit"] = (int(self.cfg.max_body_mb * MiB), "max_body_mb")
+            check_length(request, *request["body_limit"])  # before the handler: it may not read the body
             return await handler(request)
         except RequestError as e:
-            return error(str(e))
+            return error(str(e), getattr(e, "status", 400))
         except web.HTTPException:
             raise
         except Exception as e:  # a bug: say so, keep serving
@@ -134,7 +145,15 @@ class Server:
     # --- generation ---
     async def generate(self, request):
         body = await json_body(request)
-        items, batched = parse_generate(body, self.engine.vocab_size, self.engine.max_model_len)
+        try:
+            return await self._generate(request, body)
+        finally:
+            await release(request, body)
+
+    async def _generate(self, request, body):
+        args = (body, self.engine.vocab_size, self.engine.max_model_len)
+        # A large body's checks walk every token id: in a thread, so the event loop keeps answering.
+        items, batched = await asyncio.to_thread(parse_generate, *args) if is_large(request) else parse_generate(*args)
         futs = self.worker.add(items)
         try:
             results = await asyncio.gather(*futs)
@@ -275,6 +294,7 @@ async def _serve(cfg: ServerConfig, model_path) -> int:
     except TypeError:
         runner = web.AppRunner(app, access_log=None)
     await runner.setup()
+    server.body_parser.start()
     try:
         await web.TCPSite(runner, cfg.host, cfg.port).start()
     except OSError as e:
@@ -282,6 +302,7 @@ async def _serve(cfg: ServerConfig, model_path) -> int:
                   errno.EADDRNOTAVAIL: "the address is not one of this machine's"}.get(e.errno, e.strerror)
         print(f"nano-miles serve: cannot listen on {cfg.host}:{cfg.port}: {reason}", file=sys.stderr)
         await runner.cleanup()
+        server.body_parser.close()
         return 1
     port = runner.addresses[0][1]
     server.worker.thread.start()
@@ -301,6 +322,7 @@ async def _serve(cfg: ServerConfig, model_path) -> int:
         await server.worker.abort(None, "the server is shutting down")  # lets open /generate calls answer
     server.worker.stop()
     await runner.cleanup()
+    server.body_parser.close()
     # Exit now: a weight-sync thread may still sit in a broadcast until its timeout, and the
     # interpreter (and asyncio.run) would wait for it.
     sys.stdout.flush()

@@ -50,13 +50,19 @@ class _Update:
         return named, flat
 
 
+# The routes that may take bodies over max_body_mb (up to max_weight_body_mb): weight payloads.
+LARGE_BODY_ROUTES = ("/update_weights_from_tensor", "/update_weights_from_disk", "/update_weights_from_distributed",
+                     "/init_weights_update_group", "/destroy_weights_update_group")
+
+
 class WeightReceiver:
     """The weight routes of one server. `worker` owns the engine (worker.py); dist_timeout_s bounds
-    every broadcast."""
+    every broadcast, connect_timeout_s every rendezvous (one at a time)."""
 
-    def __init__(self, worker, dist_timeout_s: float):
+    def __init__(self, worker, dist_timeout_s: float, connect_timeout_s: float):
         self.worker = worker
-        self.dist_timeout_s = dist_timeout_s
+        self.dist_timeout_s, self.connect_timeout_s = dist_timeout_s, connect_timeout_s
+        self.forming: str | None = None  # the group whose rendezvous is under way
         self.groups: dict = {}  # group_name -> process group
         self.group_locks: dict = {}
         self.recv_buffers: dict = {}  # group_name -> persistent uint8 buffer its broadcasts land in
@@ -204,16 +210,24 @@ class WeightReceiver:
             return weight_answer(False, "backend nccl needs a CUDA engine; this engine runs on CPU: use gloo")
         if name in self.groups:
             return weight_answer(False, f"group {name!r} already exists; destroy it first")
+        if self.forming is not None:
+            return weight_answer(False, f"group {self.forming!r} is being formed; one rendezvous at a time")
 
         def init():
             if backend == "nccl":
                 torch.cuda.set_device(self.engine.device)
-            return G.init_weight_update_group(addr, port, rank, world, name, backend, self.dist_timeout_s)
+            return G.init_weight_update_group(addr, port, rank, world, name, backend, self.dist_timeout_s,
+                                              connect_timeout_s=self.connect_timeout_s)
 
+        self.forming = name
         try:
             self.groups[name] = await asyncio.to_thread(init)
+        except TimeoutError as e:
+            return weight_answer(False, f"Failed to init group {name!r}: {e} (config key dist_connect_timeout)")
         except Exception as e:
             return weight_answer(False, f"Failed to init group {name!r}: {type(e).__name__}: {e}")
+        finally:
+            self.forming = None
         self.group_locks[name] = asyncio.Lock()
         return weight_answer(True, f"Succeeded to initialize custom process group {name!r} "
                                    f"({backend}, rank {rank} of {world}).")

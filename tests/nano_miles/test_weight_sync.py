@@ -3,6 +3,7 @@
 The check that matters: after a sync, the engine's log-probs of what it samples equal the trainer's
 log-probs of the same tokens (<= 1e-5 in fp32), after several updates in a row.
 """
+import psutil
 import pytest
 import torch
 
@@ -82,6 +83,19 @@ def test_a_bf16_trainer_lr_1e6_step_reaches_an_fp32_engine(engine_server, engine
     init = dict(Trainer(TrainerConfig(model=str(tiny_model_path), dtype="bfloat16")).named_weights())
     same = sum(int((t == init[n]).sum()) for n, t in trainer.named_weights())
     assert same > 0.5 * sum(t.numel() for t in init.values())
+
+
+def listening_addresses(port: int) -> set[str]:
+    return {c.laddr.ip for c in psutil.Process().net_connections(kind="tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+
+
+def test_the_rendezvous_store_listens_on_master_address_only(engine_server, tiny_model_path, restore_engine_weights):
+    """torch's TCPStore listens on every interface; anyone who reaches it could join the group."""
+    trainer = Trainer(TrainerConfig(model=str(tiny_model_path)))
+    with WeightSync(trainer, engine_server.url, transport="distributed", master_address="127.0.0.1") as ws:
+        ws.sync("bound-1")
+        assert ws.store_port and listening_addresses(ws.store_port) == {"127.0.0.1"}
 
 
 def test_verify_catches_weights_the_engine_does_not_serve(engine_server, engine_client, tiny_model_path,
