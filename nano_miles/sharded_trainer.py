@@ -248,7 +248,7 @@ class ShardedTrainer(Trainer):
         grads = [m.grad.to_local() for m in self.masters if m.grad is not None]
         square = torch.zeros((), dtype=torch.float32, device=self.device)
         if grads:
-            square = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in grads]).sum()
+            square = torch.stack(torch._foreach_norm(grads)).square().sum()  # this rank's part of |g|^2
         dist.all_reduce(square)
         norm = float(square.sqrt())
         if not math.isfinite(norm):

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from nano_miles.algorithms import AdvantageConfig
 from nano_miles.batch import Trajectory
@@ -82,11 +83,18 @@ def _scenarios(env, out: str, model: str) -> None:
         trainer = ShardedTrainer(trainer_config(model, name), env)
         metrics = update(trainer, name)
         fp32 = dict(trainer.named_weights(torch.float32))
-        bf16 = dict(trainer.named_weights(torch.bfloat16))
+        # small buckets: several gathers, and tensors that fill a bucket on their own
+        bf16 = {n: t for bucket in trainer.iter_full_weights(torch.bfloat16, bucket_bytes=40_000) for n, t in bucket}
         if env.rank == 0:
             torch.save({"metrics": metrics, "fp32": fp32, "bf16": bf16}, Path(out) / f"{name}.pt")
         else:
             assert fp32 == {} and bf16 == {}
+        if name == "even":  # rows that do not split evenly, or fewer rows than ranks (rank 1 holds none)
+            odd = [(f"odd{i}", distribute_tensor(torch.arange(float(d0 * 3)).view(d0, 3), trainer.params[0].device_mesh,
+                                                 [Shard(0)])) for i, d0 in enumerate((5, 1))]
+            gathered = trainer._gather_bucket(odd, torch.float32, env.world_size, env.rank)
+            if env.rank == 0:
+                torch.save(dict(gathered), Path(out) / "odd_shapes.pt")
         if name == CHECKPOINTED:
             pending = dist_checkpoint.save(trainer, Path(out) / "ckpt")
             update(trainer, name)  # changes every master while the checkpoint is being written
