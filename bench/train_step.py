@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import resource
 import statistics
 import time
 
@@ -42,6 +43,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from bench.results import git_commit, save, utc_now
 from nano_miles.batch import Trajectory, build_rollout_batch
 from nano_miles.distributed import launch, run_rank
+from nano_miles.sharded_trainer import ShardedTrainer
 from nano_miles.trainer import OptimConfig, Trainer, TrainerConfig
 
 # From the models' HF config.json files (Qwen/Qwen2.5-*-Instruct); all use RoPE theta 1e6, RMSNorm eps 1e-6.
@@ -186,10 +188,6 @@ def single_process(args, device, batch, adv, tokens, with_naive: bool) -> list[d
 
 def _sharded_rank(env, args: dict) -> dict:
     """One rank of the FSDP2 trainer: build (random weights), warm up, time the steps."""
-    import resource
-
-    from nano_miles.sharded_trainer import ShardedTrainer
-
     device = env.device
     batch, adv = make_batch(args["seqs"], args["seq_len"], args["prompt_len"], SHAPES[args["shapes"]]["vocab_size"])
     trainer = ShardedTrainer(TrainerConfig(dtype=args["dtype"], micro_batch_size=args["micro_batch_size"],

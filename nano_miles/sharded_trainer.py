@@ -24,8 +24,11 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from nano_miles.algorithms import loss_normalizer, policy_loss
 from nano_miles.distributed import DistEnv
@@ -65,8 +68,6 @@ class ShardedTrainer(Trainer):
     def __init__(self, cfg: TrainerConfig, env: DistEnv, config=None):
         """cfg.model: an HF folder whose safetensors every rank reads its own slices of; or `config`
         (a transformers config): random weights of that architecture (benchmarks)."""
-        from transformers import AutoConfig, AutoModelForCausalLM
-
         self.cfg, self.env = cfg, env
         self.device, self.dtype = env.device, DTYPES[cfg.dtype]
         if config is None:
@@ -118,9 +119,6 @@ class ShardedTrainer(Trainer):
     def _load_hf_weights(self, folder: str) -> None:
         """Each rank reads only its rows of every tensor from the safetensors (DCP's HF reader),
         converting to FP32 on the way (a bf16 checkpoint loads exactly)."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import HuggingFaceStorageReader
-
         state = dict(zip(self.names, self.params))
         dcp.load(state, storage_reader=HuggingFaceStorageReader(folder), process_group=self.env.cpu_group)
 

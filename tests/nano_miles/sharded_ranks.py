@@ -13,9 +13,11 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from nano_miles import dist_checkpoint
 from nano_miles.algorithms import AdvantageConfig
 from nano_miles.batch import Trajectory
 from nano_miles.distributed import main_guard, run_rank
+from nano_miles.sharded_trainer import ShardedTrainer
 from nano_miles.trainer import OptimConfig, TrainerConfig
 from nano_miles.update import policy_update
 
@@ -75,9 +77,6 @@ def full_state(trainer) -> dict:
 # ----------------------------------------------------------------------------- what the ranks run
 
 def _scenarios(env, out: str, model: str) -> None:
-    from nano_miles import dist_checkpoint
-    from nano_miles.sharded_trainer import ShardedTrainer
-
     torch.set_num_threads(1)
     for name in SCENARIOS:
         trainer = ShardedTrainer(trainer_config(model, name), env)
@@ -108,8 +107,6 @@ def scenarios(out: str, model: str) -> None:
 def _kill(env, out: str, model: str) -> None:
     """Rank 1 dies inside the second decoder layer's forward of its first micro-batch; rank 0 is then
     in the middle of the same step, in FSDP's collectives."""
-    from nano_miles.sharded_trainer import ShardedTrainer
-
     torch.set_num_threads(1)
     trainer = ShardedTrainer(trainer_config(model), env)
     if env.rank == 1:
