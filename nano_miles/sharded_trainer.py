@@ -18,6 +18,7 @@ share, and the ranks produce the update one process would:
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Iterator
@@ -32,7 +33,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from nano_miles.algorithms import loss_normalizer, policy_loss
 from nano_miles.distributed import DistEnv
-from nano_miles.trainer import DTYPES, Trainer, TrainerConfig
+from nano_miles.dtypes import DTYPES
+from nano_miles.trainer import Trainer, TrainerConfig
 
 
 class _Root(torch.nn.Module):
@@ -68,8 +70,14 @@ class ShardedTrainer(Trainer):
     def __init__(self, cfg: TrainerConfig, env: DistEnv, config=None):
         """cfg.model: an HF folder whose safetensors every rank reads its own slices of; or `config`
         (a transformers config): random weights of that architecture (benchmarks)."""
+        if cfg.true_on_policy:
+            raise ValueError("true on-policy mode needs the engine's model over the trainer's parameters; "
+                             "it is single-process only for now (trainer.nproc=1)")
+        if cfg.micro_batch_size == 0:  # auto, as Trainer: 8 sequences on a GPU, 1 on the CPU
+            cfg = dataclasses.replace(cfg, micro_batch_size=8 if env.device.type == "cuda" else 1)
         self.cfg, self.env = cfg, env
         self.device, self.dtype = env.device, DTYPES[cfg.dtype]
+        self.exact_model = None  # Trainer._logprobs' true on-policy branch stays off
         if config is None:
             if not cfg.model:
                 raise ValueError("TrainerConfig.model must name an HF model folder")
