@@ -17,6 +17,7 @@ own state.json (nano_miles.checkpoint).
 from __future__ import annotations
 
 import shutil
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -43,8 +44,8 @@ def trainer_state(trainer) -> dict:
 class PendingSave:
     """A checkpoint being written in the background; wait() finishes it (every rank must call it)."""
 
-    def __init__(self, future, tmp: Path, final: Path, is_main: bool):
-        self.future, self.tmp, self.final, self.is_main = future, tmp, final, is_main
+    def __init__(self, future, tmp: Path, final: Path, group):
+        self.future, self.tmp, self.final, self.group = future, tmp, final, group
 
     def done(self) -> bool:
         return self.future is None or self.future.done()
@@ -53,8 +54,10 @@ class PendingSave:
         if self.future is not None:
             self.future.result()
             self.future = None
-            if self.is_main:
+            if _is_main():
                 _replace(self.tmp, self.final)
+            if dist.is_initialized():
+                dist.barrier(group=self.group)  # the checkpoint is in place when any rank returns
         return self.final
 
 
@@ -86,15 +89,15 @@ def save(trainer, path, background: bool = True) -> PendingSave:
     if dist.is_initialized():
         dist.barrier(group=group)  # nobody writes into tmp before rank 0 has cleared it
     state = trainer_state(trainer)
+    single = not dist.is_initialized()
     if background:
-        future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=group)
-        return PendingSave(future, tmp, final, _is_main())
-    dcp.save(state, checkpoint_id=str(tmp), process_group=group)
-    pending = PendingSave(None, tmp, final, _is_main())
-    if pending.is_main:
-        _replace(tmp, final)
-    if dist.is_initialized():
-        dist.barrier(group=group)
+        future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=group, no_dist=single)
+    else:
+        future = Future()
+        future.set_result(dcp.save(state, checkpoint_id=str(tmp), process_group=group, no_dist=single))
+    pending = PendingSave(future, tmp, final, group)
+    if not background:
+        pending.wait()
     return pending
 
 
@@ -104,8 +107,6 @@ def load(trainer, path) -> None:
     if not (path / ".metadata").exists():
         raise FileNotFoundError(f"{path} is not a distributed checkpoint (no .metadata)")
     state = trainer_state(trainer)
-    dcp.load(state, checkpoint_id=str(path), process_group=_group(trainer))
+    dcp.load(state, checkpoint_id=str(path), process_group=_group(trainer), no_dist=not dist.is_initialized())
     trainer.step = int(state["trainer"]["step"])
-    copy = getattr(trainer, "_copy_masters_to_model", None)
-    if copy is not None:
-        copy()  # the single-process trainer's bf16 compute copy follows its masters
+    trainer._copy_masters_to_model()  # the single-process trainer's bf16 compute copy follows its masters

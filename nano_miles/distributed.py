@@ -22,6 +22,8 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 
 class DistError(RuntimeError):
@@ -139,9 +141,6 @@ def launch(nproc: int, entrypoint: Callable | str, args: tuple | list = (), *, d
     `python -m nano_miles.train ...`, exactly as `torchrun --standalone --nproc-per-node N` would).
     When one rank fails the agent stops the others and this raises DistError naming every failed rank.
     """
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
     check_nproc(nproc, device_type)
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts,
@@ -177,8 +176,6 @@ def describe_failures(failures: dict) -> str:
 def main_guard(fn: Callable) -> Callable:
     """Decorate a rank's __main__ function: a failure prints one line (naming the rank) to stderr,
     is recorded in torchrun's error file (so the launcher's report has it) and exits with status 1."""
-    from torch.distributed.elastic.multiprocessing.errors import record
-
     recorded = record(fn)
 
     def wrapper(*args, **kwargs):

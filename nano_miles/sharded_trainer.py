@@ -18,18 +18,23 @@ share, and the ranks produce the update one process would:
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from nano_miles.algorithms import loss_normalizer, policy_loss
 from nano_miles.distributed import DistEnv
-from nano_miles.trainer import DTYPES, Trainer, TrainerConfig
+from nano_miles.dtypes import DTYPES
+from nano_miles.trainer import Trainer, TrainerConfig
 
 
 class _Root(torch.nn.Module):
@@ -65,10 +70,14 @@ class ShardedTrainer(Trainer):
     def __init__(self, cfg: TrainerConfig, env: DistEnv, config=None):
         """cfg.model: an HF folder whose safetensors every rank reads its own slices of; or `config`
         (a transformers config): random weights of that architecture (benchmarks)."""
-        from transformers import AutoConfig, AutoModelForCausalLM
-
+        if cfg.true_on_policy:
+            raise ValueError("true on-policy mode needs the engine's model over the trainer's parameters; "
+                             "it is single-process only for now (trainer.nproc=1)")
+        if cfg.micro_batch_size == 0:  # auto, as Trainer: 8 sequences on a GPU, 1 on the CPU
+            cfg = dataclasses.replace(cfg, micro_batch_size=8 if env.device.type == "cuda" else 1)
         self.cfg, self.env = cfg, env
         self.device, self.dtype = env.device, DTYPES[cfg.dtype]
+        self.exact_model = None  # Trainer._logprobs' true on-policy branch stays off
         if config is None:
             if not cfg.model:
                 raise ValueError("TrainerConfig.model must name an HF model folder")
@@ -118,9 +127,6 @@ class ShardedTrainer(Trainer):
     def _load_hf_weights(self, folder: str) -> None:
         """Each rank reads only its rows of every tensor from the safetensors (DCP's HF reader),
         converting to FP32 on the way (a bf16 checkpoint loads exactly)."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import HuggingFaceStorageReader
-
         state = dict(zip(self.names, self.params))
         dcp.load(state, storage_reader=HuggingFaceStorageReader(folder), process_group=self.env.cpu_group)
 
@@ -248,7 +254,7 @@ class ShardedTrainer(Trainer):
         grads = [m.grad.to_local() for m in self.masters if m.grad is not None]
         square = torch.zeros((), dtype=torch.float32, device=self.device)
         if grads:
-            square = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in grads]).sum()
+            square = torch.stack(torch._foreach_norm(grads)).square().sum()  # this rank's part of |g|^2
         dist.all_reduce(square)
         norm = float(square.sqrt())
         if not math.isfinite(norm):

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from nano_miles.distributed import launch
+from nano_miles.trainer import Trainer
 from tests.nano_miles import sharded_ranks
 
 
 @pytest.fixture(scope="session")
 def two_rank_run(tmp_path_factory, tiny_model_path):
     """The folder where 2 ranks left each scenario's result (rank 0's) and a DCP checkpoint."""
-    from nano_miles.distributed import launch
-
     out = tmp_path_factory.mktemp("two_ranks")
     launch(2, sharded_ranks.scenarios, (str(out), str(tiny_model_path)))
     return out
@@ -23,8 +23,6 @@ def one_process_results(tiny_model_path):
     """The single-process Trainer on every scenario (one torch thread, as in the ranks):
     {name: (metrics, full state + "delta": masters after - before)}, and "continued": the
     checkpointed scenario after its second update."""
-    from nano_miles.trainer import Trainer
-
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -11,10 +11,13 @@ import time
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import Shard, distribute_tensor
 
+from nano_miles import dist_checkpoint
 from nano_miles.algorithms import AdvantageConfig
 from nano_miles.batch import Trajectory
 from nano_miles.distributed import main_guard, run_rank
+from nano_miles.sharded_trainer import ShardedTrainer
 from nano_miles.trainer import OptimConfig, TrainerConfig
 from nano_miles.update import policy_update
 
@@ -74,19 +77,23 @@ def full_state(trainer) -> dict:
 # ----------------------------------------------------------------------------- what the ranks run
 
 def _scenarios(env, out: str, model: str) -> None:
-    from nano_miles import dist_checkpoint
-    from nano_miles.sharded_trainer import ShardedTrainer
-
     torch.set_num_threads(1)
     for name in SCENARIOS:
         trainer = ShardedTrainer(trainer_config(model, name), env)
         metrics = update(trainer, name)
         fp32 = dict(trainer.named_weights(torch.float32))
-        bf16 = dict(trainer.named_weights(torch.bfloat16))
+        # small buckets: several gathers, and tensors that fill a bucket on their own
+        bf16 = {n: t for bucket in trainer.iter_full_weights(torch.bfloat16, bucket_bytes=40_000) for n, t in bucket}
         if env.rank == 0:
             torch.save({"metrics": metrics, "fp32": fp32, "bf16": bf16}, Path(out) / f"{name}.pt")
         else:
             assert fp32 == {} and bf16 == {}
+        if name == "even":  # rows that do not split evenly, or fewer rows than ranks (rank 1 holds none)
+            odd = [(f"odd{i}", distribute_tensor(torch.arange(float(d0 * 3)).view(d0, 3), trainer.params[0].device_mesh,
+                                                 [Shard(0)])) for i, d0 in enumerate((5, 1))]
+            gathered = trainer._gather_bucket(odd, torch.float32, env.world_size, env.rank)
+            if env.rank == 0:
+                torch.save(dict(gathered), Path(out) / "odd_shapes.pt")
         if name == CHECKPOINTED:
             pending = dist_checkpoint.save(trainer, Path(out) / "ckpt")
             update(trainer, name)  # changes every master while the checkpoint is being written
@@ -100,8 +107,6 @@ def scenarios(out: str, model: str) -> None:
 def _kill(env, out: str, model: str) -> None:
     """Rank 1 dies inside the second decoder layer's forward of its first micro-batch; rank 0 is then
     in the middle of the same step, in FSDP's collectives."""
-    from nano_miles.sharded_trainer import ShardedTrainer
-
     torch.set_num_threads(1)
     trainer = ShardedTrainer(trainer_config(model), env)
     if env.rank == 1:

@@ -7,6 +7,7 @@ import torch
 
 from nano_miles import dist_checkpoint
 from nano_miles.distributed import destroy_distributed, init_distributed
+from nano_miles.sharded_trainer import ShardedTrainer
 from nano_miles.trainer import Trainer
 from tests.nano_miles import sharded_ranks
 
@@ -46,8 +47,6 @@ def test_two_ranks_checkpoint_resumes_on_one_sharded_rank(two_rank_run, one_proc
                                                           world_of_one):
     """The checkpoint was written in the background while the ranks took another step: it holds the
     state of the moment it was saved, and one rank continues from it as one process would."""
-    from nano_miles.sharded_trainer import ShardedTrainer
-
     trainer = ShardedTrainer(sharded_ranks.trainer_config(str(tiny_model_path), CHECKPOINTED), world_of_one)
     dist_checkpoint.load(trainer, two_rank_run / "ckpt")
     assert_same_state(sharded_ranks.full_state(trainer), one_process_results[CHECKPOINTED][1], "1 sharded rank")

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from nano_miles.distributed import DistError, check_nproc, init_distributed, launch
-from tests.nano_miles import sharded_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 

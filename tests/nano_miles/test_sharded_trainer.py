@@ -43,6 +43,13 @@ def test_two_ranks_make_the_update_of_one_process(two_rank_run, one_process_resu
         assert m[key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-7), key
 
 
+def test_weights_are_gathered_whole_from_uneven_shards(two_rank_run):
+    """dim 0 of 5 rows on 2 ranks is 3 + 2; of 1 row, 1 + nothing: rank 0 gets the whole tensors."""
+    got = torch.load(two_rank_run / "odd_shapes.pt")
+    assert torch.equal(got["odd0"], torch.arange(15.0).view(5, 3))
+    assert torch.equal(got["odd1"], torch.arange(3.0).view(1, 3))
+
+
 def test_groups_go_whole_to_the_least_loaded_rank():
     ids = ["a", "a", "b", "b", "b", "c", "c"]
     lengths = [10, 10, 3, 3, 3, 8, 8]  # a: 20 tokens, c: 16, b: 9
