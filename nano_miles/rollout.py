@@ -70,7 +70,10 @@ def parse_generate_response(resp: dict) -> tuple[list[int], list[float], str, st
     except (KeyError, TypeError, IndexError, ValueError) as e:
         raise ValueError(f"malformed /generate response ({e}): {str(resp)[:300]}") from e
     fr = meta.get("finish_reason") or {}
-    return ids, lps, (fr.get("type", "") if isinstance(fr, dict) else str(fr)), str(meta.get("weight_version", ""))
+    # Staleness is measured on a turn's oldest tokens: our engine reports their weights when an update
+    # landed mid-request (oldest_weight_version); SGLang reports only the version it finished with.
+    version = meta.get("oldest_weight_version", meta.get("weight_version", ""))
+    return ids, lps, (fr.get("type", "") if isinstance(fr, dict) else str(fr)), str(version)
 
 
 async def run_episode(client, fmt: ChatFormat, task: Task, seed: int, group_id: str,

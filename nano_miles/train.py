@@ -158,7 +158,10 @@ class TrainingRun:
     def _connect(self) -> None:
         if self.syncer is not None:
             self.syncer.close()
-        self.syncer = WeightSync.from_config(self.trainer, [self.url], self.cfg.sync)
+        sync_cfg = self.cfg.sync
+        if sync_cfg.pause_mode == "auto":  # async: rollouts are in flight at every sync; don't wait them out
+            sync_cfg = dataclasses.replace(sync_cfg, pause_mode="in_place" if self.cfg.mode == "async" else "drain")
+        self.syncer = WeightSync.from_config(self.trainer, [self.url], sync_cfg)
         if self.trainer.step:
             self.syncer.sync(str(self.trainer.step))  # a fresh engine serves the base weights: catch it up
 

@@ -45,6 +45,7 @@ from nano_miles.engine import weight_group as G
 from nano_miles.engine import weights as W
 
 TRANSPORTS = ("auto", "ipc", "staged", "distributed", "disk")
+PAUSE_MODES = ("auto", "drain", "in_place", "retract", "abort")
 _LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0"}
 
 
@@ -57,6 +58,11 @@ class SyncConfig:
     master_address: str = "127.0.0.1"  # distributed: the address this (rank 0) process's store listens on, and only it
     master_port: int = 0           # 0: a free port
     disk_dir: str = ""             # disk: the folder written each sync ("" = a temporary folder)
+    # What the engines do with requests in flight during a sync: "drain" waits until none is running
+    # (nothing runs in sync mode); "in_place" pauses them with their KV and continues them under the
+    # new weights (async mode: waiting for a drain cost 0.5-1 s a sync); "retract" recomputes their
+    # KV under the new weights; "abort" ends them. "auto": in_place in train's async mode, else drain.
+    pause_mode: str = "auto"
 
     def __post_init__(self):
         if self.transport not in TRANSPORTS:
@@ -65,6 +71,8 @@ class SyncConfig:
             raise ValueError(f"sync.bucket_mb must be > 0, got {self.bucket_mb}")
         if self.timeout_s <= 0:
             raise ValueError("sync.timeout_s must be > 0")
+        if self.pause_mode not in PAUSE_MODES:
+            raise ValueError(f"sync.pause_mode must be one of {PAUSE_MODES}, got {self.pause_mode!r}")
 
 
 class WeightSyncError(RuntimeError):
@@ -91,10 +99,10 @@ def choose_transport(trainer_device: torch.device, engine_infos: list[dict], eng
 class WeightSync:
     def __init__(self, source, engine_urls, transport: str = "auto", bucket_mb: float = 1024.0, verify: bool = False,
                  timeout_s: float = 300.0, master_address: str = "127.0.0.1", master_port: int = 0,
-                 disk_dir: str = ""):
+                 disk_dir: str = "", pause_mode: str = "auto"):
         """source: a Trainer (its named_weights), an nn.Module, a callable returning (name, tensor)
         pairs, or such a list. engine_urls: one URL or a list."""
-        self.cfg = SyncConfig(transport, verify, bucket_mb, timeout_s, master_address, master_port, disk_dir)
+        self.cfg = SyncConfig(transport, verify, bucket_mb, timeout_s, master_address, master_port, disk_dir, pause_mode)
         self.source = source
         self.urls = [engine_urls] if isinstance(engine_urls, str) else list(engine_urls)
         if not self.urls:
@@ -126,7 +134,7 @@ class WeightSync:
     @classmethod
     def from_config(cls, source, engine_urls, cfg: SyncConfig) -> "WeightSync":
         return cls(source, engine_urls, cfg.transport, cfg.bucket_mb, cfg.verify, cfg.timeout_s,
-                   cfg.master_address, cfg.master_port, cfg.disk_dir)
+                   cfg.master_address, cfg.master_port, cfg.disk_dir, cfg.pause_mode)
 
     # ------------------------------------------------------------------ the weights
 
@@ -167,7 +175,14 @@ class WeightSync:
         self._phases["prepare"] = (time.perf_counter() - t0) * 1000.0
         send = {"ipc": self._send_tensor, "staged": self._send_tensor,
                 "distributed": self._send_distributed, "disk": self._send_disk}[self.transport]
-        send(buckets, version)
+        if self.cfg.pause_mode not in ("auto", "drain"):
+            self._on_all(lambda c: c.pause(self.cfg.pause_mode))
+            try:
+                send(buckets, version)
+            finally:
+                self._on_all(lambda c: c.resume())
+        else:
+            send(buckets, version)
         ms = (time.perf_counter() - t0) * 1000.0
         verified = False
         if self.cfg.verify:

@@ -161,10 +161,10 @@ class Server:
             for it in items:
                 self.worker.abort(it.rid, "client disconnected")
             raise
-        out = [self._response(it, fin, version) for it, (fin, version) in zip(items, results)]
+        out = [self._response(it, fin, version, oldest) for it, (fin, version, oldest) in zip(items, results)]
         return web.json_response(out if batched else out[0])
 
-    def _response(self, item, fin, version) -> dict:
+    def _response(self, item, fin, version, oldest_version) -> dict:
         ids = fin.output_ids
         text_ids = ids
         if fin.finish_reason.get("type") == "stop" and not item.no_stop_trim and ids:
@@ -184,6 +184,7 @@ class Server:
             "completion_tokens": fin.completion_tokens,
             "cached_tokens": fin.cached_tokens,
             "weight_version": version,
+            "oldest_weight_version": oldest_version,  # ours: the weights its first tokens were sampled with
         }
         if item.return_logprob:
             lps = fin.output_logprobs or []

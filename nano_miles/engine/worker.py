@@ -38,6 +38,11 @@ class EngineWorker:
         self.parked: list = []     # adds waiting for a continue or for an update to finish
         self.updates: list = []    # calls that need an idle engine (weight swaps), in arrival order
         self.futures: dict = {}    # rid -> future of a request inside the engine
+        # rid -> weight version when the request entered the engine. A weight update while paused
+        # in place lets a request go on under newer weights: besides the version it finished with
+        # (SGLang's weight_version) it reports the version of its OLDEST tokens, which is what the
+        # trainer's staleness bound is measured on.
+        self.admitted_version: dict = {}
         self.thread = threading.Thread(target=self._main, name="engine", daemon=True)
 
     # --- commands (called from the event loop) ---
@@ -47,7 +52,7 @@ class EngineWorker:
         return fut
 
     def add(self, items):
-        """One future per item, resolved with (FinishedRequest, weight_version)."""
+        """One future per item, resolved with (FinishedRequest, weight_version, oldest_weight_version)."""
         futs = [self.loop.create_future() for _ in items]
         self.commands.put(("add", items, futs))
         return futs
@@ -116,8 +121,9 @@ class EngineWorker:
         version = self.engine.weight_version
         for out in finished:
             fut = self.futures.pop(out.rid, None)
+            oldest = self.admitted_version.pop(out.rid, version)
             if fut is not None:
-                _resolve(self.loop, fut, (out, version))
+                _resolve(self.loop, fut, (out, version, oldest))
 
     def _admit(self, items, futs):
         eng = self.engine
@@ -133,11 +139,13 @@ class EngineWorker:
             for it, fut in zip(items, futs):
                 eng.add_request(it.rid, it.input_ids, it.sampling, return_logprob=it.return_logprob)
                 self.futures[it.rid] = fut
+                self.admitted_version[it.rid] = eng.weight_version
                 added.append(it.rid)
         except (ValueError, AssertionError) as e:  # all or nothing for a batch (KV capacity; asserts: a bug)
             for rid in added:
                 eng.abort_request(rid)
                 self.futures.pop(rid, None)
+                self.admitted_version.pop(rid, None)
             self._take_aborted()
             for f in futs:
                 _resolve(self.loop, f, error=RequestError(str(e)))
@@ -202,7 +210,8 @@ class EngineWorker:
             rest = []
             for it, f in zip(items, futs):
                 if rid is None or it.rid == rid:
-                    _resolve(self.loop, f, (_never_started(it, message), self.engine.weight_version))
+                    version = self.engine.weight_version
+                    _resolve(self.loop, f, (_never_started(it, message), version, version))
                     n += 1
                 else:
                     rest.append((it, f))

@@ -216,6 +216,30 @@ def test_pause_update_continue_like_slime(engine_server, engine_client, tiny_mod
     engine_client.resume()
     gen.join(60)
     assert len(box["out"]["output_ids"]) == 800 and box["out"]["meta_info"]["weight_version"] == "slime-1"
+    assert box["out"]["meta_info"]["oldest_weight_version"] != "slime-1"  # its first tokens: the old weights
+
+
+def test_async_sync_pauses_in_place_instead_of_waiting_for_a_drain(engine_server, engine_client, tiny_model_path):
+    """train's async mode: a sync while a long request runs neither waits for it nor aborts it; the
+    request then reports the weights its first tokens came from, so staleness is not understated."""
+    from nano_miles.weight_sync import WeightSync
+
+    before = version(engine_client)
+    box = {}
+    gen = threading.Thread(target=lambda: box.update(out=engine_server.client().generate(
+        [3, 4, 5], {"max_new_tokens": 3000, "ignore_eos": True})))
+    gen.start()
+    while engine_client.server_info()["internal_states"][0]["running"] == 0:
+        time.sleep(0.02)
+    with WeightSync(list(perturbed(tiny_model_path, 8).items()), engine_server.url, transport="ipc",
+                    pause_mode="in_place") as sync:
+        sync.sync("async-1")
+    assert "out" not in box, "the sync waited for the running request to finish"
+    assert version(engine_client) == "async-1"
+    gen.join(120)
+    meta = box["out"]["meta_info"]
+    assert len(box["out"]["output_ids"]) == 3000 and meta["finish_reason"]["type"] == "length"
+    assert meta["weight_version"] == "async-1" and meta["oldest_weight_version"] == before
 
 
 class Evil:
