@@ -1,191 +1,251 @@
-"""One long-lived launcher per root Sandbox: it starts each command's bwrap already under the sandbox uid.
+"""The supervisor's side of a namespaced Sandbox: its one bwrap, the init inside (nsinit.py), each command.
 
-Dropping the uid per command costs one more program start per command (unshare/setpriv, then bwrap).
-Instead the Sandbox starts this launcher once, through the same uid-drop tool, as a small Python of
-its own (`python -I -S -c <this file>`, stdlib only: the sandbox uid needs no access to the package).
-Per command the supervisor sends one SOCK_SEQPACKET message: JSON {argv, env, targets} and, by
-SCM_RIGHTS, a reply pipe's write end plus the fds bwrap needs (stdout/stderr pipes, workspace, seccomp
-program, proxy socket, script); the launcher puts each fd at its target number and posix_spawns bwrap
-(vfork-like: no fork of anything big). On the reply pipe it writes "P<pid>" once spawned (or "E<why>"),
-and "X<exit code>" once it reaped the command. {"kill": pid} kills a command that is not reaped yet:
-the launcher peeks at exits with WNOWAIT and reaps under the same lock, so a pid it kills is never a
-reused one.
-Lifetime: when the supervisor dies or the Sandbox closes, the socket reaches EOF and the launcher
-exits at once; its bwraps have --die-with-parent, so every sandbox process dies with it. (EOF, not
-PR_SET_PDEATHSIG: that fires when the supervisor THREAD that started us ends, e.g. a pool thread.)
+Init(argv, ...) starts `[uid drop] bwrap <layout> --as-pid-1 -- python3 -I -S - FD` (nsinit.py on stdin)
+and returns at once: the init boots while the caller goes on, and a first command simply waits in the
+socket until the init reads it. spawn() sends one command (argv, env and its fds by SCM_RIGHTS) and
+returns a Command, which is what the Sandbox's _drain needs of a Popen: wait(timeout), kill(),
+returncode.
+
+Lifetime. Every bwrap is started from one long-lived thread of ours: bwrap's --die-with-parent is
+PR_SET_PDEATHSIG, which fires when the THREAD that started it ends (a pool thread that created a
+Sandbox may end long before the Sandbox does). So a killed supervisor takes every sandbox with it;
+close() closes the socket (the init exits, and the kernel kills the rest of its pid namespace) and
+kills bwrap if that takes more than a moment.
+
+Trust. The init runs under the sandbox's uid, beside the commands: what it reports is parsed as
+untrusted (one short line), and no deadline depends on it. A command it does not stop within
+_KILL_WAIT of a kill request gets the whole sandbox killed instead (the next command starts a new one).
 """
 
 import array
-import fcntl
-import json
+import concurrent.futures
+import marshal
 import os
+import select
+import shutil
 import socket
-import sys
+import subprocess
 import threading
+import time
 
-MAX_MESSAGE = 1 << 18   # argv + env of one command; the Sandbox sends larger scripts as a file
-_FD_FLOOR = 16          # received fds move above every target number before the dup2s
+from . import namespaced
 
-
-def _reaper(lock: threading.Lock, replies: dict, spawned: threading.Semaphore) -> None:
-    while True:
-        spawned.acquire()
-        while True:
-            try:
-                pid = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT).si_pid
-                break
-            except InterruptedError:
-                continue
-        with lock:  # the kill path holds this lock too: a pid in `replies` is not reaped yet
-            reply = replies.pop(pid, None)
-            _, status = os.waitpid(pid, 0)
-        if reply is not None:
-            try:
-                os.write(reply, b"X%d\n" % os.waitstatus_to_exitcode(status))
-            except OSError:
-                pass
-            os.close(reply)
+_KILL_WAIT = 2.0       # after a kill request, how long the init has to report the command gone
+_CLOSE_WAIT = 1.0      # after EOF, how long bwrap has to exit before it is killed
+_MAX_STATUS = 4096
+_SOURCE = None
+_SPAWNER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nano-openshell-bwrap")
 
 
-def main() -> None:
-    sock = socket.socket(fileno=int(sys.argv[1]))
-    sock.set_inheritable(False)
-    lock, replies, spawned = threading.Lock(), {}, threading.Semaphore(0)
-    threading.Thread(target=_reaper, args=(lock, replies, spawned), daemon=True).start()
-    while True:
-        try:
-            data, anc, _, _ = sock.recvmsg(MAX_MESSAGE, socket.CMSG_SPACE(32 * 4), socket.MSG_CMSG_CLOEXEC)
-        except InterruptedError:
-            continue
-        if not data:
-            os._exit(0)  # the supervisor is gone: exit, and every bwrap dies with us
-        fds = array.array("i")
-        for level, kind, payload in anc:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
-        fds = list(fds)
-        try:
-            msg = json.loads(data)
-            if "kill" in msg:
-                with lock:
-                    if msg["kill"] in replies:
-                        os.kill(msg["kill"], 9)
-                continue
-            reply, srcs = fds[0], fds[1:]
-            moved = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, _FD_FLOOR) for fd in srcs]
-            fds += moved
-            actions = [(os.POSIX_SPAWN_DUP2, src, dst) for src, dst in zip(moved, msg["targets"])]
-            with lock:
-                try:
-                    pid = os.posix_spawn(msg["argv"][0], msg["argv"], msg["env"], file_actions=actions)
-                except OSError as e:
-                    os.write(reply, b"E%s\n" % str(e).encode(errors="replace"))
-                else:
-                    replies[pid] = os.dup(reply)  # CLOEXEC like every fd we hold
-                    os.write(reply, b"P%d\n" % pid)
-                    spawned.release()
-        except Exception as e:  # a bad message costs that command, never the launcher
-            if fds:
-                try:
-                    os.write(fds[0], b"E%s\n" % repr(e).encode(errors="replace"))
-                except OSError:
-                    pass
-        finally:
-            for fd in fds:
-                os.close(fd)
+class InitDied(RuntimeError):
+    """The sandbox's init is gone (or never started): the command did not run to its end."""
 
 
-# ---- the supervisor's side -------------------------------------------------------------------
-class LauncherDied(RuntimeError):
-    pass
+class NotDelivered(InitDied):
+    """The command never reached the init (it is gone): it did not run at all."""
 
 
-class Launcher:
-    """The supervisor's handle: start(drop_argv, python) once, spawn() per command, close() at the end."""
+class NotStarted(RuntimeError):
+    """The init could not start this command (it says why); the sandbox itself is fine."""
 
-    def __init__(self, drop_argv: list[str], python: str, env: dict[str, str]):
-        import subprocess
 
+_SBIN_PATH = "/usr/bin:/bin:/usr/sbin:/sbin"
+_UID_DROPPER = None  # (tool kind, path), found once
+
+
+def uid_drop_argv(uid: int) -> list[str] | None:
+    """A prefix that runs the rest of argv with real/effective/saved uid and gid `uid` and no
+    supplementary groups, or None when neither tool is here. util-linux `unshare -S -G` (with no
+    namespace flag it only does unshare(0), setgroups([]), setgid, setuid, exec) takes numbers as
+    they are; setpriv looks every id up through NSS first (getpwnam): ~0.3 ms more per command.
+    unshare is tried once for real: busybox's has no --setuid, and a seccomp filter denying the
+    unshare syscall (a rootless container) makes even unshare(0) fail."""
+    global _UID_DROPPER
+    if _UID_DROPPER is None:
+        unshare, setpriv = shutil.which("unshare", path=_SBIN_PATH), shutil.which("setpriv", path=_SBIN_PATH)
+        works = False
+        if unshare:
+            trial = [unshare, "--setuid=65534", "--setgid=65534", "--", "/bin/sh", "-c", "test $(id -u) = 65534"]
+            works = subprocess.run(trial, stdin=subprocess.DEVNULL, capture_output=True).returncode == 0
+        _UID_DROPPER = ("unshare", unshare) if works else ("setpriv", setpriv) if setpriv else ("", None)
+    kind, path = _UID_DROPPER
+    if kind == "unshare":
+        return [path, f"--setuid={uid}", f"--setgid={uid}", "--"]
+    if kind == "setpriv":
+        return [path, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
+    return None
+
+
+def sandbox_argv(bwrap: str, tmp_bytes: int, uid: int | None, workspace_fd: int, mounts: dict[str, str]):
+    """(the command line of a Sandbox's bwrap up to its tail, a uid to start it under, the Python the
+    init runs on). As root, bwrap runs under the sandbox's uid: through a uid-drop tool (vfork-cheap),
+    else Popen(user=uid) (a fork: once per Sandbox)."""
+    python, _ = namespaced.sandbox_python(uid is not None)
+    argv = (namespaced.base_argv(bwrap, tmp_bytes, uid is not None) + namespaced.workspace_args(workspace_fd)
+            + namespaced.mount_args(mounts))
+    drop = uid_drop_argv(uid) if uid is not None else None
+    return (drop + argv if drop else argv), (uid if uid is not None and not drop else None), python
+
+
+def _nsinit_source() -> bytes:
+    global _SOURCE
+    if _SOURCE is None:
+        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "nsinit.py"), "rb") as f:
+            _SOURCE = f.read()
+    return _SOURCE
+
+
+class Init:
+    def __init__(self, argv: list[str], python: str, env: dict[str, str], pass_fds: tuple[int, ...],
+                 user: int | None = None):
+        """argv: [uid drop] bwrap ... -- (the layout; see namespaced.py); user: a uid to start it under
+        when there is no uid-drop tool (Popen then forks instead of vforking: once per Sandbox)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._sock = ours
-        with open(os.path.abspath(__file__)) as f:
-            source = f.read()
+        err_r, err_w = os.pipe()
+        src_r, src_w = os.pipe()  # the init's program, read by `python -` (argv stays short in ps)
+        os.write(src_w, _nsinit_source())  # ~12 KB: fits the pipe buffer
+        os.close(src_w)
+        self._sock, self._err, self._ids, self._lock = ours, err_r, iter(range(1, 1 << 62)), threading.Lock()
+        self.dead: str | None = None  # why, once the init is known to be gone
+        ids = dict(user=user, group=user, extra_groups=[]) if user is not None else {}
+        full = argv + ["--as-pid-1", "--", python, "-I", "-S", "-", str(theirs.fileno())]
         try:
-            self._proc = subprocess.Popen(drop_argv + [python, "-I", "-S", "-c", source, str(theirs.fileno())],
-                                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                          stderr=subprocess.DEVNULL, env=env, pass_fds=(theirs.fileno(),))
-        finally:
-            theirs.close()
-
-    def spawn(self, argv: list[str], env: dict[str, str], fds: list[int], targets: list[int]) -> "Launched":
-        """Start argv with fds[i] at number targets[i] in it; fds are not closed here."""
-        reply_r, reply_w = os.pipe()
-        try:
-            msg = json.dumps({"argv": argv, "env": env, "targets": targets}).encode()
-            try:
-                self._sock.sendmsg([msg], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [reply_w] + fds))])
-            except OSError as e:
-                raise LauncherDied(f"the sandbox launcher is gone: {e}") from None
+            self._proc = _SPAWNER.submit(
+                subprocess.Popen, full, stdin=src_r, stdout=subprocess.DEVNULL, stderr=err_w,
+                env=env, pass_fds=pass_fds + (theirs.fileno(),), **ids).result()
         except BaseException:
-            os.close(reply_r)
+            ours.close()
+            os.close(err_r)
             raise
         finally:
-            os.close(reply_w)
-        return Launched(self, reply_r)
+            theirs.close()
+            os.close(err_w)
+            os.close(src_r)
+        os.set_blocking(err_r, False)
+        ours.setblocking(False)
 
-    def kill(self, pid: int) -> None:
+    def alive(self) -> bool:
+        if self.dead is None and self._proc.poll() is not None:
+            self.dead = self._why(f"bwrap exited with status {self._proc.returncode}")
+        return self.dead is None
+
+    def _why(self, what: str) -> str:
         try:
-            self._sock.sendmsg([json.dumps({"kill": pid}).encode()])
+            said = os.read(self._err, 2000).decode(errors="replace").strip()
         except OSError:
-            pass  # the launcher is gone, and with it the command
+            said = ""
+        return what + (f": {said}" if said else "")
+
+    def _send(self, msg: tuple, fds: list[int], deadline: float) -> None:
+        data = marshal.dumps(msg)
+        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+        while True:
+            try:
+                self._sock.sendmsg([data], anc)
+                return
+            except BlockingIOError:  # the init is not reading (yet): wait for room, up to the deadline
+                left = deadline - time.monotonic()
+                if left <= 0 or not _ready(self._sock.fileno(), select.POLLOUT, left):
+                    self.abort("the sandbox's init took no command before the deadline; it was killed")
+                    raise InitDied(self.dead) from None
+            except OSError as e:
+                self.dead = self.dead or self._why(f"the sandbox's init is gone ({e.strerror})")
+                raise NotDelivered(self.dead) from None
+
+    def spawn(self, argv: list[str], env: dict[str, str], out_w: int, err_w: int, script_fd: int | None,
+              deadline: float) -> "Command":
+        """Start argv with out_w/err_w as its stdout/stderr (and script_fd as fd 3); fds are not closed here."""
+        if not self.alive():
+            raise NotDelivered(self.dead)
+        status_r, status_w = os.pipe()
+        cid = next(self._ids)
+        try:
+            self._send(("run", cid, argv, env), [status_w, out_w, err_w] + ([script_fd] if script_fd else []),
+                       deadline)
+        except BaseException:
+            os.close(status_r)
+            raise
+        finally:
+            os.close(status_w)
+        return Command(self, cid, status_r)
+
+    def kill(self, cid: int) -> None:
+        try:
+            self._send(("kill", cid), [], time.monotonic() + 0.1)
+        except InitDied:
+            pass  # gone: so is the command
+
+    def abort(self, why: str) -> None:
+        """Kill the whole sandbox now (bwrap; its init dies with it, and the pid namespace with that)."""
+        self.dead = self.dead or why
+        try:
+            self._proc.kill()
+        except OSError:
+            pass
 
     def close(self) -> None:
-        self._sock.close()  # EOF: the launcher exits, and any command still running dies with it
-        self._proc.wait()
+        self.dead = self.dead or "the sandbox is closed"
+        self._sock.close()  # EOF: the init exits, and every process of the sandbox dies with it
+        try:
+            self._proc.wait(timeout=_CLOSE_WAIT)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        os.close(self._err)
 
 
-class Launched:
-    """What _drain needs of a Popen: pid, wait(timeout), returncode, kill(); stdout/stderr are set by the caller."""
+class Command:
+    """One command in the init: what _drain needs of a Popen (stdout/stderr are set by the caller)."""
 
-    def __init__(self, launcher: Launcher, reply_fd: int):
-        self._launcher, self._reply, self._buf = launcher, reply_fd, b""
-        self.returncode = None
-        line = self._line(None)
-        if line is None or not line.startswith(b"P"):
-            os.close(self._reply)
-            why = line[1:].decode(errors="replace") if line else "it exited"
-            raise LauncherDied(f"the sandbox launcher could not start the command: {why}")
-        self.pid = int(line[1:])
+    def __init__(self, init: Init, cid: int, status_fd: int):
+        self._init, self._cid, self._status, self._buf = init, cid, status_fd, b""
+        self.returncode, self._killed_at = None, None
 
-    def _line(self, timeout):
-        import select
-
-        while b"\n" not in self._buf:
-            if not select.select([self._reply], [], [], timeout)[0]:
-                return False
-            data = os.read(self._reply, 4096)
-            if not data:
-                return None
-            self._buf += data
-        line, self._buf = self._buf.split(b"\n", 1)
-        return line
-
-    def wait(self, timeout=None):
-        import subprocess
-
-        if self.returncode is None:
-            line = self._line(timeout)
-            if line is False:
-                raise subprocess.TimeoutExpired("bwrap", timeout)
-            os.close(self._reply)
-            # None: the launcher died (and bwrap with it, --die-with-parent): report a SIGKILL
-            self.returncode = int(line[1:]) if line else -9
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is not None:
+            return self.returncode
+        if timeout is None and self._killed_at is not None:
+            timeout = max(0.0, self._killed_at + _KILL_WAIT - time.monotonic())
+        line = self._line(timeout)
+        if line is False:
+            if self._killed_at is None:
+                raise subprocess.TimeoutExpired("sandbox command", timeout)
+            # killed, and the init did not report it gone: kill the whole sandbox instead
+            self._init.abort("the sandbox's init did not stop a command in time; it was killed with it")
+            line = b"X-9"
+        os.close(self._status)
+        if line is None:  # EOF without a status: the init died (or the sandbox was closed) meanwhile
+            self._init.alive()
+            self.returncode = -9
+            raise InitDied(self._init.dead or "the sandbox's init died")
+        if line.startswith(b"E"):
+            self.returncode = -9
+            raise NotStarted(line[1:].decode(errors="replace"))
+        try:
+            self.returncode = int(line[1:]) if line.startswith(b"X") else -9
+        except ValueError:
+            self.returncode = -9
         return self.returncode
 
+    def _line(self, timeout):
+        end = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self._buf:
+            left = None if end is None else max(0.0, end - time.monotonic())
+            if not _ready(self._status, select.POLLIN, left):
+                return False
+            data = os.read(self._status, _MAX_STATUS)
+            if not data:
+                return self._buf or None
+            self._buf = (self._buf + data)[-_MAX_STATUS:]
+        return self._buf.split(b"\n", 1)[0]
+
     def kill(self) -> None:
-        if self.returncode is None:
-            self._launcher.kill(self.pid)
+        if self.returncode is None and self._killed_at is None:
+            self._killed_at = time.monotonic()
+            self._init.kill(self._cid)
 
 
-if __name__ == "__main__":
-    main()
+def _ready(fd: int, event: int, timeout: float | None) -> bool:
+    poller = select.poll()
+    poller.register(fd, event)
+    return bool(poller.poll(None if timeout is None else max(0, int(timeout * 1000) + 1)))

@@ -10,14 +10,17 @@ no isolation, only with allow_unisolated=True). Every tier kills the whole proce
 timeout, closes stdin, caps the output it keeps and gives the command an allowlisted environment.
 
 As root, each Sandbox picks its own unprivileged uid for its commands and hands the workspace to it
-(before every exec, whatever the host wrote there since the last one; a host chown of an existing
-file in place is not undone), so the workspace's parents must be world-traversable.
-In the namespaced tier a root Sandbox starts its commands through one launcher of its own, already
-under that uid (launcher.py): one program start per command (bwrap), not two.
+(before every exec, whatever the host wrote there since the last one, on the command's clock: see
+workspace.py), so the workspace's parents must be world-traversable.
+In the namespaced tier a Sandbox keeps one set of namespaces for its whole life: one bwrap, started
+at Sandbox() and booting in the background, whose pid 1 is our init (launcher.py, nsinit.py), so a
+command costs a posix_spawn inside, not a sandbox start. /tmp and /dev/shm last as long as the
+Sandbox; each command gets a fresh TMPDIR, cwd /workspace, and its whole process tree killed at its end.
 Where the host lets us create one (cgroup.py; as root it usually does), each Sandbox has its own
 cgroup: memory (Limits.memory_bytes) and processes (Limits.processes) are capped for the sandbox as a
-whole, and its commands are killed by cgroup.kill. Without one, a command's tree is killed by
-scanning /proc for its init's descendants, and memory is bounded per process only (RLIMIT_AS).
+whole, and the fallback tier's commands are killed by cgroup.kill. Without one, a fallback command's
+tree is killed by scanning /proc for its init's descendants, and memory is bounded per process only
+(RLIMIT_AS).
 What a Sandbox does not protect here is listed in `gaps` (ExecResult.gaps, probe's tiers[t]["gaps"]).
 Known limits: disk use in the workspace is bounded per file (RLIMIT_FSIZE), not in total; in the
 fallback tier Landlock (below ABI 9) does not cover connect() to pathname Unix sockets, and a
@@ -26,12 +29,11 @@ non-root supervisor's sandboxes share its uid, so they can read (not write) each
 
 import asyncio
 import concurrent.futures
+import json
 import math
 import os
 import random
-import selectors
 import shutil
-import stat
 import subprocess
 import sys
 import tempfile
@@ -41,7 +43,9 @@ import weakref
 from dataclasses import asdict, dataclass, field
 
 from . import initproc, launcher, namespaced, seccomp
+from . import workspace as workspace_mod
 from .cgroup import SandboxCgroup
+from .output import KILL_GRACE as _KILL_GRACE, Capped as _Capped, drain as _drain  # noqa: F401 (_Capped: tests)
 from .probe import TIERS, probe
 
 MAX_TIMEOUT = 24 * 3600.0
@@ -49,7 +53,7 @@ INLINE_SCRIPT_BYTES = 64 * 1024  # larger commands travel as a file (argv string
 SAFE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 PASSED_THROUGH = ("LANG", "LC_ALL", "TERM", "TZ")  # harmless supervisor settings the command inherits
 PROXY_URL = "http://127.0.0.1:3128"
-_KILL_GRACE = 0.3  # after a kill, how long we still wait for the pipes to reach EOF
+_REMOVE_BUDGET = 0.5  # close() removes temporary directories for this long, the rest in the background
 
 
 class SandboxError(RuntimeError):
@@ -110,38 +114,6 @@ class ExecResult:
         return asdict(self)
 
 
-class _Capped:
-    """Keeps the first and last bytes of a stream; memory stays bounded whatever is written."""
-
-    def __init__(self, cap: int):
-        self.head_cap, self.tail_cap = cap // 2, cap - cap // 2
-        self.head, self.tail, self.total = bytearray(), bytearray(), 0
-
-    def add(self, data: bytes) -> None:
-        self.total += len(data)
-        room = self.head_cap - len(self.head)
-        if room > 0:
-            self.head += data[:room]
-            data = data[room:]
-        if data:
-            self.tail += data[-self.tail_cap:]
-            if len(self.tail) > 2 * self.tail_cap:
-                del self.tail[:-self.tail_cap]
-
-    @property
-    def truncated(self) -> bool:
-        return self.total > self.head_cap + self.tail_cap
-
-    def text(self) -> str:
-        tail = bytes(self.tail[-self.tail_cap:])
-        if not self.truncated:
-            return (bytes(self.head) + tail).decode("utf-8", errors="replace")
-        dropped = self.total - len(self.head) - len(tail)
-        return (bytes(self.head).decode("utf-8", errors="replace")
-                + f"\n[... nano-openshell: {dropped} bytes truncated ...]\n"
-                + tail.decode("utf-8", errors="replace"))
-
-
 def validate_command(command) -> str:
     if isinstance(command, (bytes, bytearray)):
         try:
@@ -169,31 +141,6 @@ def validate_timeout(timeout) -> float:
     return float(timeout)
 
 
-_SBIN_PATH = "/usr/bin:/bin:/usr/sbin:/sbin"
-_UID_DROPPER = None
-
-
-def uid_drop_argv(uid: int) -> list[str] | None:
-    """A prefix that runs the rest of argv with real/effective/saved uid and gid `uid` and no
-    supplementary groups, or None when neither tool is here. util-linux `unshare -S -G` (with no
-    namespace flag it only does unshare(0), setgroups([]), setgid, setuid, exec) takes numbers as
-    they are; setpriv looks every id up through NSS first (getpwnam): ~0.3 ms more per command.
-    unshare is tried once for real: busybox's has no --setuid, and a seccomp filter denying the
-    unshare syscall (a rootless container) makes even unshare(0) fail."""
-    global _UID_DROPPER
-    if _UID_DROPPER is None:
-        unshare, setpriv = shutil.which("unshare", path=_SBIN_PATH), shutil.which("setpriv", path=_SBIN_PATH)
-        works = False
-        if unshare:
-            trial = [unshare, "--setuid=65534", "--setgid=65534", "--", "/bin/sh", "-c", "test $(id -u) = 65534"]
-            works = subprocess.run(trial, stdin=subprocess.DEVNULL, capture_output=True).returncode == 0
-        _UID_DROPPER = ("unshare", unshare) if works else ("setpriv", setpriv) if setpriv else ("", None)
-    kind, path = _UID_DROPPER
-    if kind == "unshare":
-        return [path, f"--setuid={uid}", f"--setgid={uid}", "--"]
-    if kind == "setpriv":
-        return [path, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
-    return None
 _SECCOMP = {}
 _EXECUTOR = None
 _EXECUTOR_LOCK = threading.Lock()
@@ -213,6 +160,11 @@ def _executor() -> concurrent.futures.ThreadPoolExecutor:
         return _EXECUTOR
 
 
+_INIT_BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
+              "from nano_openshell.initproc import main; main()")
+_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
 class Sandbox:
     def __init__(self, workspace=None, policy=None, limits: Limits | None = None,
                  min_tier: str = "namespaced", allow_unisolated: bool = False,
@@ -230,11 +182,12 @@ class Sandbox:
         self.probe = probe()
         self.tier = self._choose_tier(min_tier, tier, allow_unisolated)
         self._closed = False
-        self._handed_over = {}  # root -> its directory state when it was last handed over whole
+        self._handovers = []  # workspace.Handover per root (as root): the workspace, each mount
+        self._handover_lock = threading.Lock()
         self._owned = _Owned()
         self._fds = self._owned.fds
         self._proxy = None
-        self._launcher = None
+        self._init_lock = threading.Lock()
         self._release = weakref.finalize(self, self._owned.release)  # runs at close() or collection
         self.handshake = None
         self._extra_env = self._check_env(env or {})
@@ -256,47 +209,56 @@ class Sandbox:
                 raise SandboxError(f"workspace {self.workspace!r} is not reachable by the sandbox's unprivileged "
                                    "uid: as root, every directory above it must be world-traversable (o+x)")
             self._make_mounts(mounts)
-            self._fix_workspace_owner()
+            if self.uid is not None:
+                self._handovers = [workspace_mod.Handover(root, self.uid)
+                                   for root in [self.workspace] + sorted(self._mounts.values())]
+                for h in self._handovers:  # the rest is walked before the first command, on its clock
+                    h.claim_root()
             if use_cgroup and self.tier != "none":
                 self.cgroup, self.cgroup_reason = SandboxCgroup.create(self.limits.memory_bytes,
                                                                        self.limits.processes)
                 self._owned.cgroup = self.cgroup
                 self._processes_in_cgroup = self.cgroup is not None and self.tier == "fallback"
-            if self.tier == "namespaced":
-                self._bwrap_argv = namespaced.base_argv(self.probe["capabilities"]["bwrap"],
-                                                        self.limits.tmp_bytes, self.uid is not None)
-                ws_fd = os.open(self.workspace, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-                self._fds.append(ws_fd)
-                self._bwrap_argv += namespaced.workspace_args(ws_fd)
-                self._bwrap_argv += namespaced.mount_args(self._mounts)
-                self._start_launcher(ws_fd)
             if policy is not None:
                 self._start_proxy(policy)
+            if self.tier == "namespaced":
+                self._prepare_init()
+                self._start_init()
             self.gaps = self._gaps()
         except BaseException:
             self.close()
             raise
 
     # ---- setup -------------------------------------------------------------------------------
-    _LAUNCH_FDS = {"workspace": 3, "seccomp": 4, "socket": 5, "script": 6}  # fd numbers inside bwrap
+    def _prepare_init(self) -> None:
+        ws_fd = os.open(self.workspace, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        self._fds.append(ws_fd)
+        self._init_argv, self._init_user, self._python = launcher.sandbox_argv(
+            self.probe["capabilities"]["bwrap"], self.limits.tmp_bytes, self.uid, ws_fd, self._mounts)
+        if self._python is None:
+            raise SandboxError("no Python that the sandbox can run for its init (neither under /usr nor ours)")
 
-    def _start_launcher(self, ws_fd: int) -> None:
-        """As root: one launcher per Sandbox, already under the sandbox uid (launcher.py), so a command
-        costs one program start (bwrap), not two. Without a uid-drop tool or a Python the sandbox uid
-        can run, each command drops the uid itself (_exec_namespaced)."""
-        self._ws_fd = ws_fd
-        drop = uid_drop_argv(self.uid) if self.uid is not None else None
-        python = namespaced.forwarder_python(True) if drop else None
-        if python is None:
-            return
-        self._launch_argv = self._bwrap_argv[:-len(namespaced.workspace_args(ws_fd) + namespaced.mount_args(
-            self._mounts))]
-        self._launch_argv += namespaced.workspace_args(self._LAUNCH_FDS["workspace"]) + namespaced.mount_args(
-            self._mounts)
-        self._launcher = self._owned.launcher = launcher.Launcher(drop, python, {"PATH": SAFE_PATH})
-        if self.cgroup is not None:  # idle until the first command: every bwrap starts inside
-            self.cgroup.leaf().add(self._launcher._proc.pid)
-            self._processes_in_cgroup = True
+    def _start_init(self) -> launcher.Init:
+        """Start (or, if it died, restart) the Sandbox's bwrap and init; it boots in the background."""
+        with self._init_lock:
+            init = self._owned.init
+            if init is not None and init.alive():
+                return init
+            if self._closed:
+                raise SandboxError("the sandbox is closed")
+            if init is not None:
+                init.close()
+            prog_r, prog_w = os.pipe()
+            try:
+                os.write(prog_w, _seccomp_program(False))  # a few hundred bytes: fits the pipe buffer
+                os.close(prog_w)
+                sock_fd = self._socket_fd if self._proxy is not None else None
+                argv = self._init_argv + namespaced.command_args(prog_r, sock_fd)[:-1]  # Init adds "--"
+                self._owned.init = launcher.Init(argv, self._python, {"PATH": SAFE_PATH},
+                                                 tuple(self._fds) + (prog_r,), user=self._init_user)
+            finally:
+                os.close(prog_r)
+            return self._owned.init
 
     def _choose_tier(self, min_tier, tier, allow_unisolated) -> str:
         if min_tier not in TIERS:
@@ -336,30 +298,17 @@ class Sandbox:
         return dict(env)
 
     def _check_mounts(self, mounts) -> dict:
-        if not mounts:
-            return {}
-        if not isinstance(mounts, dict):
-            raise TypeError(f"mounts must be a dict {{path in the sandbox: None or a host directory}}, got {mounts!r}")
-        paths = sorted(namespaced.check_mount_path(p) for p in mounts)
-        for a, b in zip(paths, paths[1:]):
-            if b.startswith(a + "/"):
-                raise ValueError(f"mount paths {a!r} and {b!r} overlap")
-        for path, source in mounts.items():
-            if source is not None and not os.path.isdir(os.fspath(source)):
-                raise ValueError(f"mount {path!r}: host directory {source!r} does not exist or is not a directory")
-        if self.tier != "namespaced":
-            raise SandboxError(f"mounts at fixed paths ({', '.join(paths)}) need the namespaced tier: the "
+        mounts = workspace_mod.check_mounts(mounts)
+        if mounts and self.tier != "namespaced":
+            raise SandboxError(f"mounts at fixed paths ({', '.join(sorted(mounts))}) need the namespaced tier: the "
                                f"{self.tier!r} tier runs commands in the host's own filesystem, where it cannot "
                                "mount anything (run the task in the workspace instead)")
         return mounts
 
     def _make_mounts(self, mounts: dict) -> None:
         for path, source in mounts.items():
-            host = tempfile.mkdtemp(prefix="nano-openshell-mnt-")
-            self._owned.dirs.append(host)
-            if source is not None:
-                shutil.copytree(os.fspath(source), host, symlinks=True, dirs_exist_ok=True)
-            self._mounts[path] = host
+            self._mounts[path] = workspace_mod.make_mount_dir(source)
+            self._owned.dirs.append(self._mounts[path])
 
     def path_of(self, path: str) -> str:
         """The host directory behind a path of the sandbox: /workspace or one of the Sandbox's mounts."""
@@ -394,44 +343,21 @@ class Sandbox:
         self._owned.proxy = self._proxy.start()
         self.handshake = handshake(sock, protocol=PROTOCOL_VERSION)
         self.audit_path = self._proxy.audit_path
-        self._forwarder_python = namespaced.forwarder_python(self.uid is not None)
-        if self._forwarder_python is None:
-            raise SandboxError("no Python that the sandbox can execute for the network forwarder")
         fd = os.open(sock, os.O_PATH | os.O_CLOEXEC)
         self._fds.append(fd)
         self._socket_fd = fd
 
-    def _fix_workspace_owner(self) -> None:
-        """As root, hand the workspace to the sandbox uid. fd-relative and never following symlinks,
-        so a link planted by the command cannot make us chown a host file; files with several hard
-        links are left alone too (where protected_hardlinks is off, one could be a host file).
-
-        The walk over every file is skipped when no directory of the workspace changed (same inodes,
-        same mtimes) since the last walk: a file the host writes, moves or links in changes its
-        directory's mtime, and the command's own files are its uid's already. The state is taken
-        before the walk, so a write during it shows next time; it is not trusted while a directory
-        changed within _FRESH_NS (coarse timestamp ticks: a later write could keep the same mtime).
-        Not seen: the host chowning an existing file in place (writers create files, they do not chown)."""
-        if self.uid is None:
-            return
-        for root in [self.workspace] + sorted(self._mounts.values()):
-            self._hand_over(root)
-
-    def _hand_over(self, root: str) -> None:
-        os.chown(root, self.uid, self.uid, follow_symlinks=False)
-        os.chmod(root, 0o700)
-        state = _directory_state(root)
-        if state is not None and state == self._handed_over.get(root):
-            return
-        self._handed_over[root] = state
-        for _, dirs, files, dir_fd in os.fwalk(root, follow_symlinks=False):
-            for name in dirs + files:
-                try:
-                    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-                    if st.st_uid != self.uid and (st.st_nlink == 1 or stat.S_ISDIR(st.st_mode)):
-                        os.chown(name, self.uid, self.uid, dir_fd=dir_fd, follow_symlinks=False)
-                except FileNotFoundError:
-                    pass
+    def _hand_over(self, deadline: float) -> bool:
+        """As root, hand the workspace and the mounts to the sandbox's uid (workspace.py), within the
+        command's time: False when the deadline came first (the command does not run)."""
+        if not self._handovers:
+            return True
+        if not self._handover_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            return False
+        try:
+            return all(h.run(deadline) for h in self._handovers)
+        finally:
+            self._handover_lock.release()
 
     def _env(self, home: str, tmpdir: str) -> dict[str, str]:
         env = {"PATH": SAFE_PATH, "HOME": home, "PWD": home, "TMPDIR": tmpdir, "SHELL": "/bin/bash",
@@ -450,8 +376,12 @@ class Sandbox:
             raise ValueError(f"command is longer than Limits.command_bytes={self.limits.command_bytes}")
         if self._closed:
             raise SandboxError("the sandbox is closed")
-        self._fix_workspace_owner()
-        start = time.monotonic()
+        start = time.monotonic()  # the handover is the command's time too: it counts, and it is cut
+        if not self._hand_over(start + timeout):
+            seen = sum(h.entries for h in self._handovers)
+            return ExecResult(-9, "", f"nano-openshell: handing the workspace to the sandbox took longer than the "
+                              f"command's timeout ({seen} entries looked at); the command did not run\n", True,
+                              False, round((time.monotonic() - start) * 1000, 3), self.tier, list(self.gaps))
         if self.tier == "namespaced":
             code, out, err, timed_out = self._exec_namespaced(command, start + timeout)
         else:
@@ -463,71 +393,44 @@ class Sandbox:
         return await asyncio.get_running_loop().run_in_executor(_executor(), self.exec, command, timeout)
 
     def _exec_namespaced(self, command: str, deadline: float):
+        """One command through the Sandbox's init (launcher.py, nsinit.py): a posix_spawn of bash in
+        namespaces that already exist. A dead init is replaced for the next command."""
         script = self.limits.ulimit_line()
         if self._proxy is not None:
             from .forwarder import sandbox_prelude
 
-            script += sandbox_prelude(namespaced.PROXY_SOCKET, python=self._forwarder_python) + "\n"
+            script += sandbox_prelude(namespaced.PROXY_SOCKET, python=self._python) + "\n"
         script += command
-        prog_r, prog_w = os.pipe()
-        owned = [prog_r]
-        try:
-            os.write(prog_w, _seccomp_program(False))  # a few hundred bytes: fits the pipe buffer
-            os.close(prog_w)
-            script_fd = None
-            if len(script.encode()) > INLINE_SCRIPT_BYTES:
-                script_fd = os.memfd_create("nano-openshell-command", 0)
-                owned.append(script_fd)
-                os.write(script_fd, script.encode())
-                os.lseek(script_fd, 0, os.SEEK_SET)
-                tail = ["/bin/bash", namespaced.SCRIPT_PATH]
-            else:
-                tail = ["/bin/bash", "-c", script]
-            sock_fd = self._socket_fd if self._proxy is not None else None
-            if self._launcher is not None:
-                proc = self._spawn_launched(prog_r, script_fd, sock_fd, tail)
-                return _drain(proc, deadline, self.limits.output_bytes, proc.kill, self._owned)
-            argv = self._bwrap_argv + namespaced.command_args(prog_r, script_fd, sock_fd) + tail
-            user = {}
-            drop = uid_drop_argv(self.uid) if self.uid is not None else None
-            if drop:
-                # a tool changes the uid, so Popen may vfork: a fork of a supervisor holding GBs
-                # (torch loaded) costs tens of ms, more than the whole sandbox
-                argv = drop + argv
-            elif self.uid is not None:
-                user = dict(user=self.uid, group=self.uid, extra_groups=[])
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, env=self._env(namespaced.WORKDIR, "/tmp"),
-                                    pass_fds=tuple(self._fds + owned), **user)
-        finally:
-            for fd in owned:
-                os.close(fd)
-        # killing bwrap kills its pid 1 (--die-with-parent), and with it the whole pid namespace
-        return _drain(proc, deadline, self.limits.output_bytes, proc.kill, self._owned)
-
-    def _spawn_launched(self, prog_fd: int, script_fd: int | None, sock_fd: int | None, tail: list[str]):
-        at = self._LAUNCH_FDS
-        argv = self._launch_argv + namespaced.command_args(
-            at["seccomp"], at["script"] if script_fd is not None else None,
-            at["socket"] if sock_fd is not None else None) + tail
+        script_fd, argv = None, ["/bin/bash", "-c", script]
+        if len(script.encode()) > INLINE_SCRIPT_BYTES:  # argv strings are capped at 128 KiB
+            script_fd = os.memfd_create("nano-openshell-command", 0)
+            os.write(script_fd, script.encode())
+            os.lseek(script_fd, 0, os.SEEK_SET)
+            argv = ["/bin/bash", "/dev/fd/3"]
+        env = self._env(namespaced.WORKDIR, "/tmp")
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
-        fds, targets = [out_w, err_w, self._ws_fd, prog_fd], [1, 2, at["workspace"], at["seccomp"]]
-        for fd, name in ((sock_fd, "socket"), (script_fd, "script")):
-            if fd is not None:
-                fds.append(fd)
-                targets.append(at[name])
         try:
-            proc = self._launcher.spawn(argv, self._env(namespaced.WORKDIR, "/tmp"), fds, targets)
-        except BaseException:
-            os.close(out_r)
-            os.close(err_r)
-            raise
-        finally:
-            os.close(out_w)
-            os.close(err_w)
-        proc.stdout, proc.stderr = open(out_r, "rb", buffering=0), open(err_r, "rb", buffering=0)
-        return proc
+            try:
+                try:
+                    proc = self._start_init().spawn(argv, env, out_w, err_w, script_fd, deadline)
+                except launcher.NotDelivered:  # the init died since the last command: once more, a new one
+                    proc = self._start_init().spawn(argv, env, out_w, err_w, script_fd, deadline)
+            except BaseException:
+                os.close(out_r)
+                os.close(err_r)
+                raise
+            finally:
+                for fd in (out_w, err_w, script_fd):
+                    if fd is not None:
+                        os.close(fd)
+            proc.stdout, proc.stderr = open(out_r, "rb", buffering=0), open(err_r, "rb", buffering=0)
+            return _drain(proc, deadline, self.limits.output_bytes, proc.kill)
+        except launcher.InitDied as e:
+            why = "the sandbox was closed while the command ran" if self._closed else f"the sandbox's init died ({e})"
+            raise SandboxError(f"{why}; the command did not finish (the next one starts a new init)") from None
+        except launcher.NotStarted as e:
+            raise SandboxError(f"the sandbox could not start the command: {e}") from None
 
     def _exec_init(self, command: str, deadline: float):
         tmpdir = tempfile.mkdtemp(prefix="nano-openshell-tmp-")
@@ -575,10 +478,10 @@ class _Owned:
     def __init__(self):
         self.fds: list[int] = []
         self.proxy = None
-        self.launcher = None
+        self.init = None
         self.cgroup = None
         self.dirs: list[str] = []  # removed on release: a temporary workspace, the supervisor dir
-        self.running: set = set()  # the kill function of every command in flight
+        self.running: set = set()  # the kill function of every command in flight (fallback tier)
         self.lock = threading.Lock()
         self.released = False
 
@@ -599,82 +502,26 @@ class _Owned:
             self.released, running = True, list(self.running)
         for kill in running:  # no command outlives its Sandbox (its workspace is about to go)
             kill()
+        if self.init is not None:  # EOF: the init exits, and its pid namespace with it
+            self.init.close()
+            self.init = None
         if self.cgroup is not None:
             self.cgroup.close()  # whatever is left, at once; then the cgroup directories go
             self.cgroup = None
-        if self.launcher is not None:
-            self.launcher.close()
-            self.launcher = None
         if self.proxy is not None:
             self.proxy.stop()
             self.proxy = None
         while self.fds:
             os.close(self.fds.pop())
-        while self.dirs:
-            _rmtree(self.dirs.pop())
-
-
-def _drain(proc: subprocess.Popen, deadline: float, cap: int, kill,
-           owned: "_Owned | None" = None) -> tuple[int, _Capped, _Capped, bool]:
-    """Read stdout/stderr until EOF or the deadline; at the deadline kill, then give the pipes a short
-    grace to reach EOF (they do once the tree is dead) and stop reading regardless. owned: the
-    Sandbox's, so that close() kills the command meanwhile."""
-    out, err = _Capped(cap), _Capped(cap)
-    sinks = {proc.stdout.fileno(): out, proc.stderr.fileno(): err}
-    sel = selectors.DefaultSelector()
-    for fd in sinks:
-        os.set_blocking(fd, False)
-        sel.register(fd, selectors.EVENT_READ)
-    timed_out, give_up = False, None
-    try:
-        if owned is not None:
-            owned.track(kill)
-        while sel.get_map():
-            now = time.monotonic()
-            if not timed_out and now >= deadline:
-                timed_out, give_up = True, now + _KILL_GRACE
-                kill()
-            if give_up is not None and now >= give_up:
-                break
-            for key, _ in sel.select(max(0.0, (give_up or deadline) - now)):
-                try:
-                    data = os.read(key.fd, 1 << 16)
-                except BlockingIOError:
-                    continue
-                if data:
-                    sinks[key.fd].add(data)
-                else:
-                    sel.unregister(key.fd)
-        if not timed_out:
+        deadline = time.monotonic() + _REMOVE_BUDGET
+        while self.dirs:  # bounded: what a command left beyond the budget goes on in the background
+            path = self.dirs.pop()
             try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                kill()
-        proc.wait()
-    finally:
-        if owned is not None:
-            owned.untrack(kill)
-        sel.close()
-        proc.stdout.close()
-        proc.stderr.close()
-    return proc.returncode, out, err, timed_out
-
-
-_FRESH_NS = 250_000_000
-
-
-def _directory_state(root: str) -> frozenset | None:
-    """(path, inode, mtime) of every directory under root (symlinks not followed); None when one
-    changed too recently for its mtime to tell a later change apart."""
-    fresh_after = time.time_ns() - _FRESH_NS
-    state = []
-    for path, _, _, dir_fd in os.fwalk(root, follow_symlinks=False):
-        st = os.fstat(dir_fd)
-        if st.st_mtime_ns >= fresh_after:
-            return None
-        state.append((path, st.st_ino, st.st_mtime_ns))
-    return frozenset(state)
+                gone = workspace_mod.remove(path, deadline)
+            except OSError:
+                gone = False
+            if not gone:
+                workspace_mod.remove_later(path)
 
 
 def _rmtree(path: str) -> None:

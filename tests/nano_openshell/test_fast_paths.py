@@ -3,8 +3,8 @@
 - the uid drop (util-linux unshare -S -G, or setpriv) leaves no root id, group or capability;
 - the workspace handover skips its walk only while no directory changed: whatever the host writes
   between two commands, however soon after the last one, is the sandbox uid's before the next runs;
-- as root, the namespaced tier's per-Sandbox launcher runs under the sandbox uid and ends with close();
-- the namespaced tier's cheaper mount layout still hides /root and /home and keeps / read-only.
+- the namespaced tier's mount layout hides /root and /home and keeps / read-only (test_init.py has
+  the per-Sandbox init, test_host_sockets.py what the layout shows of the host).
 """
 
 import os
@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from nano_openshell import sandbox as sandbox_mod
+from nano_openshell import launcher as launcher_mod
 
 from .conftest import MARK, processes_with, sleep_arg, started, token
 
@@ -34,13 +34,13 @@ def test_uid_drop_leaves_no_root_id_group_or_capability(tool, monkeypatch):
     path = which(tool, path="/usr/bin:/bin:/usr/sbin:/sbin")
     if path is None:
         pytest.skip(f"{tool} is not installed")
-    monkeypatch.setattr(sandbox_mod, "_UID_DROPPER", None)
-    if tool == "unshare" and sandbox_mod.uid_drop_argv(1)[0] != path:
+    monkeypatch.setattr(launcher_mod, "_UID_DROPPER", None)
+    if tool == "unshare" and launcher_mod.uid_drop_argv(1)[0] != path:
         # the detection's trial failed: no --setuid, or unshare(0) denied (CI leg 2's seccomp filter)
         pytest.skip("unshare cannot drop the uid here; the Sandbox uses setpriv")
-    monkeypatch.setattr(sandbox_mod, "_UID_DROPPER", (tool, path))
+    monkeypatch.setattr(launcher_mod, "_UID_DROPPER", (tool, path))
     uid = 123457
-    out = subprocess.run(sandbox_mod.uid_drop_argv(uid) + ["cat", "/proc/self/status"],
+    out = subprocess.run(launcher_mod.uid_drop_argv(uid) + ["cat", "/proc/self/status"],
                          capture_output=True, text=True, check=True).stdout
     ids = _ids_line(out)
     assert ids["Uid"].split() == [str(uid)] * 4 and ids["Gid"].split() == [str(uid)] * 4
@@ -66,24 +66,6 @@ def test_sandbox_command_runs_under_the_sandbox_uid(sandbox):
         sandbox.close()  # kills the command
         running.join()
     assert ids["Uid"].split() == [str(sandbox.uid)] * 4 and ids["Groups"] == "" and int(ids["CapEff"], 16) == 0
-
-
-def test_root_sandbox_launcher_runs_as_the_sandbox_uid_and_ends_with_close(make_sandbox, tier):
-    if tier != "namespaced" or os.geteuid() != 0:
-        pytest.skip("only a root supervisor's namespaced tier has a launcher")
-    sb = make_sandbox()
-    if sb._launcher is None:
-        pytest.skip("no uid-drop tool or no Python the sandbox uid can run: each command drops the uid itself")
-    started(sb.exec(f"echo {MARK}", timeout=10))  # by now the uid-drop tool has exec'd the launcher
-    pid = sb._launcher._proc.pid
-    with open(f"/proc/{pid}/status") as f:
-        ids = _ids_line(f.read())
-    assert ids["Uid"].split() == [str(sb.uid)] * 4 and ids["Groups"] == "" and int(ids["CapEff"], 16) == 0
-    r = sb.exec("sleep 30", timeout=0.5)  # the timeout kills through the launcher
-    assert r.timed_out and r.exit_code == -9
-    assert started(sb.exec(f"echo {MARK}; echo fine", timeout=10)).stdout.endswith("fine\n")
-    sb.close()
-    assert not os.path.exists(f"/proc/{pid}")  # reaped by close(), not left a zombie
 
 
 def _owner(sb, rel):

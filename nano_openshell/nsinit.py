@@ -1,0 +1,330 @@
+"""pid 1 of a namespaced Sandbox: one per Sandbox, it starts every command of that Sandbox.
+
+A bwrap per command cost ~3 ms of mounts and namespaces each time; this init is started once, as
+`python3 -I -S - FD` inside the Sandbox's bwrap (--as-pid-1), so a command costs one posix_spawn of
+bash. The sandbox may not see this package, so this file comes on stdin, and it imports only modules
+built into the interpreter (os, _socket, select, marshal, _signal, time).
+
+Protocol, on the SOCK_SEQPACKET socket FD (the supervisor's side is launcher.py):
+  ("run", id, argv, env) + SCM_RIGHTS [status, stdout, stderr(, script)]: start a command, with a
+                           fresh private directory in /tmp as its TMPDIR (removed when it ends); a
+                           script fd (a large command, a memfd) is its fd 3, read as /dev/fd/3
+  ("kill", id)             kill that command's whole tree (the supervisor's timeout)
+On the command's status pipe the init writes b"X<code>\n" once the command and everything it
+started are gone (code: the exit status, 128+N for a signal N, -9 when killed on request), or
+b"E<why>\n" when it could not start; then closes it. EOF on FD: the Sandbox is closing or its
+supervisor died; the init exits, and the kernel kills everything left in the pid namespace.
+
+Each command runs in its own session (so its own process group) with stdin /dev/null, cwd /workspace
+(the init's own) and the environment it was sent. As pid 1 the init is the reaper of every orphan,
+and no process of the sandbox can signal it. When a command's main process exits, the init kills
+what no running command owns (a double-forked daemon, a setsid escapee): with no other command
+running that is everything but itself (kill(-1)); with others running, every process outside their
+process trees, so a daemon that left its command's tree dies when any command of the Sandbox ends.
+A timeout kills the command's tree the same way.
+"""
+
+import _signal
+import _socket
+import marshal
+import os
+import select
+import time
+
+_SIGNALS_RESET = (_signal.SIGPIPE, _signal.SIGXFSZ, _signal.SIGCHLD, _signal.SIGINT, _signal.SIGTERM,
+                  _signal.SIGHUP)
+_MAX_MESSAGE = 1 << 20   # argv + env of one command; larger scripts come as a file descriptor
+
+
+class _Command:
+    __slots__ = ("id", "status_fd", "tmp", "killed")
+
+    def __init__(self, cid, status_fd, tmp):
+        self.id, self.status_fd, self.tmp, self.killed = cid, status_fd, tmp, False
+
+
+class Init:
+    def __init__(self, ctl_fd: int):
+        os.set_inheritable(ctl_fd, False)
+        self.ctl = _socket.socket(fileno=ctl_fd)
+        self.running = {}   # pid of a command's main process -> _Command
+        self.by_id = {}
+        self.devnull = os.open("/dev/null", os.O_RDWR)
+        self.wake_r, wake_w = os.pipe()
+        os.set_blocking(self.wake_r, False)
+        os.set_blocking(wake_w, False)
+        _signal.signal(_signal.SIGCHLD, lambda *_: None)
+        _signal.set_wakeup_fd(wake_w)
+
+    def serve(self) -> None:
+        poller = select.poll()
+        poller.register(self.ctl.fileno(), select.POLLIN)
+        poller.register(self.wake_r, select.POLLIN)
+        while True:
+            for fd, _ in poller.poll():
+                if fd == self.wake_r:
+                    while True:
+                        try:
+                            if not os.read(self.wake_r, 512):
+                                break
+                        except BlockingIOError:
+                            break
+                    self.settle()
+                else:
+                    self.receive()
+
+    # ---- messages ----------------------------------------------------------------------------
+    def receive(self) -> None:
+        try:
+            data, anc, _, _ = self.ctl.recvmsg(_MAX_MESSAGE, _socket.CMSG_SPACE(8 * 4), _socket.MSG_CMSG_CLOEXEC)
+        except InterruptedError:
+            return
+        if not data:
+            os._exit(0)  # the supervisor is gone: pid 1 exits, the kernel kills the rest
+        fds = []
+        for level, kind, payload in anc:
+            if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
+                fds += [int.from_bytes(payload[i:i + 4], "little", signed=True)
+                        for i in range(0, len(payload) - len(payload) % 4, 4)]
+        try:
+            msg = marshal.loads(data)
+            if msg[0] == "kill":
+                self.kill(msg[1])
+            elif msg[0] == "run":
+                self.run(msg, fds)
+        finally:
+            for fd in fds:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+    def run(self, msg, fds) -> None:
+        _, cid, argv, env = msg
+        status_fd = os.dup(fds[0])
+        tmp = _fresh_dir(cid)
+        env["TMPDIR"] = tmp or "/tmp"
+        actions = [(os.POSIX_SPAWN_DUP2, self.devnull, 0), (os.POSIX_SPAWN_DUP2, fds[1], 1),
+                   (os.POSIX_SPAWN_DUP2, fds[2], 2)]
+        if len(fds) > 3:  # a large script, in a memfd: bash reads it as /dev/fd/3
+            actions.append((os.POSIX_SPAWN_DUP2, fds[3], 3))
+        try:
+            pid = os.posix_spawn(argv[0], argv, env, setsid=True, setsigdef=_SIGNALS_RESET, setsigmask=(),
+                                 file_actions=actions)
+        except Exception as e:  # this command cannot start; the init and the others go on
+            _write(status_fd, b"E%s\n" % repr(e).encode(errors="replace"))
+            os.close(status_fd)
+            if tmp is not None:
+                _remove_tree(tmp)
+            return
+        self.running[pid] = _Command(cid, status_fd, tmp)
+        self.by_id[cid] = pid
+
+    def kill(self, cid) -> None:
+        pid = self.by_id.get(cid)
+        if pid is None:
+            return  # already reported
+        self.running[pid].killed = True
+        if len(self.running) == 1:
+            _kill_all()
+        else:
+            _kill_pids(_tree(_processes(), {pid}))
+
+    # ---- exits -------------------------------------------------------------------------------
+    def settle(self) -> None:
+        """Reap; once a command's main process exited, kill what no running command owns, then report
+        the command. Orphans that exit on their own only need reaping."""
+        done, others = self.reap()
+        if not done:
+            return
+        while self.running and others:  # others still run: kill every process outside their trees
+            extra = _children()
+            if extra is not None and extra <= set(self.running):
+                break  # every child of ours is a running command: no orphan anywhere
+            procs = _processes()
+            keep = _tree(procs, set(self.running))
+            victims = [pid for pid, (_, state) in procs.items() if pid not in keep and state != "Z"]
+            if not victims:
+                break
+            _kill_pids(victims)
+            time.sleep(0.0005)  # let the kills land before looking again
+            more, others = self.reap()
+            done += more
+        if not self.running and others:  # nothing runs: everything but us goes (none left: nothing to do)
+            _kill_all()
+            _reap_all()
+        for cmd, status in done:
+            if cmd.killed:
+                code = -9
+            elif os.WIFSIGNALED(status):  # as bash reports a signal death, in every tier
+                code = 128 + os.WTERMSIG(status)
+            else:
+                code = os.WEXITSTATUS(status)
+            _write(cmd.status_fd, b"X%d\n" % code)
+            os.close(cmd.status_fd)
+            if cmd.tmp is not None:
+                _remove_tree(cmd.tmp)
+
+    def reap(self) -> tuple[list, bool]:
+        """Reap every exited child without blocking: (the commands whose main process it was, whether
+        any child is left)."""
+        done = []
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return done, False
+            if pid == 0:
+                return done, True
+            cmd = self.running.pop(pid, None)
+            if cmd is not None:
+                del self.by_id[cmd.id]
+                done.append((cmd, status))
+
+
+def _write(fd: int, data: bytes) -> None:
+    try:
+        os.write(fd, data)
+    except OSError:
+        pass  # the supervisor gave up on this command
+
+
+def _fresh_dir(cid) -> str | None:
+    """A new private directory in /tmp for one command (its TMPDIR); None if /tmp cannot take one
+    (the command filled it): the command then gets /tmp itself, rather than not running."""
+    for _ in range(3):
+        path = "/tmp/.command-%s-%s" % (cid, os.urandom(4).hex())  # unguessable: another command cannot squat it
+        try:
+            os.mkdir(path, 0o700)
+            return path
+        except FileExistsError:
+            continue
+        except OSError:
+            return None
+    return None
+
+
+def _kill_all() -> None:
+    """As pid 1: SIGKILL every other process of the namespace. A process forking meanwhile either is
+    in the kernel's list already or sees its pending SIGKILL and fails the fork: none escapes."""
+    try:
+        os.kill(-1, 9)
+    except ProcessLookupError:
+        pass
+
+
+def _reap_all() -> None:
+    while True:
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            return
+
+
+def _kill_pids(pids) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+
+
+def _children() -> set | None:
+    """Our direct children (every process not under one of them is dead), or None if unknown."""
+    try:
+        with open("/proc/1/task/1/children", "rb") as f:
+            return {int(p) for p in f.read().split()}
+    except OSError:
+        return None
+
+
+def _processes() -> dict:
+    """pid -> (ppid, state) of every process of the namespace but us (its own /proc)."""
+    out = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit() and name != "1":
+            try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()  # comm may hold spaces and ')'
+            except OSError:
+                continue
+            out[int(name)] = (int(fields[1]), fields[0].decode())
+    return out
+
+
+def _tree(procs: dict, roots: set) -> set:
+    """roots and every descendant of them."""
+    children = {}
+    for pid, (ppid, _) in procs.items():
+        children.setdefault(ppid, []).append(pid)
+    out, stack = set(), list(roots)
+    while stack:
+        pid = stack.pop()
+        if pid not in out:
+            out.add(pid)
+            stack += children.get(pid, ())
+    return out
+
+
+def _remove_tree(path: str) -> None:
+    """rm -rf without following links (the command owned it: it may hold links and 0500 dirs)."""
+    try:
+        os.rmdir(path)  # the usual case: the command left nothing there
+        return
+    except FileNotFoundError:
+        return
+    except OSError:
+        pass
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        return
+    try:
+        _empty_dir(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass
+
+
+def _empty_dir(fd: int) -> None:
+    try:
+        os.fchmod(fd, 0o700)
+    except OSError:
+        pass
+    for entry in os.scandir(fd):
+        name = entry.name
+        if entry.is_dir(follow_symlinks=False):
+            try:
+                sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            except OSError:
+                continue
+            try:
+                _empty_dir(sub)
+            finally:
+                os.close(sub)
+            try:
+                os.rmdir(name, dir_fd=fd)
+            except OSError:
+                pass
+        else:
+            try:
+                os.unlink(name, dir_fd=fd)
+            except OSError:
+                pass
+
+
+def main(argv) -> None:
+    Init(int(argv[0])).serve()
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1:])

@@ -1,0 +1,222 @@
+"""The host's side of a Sandbox's directories: its mounts, handing them to the sandbox's uid, removing them.
+
+Handover (as root): before each command the workspace (and every mount) must belong to the sandbox's
+uid, whatever the host wrote there since the last command. The walk is fd-relative and never follows
+a link, so a link planted by a command cannot make us chown a host file; files with several hard
+links are left alone (where protected_hardlinks is off, one could be a host file). It remembers each
+directory it finished (inode, mtime, subdirectories): a directory with the same inode and mtime
+holds no entry that was not there last time, so its entries are not looked at again, and an
+unchanged tree costs one fstat per directory. A directory's state is trusted only when its mtime is
+older than _FRESH_NS (timestamps tick coarsely: a later write could keep the same mtime). Not seen:
+the host chowning an existing file in place (writers create files, they do not chown them).
+The walk stops at the command's deadline and says so; what it finished is kept, so the next one
+goes on from there.
+
+Removal: close() removes a Sandbox's temporary directories, but a command can fill one with
+hundreds of thousands of files; remove() works until its deadline and leaves the rest to one
+background thread (finished at interpreter exit, up to _EXIT_WAIT).
+"""
+
+import atexit
+import os
+import queue
+import shutil
+import stat
+import tempfile
+import threading
+import time
+
+from . import namespaced
+
+_FRESH_NS = 250_000_000
+_CHECK_EVERY = 256   # entries between two looks at the clock
+_EXIT_WAIT = 30.0
+
+
+def check_mounts(mounts) -> dict:
+    """Sandbox(mounts={path in the sandbox: None or a host directory}), checked; ValueError/TypeError say why not."""
+    if not mounts:
+        return {}
+    if not isinstance(mounts, dict):
+        raise TypeError(f"mounts must be a dict {{path in the sandbox: None or a host directory}}, got {mounts!r}")
+    paths = sorted(namespaced.check_mount_path(p) for p in mounts)
+    for a, b in zip(paths, paths[1:]):
+        if b.startswith(a + "/"):
+            raise ValueError(f"mount paths {a!r} and {b!r} overlap")
+    for path, source in mounts.items():
+        if source is not None and not os.path.isdir(os.fspath(source)):
+            raise ValueError(f"mount {path!r}: host directory {source!r} does not exist or is not a directory")
+    return mounts
+
+
+def make_mount_dir(source) -> str:
+    """A Sandbox's own directory behind a mount: empty, or a copy of a host directory (links as links)."""
+    host = tempfile.mkdtemp(prefix="nano-openshell-mnt-")
+    if source is not None:
+        shutil.copytree(os.fspath(source), host, symlinks=True, dirs_exist_ok=True)
+    return host
+
+
+class Handover:
+    def __init__(self, root: str, uid: int):
+        self.root, self.uid = root, uid
+        self.known: dict[str, tuple[int, int, tuple[str, ...]]] = {}  # relative dir -> ino, mtime, subdirs
+        self.entries = 0   # entries the last walk looked at
+
+    def claim_root(self) -> None:
+        """Only the top directory (bwrap must enter it as the sandbox's uid when it starts)."""
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            os.fchown(fd, self.uid, self.uid)
+            os.fchmod(fd, 0o700)
+        finally:
+            os.close(fd)
+
+    def run(self, deadline: float) -> bool:
+        """Hand the tree over; False when the deadline cut the walk short."""
+        uid, seen, done = self.uid, 0, {}
+        fresh_after = time.time_ns() - _FRESH_NS
+        root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        os.fchown(root_fd, uid, uid)
+        os.fchmod(root_fd, 0o700)
+        stack = [(".", root_fd, None)]  # depth first: open fds only along the current path
+        try:
+            while stack:
+                rel, fd, pending = stack[-1]
+                if pending is None:  # first visit: look at this directory's entries, if it changed
+                    if time.monotonic() > deadline:
+                        return False
+                    st = os.fstat(fd)
+                    prev = self.known.get(rel)
+                    if prev is not None and prev[:2] == (st.st_ino, st.st_mtime_ns):
+                        subdirs = prev[2]
+                    else:
+                        subdirs = []
+                        with os.scandir(fd) as it:
+                            for entry in it:
+                                seen += 1
+                                if seen % _CHECK_EVERY == 0 and time.monotonic() > deadline:
+                                    return False
+                                is_dir = entry.is_dir(follow_symlinks=False)
+                                if is_dir:
+                                    subdirs.append(entry.name)
+                                try:
+                                    est = entry.stat(follow_symlinks=False)
+                                    if est.st_uid != uid and (is_dir or est.st_nlink == 1):
+                                        os.chown(entry.name, uid, uid, dir_fd=fd, follow_symlinks=False)
+                                except FileNotFoundError:
+                                    pass
+                    if st.st_mtime_ns < fresh_after:
+                        done[rel] = (st.st_ino, st.st_mtime_ns, tuple(subdirs))
+                    pending = list(subdirs)
+                    stack[-1] = (rel, fd, pending)
+                if pending:
+                    name = pending.pop()
+                    try:
+                        sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+                    except OSError:  # gone, or no longer a directory
+                        continue
+                    stack.append((f"{rel}/{name}", sub, None))
+                else:
+                    os.close(fd)
+                    stack.pop()
+            self.known = done  # complete: forget directories that are gone
+            return True
+        finally:
+            self.entries = seen
+            for _, fd, _ in stack:
+                os.close(fd)
+            if stack:
+                self.known.update(done)  # cut short: keep what was finished
+
+
+def remove(path: str, deadline: float) -> bool:
+    """rm -rf path without following links, until the deadline; True when it is gone. Directories a
+    command made read-only are opened up first (a non-root supervisor has no override)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return True
+    if not stat.S_ISDIR(st.st_mode):
+        os.unlink(path)
+        return True
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        if not _empty(fd, deadline, [0]):
+            return False
+    finally:
+        os.close(fd)
+    os.rmdir(path)
+    return True
+
+
+def _empty(fd: int, deadline: float, count: list[int]) -> bool:
+    try:
+        os.fchmod(fd, 0o700)
+    except OSError:
+        pass
+    with os.scandir(fd) as it:
+        entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+    for name, is_dir in entries:
+        count[0] += 1
+        if count[0] % _CHECK_EVERY == 0 and time.monotonic() > deadline:
+            return False
+        if is_dir:
+            try:
+                sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            except OSError:
+                continue
+            try:
+                if not _empty(sub, deadline, count):
+                    return False
+            finally:
+                os.close(sub)
+            _quietly(os.rmdir, name, dir_fd=fd)
+        else:
+            _quietly(os.unlink, name, dir_fd=fd)
+    return True
+
+
+def _quietly(func, *args, **kw) -> None:
+    try:
+        func(*args, **kw)
+    except FileNotFoundError:
+        pass
+
+
+_LEFT: "queue.Queue[str]" = queue.Queue()
+_REMOVER: threading.Thread | None = None
+_REMOVER_LOCK = threading.Lock()
+
+
+def remove_later(path: str) -> None:
+    """Finish removing path in the background (one thread for the whole process)."""
+    global _REMOVER
+    with _REMOVER_LOCK:
+        if _REMOVER is None:
+            _REMOVER = threading.Thread(target=_remove_loop, name="nano-openshell-remove", daemon=True)
+            _REMOVER.start()
+            atexit.register(_finish)
+    _LEFT.put(path)
+
+
+def _remove_loop() -> None:
+    while True:
+        path = _LEFT.get()
+        try:
+            remove(path, float("inf"))
+        except OSError:
+            pass
+        finally:
+            _LEFT.task_done()
+
+
+def _finish() -> None:
+    end = time.monotonic() + _EXIT_WAIT
+    while _LEFT.unfinished_tasks and time.monotonic() < end:
+        time.sleep(0.05)
+
+
+def pending() -> int:
+    """Directories still being removed in the background."""
+    return _LEFT.unfinished_tasks

@@ -1,0 +1,168 @@
+"""No host Unix socket is reachable from the namespaced tier (issue 12, item 1).
+
+A read-only bind still lets connect() reach a listening pathname socket, and a net namespace does not
+stop it either: any daemon socket under a host directory the sandbox sees is an exit (docker, X11,
+D-Bus, an engine's own socket). So the sandbox sees only what commands need: /usr (and /bin, /lib*
+where they are not links into it), a copy of a curated /etc, the interpreter it runs; every one of
+those host directories is writable by root alone (where the host lets a non-root user write under
+/usr, that directory is hidden), so no one but root can plant a socket there. Everything else is the
+sandbox's own: a tmpfs root, /tmp, /dev/shm, /proc, the workspace and the Sandbox's mounts.
+
+The test lists every directory the sandbox can see, from inside, and finds the host directories among
+them (same path, same device and inode); then it plants a listening socket (mode 0777) in each of
+those that a non-root host user could write, and in every place daemons keep sockets, and connects
+from inside.
+"""
+
+import os
+import socket
+import threading
+import uuid
+
+import pytest
+
+from .conftest import MARK, started
+
+WELL_KNOWN = ("/", "/tmp", "/var/tmp", "/run", "/var/run", "/run/user", "/dev/shm", "/etc", "/root",
+              "/home", "/var", "/var/lib", "/opt", "/mnt", "/srv", "/media", "/work")
+OWN = ("/proc", "/sys", "/dev", "/workspace")  # the sandbox's own mounts; not host directories
+
+LIST_DIRS = r"""
+import os, sys
+out = open(sys.argv[1], "w")
+for top, dirs, _ in os.walk("/"):
+    dirs[:] = [d for d in dirs if os.path.join(top, d) not in {own}]
+    try:
+        st = os.stat(top, follow_symlinks=False)
+    except OSError:
+        continue
+    out.write(f"{{st.st_dev}} {{st.st_ino}} {{top}}\n")
+""".format(own=repr(set(OWN)))
+
+CONNECT_ALL = r"""
+import socket, sys
+for line in open(sys.argv[1]):
+    path = line.rstrip("\n")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(2)
+    try:
+        s.connect(path if not path.startswith("@") else "\0" + path[1:])
+        print("CONNECTED", path)
+    except OSError as e:
+        print("refused", path, e.errno)
+    s.close()
+print("end")
+"""
+
+
+def _namespaced(tier):
+    if tier != "namespaced":
+        pytest.skip("the fallback tier shares the host's filesystem (Landlock below ABI 9 cannot stop a "
+                    "pathname connect): see the module docstring of sandbox.py")
+
+
+def _host_dirs_seen(sb) -> list[tuple[str, os.stat_result]]:
+    with open(os.path.join(sb.workspace, "list.py"), "w") as f:
+        f.write(LIST_DIRS)
+    r = started(sb.exec(f"echo {MARK}; python3 -I list.py dirs.txt && echo listed", timeout=120))
+    assert r.stdout.endswith("listed\n"), r.stderr
+    seen = []
+    mounts = [sb.workspace] + [sb.path_of(p) for p in getattr(sb, "_mounts", {})]
+    with open(os.path.join(sb.workspace, "dirs.txt")) as f:
+        for line in f:
+            dev, ino, path = line.rstrip("\n").split(" ", 2)
+            try:
+                st = os.stat(path, follow_symlinks=False)
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) == (int(dev), int(ino)) and not any(
+                    os.path.realpath(path).startswith(m) for m in mounts):
+                seen.append((path, st))
+    assert len(seen) > 10, "the listing found too few host directories: it did not run as meant"
+    return seen
+
+
+def _writable_by_non_root(st: os.stat_result) -> bool:
+    return st.st_uid != 0 or bool(st.st_mode & 0o002) or bool(st.st_mode & 0o020 and st.st_gid != 0)
+
+
+def test_every_host_directory_the_sandbox_sees_is_writable_by_root_alone(make_sandbox, tier):
+    _namespaced(tier)
+    seen = _host_dirs_seen(make_sandbox())
+    open_to_others = [path for path, st in seen if _writable_by_non_root(st)]
+    assert open_to_others == [], f"host directories a non-root user could plant a socket in: {open_to_others[:20]}"
+    tops = {path.split("/")[1] for path, _ in seen if path != "/"}
+    assert not tops & {"tmp", "var", "run", "home", "root", "mnt", "opt", "srv", "work"}, sorted(tops)
+
+
+class _Listeners:
+    """Listening 0777 Unix sockets at many host paths; counts the connections they accept."""
+
+    def __init__(self):
+        self.paths, self.socks, self.accepted = [], [], []
+        self.tok = uuid.uuid4().hex[:10]
+
+    def plant(self, directory: str) -> None:
+        path = os.path.join(directory, f".nano-openshell-test-{self.tok}.sock")
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.bind(path)
+        except OSError:  # not writable by us (leg 3 runs as a non-root user), or not a directory
+            s.close()
+            return
+        os.chmod(path, 0o777)
+        s.listen()
+        self.paths.append(path)
+        self.socks.append(s)
+        threading.Thread(target=self._accept, args=(s, path), daemon=True).start()
+
+    def plant_abstract(self) -> None:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(f"\0nano-openshell-test-{self.tok}")
+        s.listen()
+        self.paths.append(f"@nano-openshell-test-{self.tok}")
+        self.socks.append(s)
+        threading.Thread(target=self._accept, args=(s, self.paths[-1]), daemon=True).start()
+
+    def _accept(self, s, path):
+        try:
+            conn, _ = s.accept()
+            self.accepted.append(path)
+            conn.close()
+        except OSError:
+            pass
+
+    def close(self):
+        for s in self.socks:
+            s.close()
+        for path in self.paths:
+            if not path.startswith("@"):
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+
+
+def test_host_unix_sockets_are_unreachable(make_sandbox, tier):
+    _namespaced(tier)
+    sb = make_sandbox()
+    seen = _host_dirs_seen(sb)
+    lis = _Listeners()
+    try:
+        for d in WELL_KNOWN + tuple(path for path, st in seen if _writable_by_non_root(st)):
+            lis.plant(d)
+        lis.plant_abstract()
+        planted = set(lis.paths)
+        # a socket a daemon of the same user could have made: in /tmp and /var/tmp (world-writable)
+        assert {f"/tmp/.nano-openshell-test-{lis.tok}.sock", f"/var/tmp/.nano-openshell-test-{lis.tok}.sock"} <= planted
+        with open(os.path.join(sb.workspace, "socks.txt"), "w") as f:
+            f.write("".join(p + "\n" for p in lis.paths))
+        with open(os.path.join(sb.workspace, "connect.py"), "w") as f:
+            f.write(CONNECT_ALL)
+        r = started(sb.exec(f"echo {MARK}; python3 -I connect.py socks.txt", timeout=120))
+        assert r.stdout.endswith("end\n"), r.stderr
+        connected = [line for line in r.stdout.splitlines() if line.startswith("CONNECTED")]
+        assert connected == [] and lis.accepted == [], (connected, lis.accepted)
+        assert r.stdout.count("refused") == len(lis.paths)
+    finally:
+        lis.close()

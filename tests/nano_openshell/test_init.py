@@ -1,0 +1,152 @@
+"""The namespaced tier keeps one set of namespaces per Sandbox: one bwrap, with our init as its pid 1.
+
+A command costs a posix_spawn inside, not a sandbox start; every per-command guarantee stays: its
+whole tree dies at its end and at its timeout (even while other commands of the same Sandbox run),
+a fresh TMPDIR, cwd /workspace, exit codes. The init cannot be signalled from inside; if it dies
+anyway, that command fails with a clear SandboxError and the next one gets a new init; an init
+that stops answering gets the whole sandbox killed soon after the command's deadline (the command
+times out), never a hang.
+"""
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from nano_openshell import SandboxError
+from nano_openshell import launcher
+
+from .conftest import MARK, processes_with, sleep_arg, started, token, wait_gone
+
+
+@pytest.fixture
+def ns(make_sandbox, tier):
+    if tier != "namespaced":
+        pytest.skip("the per-Sandbox init is the namespaced tier's (the fallback tier starts one per command)")
+    return make_sandbox()
+
+
+def _init_pid(sb) -> int:
+    """The host pid of the Sandbox's init: the child of its bwrap."""
+    bwrap = sb._owned.init._proc.pid
+    with open(f"/proc/{bwrap}/task/{bwrap}/children") as f:
+        return int(f.read().split()[0])
+
+
+def _status(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/status") as f:
+        return {k: v.strip() for k, v in (line.split(":", 1) for line in f)}
+
+
+def test_one_bwrap_and_one_init_serve_every_command(ns):
+    replies = [started(ns.exec(f"echo {MARK}; echo $PPID; cat /proc/1/cmdline | tr '\\0' ' '", timeout=10))
+               for _ in range(3)]
+    assert {r.stdout for r in replies} == {replies[0].stdout}
+    ppid, init_cmdline = replies[0].stdout.splitlines()[1:3]
+    assert ppid == "1" and " -I -S - " in init_cmdline  # our init is pid 1, every command its child
+    bwrap, init = ns._owned.init._proc.pid, _init_pid(ns)
+    for _ in range(3):
+        ns.exec("true", timeout=10)
+    assert (ns._owned.init._proc.pid, _init_pid(ns)) == (bwrap, init)
+
+
+def test_the_init_runs_as_the_sandbox_uid_without_capabilities_and_ends_with_close(ns):
+    ns.exec("true", timeout=10)
+    bwrap, init = ns._owned.init._proc.pid, _init_pid(ns)
+    for pid in (bwrap, init):
+        ids = _status(pid)
+        assert int(ids["CapEff"], 16) == 0
+        if ns.uid is not None:
+            assert ids["Uid"].split() == [str(ns.uid)] * 4 and ids["Groups"] == ""
+    ns.close()
+    assert not os.path.exists(f"/proc/{bwrap}") and not os.path.exists(f"/proc/{init}")
+
+
+def test_commands_cannot_signal_the_init(ns):
+    tok = token()
+    r = started(ns.exec(f"echo {MARK}; sleep {sleep_arg(tok)} & kill -9 1; kill -STOP 1; kill -TERM 1; "
+                        "kill -9 -1; echo survived", timeout=10))
+    assert not r.timed_out and r.stdout.endswith("survived\n")  # kill -9 -1 spares pid 1 and the caller
+    assert wait_gone(sleep_arg(tok)) == []
+    assert ns.exec("echo $PPID", timeout=10).stdout == "1\n"
+
+
+def test_exit_codes_cwd_and_a_fresh_tmpdir_per_command(ns):
+    assert ns.exec("kill -TERM $$", timeout=10).exit_code == 128 + 15
+    assert ns.exec("exit 42", timeout=10).exit_code == 42
+    r = ns.exec('cd /tmp; echo "$TMPDIR"; touch "$TMPDIR/mine" /tmp/shared', timeout=10)
+    first = r.stdout.strip()
+    r2 = ns.exec('pwd; echo "$TMPDIR"; ls -A /tmp', timeout=10)
+    cwd, second, listing = r2.stdout.split("\n", 2)
+    assert cwd == "/workspace" and second != first and first.startswith("/tmp/")
+    assert "shared" in listing.split()  # /tmp itself is the Sandbox's, for its whole life
+    assert os.path.basename(first) not in listing  # the last command's TMPDIR is gone
+    big = "x" * (200 << 10)  # a command too large for argv travels as a file descriptor
+    assert ns.exec(f": '{big}'; echo big-ok", timeout=10).stdout == "big-ok\n"
+
+
+def test_a_timeout_kills_only_that_command_while_others_run(ns):
+    tok = token()
+    results = {}
+
+    def slow():
+        results["slow"] = ns.exec("sleep 1.5; echo slow-done", timeout=10)
+
+    t = threading.Thread(target=slow)
+    t.start()
+    time.sleep(0.3)
+    r = ns.exec(f"setsid sleep {sleep_arg(tok)} & ( sleep {sleep_arg(tok)} & ) ; sleep {sleep_arg(tok)}", timeout=0.5)
+    assert r.timed_out and r.exit_code == -9
+    assert wait_gone(sleep_arg(tok)) == []
+    t.join()
+    assert results["slow"].stdout == "slow-done\n" and not results["slow"].timed_out
+
+
+def test_escapees_die_when_their_command_ends_while_others_run(ns):
+    tok = token()
+    stop = threading.Event()
+    busy = threading.Thread(target=lambda: ns.exec("sleep 3", timeout=10))
+    busy.start()
+    time.sleep(0.3)
+    r = started(ns.exec(f"echo {MARK}; setsid sleep {sleep_arg(tok)} & nohup sleep {sleep_arg(tok)} >/dev/null 2>&1 &",
+                        timeout=10))
+    assert r.exit_code == 0
+    assert wait_gone(sleep_arg(tok)) == []
+    stop.set()
+    busy.join()
+
+
+def test_a_dead_init_fails_that_command_clearly_and_the_next_one_restarts_it(ns):
+    tok = token()
+    result = {}
+
+    def run():
+        try:
+            result["r"] = ns.exec(f"sleep {sleep_arg(tok)}", timeout=30)
+        except SandboxError as e:
+            result["e"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    end = time.monotonic() + 10
+    while not processes_with(sleep_arg(tok)) and time.monotonic() < end:
+        time.sleep(0.02)
+    os.kill(_init_pid(ns), signal.SIGKILL)  # from the host: nothing inside can do this
+    t.join(10)
+    assert not t.is_alive() and "init died" in str(result.get("e")), result
+    assert wait_gone(sleep_arg(tok)) == []
+    assert ns.exec("echo back", timeout=10).stdout == "back\n"
+
+
+def test_an_init_that_stops_answering_costs_the_sandbox_not_a_hang(ns, monkeypatch):
+    monkeypatch.setattr(launcher, "_KILL_WAIT", 0.5)
+    ns.exec("true", timeout=10)
+    os.kill(_init_pid(ns), signal.SIGSTOP)  # from the host: the init can neither spawn nor kill now
+    t0 = time.monotonic()
+    r = ns.exec("sleep 30", timeout=0.5)  # never started: the init is stopped
+    assert r.timed_out and r.exit_code == -9
+    assert time.monotonic() - t0 < 0.5 + 0.5 + 1.0
+    assert ns._owned.init.dead and "did not stop a command in time" in ns._owned.init.dead
+    assert ns.exec("echo back", timeout=10).stdout == "back\n"  # a new init
