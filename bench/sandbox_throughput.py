@@ -1,22 +1,36 @@
-"""Isolated commands per second: each working sandbox tier against plain subprocess, same run.
+"""Isolated commands per second and per-episode sandbox cost: each working tier against plain subprocess.
 
-    .venv/bin/python bench/sandbox_throughput.py [--n 300] [--concurrency 8] [--command true]
+    .venv/bin/python bench/sandbox_throughput.py [--n 300] [--concurrency 8] [--command true] [--episodes 40]
 
-"plain subprocess" is bash -c COMMAND in a new session with captured output (what an unsandboxed
-tool runner does); "bare bwrap" is `bwrap --unshare-all --ro-bind / / bash -c COMMAND` (the floor
-for any bwrap-based tier; as root, also under an unprivileged uid, as the Sandbox runs it). Each tier runs through Sandbox.exec with default limits. Prints a table and
-appends one JSON line to bench/results.jsonl. Goal: >= 300/s for the preferred tier at 8-way.
+Commands: "plain subprocess" is bash -c COMMAND in a new session with captured output (what an
+unsandboxed tool runner does); "bare bwrap" is `bwrap --unshare-all --ro-bind / / bash -c COMMAND`
+(a sandbox start per command; as root, also under an unprivileged uid, as the Sandbox runs it). Each
+tier runs through Sandbox.exec with default limits: one Sandbox shared by the threads (the goal's
+figure), and for the namespaced tier also one Sandbox per thread (how rollouts use it: every episode
+its own sandbox, its commands one at a time).
+Goal (issue 12): namespaced >= 1,000 commands/s 8-way and >= 65% of plain subprocess.
+
+Episodes: --episodes times, one at a time, Sandbox() + exec(COMMAND) + exec(COMMAND) + close().
+"creation" is the episode's wall time beyond its commands: Sandbox() + close() + (first exec - second
+exec), i.e. what a sandbox start adds (the namespaced tier's init boots while Sandbox() returns and
+the first exec waits for it). Medians; "bare bwrap run" is one `bwrap ... true` for reference. CPU
+(less moved by other load than wall time): of a command, and of a sandbox start (an episode's CPU
+beyond its two commands), this process and its children together. Goal: creation <= 15 ms.
 
 Fairness: every runner gets the same warm-up, then --rounds rounds in which the runners take turns
 (so a burst of load from elsewhere hits them alike); each figure is the best round. The load average
 is printed before and after: on a shared 2-core machine it moves the figures more than anything else.
+Prints tables and appends one JSON line to bench/results.jsonl.
 """
 
 import argparse
 import os
 import platform
+import resource
+import statistics
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -24,8 +38,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.results import git_commit, save, utc_now  # noqa: E402
 from nano_openshell import Sandbox, probe  # noqa: E402
-from nano_openshell.namespaced import find_bwrap  # noqa: E402
 from nano_openshell.launcher import uid_drop_argv  # noqa: E402
+from nano_openshell.namespaced import find_bwrap  # noqa: E402
 
 
 def plain(command: str) -> None:
@@ -44,50 +58,111 @@ def rate(run_one, n: int, concurrency: int) -> float:
     return n / (time.perf_counter() - t0)
 
 
+def checked(sb: Sandbox, command: str) -> None:
+    r = sb.exec(command, timeout=30)
+    assert r.exit_code == 0 and not r.timed_out, r
+
+
+def cpu_s() -> float:
+    """CPU seconds of this process and of every child it reaped (a Sandbox's bwrap carries its init's
+    and its commands' CPU, once close() reaped it)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def episode_ms(tier: str, command: str, n: int) -> dict:
+    """Medians over n sequential episodes, in ms; and CPU ms: per command (in one long-lived Sandbox)
+    and per sandbox start (an episode's CPU beyond its two commands)."""
+    parts = {"sandbox_call": [], "first_exec": [], "exec": [], "close": [], "episode": []}
+    c0 = cpu_s()
+    for _ in range(n):
+        t0 = time.perf_counter()
+        sb = Sandbox(tier=tier, min_tier="fallback")
+        t1 = time.perf_counter()
+        checked(sb, command)
+        t2 = time.perf_counter()
+        checked(sb, command)
+        t3 = time.perf_counter()
+        sb.close()
+        t4 = time.perf_counter()
+        for key, v in (("sandbox_call", t1 - t0), ("first_exec", t2 - t1), ("exec", t3 - t2), ("close", t4 - t3),
+                       ("episode", t4 - t0)):
+            parts[key].append(v * 1000)
+    episode_cpu = (cpu_s() - c0) / n
+    c0, sb = cpu_s(), Sandbox(tier=tier, min_tier="fallback")
+    for _ in range(10 * n):
+        checked(sb, command)
+    sb.close()
+    command_cpu = (cpu_s() - c0) / (10 * n)
+    out = {k: round(statistics.median(v), 2) for k, v in parts.items()}
+    out["creation"] = round(out["sandbox_call"] + out["close"] + out["first_exec"] - out["exec"], 2)
+    out["cpu_command"] = round(command_cpu * 1000, 2)
+    out["cpu_creation"] = round((episode_cpu - 2 * command_cpu) * 1000, 2)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=300, help="commands per measurement")
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--command", default="true")
     ap.add_argument("--rounds", type=int, default=3, help="each figure is the best of this many rounds")
+    ap.add_argument("--episodes", type=int, default=40, help="sequential episodes per round (0: skip)")
     args = ap.parse_args()
 
     p = probe()
-    runners = {"plain subprocess": (lambda: plain(args.command), None)}
+    runners = {"plain subprocess": lambda: plain(args.command)}
     bwrap = find_bwrap()
+    bare = None
     if p["tiers"]["namespaced"]["ok"] and bwrap:
         bare = [bwrap, "--unshare-all", "--die-with-parent", "--ro-bind", "/", "/", "/bin/bash", "-c", args.command]
-        runners["bare bwrap"] = (lambda: subprocess.run(bare, stdin=subprocess.DEVNULL, capture_output=True,
-                                                        timeout=30, check=True), None)
+        runners["bare bwrap"] = lambda: subprocess.run(bare, stdin=subprocess.DEVNULL, capture_output=True,
+                                                       timeout=30, check=True)
         drop = uid_drop_argv(65534) if os.geteuid() == 0 else None
         if drop:  # what the Sandbox does as root: bwrap under an unprivileged uid, dropped the same way
             bare_uid = drop + bare
-            runners["bare bwrap, uid dropped"] = (lambda: subprocess.run(
-                bare_uid, stdin=subprocess.DEVNULL, capture_output=True, timeout=30, check=True), None)
-    sandboxes = []
+            runners["bare bwrap, uid dropped"] = lambda: subprocess.run(
+                bare_uid, stdin=subprocess.DEVNULL, capture_output=True, timeout=30, check=True)
+    sandboxes, tiers = [], [t for t in ("namespaced", "fallback") if p["tiers"][t]["ok"]]
     for tier in ("namespaced", "fallback"):
-        if p["tiers"][tier]["ok"]:
-            sb = Sandbox(tier=tier, min_tier="fallback")
-            sandboxes.append(sb)
-
-            def run_one(sb=sb):
-                r = sb.exec(args.command, timeout=30)
-                assert r.exit_code == 0 and not r.timed_out, r
-            runners[f"sandbox {tier}"] = (run_one, sb)
-        else:
+        if tier not in tiers:
             print(f"# tier {tier} skipped: {p['tiers'][tier]['reason']}")
+            continue
+        sb = Sandbox(tier=tier, min_tier="fallback")
+        sandboxes.append(sb)
+        runners[f"Sandbox {tier}"] = lambda sb=sb: checked(sb, args.command)
+        if tier == "namespaced":
+            own = [Sandbox(tier=tier) for _ in range(args.concurrency)]
+            sandboxes += own
+            local, free, lock = threading.local(), list(own), threading.Lock()
+
+            def per_thread():
+                if not hasattr(local, "sb"):
+                    with lock:  # the sequential figure reuses the first; each pool thread takes its own
+                        local.sb = free.pop() if free else own[0]
+                checked(local.sb, args.command)
+            runners["Sandbox namespaced, one per thread"] = per_thread
 
     par_key = f"concurrent{args.concurrency}_per_s"
     best = {name: {"runner": name, "sequential_per_s": 0.0, par_key: 0.0} for name in runners}
+    episodes = {tier: None for tier in tiers} if args.episodes else {}
+    bare_ms = None
     load_before = os.getloadavg()[0]
     try:
-        for run_one, _ in runners.values():
+        for run_one in runners.values():
             for _ in range(min(10, args.n)):  # warm up (page cache, lazily built state)
                 run_one()
         for _ in range(args.rounds):
-            for name, (run_one, _) in runners.items():
+            for name, run_one in runners.items():
                 for key, concurrency in (("sequential_per_s", 1), (par_key, args.concurrency)):
                     best[name][key] = max(best[name][key], round(rate(run_one, args.n, concurrency), 1))
+            for tier in episodes:
+                e = episode_ms(tier, args.command, args.episodes)
+                if episodes[tier] is None or e["creation"] < episodes[tier]["creation"]:
+                    episodes[tier] = e
+            if bare and args.episodes:
+                ms = statistics.median(1000 / rate(runners["bare bwrap"], 1, 1) for _ in range(args.episodes))
+                bare_ms = round(min(bare_ms or ms, ms), 2)
     finally:
         for sb in sandboxes:
             sb.close()
@@ -100,11 +175,23 @@ def main() -> None:
     print(f"| runner | sequential /s | {args.concurrency}-way /s |\n|---|---|---|")
     for r in rows:
         print(f"| {r['runner']} | {r['sequential_per_s']} | {r[par_key]} |")
+    plain_par = best["plain subprocess"][par_key]
+    for name in ("Sandbox namespaced", "Sandbox namespaced, one per thread"):
+        if name in best and plain_par:
+            print(f"{name}: {100 * best[name][par_key] / plain_par:.0f}% of plain subprocess {args.concurrency}-way")
+    if episodes:
+        print(f"\nepisodes (median ms of {args.episodes}, best round): Sandbox() + 2 x exec + close()"
+              + (f"; one bare bwrap run: {bare_ms} ms" if bare_ms else ""))
+        print("| tier | Sandbox() | first exec | exec | close() | episode | creation | CPU: a command | CPU: a start |\n"
+              "|---|---|---|---|---|---|---|---|---|")
+        for tier, e in episodes.items():
+            print(f"| {tier} | {e['sandbox_call']} | {e['first_exec']} | {e['exec']} | {e['close']} | "
+                  f"{e['episode']} | {e['creation']} | {e['cpu_command']} | {e['cpu_creation']} |")
     record = {"bench": "sandbox_throughput",
               "date": utc_now(),
               "commit": git_commit(), "machine": machine, "uid": os.geteuid(), "preferred_tier": p["tier"],
               "load_average": round(load, 2), "load_average_before": round(load_before, 2),
-              "config": vars(args), "results": rows}
+              "config": vars(args), "results": rows, "episodes_ms": episodes, "bare_bwrap_run_ms": bare_ms}
     save(record, "sandbox_throughput.json")
 
 

@@ -1,6 +1,6 @@
 """The supervisor's side of a namespaced Sandbox: its one bwrap, the init inside (nsinit.py), each command.
 
-Init(argv, ...) starts `[uid drop] bwrap <layout> --as-pid-1 -- python3 -I -S - FD` (nsinit.py on stdin)
+Init(argv, ...) starts `[uid drop] bwrap <layout> --as-pid-1 -- python3 -I -S -c <_BOOT> FD`, nsinit.py on stdin,
 and returns at once: the init boots while the caller goes on, and a first command simply waits in the
 socket until the init reads it. spawn() sends one command (argv, env and its fds by SCM_RIGHTS) and
 returns a Command, which is what the Sandbox's _drain needs of a Popen: wait(timeout), kill(),
@@ -25,6 +25,7 @@ import select
 import shutil
 import socket
 import subprocess
+import sys
 import threading
 import time
 
@@ -87,12 +88,27 @@ def sandbox_argv(bwrap: str, tmp_bytes: int, uid: int | None, workspace_fd: int,
     return (drop + argv if drop else argv), (uid if uid is not None and not drop else None), python
 
 
-def _nsinit_source() -> bytes:
-    global _SOURCE
-    if _SOURCE is None:
+# The init's program comes on its stdin: its code compiled here (what compiling its source would
+# cost at every sandbox start, ~5 ms), used when the sandbox's Python has our bytecode format
+# (the same cache tag, as .pyc files), and its source otherwise.
+_BOOT = ("import sys, marshal\n"
+         "tag, size, rest = sys.stdin.buffer.read().split(b'\\n', 2)\n"
+         "try:\n"
+         "    code = marshal.loads(rest[:int(size)]) if tag == sys.implementation.cache_tag.encode() else None\n"
+         "except Exception:\n"
+         "    code = None\n"
+         "exec(code or compile(rest[int(size):], 'nsinit.py', 'exec'))\n")
+_PROGRAM = None
+
+
+def _nsinit_program() -> bytes:
+    global _PROGRAM
+    if _PROGRAM is None:
         with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "nsinit.py"), "rb") as f:
-            _SOURCE = f.read()
-    return _SOURCE
+            source = f.read()
+        code = marshal.dumps(compile(source, "nsinit.py", "exec"))
+        _PROGRAM = b"%s\n%d\n" % (sys.implementation.cache_tag.encode(), len(code)) + code + source
+    return _PROGRAM
 
 
 class Init:
@@ -102,13 +118,13 @@ class Init:
         when there is no uid-drop tool (Popen then forks instead of vforking: once per Sandbox)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         err_r, err_w = os.pipe()
-        src_r, src_w = os.pipe()  # the init's program, read by `python -` (argv stays short in ps)
-        os.write(src_w, _nsinit_source())  # ~12 KB: fits the pipe buffer
+        src_r, src_w = os.pipe()  # the init's program (see _BOOT)
+        os.write(src_w, _nsinit_program())  # ~25 KB: fits the pipe buffer
         os.close(src_w)
         self._sock, self._err, self._ids, self._lock = ours, err_r, iter(range(1, 1 << 62)), threading.Lock()
         self.dead: str | None = None  # why, once the init is known to be gone
         ids = dict(user=user, group=user, extra_groups=[]) if user is not None else {}
-        full = argv + ["--as-pid-1", "--", python, "-I", "-S", "-", str(theirs.fileno())]
+        full = argv + ["--as-pid-1", "--", python, "-I", "-S", "-c", _BOOT, str(theirs.fileno())]
         try:
             self._proc = _SPAWNER.submit(
                 subprocess.Popen, full, stdin=src_r, stdout=subprocess.DEVNULL, stderr=err_w,

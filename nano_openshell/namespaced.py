@@ -143,8 +143,10 @@ def view_dir() -> str:
     """This process's private directory holding `etc` (the curated copy of /etc) and `empty` (what
     hides a directory), made once and removed at exit. World-traversable, writable by us alone."""
     with _VIEW_LOCK:
-        if _VIEW.get("pid") != os.getpid():  # a forked child makes its own (the parent removes its own)
-            path = tempfile.mkdtemp(prefix="nano-openshell-view-")
+        # a forked child makes its own (the parent removes its own); one removed under us is remade
+        if _VIEW.get("pid") != os.getpid() or not os.path.isdir(_VIEW["path"]):
+            # not tempfile's current directory: a caller may point that at a directory it removes
+            path = tempfile.mkdtemp(prefix="nano-openshell-view-", dir="/tmp" if os.path.isdir("/tmp") else None)
             os.chmod(path, 0o755)
             os.mkdir(os.path.join(path, "empty"), 0o555)
             etc = os.path.join(path, "etc")
@@ -180,8 +182,19 @@ def _copy_public(src: str, dst: str) -> None:
             _copy_public(os.path.join(src, name), os.path.join(dst, name))
 
 
+_BASE: dict[tuple, list[str]] = {}
+
+
 def base_argv(bwrap: str, tmp_size: int, drop_uid: bool) -> list[str]:
-    """The fixed part of the bwrap command line (the workspace, mounts and the tail are added)."""
+    """The fixed part of the bwrap command line (the workspace, mounts and the tail are added); made
+    once per process and arguments (the view directory is remade if something removed it)."""
+    key = (bwrap, tmp_size, drop_uid, view_dir())
+    if key not in _BASE:
+        _BASE[key] = _base_argv(bwrap, tmp_size, drop_uid)
+    return list(_BASE[key])
+
+
+def _base_argv(bwrap: str, tmp_size: int, drop_uid: bool) -> list[str]:
     argv = [bwrap, "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session",
             "--cap-drop", "ALL"]
     binds = []

@@ -1,9 +1,10 @@
 """pid 1 of a namespaced Sandbox: one per Sandbox, it starts every command of that Sandbox.
 
 A bwrap per command cost ~3 ms of mounts and namespaces each time; this init is started once, as
-`python3 -I -S - FD` inside the Sandbox's bwrap (--as-pid-1), so a command costs one posix_spawn of
-bash. The sandbox may not see this package, so this file comes on stdin, and it imports only modules
-built into the interpreter (os, _socket, select, marshal, _signal, time).
+`python3 -I -S -c <launcher._BOOT> FD` inside the Sandbox's bwrap (--as-pid-1), so a command costs one
+posix_spawn of bash. The sandbox may not see this package, so this file comes on stdin (compiled when
+the sandbox's Python can take our bytecode), and it imports only modules built into the interpreter
+(os, _socket, select, marshal, _signal, time).
 
 Protocol, on the SOCK_SEQPACKET socket FD (the supervisor's side is launcher.py):
   ("run", id, argv, env) + SCM_RIGHTS [status, stdout, stderr(, script)]: start a command, with a
@@ -75,10 +76,17 @@ class Init:
 
     # ---- messages ----------------------------------------------------------------------------
     def receive(self) -> None:
-        try:
-            data, anc, _, _ = self.ctl.recvmsg(_MAX_MESSAGE, _socket.CMSG_SPACE(8 * 4), _socket.MSG_CMSG_CLOEXEC)
-        except InterruptedError:
-            return
+        """Handle every message waiting (one wakeup may bring several)."""
+        flags = _socket.MSG_CMSG_CLOEXEC
+        while True:
+            try:
+                data, anc, _, _ = self.ctl.recvmsg(_MAX_MESSAGE, _socket.CMSG_SPACE(8 * 4), flags)
+            except (BlockingIOError, InterruptedError):
+                return
+            self.handle(data, anc)
+            flags |= _socket.MSG_DONTWAIT
+
+    def handle(self, data: bytes, anc: list) -> None:
         if not data:
             os._exit(0)  # the supervisor is gone: pid 1 exits, the kernel kills the rest
         fds = []
@@ -189,11 +197,15 @@ def _write(fd: int, data: bytes) -> None:
         pass  # the supervisor gave up on this command
 
 
+_TMP_PREFIX = "/tmp/.command-%s-" % os.urandom(4).hex()
+
+
 def _fresh_dir(cid) -> str | None:
     """A new private directory in /tmp for one command (its TMPDIR); None if /tmp cannot take one
-    (the command filled it): the command then gets /tmp itself, rather than not running."""
-    for _ in range(3):
-        path = "/tmp/.command-%s-%s" % (cid, os.urandom(4).hex())  # unguessable: another command cannot squat it
+    (the command filled it): the command then gets /tmp itself, rather than not running. A name
+    another command made first is passed over."""
+    for attempt in range(3):
+        path = _TMP_PREFIX + str(cid) + ("-" + os.urandom(4).hex() if attempt else "")
         try:
             os.mkdir(path, 0o700)
             return path

@@ -6,8 +6,9 @@ stops reading regardless. Capped keeps the first and last bytes of a stream, so 
 however much is written.
 """
 
+import math
 import os
-import selectors
+import select
 import subprocess
 import time
 
@@ -52,30 +53,31 @@ def drain(proc: subprocess.Popen, deadline: float, cap: int, kill, owned=None) -
     Sandbox's (track/untrack), so that close() kills the command meanwhile."""
     out, err = Capped(cap), Capped(cap)
     sinks = {proc.stdout.fileno(): out, proc.stderr.fileno(): err}
-    sel = selectors.DefaultSelector()
+    poller = select.poll()  # not selectors: no epoll instance to make and close per command
     for fd in sinks:
         os.set_blocking(fd, False)
-        sel.register(fd, selectors.EVENT_READ)
-    timed_out, give_up = False, None
+        poller.register(fd, select.POLLIN)
+    live, timed_out, give_up = set(sinks), False, None
     try:
         if owned is not None:
             owned.track(kill)
-        while sel.get_map():
+        while live:
             now = time.monotonic()
             if not timed_out and now >= deadline:
                 timed_out, give_up = True, now + KILL_GRACE
                 kill()
             if give_up is not None and now >= give_up:
                 break
-            for key, _ in sel.select(max(0.0, (give_up or deadline) - now)):
+            for fd, _ in poller.poll(math.ceil(max(0.0, (give_up or deadline) - now) * 1000)):
                 try:
-                    data = os.read(key.fd, 1 << 16)
+                    data = os.read(fd, 1 << 16)
                 except BlockingIOError:
                     continue
                 if data:
-                    sinks[key.fd].add(data)
+                    sinks[fd].add(data)
                 else:
-                    sel.unregister(key.fd)
+                    poller.unregister(fd)
+                    live.discard(fd)
         if not timed_out:
             try:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
@@ -86,7 +88,6 @@ def drain(proc: subprocess.Popen, deadline: float, cap: int, kill, owned=None) -
     finally:
         if owned is not None:
             owned.untrack(kill)
-        sel.close()
         proc.stdout.close()
         proc.stderr.close()
     return proc.returncode, out, err, timed_out

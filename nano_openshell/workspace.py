@@ -77,8 +77,10 @@ class Handover:
         uid, seen, done = self.uid, 0, {}
         fresh_after = time.time_ns() - _FRESH_NS
         root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-        os.fchown(root_fd, uid, uid)
-        os.fchmod(root_fd, 0o700)
+        root_st = os.fstat(root_fd)
+        if (root_st.st_uid, root_st.st_gid, stat.S_IMODE(root_st.st_mode)) != (uid, uid, 0o700):
+            os.fchown(root_fd, uid, uid)
+            os.fchmod(root_fd, 0o700)
         stack = [(".", root_fd, None)]  # depth first: open fds only along the current path
         try:
             while stack:

@@ -45,7 +45,7 @@ def test_one_bwrap_and_one_init_serve_every_command(ns):
                for _ in range(3)]
     assert {r.stdout for r in replies} == {replies[0].stdout}
     ppid, init_cmdline = replies[0].stdout.splitlines()[1:3]
-    assert ppid == "1" and " -I -S - " in init_cmdline  # our init is pid 1, every command its child
+    assert ppid == "1" and " -I -S -c " in init_cmdline  # our init is pid 1, every command its child
     bwrap, init = ns._owned.init._proc.pid, _init_pid(ns)
     for _ in range(3):
         ns.exec("true", timeout=10)
@@ -150,3 +150,32 @@ def test_an_init_that_stops_answering_costs_the_sandbox_not_a_hang(ns, monkeypat
     assert time.monotonic() - t0 < 0.5 + 0.5 + 1.0
     assert ns._owned.init.dead and "did not stop a command in time" in ns._owned.init.dead
     assert ns.exec("echo back", timeout=10).stdout == "back\n"  # a new init
+
+
+def test_close_while_a_command_runs_stops_it_and_that_exec_says_so(ns):
+    tok = token()
+    result = {}
+
+    def run():
+        try:
+            result["r"] = ns.exec(f"setsid sleep {sleep_arg(tok)} & sleep {sleep_arg(tok)}", timeout=30)
+        except SandboxError as e:
+            result["e"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    end = time.monotonic() + 10
+    while len(processes_with(sleep_arg(tok))) < 2 and time.monotonic() < end:
+        time.sleep(0.02)
+    t0 = time.monotonic()
+    ns.close()
+    t.join(10)
+    assert not t.is_alive() and time.monotonic() - t0 < 2.0
+    assert "closed while the command ran" in str(result.get("e")), result
+    assert wait_gone(sleep_arg(tok)) == []
+
+
+def test_commands_run_under_the_seccomp_filter_without_capabilities(ns):
+    r = started(ns.exec(f"echo {MARK}; grep -E '^(Seccomp|NoNewPrivs|CapEff|CapBnd):' /proc/self/status", timeout=10))
+    fields = dict(line.split(":\t") for line in r.stdout.splitlines()[1:])
+    assert fields == {"Seccomp": "2", "NoNewPrivs": "1", "CapEff": "0000000000000000", "CapBnd": "0000000000000000"}

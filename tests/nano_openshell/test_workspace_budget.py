@@ -88,7 +88,9 @@ def test_close_is_bounded_whatever_the_command_left(make_sandbox, monkeypatch, f
     path = sb.workspace
     t0 = time.monotonic()
     sb.close()
-    assert time.monotonic() - t0 < 0.05 + 0.3
+    took = time.monotonic() - t0
+    assert os.path.exists(path), "close() removed everything itself: the budget did not cut it"
+    assert took < 0.05 + 0.5, took  # the budget, and the sandbox's teardown on a busy machine
     end = time.monotonic() + 60
     while os.path.exists(path) and time.monotonic() < end:  # the rest goes in the background
         time.sleep(0.05)
