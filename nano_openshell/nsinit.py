@@ -8,7 +8,8 @@ the sandbox's Python can take our bytecode), and it imports only modules built i
 
 Protocol, on the SOCK_SEQPACKET socket FD (the supervisor's side is launcher.py):
   ("run", id, argv, env) + SCM_RIGHTS [status, stdout, stderr(, script)]: start a command, with a
-                           fresh private directory in /tmp as its TMPDIR (removed when it ends); a
+                           fresh private directory in /tmp as its TMPDIR (removed once it is
+                           reported, for up to _REMOVE_BUDGET; the rest stays in /tmp); a
                            script fd (a large command, a memfd) is its fd 3, read as /dev/fd/3
   ("kill", id)             kill that command's whole tree (the supervisor's timeout)
 On the command's status pipe the init writes b"X<code>\n" once the command and everything it
@@ -35,6 +36,7 @@ import time
 _SIGNALS_RESET = (_signal.SIGPIPE, _signal.SIGXFSZ, _signal.SIGCHLD, _signal.SIGINT, _signal.SIGTERM,
                   _signal.SIGHUP)
 _MAX_MESSAGE = 1 << 20   # argv + env of one command; larger scripts come as a file descriptor
+_REMOVE_BUDGET = 0.2     # seconds spent removing finished commands' TMPDIRs at a time
 
 
 class _Command:
@@ -123,7 +125,7 @@ class Init:
             _write(status_fd, b"E%s\n" % repr(e).encode(errors="replace"))
             os.close(status_fd)
             if tmp is not None:
-                _remove_tree(tmp)
+                _remove_tree(tmp, time.monotonic() + _REMOVE_BUDGET)
             return
         self.running[pid] = _Command(cid, status_fd, tmp)
         self.by_id[cid] = pid
@@ -170,8 +172,12 @@ class Init:
                 code = os.WEXITSTATUS(status)
             _write(cmd.status_fd, b"X%d\n" % code)
             os.close(cmd.status_fd)
+        # after the reports: a TMPDIR full of files must not delay its command's result; what is not
+        # gone within the budget stays in /tmp (the Sandbox's own) until the Sandbox closes
+        deadline = time.monotonic() + _REMOVE_BUDGET
+        for cmd, _ in done:
             if cmd.tmp is not None:
-                _remove_tree(cmd.tmp)
+                _remove_tree(cmd.tmp, deadline)
 
     def reap(self) -> tuple[list, bool]:
         """Reap every exited child without blocking: (the commands whose main process it was, whether
@@ -278,8 +284,9 @@ def _tree(procs: dict, roots: set) -> set:
     return out
 
 
-def _remove_tree(path: str) -> None:
-    """rm -rf without following links (the command owned it: it may hold links and 0500 dirs)."""
+def _remove_tree(path: str, deadline: float) -> None:
+    """rm -rf without following links (the command owned it: it may hold links and 0500 dirs),
+    until the deadline."""
     try:
         os.rmdir(path)  # the usual case: the command left nothing there
         return
@@ -296,7 +303,7 @@ def _remove_tree(path: str) -> None:
             pass
         return
     try:
-        _empty_dir(fd)
+        _empty_dir(fd, deadline)
     finally:
         os.close(fd)
     try:
@@ -305,12 +312,14 @@ def _remove_tree(path: str) -> None:
         pass
 
 
-def _empty_dir(fd: int) -> None:
+def _empty_dir(fd: int, deadline: float) -> None:
     try:
         os.fchmod(fd, 0o700)
     except OSError:
         pass
     for entry in os.scandir(fd):
+        if time.monotonic() > deadline:
+            return
         name = entry.name
         if entry.is_dir(follow_symlinks=False):
             try:
@@ -318,7 +327,7 @@ def _empty_dir(fd: int) -> None:
             except OSError:
                 continue
             try:
-                _empty_dir(sub)
+                _empty_dir(sub, deadline)
             finally:
                 os.close(sub)
             try:
