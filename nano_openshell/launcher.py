@@ -19,6 +19,7 @@ _KILL_WAIT of a kill request gets the whole sandbox killed instead (the next com
 
 import array
 import concurrent.futures
+import fcntl
 import marshal
 import os
 import select
@@ -26,7 +27,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 from . import namespaced
@@ -118,10 +118,18 @@ class Init:
         when there is no uid-drop tool (Popen then forks instead of vforking: once per Sandbox)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         err_r, err_w = os.pipe()
-        src_r, src_w = os.pipe()  # the init's program (see _BOOT)
-        os.write(src_w, _nsinit_program())  # ~25 KB: fits the pipe buffer
-        os.close(src_w)
-        self._sock, self._err, self._ids, self._lock = ours, err_r, iter(range(1, 1 << 62)), threading.Lock()
+        src_r, src_w = os.pipe()  # the init's program (see _BOOT), ~35 KB
+        program = _nsinit_program()
+        try:
+            fcntl.fcntl(src_w, fcntl.F_SETPIPE_SZ, len(program))
+        except OSError:
+            pass  # a user over its pipe quota gets small pipes: the rest is written once bwrap runs
+        os.set_blocking(src_w, False)
+        try:
+            sent = os.write(src_w, program)
+        except BlockingIOError:
+            sent = 0
+        self._sock, self._err, self._ids = ours, err_r, iter(range(1, 1 << 62))
         self.dead: str | None = None  # why, once the init is known to be gone
         ids = dict(user=user, group=user, extra_groups=[]) if user is not None else {}
         full = argv + ["--as-pid-1", "--", python, "-I", "-S", "-c", _BOOT, str(theirs.fileno())]
@@ -137,6 +145,14 @@ class Init:
             theirs.close()
             os.close(err_w)
             os.close(src_r)
+            if sent < len(program):
+                os.set_blocking(src_w, True)
+                try:
+                    while sent < len(program):  # the init reads it as it boots
+                        sent += os.write(src_w, program[sent:])
+                except OSError:
+                    pass  # bwrap failed: the first command says why
+            os.close(src_w)
         os.set_blocking(err_r, False)
         ours.setblocking(False)
 

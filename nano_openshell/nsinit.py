@@ -102,6 +102,9 @@ class Init:
                 self.kill(msg[1])
             elif msg[0] == "run":
                 self.run(msg, fds)
+        except Exception as e:  # a message cut short (its fds could not all be received): that command fails
+            if fds:
+                _write(fds[0], b"E%s\n" % repr(e).encode(errors="replace"))
         finally:
             for fd in fds:
                 try:
