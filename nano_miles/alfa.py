@@ -8,13 +8,14 @@ imported (it pulls in docker, openai and scikit-learn at import time).
 Each task is `alfa_<setup>_<index>` (alfa_fs1_0 ... alfa_fs5_17, the index within its set-up, as
 icalfa numbers them), family "alfa/<setup>", split "benchmark": evaluated, never trained on.
 An episode's sandbox gets the set-up's directories (/testbed, /system, /workspace + /backup) as
-fresh mounts, and the set-up script runs once in it. The policy answers with a bash command
-(<answer>COMMAND</answer>, as the benchmark submits one), after looking around with <bash> turns
-if it likes; commands start in /, as in the benchmark's containers. Scoring by execution, as the
+fresh mounts, and the set-up script runs once in it. As in InterCode, the policy acts with bash
+commands (<bash> turns, starting in /, as in the benchmark's containers) and then submits (any
+<answer>); the last command it ran counts. A policy that ran none but answered with a command
+(<answer>COMMAND</answer>, NL2SH style) has that command run. Scoring by execution, as the
 benchmark's own reward does, without its LLM judge: the gold command runs in a fresh copy of the
-same set-up, the answered command runs in the policy's copy, and the episode is correct when its
-output matches the gold output (whitespace normalised) AND the files changed in the policy's copy
-match the gold's changes (added, modified and deleted paths, with content hashes and modes).
+same set-up, and the episode is correct when the counted command's output matches the gold output
+(whitespace normalised) AND the files changed in the policy's copy match the gold's changes (added,
+modified and deleted paths, with content hashes and modes).
 The benchmark's three-part score (icalfa BashEnv.get_reward: 0.01 +
 0.33 file-set diff + 0.33 content hashes of common changes + 0.33 output, with exact output
 equality standing in for the judge) is recorded as well, as reward components alfa_*.
@@ -246,25 +247,27 @@ def alfa_setup(task_id: str, setup: str, script: str, row: dict, ws: Workspace, 
     """An episode: the reference (once per task), then this copy's set-up; scored by `score`."""
     ref = reference(task_id, setup, script, row["gold"], ws)
     before = prepare(ws, setup, script, ref.pinned)
-    instruction = (f"{row['query'].strip()}\n\nAnswer with one bash command that does this: <answer>COMMAND</answer>. "
-                   "It runs in /, and its output and the files it changes are compared with those of a reference "
-                   "command. You may look around first with <bash>...</bash>.")
-    return TaskInstance(instruction, expected=ref.output, kind="text", solution=[], solution_answer=row["gold"],
+    instruction = (f"{row['query'].strip()}\n\nRun the bash command that does this with <bash>COMMAND</bash> (the "
+                   "shell starts in /). The output of the last command you run and the files changed are compared "
+                   "with those of a reference command. After it has run, finish with <answer>done</answer>.")
+    return TaskInstance(instruction, expected=ref.output, kind="text", solution=[row["gold"]], solution_answer="done",
                         score=functools.partial(score, ref, before, setup, row["gold"]))
 
 
 def score(ref: Reference, before: dict, setup: str, gold: str, attempt: Attempt) -> dict[str, float]:
-    """The answered command runs in the policy's copy (after whatever it ran before), as the gold ran in its
-    fresh one. correct: its output and the copy's file changes both match the gold's; alfa_*: the
-    benchmark's three parts."""
-    sandbox, command = attempt.workspace.sandbox, command_from(attempt.answer)
-    output = None
-    if command:
+    """The last command the policy ran counts (or, when it ran none, the command it answered with, run now
+    in its copy as the gold ran in a fresh one). correct: that command's output and the copy's file
+    changes both match the gold's; alfa_*: the benchmark's three parts."""
+    sandbox = attempt.workspace.sandbox
+    command, output = attempt.last_command, attempt.last_output
+    if command is None:
+        command = command_from(attempt.answer)
         try:
-            r = sandbox.exec(in_workdir(command, "/"), timeout=GOLD_TIMEOUT)
-            output = normalize_output(r.stdout + r.stderr, sandbox.uid)
+            r = sandbox.exec(in_workdir(command, "/"), timeout=GOLD_TIMEOUT) if command else None
+            output = r.stdout + r.stderr if r else None
         except ValueError:  # a command the sandbox refuses (a NUL byte): no output
             pass
+    output = normalize_output(output, sandbox.uid)
     after = parse_snapshot(sandbox.exec(snapshot_command(setup), timeout=attempt.workspace.timeout).stdout)
     if after is None:  # too many files to list, or the listing itself failed: nothing to compare
         after = {}
@@ -290,7 +293,7 @@ def command_from(answer: str) -> str:
 
 def three_part_summary(trajs) -> dict | None:
     """Means of the benchmark's score and its output / files parts over the ALFA episodes (None: none).
-    An episode that ended without an answer (turn or token limit) submitted no command: it counts 0."""
+    An episode that ended without an answer (turn or token limit) never submitted: it counts 0."""
     rows = [t.reward_components for t in trajs if t.task_id.startswith("alfa_")]
     if not rows:
         return None

@@ -129,6 +129,8 @@ class OpenShellEnv:
         self.infra_error: str | None = None   # what broke, when the sandbox failed mid-episode
         self.components = {"correct": 0.0, "exec_ok": 0.0, "format": 0.0, "timeout": 0.0, "infra_failures": 0}
         self._ok_commands: set[str] = set()
+        self.last_command: str | None = None   # the last command run and its output (scoring by execution)
+        self.last_output: str | None = None
         # reset/step run in worker threads that a cancelled caller cannot stop; close() takes the same
         # lock, so it waits for the one in flight and no setup can create a sandbox after close.
         self._busy = threading.Lock()
@@ -246,6 +248,7 @@ class OpenShellEnv:
         return parsed
 
     def _after_exec(self, cmd: str, r) -> StepResult:
+        self.last_command, self.last_output = cmd, r.stdout + r.stderr
         if r.timed_out:
             self.components["timeout"] = round(self.components["timeout"] + self.cfg.timeout_penalty, 6)
             kind = "timeout"
@@ -273,7 +276,7 @@ class OpenShellEnv:
         """The task's verifier; a task scored by execution (ALFA) also records its metrics."""
         if self.instance.score is None:
             return verify(self.instance, answer, self._workspace())
-        metrics = dict(self.instance.score(Attempt(answer, self._workspace())))
+        metrics = dict(self.instance.score(Attempt(answer, self.last_command, self.last_output, self._workspace())))
         correct = bool(metrics.pop("correct"))
         self.components.update({k: float(v) for k, v in metrics.items()})
         return correct

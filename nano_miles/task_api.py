@@ -41,8 +41,10 @@ class TaskUnavailable(SetupError):
 
 @dataclass
 class Attempt:
-    """An episode's answer and its sandbox, for tasks scored by execution (ALFA runs the answered command)."""
+    """What the policy did, for tasks scored by execution rather than by the answer (ALFA)."""
     answer: str
+    last_command: str | None        # the last command it ran (None: it ran none)
+    last_output: str | None         # that command's stdout then stderr
     workspace: "Workspace"
 
 

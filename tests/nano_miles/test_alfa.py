@@ -1,8 +1,8 @@
 """InterCode-ALFA in our sandbox: the 300 tasks from the installed icalfa package, scored by execution.
 
 Real sandboxes throughout: each episode's set-up script runs in the episode's own mounted directories,
-the gold command runs in fresh copies, and the policy's answered command is compared with it by output
-and by the files changed.
+the gold command runs in fresh copies, and the policy's last command is compared with it by output and
+by the files changed.
 """
 import json
 import os
@@ -21,13 +21,13 @@ def gold(task_id: str) -> str:
     return alfa.load_dataset(setup)[1][int(index)]["gold"]
 
 
-def episode(task_id: str, answer: str, explore: tuple[str, ...] = (), seed: int = 0) -> dict:
-    """Play `explore` as the policy's <bash> turns, then answer; the reward components."""
+def episode(task_id: str, commands: tuple[str, ...] = (), answer: str = "done", seed: int = 0) -> dict:
+    """Play the commands as the policy's <bash> turns, then answer; the reward components."""
     env = OpenShellEnv(get_task(task_id), seed)
     try:
         env.reset()
-        assert "Answer with one bash command" in env.instance.instruction
-        for cmd in explore:
+        assert "Run the bash command that does this" in env.instance.instruction
+        for cmd in commands:
             assert not env.step(f"<bash>{cmd}</bash>").done
         assert env.step(f"<answer>{answer}</answer>").done
         return dict(env.components)
@@ -64,28 +64,32 @@ GOLD_CASES = ["alfa_fs1_4", "alfa_fs2_5", "alfa_fs3_7", "alfa_fs4_0", "alfa_fs5_
 
 @pytest.mark.parametrize("task_id", GOLD_CASES)
 def test_the_gold_command_as_the_policy_scores_1_and_a_wrong_one_0(task_id):
-    right = episode(task_id, gold(task_id))
+    right = episode(task_id, [gold(task_id)])
     assert right["correct"] == 1.0, right
     assert right["alfa_score"] == 1.0 and right["alfa_output"] == 1.0 and right["alfa_files"] == 1.0
-    wrong = episode(task_id, "ls /")
+    wrong = episode(task_id, ["ls /"])
     assert wrong["correct"] == 0.0 and wrong["alfa_score"] < 1.0, wrong
-    # looking around first is fine, and so is a fenced answer
-    assert episode(task_id, f"```bash\n{gold(task_id)}\n```", explore=("ls /", "pwd"))["correct"] == 1.0
+    # looking around first is fine: the last command counts, whatever the answer says
+    assert episode(task_id, ["ls /", "pwd", gold(task_id)], answer="42")["correct"] == 1.0
+    # a policy that runs nothing and answers with the command (NL2SH style) has it run, fenced or not
+    assert episode(task_id, answer=f"```bash\n{gold(task_id)}\n```")["correct"] == 1.0
 
 
 def test_the_output_alone_is_not_enough_when_files_should_change():
     # alfa_fs1_4: "touch /testbed/test.txt" prints nothing; printing nothing is not creating the file
-    other = episode("alfa_fs1_4", "touch /testbed/other.txt")
+    other = episode("alfa_fs1_4", ["touch /testbed/other.txt"])
     assert other["correct"] == 0.0 and other["alfa_output"] == 1.0 and other["alfa_files"] == 0.0
     assert other["alfa_score"] < 1.0
     # the right file with the wrong content is a modification the gold did not make
-    content = episode("alfa_fs1_4", "echo x > /testbed/test.txt")
+    content = episode("alfa_fs1_4", ["echo x > /testbed/test.txt"])
     assert content["correct"] == 0.0 and content["alfa_files"] == 0.0
-    # the right answer after a stray deletion in a <bash> turn fails too: the files count in the end
-    stray = episode("alfa_fs1_4", "touch /testbed/test.txt", explore=("rm /testbed/hello.c",))
+    # the right command after a stray deletion fails too: the files count in the end
+    stray = episode("alfa_fs1_4", ["rm /testbed/hello.c", "touch /testbed/test.txt"])
     assert stray["correct"] == 0.0 and stray["alfa_output"] == 1.0
-    # an empty answer submits no command: nothing to compare
-    assert episode("alfa_fs1_4", "")["correct"] == 0.0
+    # once commands ran, the answer is not run: the last command ran (an ls) is what counts
+    assert episode("alfa_fs1_4", ["ls /testbed"], answer="touch /testbed/test.txt")["correct"] == 0.0
+    # nothing run and "done" answered: "done" is no command that creates the file
+    assert episode("alfa_fs1_4")["correct"] == 0.0
 
 
 def test_tasks_whose_gold_cannot_run_here_are_unavailable_with_the_reason():
@@ -133,9 +137,9 @@ def test_a_stale_reference_is_computed_again():
     """Golds compare file times with the clock: an old reference (and its pinned time) is not reused."""
     import dataclasses
 
-    episode("alfa_fs5_4", gold("alfa_fs5_4"))
+    episode("alfa_fs5_4", [gold("alfa_fs5_4")])
     key = ("alfa_fs5_4", "namespaced")
     old = alfa._references[key]
     alfa._references[key] = dataclasses.replace(old, pinned=old.pinned - alfa.REFERENCE_TTL_S - 1)
-    assert episode("alfa_fs5_4", gold("alfa_fs5_4"))["correct"] == 1.0
+    assert episode("alfa_fs5_4", [gold("alfa_fs5_4")])["correct"] == 1.0
     assert alfa._references[key].pinned >= old.pinned
