@@ -42,7 +42,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from bench.results import git_commit, save, utc_now
 from nano_miles.batch import Trajectory, build_rollout_batch
-from nano_miles.distributed import launch, run_rank
+from nano_miles.distributed import DistError, check_nproc, launch, run_rank
 from nano_miles.sharded_trainer import ShardedTrainer
 from nano_miles.trainer import OptimConfig, Trainer, TrainerConfig
 
@@ -228,6 +228,13 @@ def main():
     args = ap.parse_args()
     if args.true_on_policy and args.nproc:
         ap.error("--true-on-policy times the single-process Trainer; the sharded one does not have that mode yet")
+    try:
+        if args.nproc:
+            check_nproc(args.nproc, torch.device(args.device).type)
+        elif torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+            raise DistError(f"--device {args.device}: no GPU is visible")
+    except (DistError, RuntimeError) as e:
+        ap.error(str(e))
     args.dtype = args.dtype or ("float32" if args.nproc and args.device == "cpu" else "bfloat16")
     device = torch.device(args.device)
     batch, adv = make_batch(args.seqs, args.seq_len, args.prompt_len, SHAPES[args.shapes]["vocab_size"])
