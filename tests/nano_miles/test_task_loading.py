@@ -355,7 +355,7 @@ def test_train_refuses_benchmark_tasks_before_starting_anything(tmp_path, capsys
     """)
     run_dir = tmp_path / "run"
     assert cli.main(["train", "--set", f'tasks_module=["{bench}"]', "--set", "tasks=mybench",
-                     "--set", "model=tiny-random-qwen2", "--set", f"run_dir={run_dir}"]) == 1
+                     "--set", "model=tiny-random-qwen2", "--set", f"run_dir={run_dir}"]) == 2
     err = capsys.readouterr().err
     assert err == ("nano-miles train: 1 benchmark task(s) selected for training (my_bench_task): benchmark tasks "
                    "are evaluated, never trained on\n")
