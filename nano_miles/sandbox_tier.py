@@ -21,7 +21,7 @@ TIERS = ("fallback", "namespaced")  # weakest first; "none" (no isolation) is ne
 @dataclass
 class SandboxConfig:
     """The `sandbox.*` keys."""
-    min_tier: str = "namespaced"  # weakest isolation an episode may run under: namespaced (bubblewrap) | fallback (no namespaces: Landlock + seccomp)
+    min_tier: str = "namespaced"  # weakest isolation for an episode: namespaced (bubblewrap) | fallback (no namespaces)
 
     def __post_init__(self):
         if self.min_tier not in TIERS:
