@@ -3,7 +3,8 @@
 Every subcommand module exposes `add_arguments(parser)` and `run(args) -> int`, and `CONFIG`, its
 root config dataclass, when it takes config keys (`--config` / `--set`, see nano_miles/config.py and
 docs/config.md). This file only wires them together, importing a module when its subcommand is used
-(torch imports are slow), and prints a bad configuration as one line.
+(torch imports are slow), and prints bad input as one line: a ConfigError or ValueError from a
+subcommand is `nano-miles <command>: <what is wrong>` on stderr and exit status 2, never a traceback.
 """
 from __future__ import annotations
 
@@ -49,8 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(modules[args.command].run(args) or 0)
-    except ConfigError as e:
-        print(f"nano-miles {args.command}: {e}", file=sys.stderr)
+    except (ConfigError, ValueError) as e:  # ConfigError is a ValueError; both are bad input
+        message = " ".join(str(e).split()) or type(e).__name__
+        print(f"nano-miles {args.command}: {message}", file=sys.stderr)
         return 2
 
 

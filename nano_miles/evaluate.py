@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from nano_miles.alfa import three_part_summary
 from nano_miles.config import config_from_args, to_toml
 from nano_miles.rollout_cli import (RolloutCommandConfig, add_common_arguments, append_result, collect, solved,
-                                    summarize, tasks_or_exit)
+                                    selected_tasks, summarize)
 
 
 @dataclass
@@ -62,10 +62,8 @@ def run(args) -> int:
     if args.print_config:
         print(to_toml(cfg), end="")
         return 0
-    tasks = tasks_or_exit("eval", cfg.tasks, cfg.tasks_module)
-    if tasks is None:
-        return 2
-    trajs, secs, setup_failures = collect(cfg, tasks)
+    tasks = selected_tasks("eval", cfg.tasks, cfg.tasks_module)
+    trajs, secs, setup_failures = collect(cfg, tasks, desc="eval")
     if args.out:
         with open(args.out, "w") as f:
             f.writelines(t.to_json() + "\n" for t in trajs)

@@ -12,7 +12,7 @@ import queue
 import random
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
@@ -49,6 +49,26 @@ class StepRollout:
     seconds: float
     setup_failures: int   # episodes lost before their first turn (sandbox setup): counted, not trained on
     data_position: int    # the stream's position after this step's tasks (what a checkpoint stores)
+    setup_errors: list[str] = field(default_factory=list)  # the first few setup failures' messages
+
+    @property
+    def episodes(self) -> int:
+        return len(self.trajectories) + self.setup_failures
+
+    @property
+    def lost(self) -> list:
+        """Trajectories cut short by a sandbox failure (setup failures have none: they are counted)."""
+        return [t for t in self.trajectories if t.finish_reason == "infra_error"]
+
+    @property
+    def infra_errors(self) -> list[str]:
+        """Why episodes were lost to the infrastructure (sandbox): setup failures first, a few of each."""
+        return self.setup_errors + [t.reward_components.get("error", "") for t in self.lost[:3]]
+
+    @property
+    def all_lost(self) -> bool:
+        """Every episode failed for infrastructure reasons: nothing the policy did is in this step."""
+        return self.episodes > 0 and self.setup_failures + len(self.lost) == self.episodes
 
 
 def _version(v) -> int:
@@ -84,7 +104,8 @@ def roll_out_step(step: int, stream: TaskStream, tasks_per_step: int, urls: list
     except BaseException:
         stream.position = position
         raise
-    return StepRollout(step, trajs, time.perf_counter() - t0, stats.get("setup_failures", 0), stream.position)
+    return StepRollout(step, trajs, time.perf_counter() - t0, stats.get("setup_failures", 0), stream.position,
+                       stats.get("setup_errors", []))
 
 
 class SyncProducer:

@@ -15,17 +15,18 @@ import json
 import os
 import platform
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 
+from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from nano_miles.config import add_config_arguments, config_from_args, to_toml
+from nano_miles.config import ConfigError, add_config_arguments, config_from_args, to_toml
 from nano_miles.dtypes import DTYPE_NAMES
 from nano_miles.engine_handle import EngineHandle, EngineLaunchConfig, plan_layout
-from nano_miles.models import resolve_model
+from nano_miles.models import ModelError, resolve_model
 from nano_miles.rollout import RolloutConfig, rollout_groups
+from nano_miles.sandbox_tier import SandboxConfig, check_sandbox, sandbox_factory
 from nano_miles.tasks import report_load_errors, select_tasks
 
 
@@ -39,6 +40,7 @@ class RolloutCommandConfig:
     dtype: str = "auto"               # float32 | bfloat16 | float16 | auto (bfloat16 on GPU, float32 on CPU)
     engine: EngineLaunchConfig = field(default_factory=EngineLaunchConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
     def __post_init__(self):
         if self.dtype not in DTYPE_NAMES:
@@ -67,10 +69,20 @@ def add_arguments(p) -> None:
     p.add_argument("--out", default=None, help="write trajectories here (JSONL, one per line)")
 
 
-def collect(cfg: RolloutCommandConfig, tasks):
-    """Run the rollouts on cfg.engine.url, or on an engine started for them (stopped after);
-    returns (trajectories, seconds, setup failures)."""
-    model_path = str(resolve_model(cfg.model))
+def model_folder(name: str) -> str:
+    """The local folder of model `name`, or a ConfigError saying why there is none (one line)."""
+    try:
+        return str(resolve_model(name))
+    except ModelError as e:
+        raise ConfigError(str(e)) from None
+
+
+def collect(cfg: RolloutCommandConfig, tasks, desc: str = "rollout"):
+    """Run the rollouts on cfg.engine.url, or on an engine started for them (stopped after), with a
+    progress bar (episodes done, ETA) on stderr; returns (trajectories, seconds, setup failures).
+    The sandbox is checked before the model is touched: where it cannot run, nothing would."""
+    check_sandbox(cfg.sandbox)
+    model_path = model_folder(cfg.model)
     tok = AutoTokenizer.from_pretrained(model_path)
     layout = plan_layout(cfg.dtype, cfg.engine, trainer_device=None)
     if not cfg.engine.urls:
@@ -78,17 +90,22 @@ def collect(cfg: RolloutCommandConfig, tasks):
     with EngineHandle(cfg.engine, layout, model_path, ready_timeout=900) as urls:
         t0 = time.monotonic()
         stats = {}
-        trajs = asyncio.run(rollout_groups(urls, tok, tasks, cfg.rollout, seed=cfg.seed, stats=stats))
+        episodes = len(tasks) * cfg.rollout.group_size
+        with tqdm(total=episodes, desc=desc, unit="ep", leave=False, dynamic_ncols=True) as bar:
+            trajs = asyncio.run(rollout_groups(urls, tok, tasks, cfg.rollout, seed=cfg.seed, stats=stats,
+                                               sandbox_factory=sandbox_factory(cfg.sandbox),
+                                               on_episode_done=lambda: bar.update(1)))
         return trajs, time.monotonic() - t0, stats["setup_failures"]
 
 
-def tasks_or_exit(command: str, which: str, modules=()):
-    report_load_errors(modules, f"nano-miles {command}")  # one line per bad module; the rest loads
+def selected_tasks(command: str, which: str, modules=(), select=select_tasks) -> list:
+    """The tasks `which` (the tasks key) selects after loading the user's task `modules` (one line
+    per bad module; the rest loads), or a ConfigError naming the unknown task (one line)."""
+    report_load_errors(modules, f"nano-miles {command}")
     try:
-        return select_tasks(which)
+        return select(which)
     except KeyError as e:
-        print(f"nano-miles {command}: {e.args[0]}", file=sys.stderr)
-        return None
+        raise ConfigError(e.args[0]) from None
 
 
 def solved(t) -> bool:
@@ -134,9 +151,7 @@ def run(args) -> int:
     if args.print_config:
         print(to_toml(cfg), end="")
         return 0
-    tasks = tasks_or_exit("rollout", cfg.tasks, cfg.tasks_module)
-    if tasks is None:
-        return 2
+    tasks = selected_tasks("rollout", cfg.tasks, cfg.tasks_module)
     trajs, secs, setup_failures = collect(cfg, tasks)
     if args.out:
         with open(args.out, "w") as f:

@@ -180,10 +180,12 @@ def run(args) -> int:
         print("usage: nano-miles tasks list|check [--tasks-module M] ...")
         return 2
     report_load_errors(args.tasks_module, "nano-miles tasks")
+    flag, which = ("--split", args.split) if args.tasks_command == "list" else ("--tasks", args.tasks)
     try:
-        tasks = select_tasks(args.split if args.tasks_command == "list" else args.tasks)
-    except KeyError as e:
-        print(f"nano-miles tasks: {e.args[0]}")
+        tasks = select_tasks(which)
+    except KeyError as e:  # say what the item is not, not just "unknown task": --split names splits too
+        print(f"nano-miles tasks: {flag} {which!r}: not a split ({', '.join(SPLITS)}), seed, all, a family or a "
+              f"task id ({e.args[0]})", file=sys.stderr)
         return 2
     if args.tasks_command == "check":
         return check_tasks(tasks, jobs=args.jobs, as_json=args.json)

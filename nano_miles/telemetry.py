@@ -1,17 +1,26 @@
-"""Run telemetry: the live per-step table, metrics.jsonl, TensorBoard scalars and PNG curves.
+"""Run telemetry: the live per-step table, metrics.jsonl, TensorBoard scalars, Weights & Biases
+(optional), the PNG curves and the end-of-run summary.
 
 metrics.jsonl is the source of truth (one JSON object per step, flushed as it is written);
-TensorBoard and the PNG curves are derived views of the same numbers.
+TensorBoard, W&B and the PNG curves are derived views of the same numbers. `report_to` names the
+views a run writes besides metrics.jsonl, as TRL's and verl's option of that name does:
+"tensorboard" (the default), "wandb" (when the wandb package is installed; WANDB_MODE=offline
+writes the run under run_dir/wandb/ without a network, `wandb sync` uploads it later), both
+comma-separated, or "none".
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
+import uuid
 from pathlib import Path
 
 import psutil
 import torch
+
+from nano_miles.config import ConfigError
 
 REQUIRED_KEYS = (
     "step", "reward_mean", "acc", "pg_loss", "clip_frac", "parity_mean", "parity_max",
@@ -32,7 +41,36 @@ COLUMNS = (
     ("tokens_per_s", "tok/s", "{:>7.0f}"),
     ("turns_mean", "turns", "{:>5.2f}"),
     ("staleness_max", "stale", "{:>5d}"),
+    ("elapsed_s", "elapsed", "duration"),   # the whole run so far, and the time its remaining steps need
+    ("eta_s", "ETA", "duration"),
 )
+REPORTERS = ("tensorboard", "wandb")
+
+
+def parse_report_to(value: str) -> list[str]:
+    """`report_to` ("tensorboard,wandb", "none") as a list of reporter names."""
+    names = [n.strip() for n in value.split(",") if n.strip() and n.strip() != "none"]
+    unknown = [n for n in names if n not in REPORTERS]
+    if unknown:
+        raise ValueError(f"report_to: unknown {unknown[0]!r}; comma-separated names of {', '.join(REPORTERS)}, "
+                         "or none")
+    return names
+
+
+def check_report_to(value: str) -> list[str]:
+    """The reporters of `report_to`, each one usable here (checked before a run loads anything)."""
+    names = parse_report_to(value)
+    if "wandb" in names and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("report_to=wandb needs the wandb package: `pip install wandb` (WANDB_MODE=offline "
+                          "needs no account or network), or leave it out: --set report_to=tensorboard")
+    return names
+
+
+def duration(seconds: float) -> str:
+    """12:34 or 1:02:03."""
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
 def _mean(xs) -> float:
@@ -51,6 +89,7 @@ def step_metrics(step: int, rollout, staleness: list[int], max_staleness: int, t
         "step": step, "trajectories": len(trajs), "task_ids": [t.task_id for t in trajs],
         "infra_failures": sum(t.finish_reason == "infra_error" for t in trajs),
         "setup_failures": rollout.setup_failures,
+        "infra_errors": list(dict.fromkeys(rollout.infra_errors))[:3],  # why, in the sandbox's words
         "dropped_stale": sum(s > max_staleness for s in staleness),
         "staleness_max": max(staleness, default=0),
         "staleness_trained_max": max((s for s in staleness if s <= max_staleness), default=0),
@@ -86,27 +125,38 @@ def parity_error(metrics: dict) -> str | None:
             "(the engine's log-probs differ from the trainer's; they must be equal bit for bit)")
 
 
+def _cell(fmt: str, value) -> str:
+    if fmt == "duration":
+        return duration(value).rjust(7)
+    return fmt.format(int(value) if "d" in fmt else float(value))
+
+
+def _width(title: str, fmt: str) -> int:
+    return max(len(title), len(_cell(fmt, 0)))
+
+
 def format_row(metrics: dict) -> str:
     cells = []
     for key, title, fmt in COLUMNS:
         value = metrics.get(key)
-        width = max(len(title), len(fmt.format(0) if "d" in fmt else fmt.format(0.0)))
-        if value is None or (isinstance(value, float) and math.isnan(value)):
-            cells.append("-".rjust(width))
+        if value is None or (isinstance(value, float) and not math.isfinite(value)):
+            cells.append("-".rjust(_width(title, fmt)))
         else:
-            cells.append(fmt.format(int(value) if "d" in fmt else float(value)).rjust(width))
+            cells.append(_cell(fmt, value).rjust(_width(title, fmt)))
     return " ".join(cells)
 
 
 def format_header() -> str:
-    widths = [max(len(t), len(f.format(0) if "d" in f else f.format(0.0))) for _, t, f in COLUMNS]
-    return " ".join(t.rjust(w) for (_, t, _), w in zip(COLUMNS, widths))
+    return " ".join(title.rjust(_width(title, fmt)) for _, title, fmt in COLUMNS)
 
 
 class MetricsLog:
-    """Appends one object per step to run_dir/metrics.jsonl and mirrors scalars to TensorBoard."""
+    """Appends one object per step to run_dir/metrics.jsonl and mirrors its scalars to the
+    `report_to` reporters (TensorBoard, W&B); `config` is the run's, for W&B."""
 
-    def __init__(self, run_dir: str | Path, resume_after_step: int | None = None, echo=print):
+    def __init__(self, run_dir: str | Path, resume_after_step: int | None = None, echo=print,
+                 report_to: str = "tensorboard", config: dict | None = None):
+        reporters = check_report_to(report_to)
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
@@ -118,9 +168,13 @@ class MetricsLog:
                     if line.strip() and json.loads(line)["step"] <= resume_after_step]
             self.path.write_text("".join(line + "\n" for line in kept))
         self._file = open(self.path, "a", buffering=1)
-        from torch.utils.tensorboard import SummaryWriter  # slow import: only when a run starts
+        self._tb = self._wandb = None
+        if "tensorboard" in reporters:
+            from torch.utils.tensorboard import SummaryWriter  # slow import: only when a run starts
 
-        self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+        if "wandb" in reporters:
+            self._wandb = start_wandb(self.run_dir, config or {})
         self._header_printed = False
 
     def log(self, metrics: dict) -> None:
@@ -132,10 +186,14 @@ class MetricsLog:
             metrics = {**metrics, "parity_error": error is not None}
         self._file.write(json.dumps(metrics, sort_keys=True) + "\n")
         step = int(metrics["step"])
-        for key, value in metrics.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        scalars = {key: value for key, value in metrics.items()
+                   if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)}
+        if self._tb is not None:
+            for key, value in scalars.items():
                 self._tb.add_scalar(key, value, step)
-        self._tb.flush()
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
         if not self._header_printed:
             self.echo(format_header())
             self._header_printed = True
@@ -145,8 +203,27 @@ class MetricsLog:
 
     def close(self) -> None:
         self._file.close()
-        self._tb.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
         write_curves(self.path, self.run_dir)
+
+
+def start_wandb(run_dir: Path, config: dict):
+    """A W&B run for run_dir (project $WANDB_PROJECT or nano-miles, named after the run directory),
+    the same W&B run again after --resume; its local files go under run_dir/wandb/."""
+    import wandb  # optional: imported only when report_to names it
+
+    id_file = run_dir / "wandb_id"
+    run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
+    id_file.write_text(run_id)
+    try:
+        return wandb.init(project=os.environ.get("WANDB_PROJECT", "nano-miles"), name=run_dir.name, id=run_id,
+                          resume="allow", dir=str(run_dir), config=config)
+    except Exception as e:  # no API key, no network...: say what to do instead of a wandb traceback
+        raise RuntimeError(f"wandb could not start a run ({type(e).__name__}: {e}); WANDB_MODE=offline "
+                           "logs without an account or network (`wandb sync` uploads later)") from None
 
 
 def read_metrics(path: str | Path) -> list[dict]:
@@ -183,3 +260,28 @@ def write_curves(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
         plt.close(fig)
         written.append(path)
     return written
+
+
+def run_summary(rows: list[dict], wall_s: float, run_dir: Path) -> list[str]:
+    """The lines a run ends with: first vs last reward and accuracy, the wall time, where the files are."""
+    run_dir = Path(run_dir)
+    if not rows:
+        return [f"no step completed in {duration(wall_s)}; run directory {run_dir}"]
+    first, last = rows[0], rows[-1]
+
+    def change(key: str, fmt: str) -> str:
+        def show(row):
+            value = row.get(key)
+            return "-" if value is None or not math.isfinite(value) else fmt.format(value)
+        return f"{show(first)} (step {first['step']}) -> {show(last)} (step {last['step']})"
+
+    files = [name for name in ("metrics.jsonl", "tensorboard/", "wandb/", "reward_mean.png", "acc.png",
+                               "parity_mean.png", "checkpoint/", "final/") if (run_dir / name).exists()]
+    lines = [f"summary: {len(rows)} step{'s' if len(rows) != 1 else ''}, {duration(wall_s)} wall time",
+             f"  reward    {change('reward_mean', '{:+.3f}')}",
+             f"  accuracy  {change('acc', '{:.1%}')}",
+             f"  files     {run_dir}/: {', '.join(files)}"]
+    if (run_dir / "final").is_dir():
+        lines.append(f"  policy    nano-miles eval --model {run_dir / 'final'}   "
+                     f"(or: nano-miles serve --model {run_dir / 'final'})")
+    return lines

@@ -11,6 +11,11 @@ Modes (nano_miles/producer.py): `sync` (on-policy: every rollout uses the latest
 (rollouts for step v+1 are generated while step v trains; a trajectory whose oldest token is more
 than `max_staleness` weight versions behind the trained policy is dropped and counted, newer ones are
 corrected by truncated importance sampling against the engine's log-probs).
+
+Failing safely: before any model is loaded, the sandbox must reach `sandbox.min_tier` and every
+`report_to` reporter must be usable, else the run refuses with the reason and the fix (and leaves
+no run directory behind). `max_infra_failed_steps` consecutive steps whose episodes all failed for
+infrastructure reasons stop the run with the cause; a run whose policy never changed writes no final/.
 """
 from __future__ import annotations
 
@@ -34,12 +39,13 @@ from nano_miles.client import EngineUnavailable
 from nano_miles.config import ConfigError, add_config_arguments, config_from_args, to_dict, to_toml
 from nano_miles.dtypes import TRAINABLE
 from nano_miles.engine_handle import EngineHandle, plan_layout
-from nano_miles.models import resolve_model
 from nano_miles.producer import AsyncProducer, StepRollout, SyncProducer, TaskStream, roll_out_step, staleness
 from nano_miles.reference import ReferencePolicy
-from nano_miles.rollout_cli import RolloutCommandConfig
-from nano_miles.tasks import report_load_errors, training_tasks
-from nano_miles.telemetry import MetricsLog, memory_gb, step_metrics
+from nano_miles.rollout_cli import RolloutCommandConfig, model_folder, selected_tasks
+from nano_miles.sandbox_tier import check_sandbox, sandbox_factory
+from nano_miles.tasks import training_tasks
+from nano_miles.telemetry import (MetricsLog, check_report_to, memory_gb, parse_report_to, read_metrics, run_summary,
+                                  step_metrics)
 from nano_miles.trainer import OptimConfig, Trainer, TrainerConfig
 from nano_miles.update import policy_update
 from nano_miles.weight_sync import SyncConfig, WeightSync, WeightSyncError
@@ -69,6 +75,8 @@ class TrainConfig(RolloutCommandConfig):
     trainer_device: str = "auto"      # auto = cuda:0 with a GPU, else cpu
     max_engine_restarts: int = 3      # per step, before the run stops with an error
     true_on_policy: bool = False      # batch-invariant engine and trainer: log-probs equal bit for bit, parity_max 0.0
+    max_infra_failed_steps: int = 2   # steps in a row that lose every episode to the sandbox before the run stops
+    report_to: str = "tensorboard"    # besides metrics.jsonl, comma-separated: tensorboard, wandb (needs wandb), none
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossConfig = field(default_factory=LossConfig)
@@ -90,6 +98,13 @@ class TrainConfig(RolloutCommandConfig):
         if self.true_on_policy and self.rollout.temperature != 1.0:
             raise ValueError("true_on_policy needs rollout.temperature = 1 (the engine's log-probs are of the "
                              "tempered distribution, the trainer's of the model's)")
+        if self.max_infra_failed_steps < 1:
+            raise ValueError(f"max_infra_failed_steps must be >= 1, got {self.max_infra_failed_steps}")
+        parse_report_to(self.report_to)
+
+
+class RunFailed(RuntimeError):
+    """The run stopped, or ended, without a policy to show for it; the message says why and what to do."""
 
 
 CONFIG = TrainConfig
@@ -107,20 +122,23 @@ def train_layout(cfg: TrainConfig):
 class TrainingRun:
     """One run directory: the trainer, the engine, the weight sync, the data position, the metrics."""
 
-    def __init__(self, cfg: TrainConfig, resume_dir: str | None = None, echo=print):
+    def __init__(self, cfg: TrainConfig, resume_dir: str | None = None, echo=print, make_sandbox=None):
+        """make_sandbox: what makes an episode's sandbox (default: a Sandbox of sandbox.min_tier)."""
         self.cfg, self.echo = cfg, echo
-        report_load_errors(cfg.tasks_module, "nano-miles train")
-        try:  # before anything starts: a bad selection, or a benchmark (never trained on), is one line
-            tasks = training_tasks(cfg.tasks)
-        except KeyError as e:
-            raise RuntimeError(e.args[0]) from None
+        self.started = time.monotonic()
+        # Everything that can refuse the run does so before a model is loaded or a directory written:
+        # a bad task selection or a benchmark (never trained on), the sandbox, the reporters, the model.
+        tasks = selected_tasks("train", cfg.tasks, cfg.tasks_module, select=training_tasks)
+        check_sandbox(cfg.sandbox)
+        check_report_to(cfg.report_to)
+        self.make_sandbox = make_sandbox or sandbox_factory(cfg.sandbox)
+        self.layout = train_layout(cfg)
+        self.model_path = model_folder(cfg.model)
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
         self.run_dir = Path(resume_dir or cfg.run_dir or Path("runs") / stamp)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if not resume_dir:
             (self.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
-        self.layout = train_layout(cfg)
-        self.model_path = str(resolve_model(cfg.model))
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         echo(f"model {self.model_path} | trainer {self.layout.trainer_device} | engine "
@@ -131,6 +149,14 @@ class TrainingRun:
         # The engine starts before the trainer so that, on one shared GPU, it sizes its KV cache first.
         self.engine = EngineHandle(cfg.engine, self.layout, self.model_path, self.run_dir)
         (self.url,) = self.engine.start()
+        try:
+            self._load(tasks, resume_dir)
+        except BaseException:
+            self.engine.stop()  # not left running behind a run that never started
+            raise
+
+    def _load(self, tasks: list, resume_dir: str | None) -> None:
+        cfg, echo = self.cfg, self.echo
         self.trainer = Trainer(dataclasses.replace(
             cfg.trainer, model=self.model_path, device=self.layout.trainer_device, dtype=self.layout.dtype,
             true_on_policy=cfg.true_on_policy, optim=cfg.optim, loss=cfg.loss))
@@ -145,7 +171,8 @@ class TrainingRun:
                 self.start_step, self.stream.position = state["step"], state["data_position"]
                 echo(f"resumed from {self.run_dir}/checkpoint after step {self.start_step}")
         self.data_position = {self.start_step: self.stream.position}  # step -> stream position after it
-        self.log = MetricsLog(self.run_dir, resume_after_step=self.start_step if resume_dir else None, echo=echo)
+        self.log = MetricsLog(self.run_dir, resume_after_step=self.start_step if resume_dir else None, echo=echo,
+                              report_to=cfg.report_to, config=to_dict(cfg))
         self.syncer = None
         self._mutating = False
         self._stop_after_step = False
@@ -175,7 +202,7 @@ class TrainingRun:
     def _roll_out(self, step: int, desc: str) -> StepRollout:
         cfg = self.cfg  # self.url is read at call time: a restart changes it
         return roll_out_step(step, self.stream, cfg.tasks_per_step, [self.url], self.tokenizer, cfg.rollout,
-                             cfg.seed, desc)
+                             cfg.seed, desc, sandbox_factory=self.make_sandbox)
 
     def _collect(self, step: int) -> StepRollout:
         """This step's trajectories, retrying on a dead engine (same tasks, same seeds)."""
@@ -208,8 +235,11 @@ class TrainingRun:
         kept = [t for t, s in zip(rollout.trajectories, stale)
                 if s <= self.cfg.max_staleness and t.finish_reason != "infra_error"]
         self._mutating = True  # from here until the step is logged, the trainer is between states
-        train, skipped = policy_update(self.trainer, kept, self.cfg.advantage, self.pad_id, self.echo,
-                                       updates=self.cfg.updates_per_step, reference=self.reference)
+        if rollout.all_lost:
+            train, skipped = {}, "every episode failed for infrastructure reasons (sandbox)"
+        else:
+            train, skipped = policy_update(self.trainer, kept, self.cfg.advantage, self.pad_id, self.echo,
+                                           updates=self.cfg.updates_per_step, reference=self.reference)
         if self.trainer.device.type == "cuda":
             # AdamW and the master -> bf16 copy are still queued on the GPU: let the update pay for
             # them, so that sync_ms measures the weight transfer and not the optimizer's tail.
@@ -217,7 +247,7 @@ class TrainingRun:
         sync = self._sync(step)
         metrics = step_metrics(step, rollout, stale, self.cfg.max_staleness, train, skipped, sync,
                                mem_gb=memory_gb(self.layout.trainer_device), step_s=time.perf_counter() - t0,
-                               engine_restarts=self.engine.restarts)
+                               engine_restarts=self.engine.restarts, all_lost=rollout.all_lost)
         return {**metrics, "true_on_policy": self.cfg.true_on_policy}  # parity_max != 0 is then an error
 
     def _checkpoint(self, step: int) -> None:
@@ -237,22 +267,47 @@ class TrainingRun:
             return
         raise KeyboardInterrupt
 
+    def _timing(self, step: int, loop_started: float) -> dict:
+        """The whole run's elapsed time so far and the remaining steps' estimate (this process's pace)."""
+        now = time.monotonic()
+        per_step = (now - loop_started) / (step - self.start_step)
+        return {"elapsed_s": now - self.started, "eta_s": per_step * (self.cfg.steps - step)}
+
+    def _stop_for_lost_steps(self, step: int, lost: int, metrics: dict) -> None:
+        """`lost` consecutive steps up to `step` lost every episode to the infrastructure: stop, with a
+        checkpoint from before them (the trainer has not changed since), so --resume redoes them."""
+        before = step - lost
+        if before > self.checkpointed:
+            self._checkpoint(before)
+        cause = "; ".join(metrics["infra_errors"]) or "no message"
+        raise RunFailed(f"stopped at step {step}: steps {before + 1}-{step} lost every episode to infrastructure "
+                        f"failures, nothing was trained on in them (max_infra_failed_steps="
+                        f"{self.cfg.max_infra_failed_steps}). Cause: {cause}. Fix it and continue with "
+                        f"--resume {self.run_dir} (from step {before + 1})")
+
     def run(self) -> Path:
         cfg = self.cfg
         self.checkpointed = completed = self.start_step
         in_main = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGINT, self._on_sigint) if in_main else None
+        loop_started, lost = time.monotonic(), 0
         try:
             self.producer.start(self.start_step + 1)
             for step in range(self.start_step + 1, cfg.steps + 1):
-                self.log.log(self.step(step))
+                metrics = self.step(step)
+                metrics.update(self._timing(step, loop_started))
+                self.log.log(metrics)
                 completed, self._mutating = step, False
+                lost = lost + 1 if metrics["all_lost"] else 0
+                if lost >= cfg.max_infra_failed_steps:
+                    self._stop_for_lost_steps(step, lost, metrics)
                 if step % cfg.checkpoint_every == 0 or step == cfg.steps:
                     self._checkpoint(step)
                 if self._stop_after_step and step < cfg.steps:
                     raise KeyboardInterrupt
-            export_model(self.trainer, self.model_path, self.run_dir / "final")
-            self.echo(f"done: metrics, curves and the final policy (final/) in {self.run_dir}")
+            # trainer.step counts optimizer steps: 0 means the policy is still the base model.
+            if self.trainer.step > 0:
+                export_model(self.trainer, self.model_path, self.run_dir / "final")
         except KeyboardInterrupt:
             # Steps are atomic: the trainer state is the one after the last completed step's sync
             # unless a second Ctrl-C hit mid-update, in which case the older checkpoint stands.
@@ -264,6 +319,13 @@ class TrainingRun:
             if in_main:
                 signal.signal(signal.SIGINT, previous)
             self.close()
+        rows = read_metrics(self.log.path)
+        for line in run_summary(rows, time.monotonic() - self.started, self.run_dir):
+            self.echo(line)
+        if self.trainer.step == 0:
+            reasons = sorted({r["update_skipped"] for r in rows if r.get("update_skipped")})
+            raise RunFailed(f"trained on nothing: no step updated the policy ({'; '.join(reasons) or 'no step ran'}), "
+                            f"so it is still the base model and no final/ was written; metrics in {self.run_dir}")
         return self.run_dir
 
     def close(self) -> None:

@@ -2,16 +2,73 @@
 # Legs 2 and 3 of the CPU suite (scripts/test.sh runs leg 1): the sandbox tests again,
 #   leg 2: with namespaces denied by a seccomp filter, as in a rootless container: the fallback tier
 #          must engage (NANO_OPENSHELL_EXPECT_TIER=fallback is checked by a test) and pass;
-#   leg 3: as a non-root user (created with useradd when missing).
+#   leg 3: as root only, as a non-root user.
 # Each leg asserts which tier really ran, so no leg can pass by skipping its isolation tests.
+#
+#   bash scripts/test_legs.sh [PYTEST ARGS]   # default: tests/nano_openshell
+#
+# Leg 3 changes the host, and undoes it on exit (success, failure or Ctrl-C): it creates the user
+# ($NANO_OPENSHELL_TEST_USER, default nanotest) with useradd when missing, and deletes it again
+# (with its pytest temp dir) if it created it; it gives o+x to the directories on the way to the
+# interpreter and the repo that the user cannot traverse, and restores each one's mode.
+# $NANO_TEST_PYTHON picks the interpreter (default: the repo's .venv).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
-py="$root/.venv/bin/python"
-tests=tests/nano_openshell
-common=(-q -p no:cacheprovider "$tests")
+py="${NANO_TEST_PYTHON:-$root/.venv/bin/python}"
+if [ $# -gt 0 ]; then selection=("$@"); else selection=(tests/nano_openshell); fi
+common=(-q -p no:cacheprovider "${selection[@]}")
 
-echo "== leg 2: $tests with namespaces denied by seccomp (fallback tier expected)"
+# ---- what this script changed on the host, and its undo -------------------------------------------
+created_user=""
+restore_modes=()  # "MODE DIR", in the order they were changed
+
+undo_host_changes() {
+    local status=$? i entry
+    for ((i = ${#restore_modes[@]} - 1; i >= 0; i--)); do
+        entry="${restore_modes[i]}"
+        echo "undo: chmod ${entry%% *} ${entry#* }"
+        chmod "${entry%% *}" "${entry#* }" || echo "undo: could not restore the mode of ${entry#* }" >&2
+    done
+    restore_modes=()
+    if [ -n "$created_user" ]; then
+        echo "undo: userdel $created_user"
+        rm -rf "/tmp/pytest-of-$created_user"
+        userdel "$created_user" || echo "undo: could not delete user $created_user: run userdel $created_user" >&2
+        created_user=""
+    fi
+    exit "$status"  # the legs' own status, whatever the undo's commands returned
+}
+trap undo_host_changes EXIT
+trap 'exit 130' INT TERM  # through the EXIT trap
+
+# Create the leg-3 user unless it exists; remembered for the undo.
+ensure_user() {
+    id "$1" >/dev/null 2>&1 && return 0
+    useradd --no-create-home --shell /bin/bash "$1"
+    created_user="$1"
+}
+
+# Give user $1 traverse (o+x, no listing) on every directory above each of the following paths
+# that it cannot traverse yet, top down (a parent first, then its child); each old mode remembered.
+let_user_reach() {
+    local user="$1" target dir part
+    shift
+    for target in "$@"; do
+        dir=""
+        for part in $(dirname "$target" | tr / ' '); do
+            dir="$dir/$part"
+            if ! runuser -u "$user" -- test -x "$dir"; then
+                echo "leg 3: chmod o+x $dir (so $user can reach $target)"
+                restore_modes+=("$(stat -c %a "$dir") $dir")
+                chmod o+x "$dir"
+            fi
+        done
+    done
+}
+
+# ---- the legs ------------------------------------------------------------------------------------
+echo "== leg 2: ${selection[*]} with namespaces denied by seccomp (fallback tier expected)"
 NANO_OPENSHELL_EXPECT_TIER=fallback PYTHONDONTWRITEBYTECODE=1 \
     "$py" -c "import sys; from nano_openshell.seccomp import main; sys.exit(main())" \
     --deny-namespaces -- "$py" -m pytest "${common[@]}"
@@ -21,20 +78,10 @@ if [ "$(id -u)" != 0 ]; then
     exit 0
 fi
 user="${NANO_OPENSHELL_TEST_USER:-nanotest}"
-id "$user" >/dev/null 2>&1 || useradd --no-create-home --shell /bin/bash "$user"
-# The venv's interpreter may live under a private home (pyenv in /root): let the user traverse
-# (o+x, no listing) the directories on the way to it and to the repo, and say so.
-for target in "$(readlink -f "$py")" "$root/.venv" "$root"; do
-    dir=""
-    for part in $(dirname "$target" | tr / ' '); do  # top down: a parent first, then its child
-        dir="$dir/$part"
-        if ! runuser -u "$user" -- test -x "$dir"; then
-            echo "leg 3: chmod o+x $dir (so $user can reach $target)"
-            chmod o+x "$dir"
-        fi
-    done
-done
-echo "== leg 3: $tests as $user (namespaced tier expected)"
+ensure_user "$user"
+# The interpreter may live under a private home (pyenv in /root).
+let_user_reach "$user" "$(readlink -f "$py")" "$root/.venv" "$root"
+echo "== leg 3: ${selection[*]} as $user (namespaced tier expected)"
 runuser -u "$user" -- env -i PATH=/usr/local/bin:/usr/bin:/bin HOME=/tmp LANG=C.UTF-8 \
     NANO_OPENSHELL_EXPECT_TIER="${NANO_OPENSHELL_LEG3_TIER:-namespaced}" PYTHONDONTWRITEBYTECODE=1 \
     "$py" -m pytest "${common[@]}"

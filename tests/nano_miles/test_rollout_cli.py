@@ -1,6 +1,12 @@
 """`nano-miles rollout` and `eval` take the same config keys as `train` (docs/config.md): their flags
-are aliases of keys, `--config` / `--set` set any key, `--print-config` shows the result."""
+are aliases of keys, `--config` / `--set` set any key, `--print-config` shows the result. Before
+either loads a model, the sandbox must reach `sandbox.min_tier`; while they run, a progress bar."""
+import os
+import re
+import subprocess
+import sys
 import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -8,6 +14,8 @@ from nano_miles import cli
 from nano_miles.evaluate import EvalConfig
 from nano_miles.rollout_cli import RolloutCommandConfig
 from nano_miles.train import TrainConfig
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _printed_config(capsys, argv) -> dict:
@@ -57,3 +65,35 @@ def test_bad_values_are_one_line_and_exit_2(capsys, argv, message):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
+
+
+def _under_denied_namespaces(argv, env) -> subprocess.CompletedProcess:
+    """`nano-miles ARGV` in a process whose namespaces a seccomp filter denies (a rootless container)."""
+    return subprocess.run([sys.executable, "-c", "import sys; from nano_openshell.seccomp import main; sys.exit(main())",
+                           "--deny-namespaces", "--", sys.executable, "-m", "nano_miles.cli", *argv],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("command", ["rollout", "eval"])
+def test_a_sandbox_below_min_tier_is_refused_before_the_model_loads(command, tmp_path):
+    cache = tmp_path / "model-cache"
+    proc = _under_denied_namespaces([command, "--model", "tiny-random-qwen2", "--tasks", "kernel_name"],
+                                    dict(os.environ, NANO_MILES_CACHE=str(cache)))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"nano-miles {command}: every episode would fail: the sandbox cannot reach "
+                                  "sandbox.min_tier=namespaced here")
+    assert "--set sandbox.min_tier=fallback" in proc.stderr
+    assert not cache.exists() and proc.stdout == ""  # no model built, no engine started
+
+
+def test_rollout_on_the_fallback_tier_when_asked_with_a_progress_bar(tmp_path, tiny_model_path):
+    """The fix the refusal names works: the same machine, sandbox.min_tier=fallback, real episodes.
+    Progress (episodes done, ETA) goes to stderr while they run."""
+    out = tmp_path / "r.jsonl"
+    proc = _under_denied_namespaces(["rollout", "--model", str(tiny_model_path), "--tasks", "kernel_name,md5_file",
+                                     "--group-size", "2", "--max-turns", "1", "--max-new-tokens", "8",
+                                     "--set", "sandbox.min_tier=fallback", "--out", str(out)], dict(os.environ))
+    assert proc.returncode == 0, proc.stderr
+    assert "2 tasks x 2 samples = 4 episodes" in proc.stdout and "infra failures 0" in proc.stdout
+    assert len(out.read_text().splitlines()) == 4
+    assert re.search(r"rollout: +\d+%\|.*\| \d/4 \[", proc.stderr), proc.stderr  # episodes done of 4, time left

@@ -1,9 +1,13 @@
-"""metrics.jsonl, TensorBoard events, the live table and the PNG curves of a run directory."""
+"""metrics.jsonl, TensorBoard events, W&B, the live table, the PNG curves and the summary of a run."""
+import importlib.util
 import json
+import struct
 
 import pytest
 
-from nano_miles.telemetry import REQUIRED_KEYS, MetricsLog, format_header, format_row, read_metrics
+from nano_miles.config import ConfigError
+from nano_miles.telemetry import (REQUIRED_KEYS, MetricsLog, format_header, format_row, parse_report_to, read_metrics,
+                                  run_summary)
 
 
 def _metrics(step, **extra):
@@ -66,3 +70,80 @@ def test_true_on_policy_parity_that_is_not_zero_is_an_error_line(tmp_path):
     assert printed.index(errors[0]) == 3  # right under step 2's row
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r.get("parity_error") for r in rows] == [False, True, None]
+
+
+def test_the_live_table_shows_the_whole_runs_elapsed_time_and_eta():
+    row = format_row(_metrics(3, elapsed_s=75.4, eta_s=3723.0)).split()
+    assert row[-2:] == ["1:15", "1:02:03"] and format_header().split()[-2:] == ["elapsed", "ETA"]
+
+
+def test_the_run_ends_with_a_summary_of_what_it_did_and_where_the_files_are(tmp_path):
+    log = MetricsLog(tmp_path, echo=lambda s: None)
+    for step, reward, acc in ((1, -0.05, 0.125), (2, 0.2, 0.25), (3, 0.31, 0.5)):
+        log.log(_metrics(step, reward_mean=reward, acc=acc))
+    log.close()
+    (tmp_path / "final").mkdir()
+    assert run_summary(read_metrics(tmp_path / "metrics.jsonl"), 245.0, tmp_path) == [
+        "summary: 3 steps, 4:05 wall time",
+        "  reward    -0.050 (step 1) -> +0.310 (step 3)",
+        "  accuracy  12.5% (step 1) -> 50.0% (step 3)",
+        f"  files     {tmp_path}/: metrics.jsonl, tensorboard/, reward_mean.png, acc.png, parity_mean.png, final/",
+        f"  policy    nano-miles eval --model {tmp_path / 'final'}   (or: nano-miles serve --model {tmp_path / 'final'})"]
+    assert run_summary([], 3.0, tmp_path) == [f"no step completed in 0:03; run directory {tmp_path}"]
+
+
+def test_report_to_none_writes_metrics_jsonl_alone(tmp_path):
+    log = MetricsLog(tmp_path, echo=lambda s: None, report_to="none")
+    log.log(_metrics(1))
+    log.close()
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1]
+    assert not (tmp_path / "tensorboard").exists()
+    with pytest.raises(ValueError, match="report_to: unknown 'mlflow'"):
+        parse_report_to("tensorboard,mlflow")
+
+
+def _wandb_history(run_dir) -> list[dict]:
+    """The history rows of an offline W&B run: its run-*.wandb file is a LevelDB-style log (32 KiB
+    blocks of records: crc32, length, type) of protobuf Records, after a 7-byte ':W&B' header."""
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    data, pos, pending, rows = path.read_bytes(), 7, b"", []
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if left < 7 or (length, kind) == (0, 0):  # block padding
+            pos += left
+            continue
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a whole record, or the last piece of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            if record.WhichOneof("record_type") == "history":
+                rows.append({"/".join(item.nested_key) or item.key: json.loads(item.value_json)
+                             for item in record.history.item})
+    return rows
+
+
+def test_report_to_wandb_logs_every_step_offline_or_says_how_to_get_it(tmp_path, monkeypatch):
+    """With wandb installed, WANDB_MODE=offline writes the run under run_dir/wandb/ with every step's
+    metrics, no account and no network needed. Without it, one line says what to install."""
+    if importlib.util.find_spec("wandb") is None:
+        with pytest.raises(ConfigError, match=r"report_to=wandb needs the wandb package: `pip install wandb`"):
+            MetricsLog(tmp_path, echo=lambda s: None, report_to="tensorboard,wandb")
+        assert not (tmp_path / "metrics.jsonl").exists()
+        return
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    log = MetricsLog(tmp_path, echo=lambda s: None, report_to="tensorboard,wandb", config={"optim": {"lr": 1e-6}})
+    for step in (1, 2, 3):
+        log.log(_metrics(step, infra_errors=["not a scalar"]))
+    log.close()
+    rows = [r for r in _wandb_history(tmp_path) if "reward_mean" in r]
+    assert [(r["_step"], r["reward_mean"], r["acc"], r["sync_ms"]) for r in rows] == [
+        (s, 0.1 * s, 0.125 * s, 12.5) for s in (1, 2, 3)]
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))  # both reporters
+    assert (tmp_path / "wandb_id").read_text() in {p.name.rsplit("-", 1)[-1] for p in tmp_path.glob("wandb/offline-run-*")}

@@ -1,7 +1,8 @@
 """`nano-miles train` end to end on CPU: tiny-random-qwen2 through a real engine process and the real
 sandbox. The run directory, resume after SIGKILL, Ctrl-C, a dead engine, the async staleness bound,
-and a NaN update."""
+a NaN update, and failing safely: a sandbox that cannot run, steps that lose every episode."""
 import argparse
+import functools
 import json
 import os
 import signal
@@ -23,9 +24,12 @@ from nano_miles.models import resolve_model
 from nano_miles.producer import TaskStream
 from nano_miles.tasks import select_tasks
 from nano_miles.telemetry import REQUIRED_KEYS, read_metrics
-from nano_miles.train import TrainConfig, TrainingRun
+from nano_miles.train import RunFailed, TrainConfig, TrainingRun
+from nano_openshell import Sandbox
 
 REPO = Path(__file__).resolve().parents[2]
+DENY_NAMESPACES = [sys.executable, "-c", "import sys; from nano_openshell.seccomp import main; sys.exit(main())",
+                   "--deny-namespaces", "--"]
 FAST = ["--set", "model=tiny-random-qwen2", "--set", "rollout.max_new_tokens=24",
         "--set", "rollout.env.max_turns=2", "--set", "rollout.group_size=2", "--set", "tasks_per_step=2"]
 
@@ -93,7 +97,15 @@ def test_two_step_run_writes_the_run_directory_and_advances_the_engine(tmp_path)
         assert r["sync_verified"] is True and r["update_skipped"] is None
         assert r["parity_max"] <= 1e-5  # FP32 trainer vs FP32 engine on CPU
     assert [r["weight_version"] for r in rows] == ["1", "2"]
-    assert "reward" in out and "parity" in out  # the live table
+    assert "reward" in out and "parity" in out  # the live table ...
+    header = next(line for line in out.splitlines() if "parity" in line)
+    assert header.split()[-2:] == ["elapsed", "ETA"]  # ... with the whole run's elapsed time and ETA
+    # It ends with a summary: first vs last reward and accuracy, wall time, where the files are.
+    summary = out[out.index("summary: 2 steps, "):]
+    assert f"reward    {rows[0]['reward_mean']:+.3f} (step 1) -> {rows[1]['reward_mean']:+.3f} (step 2)" in summary
+    assert f"accuracy  {rows[0]['acc']:.1%} (step 1) -> {rows[1]['acc']:.1%} (step 2)" in summary
+    assert f"files     {run_dir}/: metrics.jsonl, tensorboard/, reward_mean.png" in summary
+    assert f"nano-miles eval --model {run_dir / 'final'}" in summary and "wall time" in summary
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert all((run_dir / f"{k}.png").exists() for k in ("reward_mean", "acc", "parity_mean"))
     assert json.loads((run_dir / "checkpoint" / "state.json").read_text())["step"] == 2
@@ -272,3 +284,50 @@ def test_old_key_names_still_work_and_say_their_new_name(tmp_path):
     cfg, err = print_config("--resume", str(run_dir), "--set", "rollout.group_size=2")
     assert (cfg["trainer"]["logprob_chunk"], cfg["engine"]["device"], cfg["rollout"]["group_size"]) == (64, "cpu", 2)
     assert err == ""
+
+
+def test_a_sandbox_below_min_tier_refuses_the_run_before_any_model_loads(tmp_path):
+    """Namespaces denied (a rootless container): every episode would be lost, so train refuses at once
+    with the probe's reason and the fix, before it builds or loads a model, and writes no run directory."""
+    run_dir, cache = tmp_path / "run", tmp_path / "model-cache"
+    env = dict(os.environ, NANO_MILES_CACHE=str(cache))  # tiny-random-qwen2 would be built here
+    proc = subprocess.run([*DENY_NAMESPACES, sys.executable, "-m", "nano_miles.cli", "train", *FAST,
+                           "--set", f"run_dir={run_dir}"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("nano-miles train: every episode would fail: the sandbox cannot reach "
+                                  "sandbox.min_tier=namespaced here (bwrap")
+    assert "--set sandbox.min_tier=fallback" in proc.stderr and "unprivileged" in proc.stderr
+    assert not run_dir.exists() and not cache.exists()
+
+
+def _run_with_broken_sandboxes(tmp_path, *sets):
+    """A run whose every sandbox fails to start (its workspace is gone): real sandboxes, real failures."""
+    cfg = load_config(TrainConfig, None, parse_set(FAST[1::2] + [f"run_dir={tmp_path / 'run'}", *sets]))
+    printed = []
+    broken = functools.partial(Sandbox, workspace="/nonexistent/workspace")
+    run = TrainingRun(cfg, echo=printed.append, make_sandbox=broken)
+    engine_pid = run.engine.process.process.pid
+    with pytest.raises(RunFailed) as failed:
+        run.run()
+    assert _wait_dead(engine_pid), "engine left running after a failed run"
+    return str(failed.value), read_metrics(tmp_path / "run" / "metrics.jsonl"), "\n".join(printed)
+
+
+def test_consecutive_steps_that_lose_every_episode_stop_the_run_with_the_cause(tmp_path):
+    message, rows, _ = _run_with_broken_sandboxes(tmp_path, "steps=5", "max_infra_failed_steps=2")
+    assert [(r["step"], r["setup_failures"], r["trajectories"]) for r in rows] == [(1, 4, 0), (2, 4, 0)]
+    assert all(r["update_skipped"] == "every episode failed for infrastructure reasons (sandbox)" for r in rows)
+    assert message.startswith("stopped at step 2: steps 1-2 lost every episode to infrastructure failures")
+    assert "'/nonexistent/workspace' does not exist" in message  # the cause, in the sandbox's words
+    assert f"--resume {tmp_path / 'run'} (from step 1)" in message
+    assert not (tmp_path / "run" / "final").exists()
+
+
+def test_a_run_that_trained_on_nothing_writes_no_final_policy(tmp_path):
+    """One lost step is below max_infra_failed_steps, so the run ends; but its policy never changed."""
+    message, rows, printed = _run_with_broken_sandboxes(tmp_path, "steps=1")
+    assert [r["step"] for r in rows] == [1] and rows[0]["setup_failures"] == 4
+    assert message.startswith("trained on nothing: no step updated the policy (every episode failed for "
+                              "infrastructure reasons (sandbox)), so it is still the base model and no final/ was written")
+    assert not (tmp_path / "run" / "final").exists() and "summary: 1 step," in printed

