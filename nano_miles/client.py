@@ -9,6 +9,10 @@ Every route is defined ONCE, in `Routes`: each method builds the HTTP call and h
 `self._send`, which is a blocking call in EngineClient (requests) and a coroutine in
 AsyncEngineClient (aiohttp), whose methods are therefore awaited. The two clients cannot drift.
 
+The api key (`serve --api-key`, sent as "Authorization: Bearer KEY"): the one given, else that of the
+engine this process started at that URL (start_engine_process generates one; so rollouts and weight
+sync, which pass only URLs around, reach the engines a command started), else $NANO_MILES_API_KEY.
+
 Errors: HTTP 400 raises EngineRequestError carrying the server's message (the server keeps serving);
 other HTTP errors raise EngineError; a refused or dropped connection raises EngineUnavailable, which
 is how rollouts and training notice a dead engine.
@@ -17,16 +21,37 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from dataclasses import dataclass
 
 import aiohttp
 import requests
 
-from nano_miles.engine.protocol import DEFAULT_GROUP_NAME
+from nano_miles.engine.protocol import API_KEY_ENV, DEFAULT_GROUP_NAME
 
 DEFAULT_TIMEOUT = 600.0
 HEALTH_TIMEOUT = 5.0
+_launched_keys: dict[str, str] = {}  # url -> api key of an engine this process started (engine_process.py)
+
+
+def remember_api_key(url: str, api_key: str | None) -> None:
+    """Record (or, with None, forget) the key of the engine this process runs at `url`."""
+    if api_key is None:
+        _launched_keys.pop(url.rstrip("/"), None)
+    else:
+        _launched_keys[url.rstrip("/")] = api_key
+
+
+def resolve_api_key(url: str, api_key: str | None = None) -> str:
+    """The key a client of `url` sends (module docstring); "" for none."""
+    if api_key is not None:
+        return api_key
+    return _launched_keys.get(url.rstrip("/")) or os.environ.get(API_KEY_ENV, "")
+
+
+def auth_headers(api_key: str) -> dict:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 class EngineError(RuntimeError):
@@ -175,10 +200,11 @@ class Routes:
 class EngineClient(Routes):
     """Blocking client (requests). One thread per client."""
 
-    def __init__(self, url: str, timeout: float = DEFAULT_TIMEOUT):
+    def __init__(self, url: str, timeout: float = DEFAULT_TIMEOUT, api_key: str | None = None):
         self.url = url.rstrip("/")
         self.timeout = timeout
         self.session = requests.Session()
+        self.session.headers.update(auth_headers(resolve_api_key(self.url, api_key)))
 
     def _send(self, call: Call):
         try:
@@ -209,11 +235,13 @@ class AsyncEngineClient(Routes):
     """asyncio client (aiohttp): every route method is awaited. Create it inside the running event
     loop, `await close()` when done."""
 
-    def __init__(self, url: str, timeout: float = DEFAULT_TIMEOUT, max_connections: int = 1024):
+    def __init__(self, url: str, timeout: float = DEFAULT_TIMEOUT, max_connections: int = 1024,
+                 api_key: str | None = None):
         self.url = url.rstrip("/")
         self.timeout = timeout
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=max_connections),
-                                             timeout=aiohttp.ClientTimeout(total=timeout))
+                                             timeout=aiohttp.ClientTimeout(total=timeout),
+                                             headers=auth_headers(resolve_api_key(self.url, api_key)))
 
     async def _send(self, call: Call):
         timeout = aiohttp.ClientTimeout(total=call.timeout) if call.timeout else None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -14,7 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from nano_miles.client import EngineClient, EngineUnavailable
+from nano_miles.client import EngineClient, EngineUnavailable, remember_api_key
+from nano_miles.engine.protocol import API_KEY_ENV
 
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 _PR_SET_PDEATHSIG = 1
@@ -31,12 +33,14 @@ def _die_with_parent():
 class EngineProcess:
     """A running `nano-miles serve`. stop() terminates it (then kills it); also a context manager."""
 
-    def __init__(self, process: subprocess.Popen, url: str, log_path: Path, own_log: bool = False):
+    def __init__(self, process: subprocess.Popen, url: str, log_path: Path, own_log: bool = False, api_key: str = ""):
         self.process, self.url, self.log_path, self.own_log = process, url, log_path, own_log
+        self.api_key = api_key  # what every route but /health needs ("" = none); this process's clients know it
         self.port = int(url.rsplit(":", 1)[1])
+        remember_api_key(url, api_key)
 
     def client(self, **kw) -> EngineClient:
-        return EngineClient(self.url, **kw)
+        return EngineClient(self.url, **{"api_key": self.api_key, **kw})
 
     def log(self) -> str:
         try:
@@ -57,6 +61,7 @@ class EngineProcess:
                 self.process.wait()
         if self.own_log:  # a temp file we made: gone with the engine
             self.log_path.unlink(missing_ok=True)
+        remember_api_key(self.url, None)  # another server may get this port later
         return self.process.returncode
 
     def __enter__(self):
@@ -68,10 +73,14 @@ class EngineProcess:
 
 def start_engine_process(model: str, device: str = "cpu", port: int | None = None, host: str = "127.0.0.1",
                          dtype: str = "auto", extra_args=(), ready_timeout: float = 300.0, env=None,
-                         log_path: str | os.PathLike | None = None) -> EngineProcess:
+                         log_path: str | os.PathLike | None = None, api_key: str | None = None) -> EngineProcess:
     """Launch `nano-miles serve` and return once /health answers 200. port=None: a free port the server
     picks itself (no race with other processes), read from its ready line. The server's output goes to
     log_path (a temp file by default; EngineProcess.log() reads it).
+
+    api_key: None generates one (EngineProcess.api_key; the clients of this process use it unasked),
+    "" runs the engine without one. It reaches the server through its environment, not its command
+    line, which every user of the machine can read.
 
     Call it from a thread that lives as long as the engine should (normally the main thread): Linux
     sends the parent-death signal when the launching THREAD exits."""
@@ -84,6 +93,8 @@ def start_engine_process(model: str, device: str = "cpu", port: int | None = Non
            "--host", host, "--port", str(port or 0), "--dtype", dtype, *map(str, extra_args)]
     env = dict(os.environ if env is None else env)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    api_key = secrets.token_urlsafe(32) if api_key is None else api_key
+    env[API_KEY_ENV] = api_key
     env.setdefault("PYTHONUNBUFFERED", "1")
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
@@ -102,8 +113,8 @@ def start_engine_process(model: str, device: str = "cpu", port: int | None = Non
                 if time.monotonic() > deadline:
                     raise EngineUnavailable(f"`nano-miles serve` not ready after {ready_timeout:.0f}s:\n{text[-3000:]}")
                 time.sleep(0.1)
-        EngineClient(url).wait_until_ready(max(1.0, deadline - time.monotonic()), process=proc)
+        EngineClient(url, api_key=api_key).wait_until_ready(max(1.0, deadline - time.monotonic()), process=proc)
     except BaseException:
         EngineProcess(proc, url or "http://x:0", log_path, own_log).stop()
         raise
-    return EngineProcess(proc, url, log_path, own_log)
+    return EngineProcess(proc, url, log_path, own_log, api_key)

@@ -99,15 +99,16 @@ def choose_transport(trainer_device: torch.device, engine_infos: list[dict], eng
 class WeightSync:
     def __init__(self, source, engine_urls, transport: str = "auto", bucket_mb: float = 1024.0, verify: bool = False,
                  timeout_s: float = 300.0, master_address: str = "127.0.0.1", master_port: int = 0,
-                 disk_dir: str = "", pause_mode: str = "auto"):
+                 disk_dir: str = "", api_key: str | None = None, pause_mode: str = "auto"):
         """source: a Trainer (its named_weights), an nn.Module, a callable returning (name, tensor)
-        pairs, or such a list. engine_urls: one URL or a list."""
+        pairs, or such a list. engine_urls: one URL or a list. api_key: the engines' (None: as
+        nano_miles.client resolves it, e.g. that of an engine this process started)."""
         self.cfg = SyncConfig(transport, verify, bucket_mb, timeout_s, master_address, master_port, disk_dir, pause_mode)
         self.source = source
         self.urls = [engine_urls] if isinstance(engine_urls, str) else list(engine_urls)
         if not self.urls:
             raise ValueError("WeightSync needs at least one engine URL")
-        self.clients = [EngineClient(u, timeout=timeout_s) for u in self.urls]
+        self.clients = [EngineClient(u, timeout=timeout_s, api_key=api_key) for u in self.urls]
         self.infos = [c.model_info() for c in self.clients]
         dtypes = {info["dtype"] for info in self.infos}
         if len(dtypes) != 1:
@@ -132,9 +133,9 @@ class WeightSync:
         self._engine_timings: list = []
 
     @classmethod
-    def from_config(cls, source, engine_urls, cfg: SyncConfig) -> "WeightSync":
+    def from_config(cls, source, engine_urls, cfg: SyncConfig, api_key: str | None = None) -> "WeightSync":
         return cls(source, engine_urls, cfg.transport, cfg.bucket_mb, cfg.verify, cfg.timeout_s,
-                   cfg.master_address, cfg.master_port, cfg.disk_dir, cfg.pause_mode)
+                   cfg.master_address, cfg.master_port, cfg.disk_dir, api_key, cfg.pause_mode)
 
     # ------------------------------------------------------------------ the weights
 

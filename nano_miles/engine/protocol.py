@@ -18,6 +18,7 @@ from nano_miles.engine.sampling import SamplingParams
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 DEFAULT_GROUP_NAME = "weight_update_group"  # SGLang's weight-update group name when a request names none
+API_KEY_ENV = "NANO_MILES_API_KEY"  # the api key of `serve` and of the clients when none is given (keeps it out of `ps`)
 
 # sampling key -> the only value we accept (None also accepted): keys that only matter away from it.
 _NOOP_DEFAULTS = {

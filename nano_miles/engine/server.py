@@ -5,7 +5,8 @@ and loops step(). Handlers talk to it through a queue of commands and await futu
 thread resolves with loop.call_soon_threadsafe. Weight updates, cache flushes and checksums run ON the
 engine thread between two steps, so the engine is never touched by two threads.
 
-Weight routes live in weight_receiver.py; request bodies and answers in http_io.py.
+Weight routes live in weight_receiver.py, the OpenAI-compatible ones in openai_api.py; request bodies
+and answers in http_io.py. With an api key, every route but /health needs "Authorization: Bearer KEY".
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import argparse
 import asyncio
 import dataclasses
 import errno
+import hmac
+import ipaddress
 import os
 import signal
 import sys
@@ -28,7 +31,7 @@ from nano_miles.config import add_config_arguments, config_from_args, to_dict, t
 from nano_miles.dtypes import dtype_name
 from nano_miles.engine.engine import Engine, EngineConfig
 from nano_miles.engine.http_io import MiB, BodyParser, check_length, error, is_large, json_body, release
-from nano_miles.engine.protocol import RequestError, parse_generate
+from nano_miles.engine.protocol import API_KEY_ENV, RequestError, parse_generate
 from nano_miles.engine.weight_receiver import LARGE_BODY_ROUTES, WeightReceiver
 from nano_miles.engine.worker import EngineWorker
 from nano_miles.models import resolve_model
@@ -39,9 +42,11 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 @dataclass
 class ServerConfig:
     """The keys of `nano-miles serve` (docs/config.md); the engine's own knobs are engine.*."""
-    host: str = "127.0.0.1"           # address to listen on
+    host: str = "127.0.0.1"           # address to listen on; any but a loopback one needs api_key (or allow_unauthenticated)
     port: int = 30000                 # port to listen on; 0 picks a free one (printed in the ready line)
-    served_model_name: str = ""       # the model's name in /model_info; "" = engine.model as given
+    served_model_name: str = ""       # the model's name in /model_info and /v1/models; "" = engine.model as given
+    api_key: str = ""                 # every route but /health needs "Authorization: Bearer KEY"; "" = $NANO_MILES_API_KEY, else none
+    allow_unauthenticated: bool = False  # let a server on a non-loopback host run without an api_key
     threads: int | None = None        # torch CPU threads of the engine thread; none = torch's (1 is far faster for small models on a busy machine)
     weight_version: str = "0"         # the weight_version served before the first update
     dist_timeout: float = 300.0       # seconds before a weight-update broadcast (or torch's own rendezvous) gives up
@@ -70,9 +75,10 @@ FLAGS = {"--model": "engine.model", "--model-path": "engine.model", "--device": 
          "--context-length": "engine.max_model_len", "--num-kv-blocks": "engine.num_kv_blocks",
          "--mem-fraction-static": "engine.kv_cache_memory_fraction", "--seed": "engine.seed",
          "--random-seed": "engine.seed", "--served-model-name": "served_model_name", "--threads": "threads",
-         "--weight-version": "weight_version", "--dist-timeout": "dist_timeout"}
+         "--weight-version": "weight_version", "--dist-timeout": "dist_timeout", "--api-key": "api_key"}
 SWITCHES = {"--no-cuda-graph": ("engine.cuda_graph", "false"), "--disable-cuda-graph": ("engine.cuda_graph", "false"),
-            "--true-on-policy": ("engine.true_on_policy", "true")}
+            "--allow-unauthenticated": ("allow_unauthenticated", "true")}
+UNAUTHENTICATED_ROUTES = ("/health",)  # a load balancer's probe; it reveals nothing and costs nothing
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -82,10 +88,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # ----------------------------------------------------------------------------- HTTP
 
 
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 class Server:
-    def __init__(self, cfg: ServerConfig, model_path):
+    def __init__(self, cfg: ServerConfig, model_path, api_key: str = ""):
         self.cfg = cfg
+        self.authorization = f"Bearer {api_key}".encode() if api_key else None
         self.model_path = str(model_path)
+        self.model_name = cfg.served_model_name or cfg.engine.model
         self.started = time.time()
 
     # --- setup ---
@@ -119,6 +134,9 @@ class Server:
 
     @web.middleware
     async def _errors(self, request, handler):
+        if self.authorization is not None and request.path not in UNAUTHENTICATED_ROUTES and not hmac.compare_digest(
+                request.headers.get("Authorization", "").encode(), self.authorization):
+            return error("unauthorized: this server needs the header 'Authorization: Bearer <api key>'", 401)
         if request.path not in ("/health", "/health_generate") and not self.worker.loaded.is_set():
             return error("the model is still loading", 503)
         if self.worker.error is not None and request.path != "/health":
@@ -218,7 +236,7 @@ class Server:
             "model_path": self.model_path,
             "tokenizer_path": self.model_path,
             "is_generation": True,
-            "served_model_name": self.cfg.served_model_name or self.cfg.engine.model,
+            "served_model_name": self.model_name,
             "weight_version": eng.weight_version,
             "device": str(eng.device),
             "dtype": dtype_name(eng.dtype),
@@ -241,6 +259,7 @@ class Server:
 
         internal = await self.worker.call(state)
         keys = to_dict(self.cfg)  # flat, as SGLang's server_args: the engine's keys beside the server's
+        keys.pop("api_key")
         args = {**{k: v for k, v in keys.items() if not isinstance(v, dict)}, **keys["engine"]}
         return web.json_response({**args, **self._info(), "max_total_num_tokens": internal["num_kv_blocks"] *
                                   internal["block_size"], "internal_states": [internal],
@@ -286,9 +305,9 @@ class Server:
 # ----------------------------------------------------------------------------- main
 
 
-async def _serve(cfg: ServerConfig, model_path) -> int:
+async def _serve(cfg: ServerConfig, model_path, api_key: str) -> int:
     loop = asyncio.get_running_loop()
-    server = Server(cfg, model_path)
+    server = Server(cfg, model_path, api_key)
     app = server.app(loop)
     try:  # a client that disconnects cancels its handler, which aborts its requests (aiohttp >= 3.9)
         runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=5)
@@ -339,12 +358,17 @@ def run(args) -> int:
     if not cfg.engine.model:
         print("nano-miles serve: which model? give --model NAME|FOLDER (or --set engine.model=...)", file=sys.stderr)
         return 2
+    api_key = cfg.api_key or os.environ.get(API_KEY_ENV, "")
+    if not api_key and not is_loopback(cfg.host) and not cfg.allow_unauthenticated:
+        print(f"nano-miles serve: --host {cfg.host} lets other machines in: give --api-key KEY (or ${API_KEY_ENV}), "
+              "or --allow-unauthenticated if that is really meant", file=sys.stderr)
+        return 2
     try:
         model_path = resolve_model(cfg.engine.model)
     except Exception as e:
         print(f"nano-miles serve: {e}", file=sys.stderr)
         return 2
-    return asyncio.run(_serve(cfg, model_path))
+    return asyncio.run(_serve(cfg, model_path, api_key))
 
 
 if __name__ == "__main__":

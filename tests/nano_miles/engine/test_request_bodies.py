@@ -72,7 +72,7 @@ def slow_upload(port: int, path: str, headers: dict, total: int, piece: bytes, p
 
 
 def auth(engine_server) -> dict:
-    return {"Authorization": f"Bearer {engine_server.api_key}"} if getattr(engine_server, "api_key", None) else {}
+    return {"Authorization": f"Bearer {engine_server.api_key}"}
 
 
 def still_serving(engine_server):

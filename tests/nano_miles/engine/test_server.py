@@ -28,8 +28,12 @@ def teacher_forced_logprobs(model, prompt, output):
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(output)[:, None])[:, 0]
 
 
-def post(url, path, body=None, data=None):
-    return requests.post(url + path, json=body, data=data, timeout=120)
+def auth(server) -> dict:
+    return {"Authorization": f"Bearer {server.api_key}"}
+
+
+def post(server, path, body=None, data=None):
+    return requests.post(server.url + path, json=body, data=data, headers=auth(server), timeout=120)
 
 
 def greedy(client, prompt, n=12, **sp):
@@ -210,10 +214,11 @@ def test_pause_keeps_requests_and_continue_finishes_them(engine_server, engine_c
 def test_health_and_info_routes(engine_server, engine_client):
     url = engine_server.url
     assert requests.get(url + "/health", timeout=10).status_code == 200
-    assert requests.get(url + "/health_generate", timeout=30).status_code == 200
+    assert requests.get(url + "/health_generate", headers=auth(engine_server), timeout=30).status_code == 200
     info = engine_client.model_info()
     assert info["model_path"] and info["vocab_size"] == 1024 and info["dtype"] == "float32"
-    assert requests.get(url + "/get_model_info", timeout=10).json()["weight_version"] == info["weight_version"]
+    assert requests.get(url + "/get_model_info", headers=auth(engine_server),
+                        timeout=10).json()["weight_version"] == info["weight_version"]
     server = engine_client.server_info()
     assert server["internal_states"][0]["paused"] is False and server["max_total_num_tokens"] > 0
 
@@ -243,17 +248,17 @@ BAD_GENERATE = [
 
 @pytest.mark.parametrize("body,needle", BAD_GENERATE, ids=[n for _, n in BAD_GENERATE])
 def test_bad_generate_input_is_400_and_server_keeps_serving(engine_server, body, needle):
-    r = post(engine_server.url, "/generate", body)
+    r = post(engine_server, "/generate", body)
     assert r.status_code == 400, r.text
     assert needle in r.json()["error"]["message"]
-    assert post(engine_server.url, "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}).ok
+    assert post(engine_server, "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}).ok
 
 
 @pytest.mark.parametrize("raw", [b"{not json", b"", b"[1, 2]", b"\xff\xfe"])
 def test_invalid_json_is_400(engine_server, raw):
-    r = requests.post(engine_server.url + "/generate", data=raw, timeout=30)
+    r = requests.post(engine_server.url + "/generate", data=raw, headers=auth(engine_server), timeout=30)
     assert r.status_code == 400 and r.json()["error"]["message"]
-    assert post(engine_server.url, "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}).ok
+    assert post(engine_server, "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}).ok
 
 
 def test_duplicate_rid_in_flight_is_refused(engine_server, engine_client):
@@ -274,13 +279,13 @@ def test_duplicate_rid_in_flight_is_refused(engine_server, engine_client):
     ("/abort_request", {"rid": 5}, "rid"),
 ])
 def test_bad_control_input_is_400(engine_server, path, body, needle):
-    r = post(engine_server.url, path, body)
+    r = post(engine_server, path, body)
     assert r.status_code == 400 and needle in r.json()["error"]["message"]
 
 
 def test_a_client_that_goes_away_frees_its_request(engine_server, engine_client):
     with pytest.raises(requests.exceptions.ReadTimeout):
-        requests.post(engine_server.url + "/generate", timeout=1.0,
+        requests.post(engine_server.url + "/generate", timeout=1.0, headers=auth(engine_server),
                       json={"input_ids": [3, 4, 5], "rid": "gone", "sampling_params": {"max_new_tokens": 4000,
                                                                                          "ignore_eos": True}})
     deadline = time.time() + 2.5  # far less than 4000 tokens take: it was aborted, not finished

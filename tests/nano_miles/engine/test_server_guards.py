@@ -1,16 +1,27 @@
 """The server against peers that do not play along, over real HTTP (a `nano-miles serve` of its own,
-tiny-random-qwen2 on CPU). Weight-update rendezvous are tested on loopback only: a closed port and
-a listener that accepts but never speaks; no test here sends traffic to any other address."""
+tiny-random-qwen2 on CPU, started with an api key as start_engine_process does by default): every
+route but /health needs the key; weight-update rendezvous that nobody answers fail in time. Those are
+tested on loopback only (a closed port, a listener that accepts but never speaks): no test here sends
+traffic to any other address."""
+import asyncio
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import psutil
 import pytest
 import requests
+import torch
+from safetensors.torch import load_file, save_file
 
-from nano_miles.client import EngineRequestError, start_engine_process
+from nano_miles.client import AsyncEngineClient, EngineClient, EngineError, EngineRequestError, start_engine_process
 from nano_miles.engine import weight_group as G
+from nano_miles.engine.protocol import API_KEY_ENV
+from nano_miles.engine.server import Server, ServerConfig
 
 CONNECT_TIMEOUT = 3.0
 
@@ -92,3 +103,81 @@ def test_one_rendezvous_at_a_time(server):
                 first.result()
     finally:
         silent.close()
+
+
+# ----------------------------------------------------------------------------- the api key
+
+def server_routes() -> list[tuple[str, str]]:
+    """(method, path) of every route the server registers, read from its own router."""
+    loop = asyncio.new_event_loop()
+    try:
+        app = Server(ServerConfig(), "unused").app(loop)
+    finally:
+        loop.close()
+    routes = {(r.method if r.method != "*" else "POST", r.resource.canonical) for r in app.router.routes()}
+    return sorted((m, p) for m, p in routes if m != "HEAD")
+
+
+def test_every_route_but_health_needs_the_api_key(server):
+    routes = server_routes()
+    assert ("POST", "/update_weights_from_disk") in routes and len(routes) >= 18
+    for method, path in routes:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": server.api_key}):
+            r = requests.request(method, server.url + path, json={}, headers=headers, timeout=30)
+            if path == "/health":
+                assert r.status_code == 200
+            else:
+                assert r.status_code == 401, (method, path, headers, r.status_code)
+                assert "Authorization: Bearer" in r.json()["error"]["message"]
+
+
+def test_unauthenticated_weights_from_disk_change_nothing(server, tiny_model_path, tmp_path):
+    """The attack: zeroed weights loaded through /update_weights_from_disk changed every later answer."""
+    client = server.client()
+    before = client.weights_checksum()
+    save_file({n: torch.zeros_like(t) for n, t in load_file(str(next(tiny_model_path.glob("*.safetensors")))).items()},
+              str(tmp_path / "model.safetensors"))
+    r = requests.post(server.url + "/update_weights_from_disk", json={"model_path": str(tmp_path)}, timeout=60)
+    assert r.status_code == 401
+    assert client.weights_checksum() == before
+
+
+def test_clients_send_the_key(server):
+    assert EngineClient(server.url, api_key=server.api_key).model_info()["vocab_size"] == 1024
+    assert EngineClient(server.url).model_info()["vocab_size"] == 1024  # an engine this process started
+    with pytest.raises(EngineError, match="HTTP 401"):
+        EngineClient(server.url, api_key="wrong").model_info()
+    assert EngineClient(server.url, api_key="wrong").health() is True  # /health stays open
+
+    async def ask():
+        client = AsyncEngineClient(server.url)
+        try:
+            return await client.model_info()
+        finally:
+            await client.close()
+
+    assert asyncio.run(ask())["vocab_size"] == 1024
+
+
+def test_the_generated_key_stays_off_the_command_line(server):
+    assert len(server.api_key) >= 32
+    assert not any(server.api_key in arg for arg in psutil.Process(server.process.pid).cmdline())
+
+
+def serve(*argv) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "nano_miles.cli", "serve", *argv], capture_output=True, text=True,
+                          timeout=120, env={k: v for k, v in os.environ.items() if k != API_KEY_ENV})
+
+
+def test_a_server_others_can_reach_needs_a_key(tiny_model_path):
+    # 192.0.2.1 (TEST-NET-1) is no address of this machine: a server that got past the check fails to
+    # bind there, so nothing here ever listens beyond loopback or sends a packet.
+    refused = serve("--model", str(tiny_model_path), "--host", "192.0.2.1")
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines() == [
+        "nano-miles serve: --host 192.0.2.1 lets other machines in: give --api-key KEY (or $NANO_MILES_API_KEY), "
+        "or --allow-unauthenticated if that is really meant"]
+    for extra in (["--allow-unauthenticated"], ["--api-key", "k"]):
+        allowed = serve("--model", str(tiny_model_path), "--host", "192.0.2.1", "--port", "0", *extra)
+        assert allowed.stderr.strip().splitlines()[-1].startswith("nano-miles serve: cannot listen on 192.0.2.1"), \
+            allowed.stderr
