@@ -51,9 +51,12 @@ def make_trajs(sizes, seed: int = 0, vocab: int = 1024) -> list[Trajectory]:
     return trajs
 
 
-def trainer_config(model: str, name: str = "even") -> TrainerConfig:
+def trainer_config(model: str, name: str = "even", device: str = "cpu") -> TrainerConfig:
     _, micro_batch_size, _, dtype = SCENARIOS[name]
-    return TrainerConfig(model=model, optim=OptimConfig(lr=1e-4), micro_batch_size=micro_batch_size, dtype=dtype)
+    if dtype == "float32":  # a bf16 trainer on a GPU turns on TF32 for the whole process: not for FP32 ones
+        torch.set_float32_matmul_precision("highest")
+    return TrainerConfig(model=model, device=device, optim=OptimConfig(lr=1e-4), micro_batch_size=micro_batch_size,
+                         dtype=dtype)
 
 
 def update(trainer, name: str) -> dict:
@@ -100,8 +103,8 @@ def _scenarios(env, out: str, model: str) -> None:
             pending.wait()
 
 
-def scenarios(out: str, model: str) -> None:
-    run_rank(_scenarios, out, model, device_type="cpu", timeout_s=60)
+def scenarios(out: str, model: str, device_type: str = "cpu") -> None:
+    run_rank(_scenarios, out, model, device_type=device_type, timeout_s=60)
 
 
 def _kill(env, out: str, model: str) -> None:

@@ -4,7 +4,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from nano_miles.distributed import launch
 from nano_miles.sharded_trainer import assign_groups
+from nano_miles.trainer import Trainer
+from tests.nano_miles import sharded_ranks
 from tests.nano_miles.sharded_ranks import SCENARIOS
 
 
@@ -41,6 +44,27 @@ def test_two_ranks_make_the_update_of_one_process(two_rank_run, one_process_resu
     for key in ("pg_loss", "grad_norm", "entropy", "clip_frac", "ratio_mean", "ratio_max",
                 "logprob_diff_mean", "logprob_diff_max", "tis_mean"):
         assert m[key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-7), key
+
+
+@pytest.mark.gpu
+def test_two_gpus_over_nccl_make_the_update_of_one_gpu(tmp_path, tiny_model_path):
+    """The same scenarios with NCCL, one GPU per rank, against the single-process Trainer on cuda:0.
+    The updates are compared (bf16: the masters start apart, see above); GPU kernels sum in orders
+    of their own (atomics in the embedding's backward), hence the micro-batch bound of 2e-5."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    launch(2, sharded_ranks.scenarios, (str(tmp_path), str(tiny_model_path), "cuda"), device_type="cuda")
+    initial = load_file(str(tiny_model_path / "model.safetensors"))
+    for name in SCENARIOS:
+        trainer = Trainer(sharded_ranks.trainer_config(str(tiny_model_path), name, device="cuda:0"))
+        before = {n: m.detach().float().cpu() for n, m in zip(trainer.names, trainer.masters)}
+        metrics = sharded_ranks.update(trainer, name)
+        got = torch.load(tmp_path / f"{name}.pt", map_location="cpu")
+        worst = max(float((got["fp32"][n] - initial[n] - (m.detach().float().cpu() - before[n])).abs().max())
+                    for n, m in zip(trainer.names, trainer.masters))
+        assert worst <= 2e-5, f"{name}: the update differs from one GPU's by {worst:.2e}"
+        assert got["metrics"]["response_tokens"] == metrics["response_tokens"]
+        assert got["metrics"]["pg_loss"] == pytest.approx(metrics["pg_loss"], rel=1e-3, abs=1e-6)
 
 
 def test_weights_are_gathered_whole_from_uneven_shards(two_rank_run):
