@@ -6,9 +6,10 @@
 #
 #   stage NN    copy one carried 60 MB chunk .stage/qwen.NN into /tmp/stage (scripts/stage_model.sh)
 #   prepare     assemble the GGUF parts, prepare-model qwen2.5-coder-0.5b-instruct
-#   checks      GPU tests (true on-policy on the packaged Qwen + its 20-step parity run, engine, weight
-#               sync) and the random-weight benches: train_step (FSDP2 --nproc 1/2 vs today's step, the
-#               0.5B..7B shapes, true on-policy), engine_throughput --true-on-policy
+#   checks      GPU tests (true on-policy on the packaged Qwen + its 20-step parity run, engine) and
+#               train_step: FSDP2 --nproc 1 (2 on two GPUs) vs today's single-process step
+#   benches     random-weight benches: FSDP2 memory/speed for the 1.5B, 3B shapes and 7B slices of 4 and 8
+#               layers (to project 28), true on-policy train step and engine_throughput vs normal
 #   sync|async  phase 1: 40 steps x 64 trajectories, trainer cuda:0 + engine cuda:1, the same seed and lr;
 #               then held-out pass@1 of its final policy (`sync` also evaluates the base model first)
 #   alfa        InterCode-ALFA pass@1 of the base model (and of the async run's final policy if present)
@@ -18,7 +19,7 @@
 # TRAINER_DEVICE/ENGINE_DEVICE (default cuda:0/cuda:1), EXTRA (more train --set pairs), SAMPLES (8).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-phase="${1:?usage: multi_gpu.sh stage NN|prepare|checks|sync|async|alfa}"
+phase="${1:?usage: multi_gpu.sh stage NN|prepare|checks|benches|sync|async|alfa}"
 OUT="${OUT:-/tmp/mg/out}"; mkdir -p "$OUT"
 MG="${MG_DIR:-/tmp/mg}"; mkdir -p "$MG"
 export NANO_MILES_CACHE="${NANO_MILES_CACHE:-$MG/cache}" BENCH_COMMIT="${BENCH_COMMIT:-unknown}"
@@ -76,11 +77,14 @@ prepare)
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
     NANO_MILES_PARTS_DIR=/tmp/stage/parts step prepare 300 "$py" -m nano_miles.cli prepare-model "$MODEL" ;;
 checks)
-    step gpu_tests 200 "$py" -m pytest -q --timeout 150 -p no:cacheprovider -m gpu -o addopts="" \
+    step gpu_tests 240 "$py" -m pytest -q --timeout 200 -p no:cacheprovider -m gpu -o addopts="" \
         tests/nano_miles/test_true_on_policy_gpu.py tests/nano_miles/engine/test_engine_gpu.py
-    step train_step_n1 90 "$py" bench/train_step.py --nproc 1 --baseline
-    [ "$gpus" -ge 2 ] && step train_step_n2 90 "$py" bench/train_step.py --nproc 2
-    for s in 1.5b 3b 7b; do step "train_step_$s" 90 "$py" bench/train_step.py --nproc "$([ "$gpus" -ge 2 ] && echo 2 || echo 1)" --shapes "qwen2.5-$s"; done
+    step train_step_n1 100 "$py" bench/train_step.py --nproc 1 --baseline
+    [ "$gpus" -ge 2 ] && step train_step_n2 90 "$py" bench/train_step.py --nproc 2 ;;
+benches)
+    n=$([ "$gpus" -ge 2 ] && echo 2 || echo 1)
+    for s in 1.5b 3b; do step "train_step_$s" 80 "$py" bench/train_step.py --nproc "$n" --shapes "qwen2.5-$s"; done
+    for l in 4 8; do step "train_step_7b_l$l" 70 "$py" bench/train_step.py --nproc "$n" --shapes qwen2.5-7b --layers "$l"; done
     step train_step_top 60 "$py" bench/train_step.py --true-on-policy
     step engine_top 120 "$py" bench/engine_throughput.py --true-on-policy --skip-hf ;;
 sync)
