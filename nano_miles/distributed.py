@@ -142,9 +142,11 @@ def launch(nproc: int, entrypoint: Callable | str, args: tuple | list = (), *, d
     When one rank fails the agent stops the others and this raises DistError naming every failed rank.
     """
     check_nproc(nproc, device_type)
+    # shutdown_timeout (how long a failed rank's siblings get after SIGTERM) is torch >= 2.12's
+    shutdown = {"shutdown_timeout": shutdown_timeout_s} if "shutdown_timeout" in LaunchConfig.__dataclass_fields__ else {}
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts,
-                          monitor_interval=0.1, start_method="spawn", shutdown_timeout=shutdown_timeout_s)
+                          monitor_interval=0.1, start_method="spawn", **shutdown)
     # torchrun would set OMP_NUM_THREADS=1 with a warning; split this host's cores between the ranks.
     omp_was = os.environ.get("OMP_NUM_THREADS")
     if omp_was is None:

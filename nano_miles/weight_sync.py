@@ -62,7 +62,7 @@ class SyncConfig:
     # (nothing runs in sync mode); "in_place" pauses them with their KV and continues them under the
     # new weights (async mode: waiting for a drain cost 0.5-1 s a sync); "retract" recomputes their
     # KV under the new weights; "abort" ends them. "auto": in_place in train's async mode, else drain.
-    pause_mode: str = "auto"
+    pause_mode: str = "auto"       # requests in flight during a sync: auto | drain | in_place | retract | abort
 
     def __post_init__(self):
         if self.transport not in TRANSPORTS:

@@ -77,7 +77,8 @@ FLAGS = {"--model": "engine.model", "--model-path": "engine.model", "--device": 
          "--random-seed": "engine.seed", "--served-model-name": "served_model_name", "--threads": "threads",
          "--weight-version": "weight_version", "--dist-timeout": "dist_timeout", "--api-key": "api_key"}
 SWITCHES = {"--no-cuda-graph": ("engine.cuda_graph", "false"), "--disable-cuda-graph": ("engine.cuda_graph", "false"),
-            "--allow-unauthenticated": ("allow_unauthenticated", "true")}
+            "--allow-unauthenticated": ("allow_unauthenticated", "true"),
+            "--true-on-policy": ("engine.true_on_policy", "true")}
 UNAUTHENTICATED_ROUTES = ("/health",)  # a load balancer's probe; it reveals nothing and costs nothing
 
 
