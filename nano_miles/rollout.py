@@ -32,7 +32,7 @@ from nano_miles.task_api import SetupError, Task, TaskUnavailable
 
 @dataclass
 class RolloutConfig:
-    group_size: int = 8              # samples per task (a GRPO group: same files, same ground truth)
+    group_size: int = 4              # samples per task (a GRPO group: same files, same ground truth)
     max_new_tokens: int = 256        # tokens the model may write per turn
     temperature: float = 1.0         # sampling temperature; RL samples at T=1, no top-p/top-k: engines agree on log-probs there
     top_p: float = 1.0               # nucleus sampling mass (1 = off)

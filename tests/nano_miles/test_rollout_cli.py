@@ -48,9 +48,9 @@ def test_one_default_per_key_across_commands(capsys):
     assert (rollout["tasks"], evaluate["tasks"], train["tasks"]) == ("seed", "heldout", "train")
     for section in ("rollout", "engine"):
         assert rollout[section] == evaluate[section] == train[section]
-    assert train["rollout"]["group_size"] == 8 and train["rollout"]["env"]["max_turns"] == 6
+    assert train["rollout"]["group_size"] == 4 and train["rollout"]["env"]["max_turns"] == 6
     # eval's --samples is the group size; set it and the TOML says so.
-    assert _printed_config(capsys, ["eval", "--samples", "4"])["rollout"]["group_size"] == 4
+    assert _printed_config(capsys, ["eval", "--samples", "8"])["rollout"]["group_size"] == 8
     assert issubclass(EvalConfig, RolloutCommandConfig) and issubclass(TrainConfig, RolloutCommandConfig)
 
 
