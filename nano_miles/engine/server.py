@@ -31,6 +31,7 @@ from nano_miles.config import add_config_arguments, config_from_args, to_dict, t
 from nano_miles.dtypes import dtype_name
 from nano_miles.engine.engine import Engine, EngineConfig
 from nano_miles.engine.http_io import MiB, BodyParser, check_length, error, is_large, json_body, release
+from nano_miles.engine.openai_api import OpenAIRoutes
 from nano_miles.engine.protocol import API_KEY_ENV, RequestError, parse_generate
 from nano_miles.engine.weight_receiver import LARGE_BODY_ROUTES, WeightReceiver
 from nano_miles.engine.worker import EngineWorker
@@ -131,6 +132,7 @@ class Server:
         r.add_post("/abort_request", self.abort_request)
         self.weights = WeightReceiver(self.worker, self.cfg.dist_timeout, self.cfg.dist_connect_timeout)
         self.weights.add_routes(r)
+        OpenAIRoutes(self.worker, self.model_name, self.started).add_routes(r)
         return app
 
     @web.middleware

@@ -18,6 +18,7 @@ import torch
 from nano_miles.client import EngineClient, start_engine_process
 from nano_miles.config import config_from_args, load_config, parse_set
 from nano_miles.engine.engine import EngineConfig
+from nano_miles.engine.protocol import API_KEY_ENV
 from nano_miles.engine.server import ServerConfig, add_arguments
 from nano_miles.engine_handle import EngineLaunchConfig, plan_layout
 from nano_miles.models import resolve_model
@@ -34,8 +35,10 @@ FAST = ["--set", "model=tiny-random-qwen2", "--set", "rollout.max_new_tokens=24"
         "--set", "rollout.env.max_turns=2", "--set", "rollout.group_size=2", "--set", "tasks_per_step=2"]
 
 
-def _train(args, **kw) -> subprocess.Popen:
+def _train(args, api_key: str | None = None, **kw) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if api_key is not None:  # the key of an engine somebody else runs (--engine-url)
+        env[API_KEY_ENV] = api_key
     return subprocess.Popen([sys.executable, "-m", "nano_miles.cli", "train", *FAST, *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
 
@@ -88,7 +91,7 @@ def test_two_step_run_writes_the_run_directory_and_advances_the_engine(tmp_path)
     with start_engine_process(str(model), dtype="float32") as engine:
         run_dir = tmp_path / "run"
         out = _finish(_train(["--set", "steps=2", "--set", f"run_dir={run_dir}", "--set", "sync.verify=true",
-                              "--engine-url", engine.url]))
+                              "--engine-url", engine.url], api_key=engine.api_key))
         assert EngineClient(engine.url).model_info()["weight_version"] == "2"
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]

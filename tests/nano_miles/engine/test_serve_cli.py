@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 
+import requests
 import torch
 
 from nano_miles.config import config_from_args
@@ -44,13 +45,18 @@ def test_sglang_flags_are_aliases_of_config_keys():
 def test_config_file_and_set_reach_the_real_server(tiny_model_path, tmp_path):
     from nano_miles.client import start_engine_process
 
-    (tmp_path / "serve.toml").write_text("threads = 1\n[engine]\nmax_running_requests = 8\nnum_kv_blocks = 64\n")
+    (tmp_path / "serve.toml").write_text("threads = 1\nmax_body_mb = 1\n[engine]\nmax_running_requests = 8\n"
+                                         "num_kv_blocks = 64\n")
     with start_engine_process(str(tiny_model_path), dtype="float32",
                               extra_args=("--config", tmp_path / "serve.toml",
                                           "--set", "engine.kv_cache_memory_fraction=0.5")) as engine:
         info = engine.client().server_info()
+        too_big = requests.post(engine.url + "/generate", data=b" " * (2 << 20), timeout=60,
+                                headers={"Authorization": f"Bearer {engine.api_key}"})
     assert (info["kv_cache_memory_fraction"], info["max_running_requests"], info["threads"]) == (0.5, 8, 1)
     assert info["internal_states"][0]["num_kv_blocks"] == 64
+    assert "api_key" not in info  # never echoed
+    assert too_big.status_code == 413 and "at most 1 MiB (config key max_body_mb)" in too_big.json()["error"]["message"]
 
 
 def test_a_port_in_use_is_one_clear_line(tiny_model_path):

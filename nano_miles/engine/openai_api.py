@@ -1,0 +1,171 @@
+"""OpenAI-compatible routes, so a served model (a trained `final/` folder too) works from any OpenAI
+client: /v1/models and /v1/chat/completions.
+
+    client = openai.OpenAI(base_url="http://127.0.0.1:30000/v1", api_key=KEY)  # KEY: serve's --api-key
+    client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=32)
+
+The messages go through the served model's own chat template (its tokenizer's), then the engine
+generates like /generate. Taken: temperature, top_p, max_tokens (max_completion_tokens), n, stop (up
+to 4 strings; the text ends before the first one), seed. Refused with a 400 rather than silently
+ignored: tools, non-text response_format, logprobs, penalties, logit_bias. The model field is not
+checked (one model per server, as SGLang). stream=true is answered as server-sent events, but with
+the whole completion in one chunk once it is done: no token-by-token streaming.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+from aiohttp import web
+
+from nano_miles.engine.http_io import json_body
+from nano_miles.engine.protocol import GenerateItem, RequestError, parse_sampling_params
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_N = 128
+MAX_STOPS = 4  # OpenAI's limit
+# Keys that ask for something this server does not do, with the value that means "nothing asked".
+_REFUSED = {"tools": None, "tool_choice": None, "functions": None, "function_call": None, "logprobs": False,
+            "top_logprobs": None, "frequency_penalty": 0, "presence_penalty": 0, "logit_bias": None, "audio": None}
+
+
+def _messages(messages) -> list[dict]:
+    """The chat as the template takes it: roles checked, text parts joined."""
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty list of {role, content}")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise RequestError(f"messages[{i}] must be an object with role one of {', '.join(ROLES)}")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: only text ones
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise RequestError(f"messages[{i}].content: only text parts are supported")
+            content = "".join(p["text"] for p in content)
+        if content is None:
+            content = ""
+        if not isinstance(content, str):
+            raise RequestError(f"messages[{i}].content must be a string or a list of text parts")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def _check_request(body: dict) -> tuple[int, list[str], bool]:
+    """(n, stop strings, stream) of a chat request whose other keys are known not to ask for more."""
+    for key, nothing in _REFUSED.items():
+        if body.get(key) not in (None, nothing, [], {}):
+            raise RequestError(f"{key} is not supported by this server")
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise RequestError("response_format: only {\"type\": \"text\"} is supported")
+    n = 1 if body.get("n") is None else body["n"]
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
+        raise RequestError(f"n must be an integer in [1, {MAX_N}], got {n!r}")
+    stop = body.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not (isinstance(stop, list) and len(stop) <= MAX_STOPS and all(isinstance(s, str) and s for s in stop)):
+        raise RequestError(f"stop must be a string or a list of at most {MAX_STOPS} non-empty strings")
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+        raise RequestError("stream must be true or false")
+    return n, stop, stream
+
+
+def _cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
+    cuts = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return (text[:min(cuts)], True) if cuts else (text, False)
+
+
+class OpenAIRoutes:
+    def __init__(self, worker, model_name: str, created: float):
+        self.worker, self.model_name, self.created = worker, model_name, int(created)
+
+    def add_routes(self, router) -> None:
+        router.add_get("/v1/models", self.models)
+        router.add_post("/v1/chat/completions", self.chat_completions)
+
+    @property
+    def engine(self):
+        return self.worker.engine
+
+    async def models(self, request):
+        return web.json_response({"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": self.created, "owned_by": "nano-miles",
+            "max_model_len": self.engine.max_model_len}]})
+
+    def _prompt(self, messages: list[dict]) -> list[int]:
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise RequestError("this model folder has no tokenizer, so no chat template: use /generate with input_ids")
+        try:
+            return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                return_dict=True)["input_ids"])
+        except Exception as e:  # no template, or one that refuses this chat (e.g. roles out of order)
+            raise RequestError(f"the model's chat template cannot render these messages: {e}") from None
+
+    def _stop_ids(self, stop: list[str]) -> list[int]:
+        """The stop strings that are one token: generation ends on them at once. Longer ones end the
+        text afterwards (the model generates on, to max_tokens or an end-of-turn token)."""
+        ids = [self.engine.tokenizer.encode(s, add_special_tokens=False) for s in stop]
+        return sorted({i[0] for i in ids if len(i) == 1})
+
+    async def chat_completions(self, request):
+        body = await json_body(request)
+        n, stop, stream = _check_request(body)
+        prompt = await asyncio.to_thread(self._prompt, _messages(body.get("messages")))
+        sampling = {"temperature": body.get("temperature"), "top_p": body.get("top_p"),
+                    "stop_token_ids": self._stop_ids(stop) if stop else []}
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        sampling["max_new_tokens"] = max_tokens  # none: up to the context length, as OpenAI's API does
+        seed = body.get("seed")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise RequestError(f"seed must be an integer, got {seed!r}")
+        eng, rid = self.engine, f"chatcmpl-{uuid.uuid4().hex}"
+        items = []
+        for i in range(n):  # n samples of one prompt: distinct seeds, else n equal answers
+            params = parse_sampling_params({**sampling, "sampling_seed": None if seed is None else seed + i},
+                                           len(prompt), eng.vocab_size, eng.max_model_len)
+            items.append(GenerateItem(rid=f"{rid}-{i}", input_ids=prompt, sampling=params))
+        try:
+            results = await asyncio.gather(*self.worker.add(items))
+        except asyncio.CancelledError:  # the client went away: free the engine
+            for it in items:
+                self.worker.abort(it.rid, "client disconnected")
+            raise
+        choices = [self._choice(i, fin, stop) for i, (fin, _) in enumerate(results)]
+        usage = {"prompt_tokens": len(prompt), "completion_tokens": sum(fin.completion_tokens for fin, _ in results)}
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        answer = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
+                  "choices": choices, "usage": usage}
+        return await self._stream(request, answer, body) if stream else web.json_response(answer)
+
+    def _choice(self, index: int, fin, stop: list[str]) -> dict:
+        ids, reason = fin.output_ids, fin.finish_reason.get("type")
+        if reason == "stop" and ids:
+            ids = ids[:-1]  # the end-of-turn or stop token is not part of the text
+        text = self.engine.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+        text, stopped = _cut_at_stop(text, stop)
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "finish_reason": "stop" if stopped else reason}
+
+    async def _stream(self, request, answer: dict, body: dict) -> web.StreamResponse:
+        """The completion as server-sent events: per choice its text in one chunk, then [DONE]."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        head = {k: answer[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+
+        async def send(data) -> None:
+            await response.write(f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode())
+
+        for c in answer["choices"]:
+            delta = {"role": "assistant", "content": c["message"]["content"]}
+            await send({**head, "choices": [{"index": c["index"], "delta": delta, "finish_reason": None}]})
+            await send({**head, "choices": [{"index": c["index"], "delta": {}, "finish_reason": c["finish_reason"]}]})
+        if (body.get("stream_options") or {}).get("include_usage"):
+            await send({**head, "choices": [], "usage": answer["usage"]})
+        await send("[DONE]")
+        await response.write_eof()
+        return response
