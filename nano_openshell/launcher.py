@@ -38,7 +38,18 @@ _CLOSE_WAIT = 1.0      # after EOF, how long bwrap has to exit before it is kill
 _MAX_STATUS = 4096
 _INLINE_SCRIPT_BYTES = 64 * 1024
 _SOURCE = None
-_SPAWNER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nano-openshell-bwrap")
+_SPAWNER: dict[int, concurrent.futures.ThreadPoolExecutor] = {}  # pid -> the thread every bwrap starts from
+_SPAWNER_LOCK = threading.Lock()
+
+
+def _spawner() -> concurrent.futures.ThreadPoolExecutor:
+    """One long-lived thread per process (a forked child has its own: the parent's is not in it)."""
+    pid = os.getpid()
+    with _SPAWNER_LOCK:
+        if pid not in _SPAWNER:
+            _SPAWNER.clear()
+            _SPAWNER[pid] = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nano-openshell-bwrap")
+        return _SPAWNER[pid]
 
 
 class InitDied(RuntimeError):
@@ -176,7 +187,7 @@ class Init:
         ids = dict(user=user, group=user, extra_groups=[]) if user is not None else {}
         full = argv + ["--as-pid-1", "--", python, "-I", "-S", "-c", _BOOT, str(theirs.fileno())]
         try:
-            self._proc = _SPAWNER.submit(
+            self._proc = _spawner().submit(
                 subprocess.Popen, full, stdin=src_r, stdout=subprocess.DEVNULL, stderr=err_w,
                 env=env, pass_fds=pass_fds + (theirs.fileno(),), **ids).result()
             if cgroup_leaf is not None:

@@ -167,3 +167,30 @@ def test_a_full_tmpdir_does_not_hold_up_the_next_command(ns):
     t0 = time.monotonic()
     assert ns.exec("echo next", timeout=10).stdout == "next\n"
     assert time.monotonic() - t0 < 0.6
+
+
+def test_a_forked_supervisor_starts_sandboxes_of_its_own(ns):
+    """Every bwrap starts from one thread of ours: a forked child (multiprocessing's fork) has none
+    of its parent's threads, and must not wait on one."""
+    assert ns.exec("true", timeout=10).exit_code == 0  # the parent's thread exists now
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            from nano_openshell import Sandbox
+
+            with Sandbox(tier="namespaced", min_tier="fallback") as sb:
+                code = 0 if sb.exec("echo child", timeout=10).stdout == "child\n" else 2
+        finally:
+            os._exit(code)
+    end = time.monotonic() + 30
+    while time.monotonic() < end:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child's Sandbox never started")
+    assert os.waitstatus_to_exitcode(status) == 0
