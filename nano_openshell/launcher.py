@@ -1,10 +1,10 @@
 """The supervisor's side of a namespaced Sandbox: its one bwrap, the init inside (nsinit.py), each command.
 
-Init(argv, ...) starts `[uid drop] bwrap <layout> --as-pid-1 -- python3 -I -S -c <_BOOT> FD`, nsinit.py on stdin,
-and returns at once: the init boots while the caller goes on, and a first command simply waits in the
-socket until the init reads it. spawn() sends one command (argv, env and its fds by SCM_RIGHTS) and
-returns a Command, which is what the Sandbox's _drain needs of a Popen: wait(timeout), kill(),
-returncode.
+Namespaces(...).get() starts `[uid drop] bwrap <layout> --as-pid-1 -- python3 -I -S -c <_BOOT> FD`
+(nsinit.py on stdin) and returns at once: the init boots while the caller goes on, and a first
+command simply waits in the socket until the init reads it; a dead init is replaced at the next
+get(). run() is one command: Init.spawn() sends it (argv, env and its fds by SCM_RIGHTS) and returns
+a Command, which is what output.drain needs of a Popen: wait(timeout), kill(), returncode.
 
 Lifetime. Every bwrap is started from one long-lived thread of ours: bwrap's --die-with-parent is
 PR_SET_PDEATHSIG, which fires when the THREAD that started it ends (a pool thread that created a
@@ -37,7 +37,6 @@ _KILL_WAIT = 2.0       # after a kill request, how long the init has to report t
 _CLOSE_WAIT = 1.0      # after EOF, how long bwrap has to exit before it is killed
 _MAX_STATUS = 4096
 _INLINE_SCRIPT_BYTES = 64 * 1024
-_SOURCE = None
 _SPAWNER: dict[int, concurrent.futures.ThreadPoolExecutor] = {}  # pid -> the thread every bwrap starts from
 _SPAWNER_LOCK = threading.Lock()
 
@@ -287,7 +286,7 @@ class Init:
 
 
 class Command:
-    """One command in the init: what _drain needs of a Popen (stdout/stderr are set by the caller)."""
+    """One command in the init: what output.drain needs of a Popen (run() sets stdout/stderr)."""
 
     def __init__(self, init: Init, cid: int, status_fd: int):
         self._init, self._cid, self._status, self._buf = init, cid, status_fd, b""
