@@ -1,10 +1,10 @@
 """The supervisor's side of a namespaced Sandbox: its one bwrap, the init inside (nsinit.py), each command.
 
-Init(argv, ...) starts `[uid drop] bwrap <layout> --as-pid-1 -- python3 -I -S -c <_BOOT> FD`, nsinit.py on stdin,
-and returns at once: the init boots while the caller goes on, and a first command simply waits in the
-socket until the init reads it. spawn() sends one command (argv, env and its fds by SCM_RIGHTS) and
-returns a Command, which is what the Sandbox's _drain needs of a Popen: wait(timeout), kill(),
-returncode.
+Namespaces(...).get() starts `[uid drop] bwrap <layout> --as-pid-1 -- python3 -I -S -c <_BOOT> FD`
+(nsinit.py on stdin) and returns at once: the init boots while the caller goes on, and a first
+command simply waits in the socket until the init reads it; a dead init is replaced at the next
+get(). run() is one command: Init.spawn() sends it (argv, env and its fds by SCM_RIGHTS) and returns
+a Command, which is what output.drain needs of a Popen: wait(timeout), kill(), returncode.
 
 Lifetime. Every bwrap is started from one long-lived thread of ours: bwrap's --die-with-parent is
 PR_SET_PDEATHSIG, which fires when the THREAD that started it ends (a pool thread that created a
@@ -27,15 +27,28 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 from . import namespaced
+from .output import drain
 
 _KILL_WAIT = 2.0       # after a kill request, how long the init has to report the command gone
 _CLOSE_WAIT = 1.0      # after EOF, how long bwrap has to exit before it is killed
 _MAX_STATUS = 4096
-_SOURCE = None
-_SPAWNER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nano-openshell-bwrap")
+_INLINE_SCRIPT_BYTES = 64 * 1024
+_SPAWNER: dict[int, concurrent.futures.ThreadPoolExecutor] = {}  # pid -> the thread every bwrap starts from
+_SPAWNER_LOCK = threading.Lock()
+
+
+def _spawner() -> concurrent.futures.ThreadPoolExecutor:
+    """One long-lived thread per process (a forked child has its own: the parent's is not in it)."""
+    pid = os.getpid()
+    with _SPAWNER_LOCK:
+        if pid not in _SPAWNER:
+            _SPAWNER.clear()
+            _SPAWNER[pid] = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nano-openshell-bwrap")
+        return _SPAWNER[pid]
 
 
 class InitDied(RuntimeError):
@@ -77,15 +90,48 @@ def uid_drop_argv(uid: int) -> list[str] | None:
     return None
 
 
-def sandbox_argv(bwrap: str, tmp_bytes: int, uid: int | None, workspace_fd: int, mounts: dict[str, str]):
-    """(the command line of a Sandbox's bwrap up to its tail, a uid to start it under, the Python the
-    init runs on). As root, bwrap runs under the sandbox's uid: through a uid-drop tool (vfork-cheap),
-    else Popen(user=uid) (a fork: once per Sandbox)."""
-    python, _ = namespaced.sandbox_python(uid is not None)
-    argv = (namespaced.base_argv(bwrap, tmp_bytes, uid is not None) + namespaced.workspace_args(workspace_fd)
-            + namespaced.mount_args(mounts))
-    drop = uid_drop_argv(uid) if uid is not None else None
-    return (drop + argv if drop else argv), (uid if uid is not None and not drop else None), python
+class Namespaces:
+    """A Sandbox's bwrap and init: how to start them (namespaced.py's layout, as root under the
+    sandbox's uid: through a uid-drop tool, vfork-cheap, else Popen(user=uid), a fork) and the one
+    running. get() returns it, starting a new one when there is none or it died."""
+
+    def __init__(self, bwrap: str, tmp_bytes: int, uid: int | None, workspace_fd: int, mounts: dict[str, str],
+                 socket_fd: int | None, seccomp_program: bytes, cgroup_leaf, path: str):
+        self.python, _ = namespaced.sandbox_python(uid is not None)
+        if self.python is None:
+            raise InitDied("no Python that the sandbox can run for its init (neither under /usr nor ours)")
+        argv = (namespaced.base_argv(bwrap, tmp_bytes, uid is not None) + namespaced.workspace_args(workspace_fd)
+                + namespaced.mount_args(mounts))
+        drop = uid_drop_argv(uid) if uid is not None else None
+        self._argv, self._user = (drop + argv if drop else argv), (uid if uid is not None and not drop else None)
+        self._fds = (workspace_fd,) + ((socket_fd,) if socket_fd is not None else ())
+        self._socket_fd, self._seccomp, self._leaf, self._path = socket_fd, seccomp_program, cgroup_leaf, path
+        self._lock, self._init, self._closed = threading.Lock(), None, False
+
+    def get(self) -> "Init":
+        with self._lock:
+            if self._init is not None and self._init.alive():
+                return self._init
+            if self._closed:
+                raise InitDied("the sandbox is closed")
+            if self._init is not None:
+                self._init.close()
+            prog_r, prog_w = os.pipe()
+            try:
+                os.write(prog_w, self._seccomp)  # a few hundred bytes: fits the pipe buffer
+                os.close(prog_w)
+                argv = self._argv + namespaced.command_args(prog_r, self._socket_fd)[:-1]  # Init adds "--"
+                self._init = Init(argv, self.python, {"PATH": self._path}, self._fds + (prog_r,), self._user,
+                                  self._leaf)
+            finally:
+                os.close(prog_r)
+            return self._init
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            if self._init is not None:
+                self._init.close()
 
 
 # The init's program comes on its stdin: its code compiled here (what compiling its source would
@@ -113,30 +159,43 @@ def _nsinit_program() -> bytes:
 
 class Init:
     def __init__(self, argv: list[str], python: str, env: dict[str, str], pass_fds: tuple[int, ...],
-                 user: int | None = None):
+                 user: int | None = None, cgroup_leaf=None):
         """argv: [uid drop] bwrap ... -- (the layout; see namespaced.py); user: a uid to start it under
-        when there is no uid-drop tool (Popen then forks instead of vforking: once per Sandbox)."""
+        when there is no uid-drop tool (Popen then forks instead of vforking: once per Sandbox).
+        cgroup_leaf (cgroup.Leaf): bwrap starts in it, and so every process of the sandbox: a /bin/sh
+        stub waits for one line on stdin, is moved into the leaf, then execs the rest."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         err_r, err_w = os.pipe()
         src_r, src_w = os.pipe()  # the init's program (see _BOOT), ~35 KB
         program = _nsinit_program()
+        if cgroup_leaf is not None:
+            argv = ["/bin/sh", "-c", 'read -r _ && exec "$@"', "nano-openshell-start"] + argv
+            program = b"go\n" + program  # the stub's go-ahead, written once it is in the leaf
         try:
             fcntl.fcntl(src_w, fcntl.F_SETPIPE_SZ, len(program))
         except OSError:
             pass  # a user over its pipe quota gets small pipes: the rest is written once bwrap runs
         os.set_blocking(src_w, False)
         try:
-            sent = os.write(src_w, program)
+            sent = 0 if cgroup_leaf is not None else os.write(src_w, program)
         except BlockingIOError:
             sent = 0
         self._sock, self._err, self._ids = ours, err_r, iter(range(1, 1 << 62))
         self.dead: str | None = None  # why, once the init is known to be gone
+        self.closed = False
         ids = dict(user=user, group=user, extra_groups=[]) if user is not None else {}
         full = argv + ["--as-pid-1", "--", python, "-I", "-S", "-c", _BOOT, str(theirs.fileno())]
         try:
-            self._proc = _SPAWNER.submit(
+            self._proc = _spawner().submit(
                 subprocess.Popen, full, stdin=src_r, stdout=subprocess.DEVNULL, stderr=err_w,
                 env=env, pass_fds=pass_fds + (theirs.fileno(),), **ids).result()
+            if cgroup_leaf is not None:
+                try:
+                    cgroup_leaf.add(self._proc.pid)
+                except BaseException:
+                    self._proc.kill()
+                    self._proc.wait()
+                    raise
         except BaseException:
             ours.close()
             os.close(err_r)
@@ -216,7 +275,7 @@ class Init:
             pass
 
     def close(self) -> None:
-        self.dead = self.dead or "the sandbox is closed"
+        self.closed, self.dead = True, self.dead or "the sandbox is closed"
         self._sock.close()  # EOF: the init exits, and every process of the sandbox dies with it
         try:
             self._proc.wait(timeout=_CLOSE_WAIT)
@@ -227,7 +286,7 @@ class Init:
 
 
 class Command:
-    """One command in the init: what _drain needs of a Popen (stdout/stderr are set by the caller)."""
+    """One command in the init: what output.drain needs of a Popen (run() sets stdout/stderr)."""
 
     def __init__(self, init: Init, cid: int, status_fd: int):
         self._init, self._cid, self._status, self._buf = init, cid, status_fd, b""
@@ -246,9 +305,11 @@ class Command:
             self._init.abort("the sandbox's init did not stop a command in time; it was killed with it")
             line = b"X-9"
         os.close(self._status)
-        if line is None:  # EOF without a status: the init died (or the sandbox was closed) meanwhile
-            self._init.alive()
+        if line is None:  # EOF without a status: the sandbox was closed (killed, as at a timeout), or its init died
             self.returncode = -9
+            if self._init.closed:
+                return self.returncode
+            self._init.alive()
             raise InitDied(self._init.dead or "the sandbox's init died")
         if line.startswith(b"E"):
             self.returncode = -9
@@ -275,6 +336,35 @@ class Command:
         if self.returncode is None and self._killed_at is None:
             self._killed_at = time.monotonic()
             self._init.kill(self._cid)
+
+
+def run(start_init, script: str, env: dict[str, str], deadline: float, output_bytes: int):
+    """One command: `bash -c script` in the init that start_init() returns (live, or a new one), its
+    stdout/stderr drained until EOF or the deadline (output.drain). A script too long for argv
+    (strings are capped at 128 KiB) travels as a memfd, read as /dev/fd/3."""
+    script_fd, argv = None, ["/bin/bash", "-c", script]
+    if len(script.encode()) > _INLINE_SCRIPT_BYTES:
+        script_fd = os.memfd_create("nano-openshell-command", 0)
+        os.write(script_fd, script.encode())
+        os.lseek(script_fd, 0, os.SEEK_SET)
+        argv = ["/bin/bash", "/dev/fd/3"]
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    try:
+        try:
+            proc = start_init().spawn(argv, env, out_w, err_w, script_fd, deadline)
+        except NotDelivered:  # the init died since the last command: once more, with a new one
+            proc = start_init().spawn(argv, env, out_w, err_w, script_fd, deadline)
+    except BaseException:
+        os.close(out_r)
+        os.close(err_r)
+        raise
+    finally:
+        for fd in (out_w, err_w, script_fd):
+            if fd is not None:
+                os.close(fd)
+    proc.stdout, proc.stderr = open(out_r, "rb", buffering=0), open(err_r, "rb", buffering=0)
+    return drain(proc, deadline, output_bytes, proc.kill)
 
 
 def _ready(fd: int, event: int, timeout: float | None) -> bool:

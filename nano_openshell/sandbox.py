@@ -18,9 +18,9 @@ command costs a posix_spawn inside, not a sandbox start. /tmp and /dev/shm last 
 Sandbox; each command gets a fresh TMPDIR, cwd /workspace, and its whole process tree killed at its end.
 Where the host lets us create one (cgroup.py; as root it usually does), each Sandbox has its own
 cgroup: memory (Limits.memory_bytes) and processes (Limits.processes) are capped for the sandbox as a
-whole, and the fallback tier's commands are killed by cgroup.kill. Without one, a fallback command's
-tree is killed by scanning /proc for its init's descendants, and memory is bounded per process only
-(RLIMIT_AS).
+whole (the namespaced tier's bwrap starts inside it), and the fallback tier's commands are killed by
+cgroup.kill. Without one, a fallback command's tree is killed by scanning /proc for its init's
+descendants, and memory is bounded per process only (RLIMIT_AS).
 What a Sandbox does not protect here is listed in `gaps` (ExecResult.gaps, probe's tiers[t]["gaps"]).
 Known limits: disk use in the workspace is bounded per file (RLIMIT_FSIZE), not in total; in the
 fallback tier Landlock (below ABI 9) does not cover connect() to pathname Unix sockets, and a
@@ -29,12 +29,10 @@ non-root supervisor's sandboxes share its uid, so they can read (not write) each
 
 import asyncio
 import concurrent.futures
-import json
 import math
 import os
 import random
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -45,7 +43,7 @@ from dataclasses import asdict, dataclass, field
 from . import initproc, launcher, namespaced, seccomp
 from . import workspace as workspace_mod
 from .cgroup import SandboxCgroup
-from .output import KILL_GRACE as _KILL_GRACE, Capped as _Capped, drain as _drain  # noqa: F401 (_Capped: tests)
+from .output import Capped as _Capped, drain as _drain  # noqa: F401 (_Capped: tests)
 from .probe import TIERS, probe
 
 MAX_TIMEOUT = 24 * 3600.0
@@ -187,7 +185,6 @@ class Sandbox:
         self._owned = _Owned()
         self._fds = self._owned.fds
         self._proxy = None
-        self._init_lock = threading.Lock()
         self._release = weakref.finalize(self, self._owned.release)  # runs at close() or collection
         self.handshake = None
         self._extra_env = self._check_env(env or {})
@@ -218,47 +215,30 @@ class Sandbox:
                 self.cgroup, self.cgroup_reason = SandboxCgroup.create(self.limits.memory_bytes,
                                                                        self.limits.processes)
                 self._owned.cgroup = self.cgroup
-                self._processes_in_cgroup = self.cgroup is not None and self.tier == "fallback"
+                self._processes_in_cgroup = self.cgroup is not None  # namespaced: bwrap starts inside
             if policy is not None:
                 self._start_proxy(policy)
             if self.tier == "namespaced":
-                self._prepare_init()
-                self._start_init()
+                self._start_namespaces()
             self.gaps = self._gaps()
         except BaseException:
             self.close()
             raise
 
     # ---- setup -------------------------------------------------------------------------------
-    def _prepare_init(self) -> None:
+    def _start_namespaces(self) -> None:
+        """This Sandbox's bwrap and init (launcher.Namespaces): started now, booting in the background."""
         ws_fd = os.open(self.workspace, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         self._fds.append(ws_fd)
-        self._init_argv, self._init_user, self._python = launcher.sandbox_argv(
-            self.probe["capabilities"]["bwrap"], self.limits.tmp_bytes, self.uid, ws_fd, self._mounts)
-        if self._python is None:
-            raise SandboxError("no Python that the sandbox can run for its init (neither under /usr nor ours)")
-
-    def _start_init(self) -> launcher.Init:
-        """Start (or, if it died, restart) the Sandbox's bwrap and init; it boots in the background."""
-        with self._init_lock:
-            init = self._owned.init
-            if init is not None and init.alive():
-                return init
-            if self._closed:
-                raise SandboxError("the sandbox is closed")
-            if init is not None:
-                init.close()
-            prog_r, prog_w = os.pipe()
-            try:
-                os.write(prog_w, _seccomp_program(False))  # a few hundred bytes: fits the pipe buffer
-                os.close(prog_w)
-                sock_fd = self._socket_fd if self._proxy is not None else None
-                argv = self._init_argv + namespaced.command_args(prog_r, sock_fd)[:-1]  # Init adds "--"
-                self._owned.init = launcher.Init(argv, self._python, {"PATH": SAFE_PATH},
-                                                 tuple(self._fds) + (prog_r,), user=self._init_user)
-            finally:
-                os.close(prog_r)
-            return self._owned.init
+        try:
+            self._namespaces = self._owned.init = launcher.Namespaces(
+                self.probe["capabilities"]["bwrap"], self.limits.tmp_bytes, self.uid, ws_fd, self._mounts,
+                self._socket_fd if self._proxy is not None else None, _seccomp_program(False),
+                self.cgroup.leaf() if self.cgroup is not None else None, SAFE_PATH)
+        except launcher.InitDied as e:
+            raise SandboxError(str(e)) from None
+        self._python = self._namespaces.python
+        self._namespaces.get()
 
     def _choose_tier(self, min_tier, tier, allow_unisolated) -> str:
         if min_tier not in TIERS:
@@ -400,35 +380,14 @@ class Sandbox:
             from .forwarder import sandbox_prelude
 
             script += sandbox_prelude(namespaced.PROXY_SOCKET, python=self._python) + "\n"
-        script += command
-        script_fd, argv = None, ["/bin/bash", "-c", script]
-        if len(script.encode()) > INLINE_SCRIPT_BYTES:  # argv strings are capped at 128 KiB
-            script_fd = os.memfd_create("nano-openshell-command", 0)
-            os.write(script_fd, script.encode())
-            os.lseek(script_fd, 0, os.SEEK_SET)
-            argv = ["/bin/bash", "/dev/fd/3"]
-        env = self._env(namespaced.WORKDIR, "/tmp")
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
         try:
-            try:
-                try:
-                    proc = self._start_init().spawn(argv, env, out_w, err_w, script_fd, deadline)
-                except launcher.NotDelivered:  # the init died since the last command: once more, a new one
-                    proc = self._start_init().spawn(argv, env, out_w, err_w, script_fd, deadline)
-            except BaseException:
-                os.close(out_r)
-                os.close(err_r)
-                raise
-            finally:
-                for fd in (out_w, err_w, script_fd):
-                    if fd is not None:
-                        os.close(fd)
-            proc.stdout, proc.stderr = open(out_r, "rb", buffering=0), open(err_r, "rb", buffering=0)
-            return _drain(proc, deadline, self.limits.output_bytes, proc.kill)
+            return launcher.run(self._namespaces.get, script + command, self._env(namespaced.WORKDIR, "/tmp"),
+                                deadline, self.limits.output_bytes)
         except launcher.InitDied as e:
-            why = "the sandbox was closed while the command ran" if self._closed else f"the sandbox's init died ({e})"
-            raise SandboxError(f"{why}; the command did not finish (the next one starts a new init)") from None
+            if self._closed:
+                raise SandboxError("the sandbox is closed") from None
+            raise SandboxError(f"the sandbox's init died ({e}); the command did not finish "
+                               "(the next one starts a new init)") from None
         except launcher.NotStarted as e:
             raise SandboxError(f"the sandbox could not start the command: {e}") from None
 
