@@ -135,8 +135,8 @@ class OpenAIRoutes:
             for it in items:
                 self.worker.abort(it.rid, "client disconnected")
             raise
-        choices = [self._choice(i, fin, stop) for i, (fin, _) in enumerate(results)]
-        usage = {"prompt_tokens": len(prompt), "completion_tokens": sum(fin.completion_tokens for fin, _ in results)}
+        choices = [self._choice(i, fin, stop) for i, (fin, *_versions) in enumerate(results)]
+        usage = {"prompt_tokens": len(prompt), "completion_tokens": sum(fin.completion_tokens for fin, *_versions in results)}
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         answer = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
                   "choices": choices, "usage": usage}
