@@ -141,12 +141,16 @@ def hidden_dirs(roots: tuple[str, ...]) -> list[str]:
 
 def view_dir() -> str:
     """This process's private directory holding `etc` (the curated copy of /etc) and `empty` (what
-    hides a directory), made once and removed at exit. World-traversable, writable by us alone."""
+    hides a directory), made once and removed at exit. World-traversable, writable by us alone. Its
+    name carries our pid and start time: the first one a process makes removes those of processes
+    that are gone without removing theirs (killed, or a forked child that left by os._exit)."""
     with _VIEW_LOCK:
         # a forked child makes its own (the parent removes its own); one removed under us is remade
         if _VIEW.get("pid") != os.getpid() or not os.path.isdir(_VIEW["path"]):
             # not tempfile's current directory: a caller may point that at a directory it removes
-            path = tempfile.mkdtemp(prefix="nano-openshell-view-", dir="/tmp" if os.path.isdir("/tmp") else None)
+            parent = "/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir()
+            _sweep_views(parent)
+            path = tempfile.mkdtemp(prefix=f"{_VIEW_PREFIX}{os.getpid()}-{_start_time(os.getpid())}-", dir=parent)
             os.chmod(path, 0o755)
             os.mkdir(os.path.join(path, "empty"), 0o555)
             etc = os.path.join(path, "etc")
@@ -157,6 +161,35 @@ def view_dir() -> str:
             _VIEW.update(pid=os.getpid(), path=path)
             atexit.register(_remove_view, os.getpid(), path)
         return _VIEW["path"]
+
+
+_VIEW_PREFIX = "nano-openshell-view-"
+
+
+def _start_time(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _sweep_views(parent: str) -> None:
+    """Remove our uid's view directories whose process is gone (or whose pid was reused)."""
+    try:
+        names = [n for n in os.listdir(parent) if n.startswith(_VIEW_PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        pid, start = (name[len(_VIEW_PREFIX):].split("-") + ["", ""])[:2]
+        path = os.path.join(parent, name)
+        try:
+            if os.lstat(path).st_uid != os.geteuid() or not (pid.isdigit() and start.isdigit()):
+                continue
+        except OSError:
+            continue
+        if _start_time(int(pid)) != int(start):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _remove_view(pid: int, path: str) -> None:

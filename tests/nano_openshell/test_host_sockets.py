@@ -166,3 +166,21 @@ def test_host_unix_sockets_are_unreachable(make_sandbox, tier):
         assert r.stdout.count("refused") == len(lis.paths)
     finally:
         lis.close()
+
+
+def test_a_view_left_by_a_dead_process_is_removed_by_the_next():
+    """Each process copies the curated /etc once, into a directory of its own; one that died without
+    removing it (SIGKILL, os._exit) has it removed by the next process that makes one."""
+    import subprocess
+    import sys
+
+    from nano_openshell import namespaced
+
+    child = ("import os, sys; sys.path.insert(0, sys.argv[1]); from nano_openshell import namespaced; "
+             "print(namespaced.view_dir(), flush=True); os._exit(0)")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    left = subprocess.run([sys.executable, "-c", child, root], capture_output=True, text=True, check=True).stdout.strip()
+    assert os.path.isdir(os.path.join(left, "etc")), "os._exit skipped the atexit removal: it is left"
+    namespaced._VIEW.clear()  # as a new process would, make a view of our own
+    mine = namespaced.view_dir()
+    assert not os.path.exists(left) and os.path.isdir(mine)
