@@ -1,27 +1,204 @@
 """Run checkpoints (trainer state, RNG, data position) and the exported final policy.
 
-A checkpoint is a folder written whole under a temporary name and renamed into place, so a run
-killed at any moment leaves either the previous checkpoint or the new one, never half of one.
+checkpoint/ holds
+  model.safetensors  the FP32 master weights by HF name: exactly the weights final/ exports, so the
+                     final/model.safetensors of a finished run is a hard link to it (one copy on disk)
+  optimizer.pt       AdamW's state (both moments, step counts): torch.save(optimizer.state_dict())
+  state.json         step, data position, weight version, RNG states, the trainer's step and dtype
+A checkpoint is a folder written whole under checkpoint.tmp/ and renamed into place, so a run killed at
+any moment (even mid-write) leaves either the previous checkpoint or the new one, never half of one.
+
+Written in the background: save_checkpoint() takes the RNG states and the step's record at once, then a
+thread writes the trainer's LIVE tensors (no copy: a second 6 GB of FP32 masters and moments is what a
+24 GB machine cannot spare). The trainer refuses to change them until the write is done
+(Trainer.hold_until_saved: its next update, or a load, waits); in a training loop the write overlaps
+the next step's rollout, which does not touch them. `.wait()` on the returned handle joins it (the
+loop does at the end of the run, before exporting).
+
+A completed run keeps no optimizer.pt (two thirds of a checkpoint: its last checkpoint is written
+without it, and finish_checkpoint drops an older one) unless asked to (keep_optimizer_state): the run
+directory then holds the weights once, shared by checkpoint/ and final/. Resuming such a checkpoint to
+train further restarts AdamW's moments from zero, and says so.
 """
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
+import struct
+import threading
+import time
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from transformers import AutoTokenizer
 
+FORMAT = 2  # 1: a single trainer.pt (still read)
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
+              torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
 
-def save_checkpoint(run_dir: Path, trainer, state: dict) -> None:
-    """Atomic: write checkpoint.tmp/, then rename over checkpoint/ (a kill mid-write keeps the old one)."""
-    final, tmp, old = run_dir / "checkpoint", run_dir / "checkpoint.tmp", run_dir / "checkpoint.old"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    torch.save(trainer.state_dict(), tmp / "trainer.pt")
-    state = dict(state, rng={"python": random.getstate(), "torch": torch.get_rng_state().tolist()})
-    (tmp / "state.json").write_text(json.dumps(state))
+
+def write_safetensors(path: Path, named_tensors, metadata: dict | None = None) -> int:
+    """Write (name, tensor) pairs as one safetensors file, tensor by tensor from their own memory (the
+    safetensors package first copies every tensor into one buffer: the whole model again). Returns bytes."""
+    named = [(n, t.detach()) for n, t in named_tensors]
+    header, offset = {}, 0
+    for name, t in named:
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    header["__metadata__"] = {"format": "pt", **(metadata or {})}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for _, t in named:
+            cpu = t.cpu().contiguous()  # no copy for the CPU trainer's tensors; one tensor at a time from a GPU
+            if cpu.numel():
+                f.write(memoryview(cpu.reshape(-1).view(torch.uint8).numpy()))
+        f.flush()
+        os.fsync(f.fileno())
+    return 8 + len(raw) + offset
+
+
+def checkpoint_bytes(num_params: int) -> int:
+    """Disk of one checkpoint: FP32 masters (4 bytes a parameter) and AdamW's two FP32 moments (8)."""
+    return 12 * num_params
+
+
+def disk_line(num_params: int, run_dir: Path, keep_optimizer: bool) -> str:
+    """What the run needs on disk, for the start-up message (and a warning if it is not there)."""
+    one = checkpoint_bytes(num_params)
+    end = (one if keep_optimizer else 4 * num_params) + 50_000_000  # + tokenizer, metrics, curves, logs
+    line = (f"disk: a checkpoint is {one / 1e9:.1f} GB ({2 * one / 1e9:.1f} GB while one replaces the last); "
+            f"the run directory keeps {end / 1e9:.1f} GB at the end (final/ and checkpoint/ share the weights"
+            f"{'' if keep_optimizer else '; AdamW state dropped: keep_optimizer_state=false'})")
+    try:
+        free = shutil.disk_usage(Path(run_dir)).free
+    except OSError:
+        return line
+    if free < 2 * one:
+        line += f" -- WARNING: only {free / 1e9:.1f} GB free there"
+    return line
+
+
+class PendingCheckpoint:
+    """A checkpoint being written by a thread; wait() joins it and re-raises its error. seconds: how
+    long the write took; waited_s: how long callers of wait() were blocked by it."""
+
+    def __init__(self, run, started: float):
+        self.thread = threading.Thread(target=self._run, args=(run,), name="checkpoint", daemon=True)
+        self.error, self.started, self.seconds, self.waited_s = None, started, None, 0.0
+        self.thread.start()
+
+    def _run(self, run):
+        try:
+            run()
+        except BaseException as e:  # re-raised by wait() in the loop's thread
+            self.error = e
+        self.seconds = time.perf_counter() - self.started
+
+    def done(self) -> bool:
+        return not self.thread.is_alive()
+
+    def wait(self) -> None:
+        t = time.perf_counter()
+        self.thread.join()
+        self.waited_s += time.perf_counter() - t
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise RuntimeError(f"writing the checkpoint failed: {error}") from error
+
+
+def save_checkpoint(run_dir: Path, trainer, state: dict, background: bool = False,
+                    with_optimizer: bool = True) -> PendingCheckpoint:
+    """Write checkpoint/ (atomic: checkpoint.tmp/, then renamed over it). With background=True the
+    files are written by a thread and the trainer waits for it before its next change.
+    with_optimizer=False leaves AdamW's state out (a completed run's last checkpoint)."""
+    trainer.wait_for_save()  # one write at a time
+    run_dir = Path(run_dir)
+    state = dict(state, format=FORMAT, trainer_step=trainer.step, dtype=trainer.cfg.dtype, optimizer=with_optimizer,
+                 rng={"python": random.getstate(), "torch": torch.get_rng_state().tolist()})
+    masters = list(zip(trainer.names, trainer.masters))
+    optimizer_state = trainer.optimizer.state_dict() if with_optimizer else None  # references, not copies
+
+    def write():
+        final, tmp = run_dir / "checkpoint", run_dir / "checkpoint.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        try:
+            write_safetensors(tmp / "model.safetensors", masters)
+            if optimizer_state is not None:
+                torch.save(optimizer_state, tmp / "optimizer.pt")
+            (tmp / "state.json").write_text(json.dumps(state))
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # a full disk must not keep half a checkpoint around
+            raise
+        _replace(tmp, final)
+
+    pending = PendingCheckpoint(write, time.perf_counter())
+    if background:
+        trainer.hold_until_saved(pending)
+    else:
+        pending.wait()
+    return pending
+
+
+class Checkpointer:
+    """When a run checkpoints, in the background, and what it costs. every_steps > 0: every that many
+    steps; 0: by time, once `every_minutes` have passed since the last one (or 10 x what the last one
+    blocked the loop, if that is longer: checkpoints never take more than a tenth of the run). The
+    loop saves at the end and on Ctrl-C regardless."""
+
+    def __init__(self, run_dir: Path, trainer, every_steps: int, every_minutes: float, last_step: int = 0,
+                 keep_optimizer: bool = True):
+        self.run_dir, self.trainer = Path(run_dir), trainer
+        self.every_steps, self.every_minutes = every_steps, every_minutes
+        # The last step's checkpoint holds no AdamW state unless kept: finish() would drop it anyway.
+        self.last_step, self.keep_optimizer = last_step, keep_optimizer
+        self.last_time, self.last_cost = time.monotonic(), 0.0
+        self.saved: list[tuple[float, PendingCheckpoint]] = []  # (seconds save() blocked, its write)
+
+    def due(self, step: int) -> bool:
+        if self.every_steps:
+            return step % self.every_steps == 0
+        if self.saved:
+            blocked, pending = self.saved[-1]
+            self.last_cost = blocked + pending.waited_s
+        return time.monotonic() - self.last_time >= max(60.0 * self.every_minutes, 10.0 * self.last_cost)
+
+    def save(self, state: dict, background: bool = True) -> None:
+        waits = [p.waited_s for _, p in self.saved]
+        t = time.perf_counter()
+        with_optimizer = self.keep_optimizer or state["step"] != self.last_step
+        pending = save_checkpoint(self.run_dir, self.trainer, state, background, with_optimizer)
+        # What save() itself blocked, less the waits (for this write, or the previous one) each
+        # PendingCheckpoint counts on its own.
+        inside = pending.waited_s + sum(p.waited_s - w for (_, p), w in zip(self.saved, waits))
+        self.saved.append((time.perf_counter() - t - inside, pending))
+        self.last_time = time.monotonic()
+
+    def finish(self) -> str:
+        """Join the last write, drop any AdamW state left unless kept; a line saying what checkpoints cost."""
+        self.trainer.wait_for_save()
+        finish_checkpoint(self.run_dir, self.keep_optimizer)
+        return self.summary()
+
+    def summary(self) -> str:
+        if not self.saved:
+            return "no checkpoint written"
+        written = [p.seconds for _, p in self.saved if p.seconds is not None]
+        blocked = sum(b + p.waited_s for b, p in self.saved)
+        return (f"{len(self.saved)} checkpoint(s), each written in {max(written, default=0):.1f} s or less in the "
+                f"background; the loop waited {blocked:.1f} s for them in all")
+
+
+def _replace(tmp: Path, final: Path) -> None:
+    """Rename tmp over final; a kill between the two renames leaves final.old, which load takes."""
+    old = final.with_name(final.name + ".old")
     shutil.rmtree(old, ignore_errors=True)
     if final.exists():
         final.rename(old)
@@ -29,30 +206,67 @@ def save_checkpoint(run_dir: Path, trainer, state: dict) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def load_checkpoint(run_dir: Path, trainer) -> dict | None:
+def _checkpoint_dir(run_dir: Path) -> Path | None:
     ckpt = run_dir / "checkpoint"
     if not (ckpt / "state.json").exists():
         old = run_dir / "checkpoint.old"  # killed between the two renames
-        if (old / "state.json").exists():
-            old.rename(ckpt)
-        else:
+        if not (old / "state.json").exists():
             return None
+        old.rename(ckpt)
+    return ckpt
+
+
+def load_checkpoint(run_dir: Path, trainer, echo=print) -> dict | None:
+    """Restore the trainer and the RNG from run_dir/checkpoint; returns its state.json, or None."""
+    ckpt = _checkpoint_dir(Path(run_dir))
+    if ckpt is None:
+        return None
     state = json.loads((ckpt / "state.json").read_text())
-    trainer.load_state_dict(torch.load(ckpt / "trainer.pt", map_location=trainer.device, weights_only=False))
+    if state.get("format", 1) == 1:
+        trainer.load_state_dict(torch.load(ckpt / "trainer.pt", map_location=trainer.device, weights_only=False))
+    else:
+        with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:  # tensor by tensor
+            masters = {name: f.get_tensor(name) for name in f.keys()}
+        optimizer = None
+        if state.get("optimizer") and (ckpt / "optimizer.pt").exists():
+            optimizer = torch.load(ckpt / "optimizer.pt", map_location=trainer.device, weights_only=True)
+        else:
+            echo("the checkpoint keeps no AdamW state (the run had completed; keep_optimizer_state=true keeps "
+                 "it): AdamW's moments restart from zero")
+        trainer.load_state_dict({"masters": masters, "optimizer": optimizer, "step": state["trainer_step"]})
     py_state = state["rng"]["python"]
     random.setstate((py_state[0], tuple(py_state[1]), py_state[2]))
     torch.set_rng_state(torch.tensor(state["rng"]["torch"], dtype=torch.uint8))
     return state
 
 
-def export_model(trainer, tokenizer_dir: str, out_dir: Path) -> Path:
-    """The final policy as a HF folder (`nano-miles serve --model DIR` and `eval --model DIR` take it)."""
+def finish_checkpoint(run_dir: Path, keep_optimizer: bool) -> None:
+    """At the end of a completed run: drop the AdamW state unless asked to keep it."""
+    ckpt = Path(run_dir) / "checkpoint"
+    if keep_optimizer or not (ckpt / "optimizer.pt").exists():
+        return
+    state = json.loads((ckpt / "state.json").read_text())
+    tmp = ckpt / "state.json.tmp"
+    tmp.write_text(json.dumps(dict(state, optimizer=False)))
+    os.replace(tmp, ckpt / "state.json")  # first say it is gone, then remove it
+    (ckpt / "optimizer.pt").unlink()
+
+
+def export_model(trainer, tokenizer_dir: str, out_dir: Path, checkpoint_dir: Path | None = None) -> Path:
+    """The final policy as a HF folder (`nano-miles serve --model DIR` and `eval --model DIR` take it):
+    the FP32 masters (they carry every small update; the bf16 compute copy would round them away). If
+    checkpoint_dir holds the trainer's current step, its weights file is hard-linked, not written again."""
+    trainer.wait_for_save()  # the last checkpoint complete (its weights may be linked below)
+    out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model = trainer.model
-    # FP32 masters carry every small update; the bf16 compute copy would round them away.
-    state = {n: t.detach().float().cpu() for n, t in trainer.named_weights(torch.float32)}
-    model.save_pretrained(tmp, state_dict=state)
+    tmp.mkdir(parents=True)
+    trainer.model.config.save_pretrained(tmp)
+    config = json.loads((tmp / "config.json").read_text())
+    config["dtype" if "torch_dtype" not in config else "torch_dtype"] = "float32"
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    if not _link_checkpoint_weights(trainer, checkpoint_dir, tmp / "model.safetensors"):
+        write_safetensors(tmp / "model.safetensors", trainer.named_weights(torch.float32))
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp)
     gen = Path(tokenizer_dir) / "generation_config.json"
     if gen.exists():
@@ -60,3 +274,16 @@ def export_model(trainer, tokenizer_dir: str, out_dir: Path) -> Path:
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
     return out_dir
+
+
+def _link_checkpoint_weights(trainer, checkpoint_dir: Path | None, target: Path) -> bool:
+    if checkpoint_dir is None or not (checkpoint_dir / "state.json").exists():
+        return False
+    state = json.loads((checkpoint_dir / "state.json").read_text())
+    if state.get("format", 1) < 2 or state.get("trainer_step") != trainer.step:
+        return False
+    try:
+        os.link(checkpoint_dir / "model.safetensors", target)
+    except OSError:  # a filesystem without hard links: write it
+        return False
+    return True

@@ -175,6 +175,19 @@ class Routes:
         return self._send(Call("POST", "/update_weights_from_disk", {
             "model_path": str(model_path), "weight_version": weight_version, "abort_all_requests": abort_all_requests}))
 
+    def update_weights_from_shared(self, path, manifest, weight_version=None, abort_all_requests=False):
+        """nano-miles extension: serve a CPU trainer's shared-memory weights (nano_miles/shared_weights.py)."""
+        return self._send(Call("POST", "/update_weights_from_shared", {
+            "path": path, "manifest": manifest, "weight_version": weight_version,
+            "abort_all_requests": abort_all_requests}))
+
+    def release_memory_occupation(self, tags=None):
+        """SGLang's route: free the engine's memory while a colocated trainer updates (ours: a CPU KV cache)."""
+        return self._send(Call("POST", "/release_memory_occupation", {} if tags is None else {"tags": list(tags)}))
+
+    def resume_memory_occupation(self, tags=None):
+        return self._send(Call("POST", "/resume_memory_occupation", {} if tags is None else {"tags": list(tags)}))
+
     def init_weights_update_group(self, master_address, master_port, rank_offset, world_size,
                                   group_name=DEFAULT_GROUP_NAME, backend="gloo", timeout=None):
         return self._send(Call("POST", "/init_weights_update_group", {

@@ -34,11 +34,12 @@ import torch
 from transformers import AutoTokenizer
 
 from nano_miles.algorithms import AdvantageConfig, LossConfig
-from nano_miles.checkpoint import export_model, load_checkpoint, save_checkpoint
+from nano_miles.checkpoint import Checkpointer, disk_line, export_model, load_checkpoint
 from nano_miles.client import EngineUnavailable
 from nano_miles.config import ConfigError, add_config_arguments, config_from_args, to_dict, to_toml
 from nano_miles.dtypes import TRAINABLE
 from nano_miles.engine_handle import EngineHandle, plan_layout
+from nano_miles.memory_plan import plan_memory, uses_shared_weights
 from nano_miles.producer import AsyncProducer, StepRollout, SyncProducer, TaskStream, roll_out_step, staleness
 from nano_miles.reference import ReferencePolicy
 from nano_miles.rollout_cli import RolloutCommandConfig, model_folder, selected_tasks
@@ -71,7 +72,11 @@ class TrainConfig(RolloutCommandConfig):
     mode: str = "sync"                # sync | async
     max_staleness: int = 1            # async: max weight versions between a trajectory's oldest token and the policy
     updates_per_step: int = 1         # optimizer steps per rollout batch (PPO mini-batches of whole groups)
-    checkpoint_every: int = 1         # steps between checkpoints (the latest one is kept)
+    checkpoint_every: int = 0         # steps between checkpoints; 0 = by time (checkpoint_minutes); always at the end and on Ctrl-C (the latest one is kept)
+    checkpoint_minutes: float = 10.0  # checkpoint_every = 0: minutes between checkpoints (longer if the last one blocked the loop for over a tenth of that)
+    keep_optimizer_state: bool = False  # keep AdamW's moments in checkpoint/ once the run completes (8 bytes a parameter), to train it further exactly
+    memory_check: bool = True         # refuse to start when the estimated peak memory exceeds the budget (nano_miles/memory_plan.py)
+    memory_limit_gb: float = 0.0      # the memory budget in GB; 0 = what the machine has at start-up (MemAvailable, cgroup limit)
     trainer_device: str = "auto"      # auto = cuda:0 with a GPU, else cpu
     max_engine_restarts: int = 3      # per step, before the run stops with an error
     true_on_policy: bool = False      # batch-invariant engine and trainer: log-probs equal bit for bit, parity_max 0.0
@@ -85,8 +90,12 @@ class TrainConfig(RolloutCommandConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.steps < 1 or self.tasks_per_step < 1 or self.checkpoint_every < 1 or self.updates_per_step < 1:
-            raise ValueError("steps, tasks_per_step, checkpoint_every and updates_per_step must be >= 1")
+        if self.steps < 1 or self.tasks_per_step < 1 or self.updates_per_step < 1:
+            raise ValueError("steps, tasks_per_step and updates_per_step must be >= 1")
+        if self.checkpoint_every < 0 or not self.checkpoint_minutes > 0 or self.memory_limit_gb < 0:
+            raise ValueError("checkpoint_every and memory_limit_gb must be >= 0 (0 = auto), checkpoint_minutes > 0")
+        if self.sync.transport == "shared" and self.mode != "sync":
+            raise ValueError("sync.transport=shared serves the trainer's live weights: it needs mode=sync")
         if self.dtype not in ("auto", *TRAINABLE):
             raise ValueError(f"dtype must be one of {['auto', *TRAINABLE]}, got {self.dtype!r}")
         if self.mode not in MODES:
@@ -134,11 +143,13 @@ class TrainingRun:
         self.make_sandbox = make_sandbox or sandbox_factory(cfg.sandbox)
         self.layout = train_layout(cfg)
         self.model_path = model_folder(cfg.model)
+        self.memory = plan_memory(cfg, self.layout, self.model_path, uses_shared_weights(cfg, self.layout), echo)
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
         self.run_dir = Path(resume_dir or cfg.run_dir or Path("runs") / stamp)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if not resume_dir:
             (self.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+        echo(disk_line(self.memory.num_params, self.run_dir, cfg.keep_optimizer_state))
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         echo(f"model {self.model_path} | trainer {self.layout.trainer_device} | engine "
@@ -171,6 +182,8 @@ class TrainingRun:
                 self.start_step, self.stream.position = state["step"], state["data_position"]
                 echo(f"resumed from {self.run_dir}/checkpoint after step {self.start_step}")
         self.data_position = {self.start_step: self.stream.position}  # step -> stream position after it
+        self.checkpointer = Checkpointer(self.run_dir, self.trainer, cfg.checkpoint_every, cfg.checkpoint_minutes,
+                                         cfg.steps, cfg.keep_optimizer_state)
         self.log = MetricsLog(self.run_dir, resume_after_step=self.start_step if resume_dir else None, echo=echo,
                               report_to=cfg.report_to, config=to_dict(cfg))
         self.syncer = None
@@ -188,9 +201,10 @@ class TrainingRun:
         sync_cfg = self.cfg.sync
         if sync_cfg.pause_mode == "auto":  # async: rollouts are in flight at every sync; don't wait them out
             sync_cfg = dataclasses.replace(sync_cfg, pause_mode="in_place" if self.cfg.mode == "async" else "drain")
-        self.syncer = WeightSync.from_config(self.trainer, [self.url], sync_cfg)
-        if self.trainer.step:
-            self.syncer.sync(str(self.trainer.step))  # a fresh engine serves the base weights: catch it up
+        self.syncer = WeightSync.from_config(self.trainer, [self.url], sync_cfg, allow_shared=self.cfg.mode == "sync")
+        if self.trainer.step or self.syncer.transport == "shared":
+            # A fresh engine serves the base weights: catch it up (shared: map ours, freeing its own copy).
+            self.syncer.sync(str(self.trainer.step))
 
     def _recover(self, err: Exception, attempt: int, what: str) -> None:
         if attempt > self.cfg.max_engine_restarts:
@@ -235,6 +249,7 @@ class TrainingRun:
         kept = [t for t, s in zip(rollout.trajectories, stale)
                 if s <= self.cfg.max_staleness and t.finish_reason != "infra_error"]
         self._mutating = True  # from here until the step is logged, the trainer is between states
+        self._release_engine_memory()
         if rollout.all_lost:
             train, skipped = {}, "every episode failed for infrastructure reasons (sandbox)"
         else:
@@ -250,9 +265,15 @@ class TrainingRun:
                                engine_restarts=self.engine.restarts, all_lost=rollout.all_lost)
         return {**metrics, "true_on_policy": self.cfg.true_on_policy}  # parity_max != 0 is then an error
 
-    def _checkpoint(self, step: int) -> None:
-        save_checkpoint(self.run_dir, self.trainer, {"step": step, "data_position": self.data_position[step],
-                                                     "weight_version": str(self.trainer.step)})
+    def _release_engine_memory(self) -> None:
+        try:
+            self.syncer.before_update()  # colocated: the idle engine drops its KV memory during the update
+        except (EngineUnavailable, WeightSyncError) as e:  # only memory: a dead engine is found by the sync
+            self.echo(f"engine memory release: {e}")
+
+    def _checkpoint(self, step: int, background: bool = True) -> None:
+        self.checkpointer.save({"step": step, "data_position": self.data_position[step],
+                                "weight_version": str(self.trainer.step)}, background)
         self.checkpointed = step
 
     # -- the whole run -----------------------------------------------------------------------
@@ -301,18 +322,19 @@ class TrainingRun:
                 lost = lost + 1 if metrics["all_lost"] else 0
                 if lost >= cfg.max_infra_failed_steps:
                     self._stop_for_lost_steps(step, lost, metrics)
-                if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+                if step == cfg.steps or self.checkpointer.due(step):
                     self._checkpoint(step)
                 if self._stop_after_step and step < cfg.steps:
                     raise KeyboardInterrupt
             # trainer.step counts optimizer steps: 0 means the policy is still the base model.
             if self.trainer.step > 0:
-                export_model(self.trainer, self.model_path, self.run_dir / "final")
+                export_model(self.trainer, self.model_path, self.run_dir / "final", self.run_dir / "checkpoint")
+            self.echo(self.checkpointer.finish())
         except KeyboardInterrupt:
             # Steps are atomic: the trainer state is the one after the last completed step's sync
             # unless a second Ctrl-C hit mid-update, in which case the older checkpoint stands.
             if completed > self.checkpointed and not self._mutating:
-                self._checkpoint(completed)
+                self._checkpoint(completed, background=False)
             self.echo(f"interrupted after step {completed}: resume with --resume {self.run_dir}")
             raise
         finally:
@@ -329,6 +351,10 @@ class TrainingRun:
         return self.run_dir
 
     def close(self) -> None:
+        try:
+            self.trainer.wait_for_save()  # a checkpoint still being written is finished, not cut off
+        except RuntimeError as e:
+            self.echo(str(e))
         self.producer.stop()
         if self.syncer is not None:
             try:

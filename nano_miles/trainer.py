@@ -15,6 +15,10 @@
   op from nano_miles/batch_invariant.py, so they equal the engine's returned log-probs bit for bit
   (the engine must run with the same flag). Forward values are the batch-invariant ones; gradients
   come from the ordinary fast backward of each op.
+- Memory: AdamW's step is the fused kernel (no temporary full-size copies of the moments, which the
+  foreach step makes: +2 GB for a 0.5B model in FP32); gradients are freed (set_to_none) after it.
+  On CPU, share_weights() moves the tensors an engine serves into shared memory that a CPU engine
+  on this machine maps instead of holding its own copy (nano_miles/shared_weights.py).
 - One optimizer step per train_step. Unless old log-probs are passed in, the policy that sampled
   the batch is the current one, so the PPO ratio is exactly 1 and old = logprobs.detach().
 """
@@ -34,6 +38,7 @@ from nano_miles.algorithms import LossConfig, loss_normalizer, policy_loss
 from nano_miles.config import filled_in
 from nano_miles.dtypes import DTYPES, TRAINABLE
 from nano_miles.engine.model import CausalLM
+from nano_miles.shared_weights import SharedWeights
 
 
 @dataclass
@@ -64,8 +69,8 @@ class TrainerConfig:
     dtype: str = field(default="float32", metadata=filled_in(
         "compute dtype: float32 | bfloat16 (masters and AdamW state are FP32)"))
     micro_batch_size: int = 0     # sequences per forward/backward; 0 = auto (8 on GPU, 1 on CPU)
-    logprob_chunk: int = 1024     # tokens per lm_head -> float32 log_softmax chunk
-    gradient_checkpointing: bool = False  # recompute decoder layers in backward (long sequences)
+    logprob_chunk: int = 0        # tokens per lm_head -> float32 log_softmax chunk; 0 = auto (1024 on GPU, 256 on CPU: 0.16 GB a [chunk, vocab] tensor for Qwen)
+    gradient_checkpointing: bool | None = None  # recompute decoder layers in backward; none = on for a CPU trainer (a 4096-token episode keeps ~12 GB of activations without it), off on GPU
     compute_entropy: bool = True  # report the policy entropy (one more pass over each chunk's logits)
     true_on_policy: bool = field(default=False, metadata=filled_in(
         "batch-invariant forward shared with the engine: log-probs equal bit for bit (train: true_on_policy)"))
@@ -75,8 +80,8 @@ class TrainerConfig:
     def __post_init__(self):
         if self.dtype not in TRAINABLE:
             raise ValueError(f"trainer dtype must be one of {list(TRAINABLE)}, got {self.dtype!r}")
-        if self.micro_batch_size < 0 or self.logprob_chunk < 1:
-            raise ValueError("trainer.micro_batch_size must be >= 0 (0 = auto) and trainer.logprob_chunk >= 1")
+        if self.micro_batch_size < 0 or self.logprob_chunk < 0:
+            raise ValueError("trainer.micro_batch_size and trainer.logprob_chunk must be >= 0 (0 = auto)")
 
 
 def _chunk_logprobs(hidden, targets, weight, with_entropy: bool):
@@ -103,8 +108,11 @@ def _exact_chunk_logprobs(hidden, targets, weight, with_entropy: bool):
 class Trainer:
     def __init__(self, cfg: TrainerConfig, model: torch.nn.Module | None = None):
         self.device = torch.device(cfg.device)
-        if cfg.micro_batch_size == 0:
-            cfg = dataclasses.replace(cfg, micro_batch_size=8 if self.device.type == "cuda" else 1)
+        on_gpu = self.device.type == "cuda"
+        cfg = dataclasses.replace(  # the autos, decided here once
+            cfg, micro_batch_size=cfg.micro_batch_size or (8 if on_gpu else 1),
+            logprob_chunk=cfg.logprob_chunk or (1024 if on_gpu else 256),
+            gradient_checkpointing=not on_gpu if cfg.gradient_checkpointing is None else cfg.gradient_checkpointing)
         self.cfg = cfg
         self.dtype = DTYPES[cfg.dtype]
         if model is None:
@@ -147,9 +155,14 @@ class Trainer:
         else:
             self.masters = [p.detach().float().clone().requires_grad_(True) for p in self.params]
         o = cfg.optim
-        self.optimizer = torch.optim.AdamW(self.masters, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                                           weight_decay=o.weight_decay, foreach=True)
+        kwargs = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+        try:
+            self.optimizer = torch.optim.AdamW(self.masters, fused=True, **kwargs)
+        except RuntimeError:  # a device without the fused kernel: the per-tensor loop, also without full-size temporaries
+            self.optimizer = torch.optim.AdamW(self.masters, foreach=False, **kwargs)
         self.step = 0
+        self.shared = None         # SharedWeights, once an engine maps our weights (share_weights)
+        self._pending_save = None  # a checkpoint still reading our tensors (checkpoint.py): wait before writing them
 
     # ------------------------------------------------------------------ log-probs
 
@@ -222,6 +235,7 @@ class Trainer:
         """One optimizer step on the whole batch (accumulated over micro-batches). Returns metrics.
         on_micro_batch(n_done, n_total), if given, is called after each micro-batch (progress bars)."""
         self._check_batch(batch)
+        self.wait_for_save()
         t0 = time.perf_counter()
         B = batch.tokens.shape[0]
         advantages = torch.as_tensor(advantages, dtype=torch.float32)
@@ -329,6 +343,31 @@ class Trainer:
         return [(n, t.detach() if dtype is None or t.dtype == dtype else t.detach().to(dtype))
                 for n, t in zip(self.names, src)]
 
+    def shareable(self, dtype: torch.dtype) -> bool:
+        """Can a `dtype` engine map our tensors (a CPU trainer, and no cast between them)?"""
+        tensors = self.masters if dtype == torch.float32 else self.params
+        return self.device.type == "cpu" and tensors[0].dtype == dtype
+
+    def share_weights(self, dtype: torch.dtype) -> SharedWeights | None:
+        """Move what a `dtype` engine serves (named_weights(dtype)) into shared memory, once, and return
+        it; None where it cannot be shared (see shareable)."""
+        if not self.shareable(dtype):
+            return None
+        tensors = self.masters if dtype == torch.float32 else self.params
+        if self.shared is None:
+            self.wait_for_save()
+            self.shared = SharedWeights(zip(self.names, tensors))
+        return self.shared
+
+    def hold_until_saved(self, pending) -> None:
+        """A background checkpoint reads our live tensors: no update may run until pending.wait()."""
+        self._pending_save = pending
+
+    def wait_for_save(self) -> None:
+        pending, self._pending_save = self._pending_save, None
+        if pending is not None:
+            pending.wait()
+
     def state_dict(self) -> dict:
         return {
             "masters": {n: m.detach().clone() for n, m in zip(self.names, self.masters)},
@@ -343,11 +382,13 @@ class Trainer:
         unexpected = [n for n in masters if n not in set(self.names)]
         if missing or unexpected:
             raise ValueError(f"checkpoint does not fit this model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        self.wait_for_save()
         with torch.no_grad():
             for n, m in zip(self.names, self.masters):
                 if masters[n].shape != m.shape:
                     raise ValueError(f"checkpoint tensor {n}: shape {tuple(masters[n].shape)} != {tuple(m.shape)}")
                 m.copy_(masters[n])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if state["optimizer"] is not None:  # None: a checkpoint that kept no AdamW state (fresh moments)
+            self.optimizer.load_state_dict(state["optimizer"])
         self._copy_masters_to_model()
         self.step = int(state["step"])

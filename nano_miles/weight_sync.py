@@ -1,6 +1,6 @@
 """Push the trainer's weights into running inference engines, over SGLang's weight routes.
 
-One interface, four transports (payload formats in nano_miles/engine/weights.py):
+One interface, five transports (payload formats in nano_miles/engine/weights.py):
   ipc          flattened bucket(s) on the trainer's device -> /update_weights_from_tensor. On GPU the
                engine opens a CUDA IPC handle (same GPU, or another with P2P); on CPU the bucket
                travels through shared memory.
@@ -8,7 +8,11 @@ One interface, four transports (payload formats in nano_miles/engine/weights.py)
   distributed  /init_weights_update_group once, then per bucket /update_weights_from_distributed while
                rank 0 broadcasts it (NCCL on GPU, gloo on CPU); one broadcast reaches every engine.
   disk         a safetensors folder -> /update_weights_from_disk; works everywhere.
-`auto` picks from the layout: CPU trainer -> distributed; several engines or a remote one ->
+  shared       CPU trainer and CPU engines on one machine: the engines map the trainer's weights
+               (nano_miles/shared_weights.py); a sync sends no bytes, it bumps the version and flushes
+               the KV cache. Only when no rollout runs during an update (train's mode=sync).
+`auto` picks from the layout: CPU trainer -> shared where the caller allows it (allow_shared) and the
+trainer can share, else distributed; several engines or a remote one ->
 distributed; engine on the trainer's GPU or on a P2P peer -> ipc; a visible GPU without P2P -> staged.
 (CUDA device indices are compared as the engines report them, so trainer and engines are assumed to
 run with the same CUDA_VISIBLE_DEVICES, as `nano-miles train` starts them.)
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -44,14 +49,14 @@ from nano_miles.dtypes import dtype_name
 from nano_miles.engine import weight_group as G
 from nano_miles.engine import weights as W
 
-TRANSPORTS = ("auto", "ipc", "staged", "distributed", "disk")
+TRANSPORTS = ("auto", "ipc", "staged", "distributed", "disk", "shared")
 PAUSE_MODES = ("auto", "drain", "in_place", "retract", "abort")
 _LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0"}
 
 
 @dataclass
 class SyncConfig:
-    transport: str = "auto"        # auto | ipc | staged | distributed | disk
+    transport: str = "auto"        # auto | ipc | staged | distributed | disk | shared (CPU, mode=sync: one copy of the weights)
     verify: bool = False           # compare per-tensor checksums with every engine after each sync
     bucket_mb: float = 1024.0      # MiB per flattened bucket (one HTTP call / broadcast each)
     timeout_s: float = 300.0       # per HTTP call and per broadcast
@@ -79,10 +84,14 @@ class WeightSyncError(RuntimeError):
     """An engine refused an update, a transport failed, or a verified sync found different weights."""
 
 
-def choose_transport(trainer_device: torch.device, engine_infos: list[dict], engine_urls: list[str]) -> str:
-    """The fastest transport that works for this layout (see the module docstring)."""
+def choose_transport(trainer_device: torch.device, engine_infos: list[dict], engine_urls: list[str],
+                     shareable: bool = False) -> str:
+    """The fastest transport that works for this layout (see the module docstring). shareable: the
+    trainer can share its weights and the caller allows it."""
     if trainer_device.type != "cuda":
-        return "distributed"
+        local_cpu = all(torch.device(info.get("device", "cpu")).type == "cpu" for info in engine_infos) and all(
+            urlparse(u).hostname in _LOCAL_HOSTS for u in engine_urls)
+        return "shared" if shareable and local_cpu else "distributed"
     devices = [torch.device(info.get("device", "cpu")) for info in engine_infos]
     if any(d.type != "cuda" for d in devices):
         return "disk"  # a CPU engine next to a GPU trainer: no common collective backend
@@ -99,10 +108,13 @@ def choose_transport(trainer_device: torch.device, engine_infos: list[dict], eng
 class WeightSync:
     def __init__(self, source, engine_urls, transport: str = "auto", bucket_mb: float = 1024.0, verify: bool = False,
                  timeout_s: float = 300.0, master_address: str = "127.0.0.1", master_port: int = 0,
-                 disk_dir: str = "", api_key: str | None = None, pause_mode: str = "auto"):
+                 disk_dir: str = "", api_key: str | None = None, pause_mode: str = "auto",
+                 allow_shared: bool = False):
         """source: a Trainer (its named_weights), an nn.Module, a callable returning (name, tensor)
         pairs, or such a list. engine_urls: one URL or a list. api_key: the engines' (None: as
-        nano_miles.client resolves it, e.g. that of an engine this process started)."""
+        nano_miles.client resolves it, e.g. that of an engine this process started). allow_shared:
+        the engines never generate while the trainer updates (train's mode=sync), so `auto` may pick
+        the shared transport."""
         self.cfg = SyncConfig(transport, verify, bucket_mb, timeout_s, master_address, master_port, disk_dir, pause_mode)
         self.source = source
         self.urls = [engine_urls] if isinstance(engine_urls, str) else list(engine_urls)
@@ -115,7 +127,13 @@ class WeightSync:
             raise ValueError(f"engines disagree on dtype: {sorted(dtypes)}")
         self.engine_dtype = W.parse_dtype(dtypes.pop())
         self.device = self._source_device()
-        self.transport = transport if transport != "auto" else choose_transport(self.device, self.infos, self.urls)
+        shareable = hasattr(source, "shareable") and source.shareable(self.engine_dtype)
+        self._auto = transport == "auto"
+        self.transport = transport if transport != "auto" else choose_transport(
+            self.device, self.infos, self.urls, shareable and allow_shared)
+        if self.transport == "shared" and not shareable:
+            raise ValueError(f"transport 'shared' needs a CPU Trainer whose tensors are the engine's dtype "
+                             f"({dtype_name(self.engine_dtype)}); use 'distributed'")
         if self.transport == "distributed" and self.device.type == "cuda" and any(
                 torch.device(info.get("device", "cpu")) == self.device and urlparse(u).hostname in _LOCAL_HOSTS
                 for u, info in zip(self.urls, self.infos)):
@@ -133,9 +151,10 @@ class WeightSync:
         self._engine_timings: list = []
 
     @classmethod
-    def from_config(cls, source, engine_urls, cfg: SyncConfig, api_key: str | None = None) -> "WeightSync":
+    def from_config(cls, source, engine_urls, cfg: SyncConfig, api_key: str | None = None,
+                    allow_shared: bool = False) -> "WeightSync":
         return cls(source, engine_urls, cfg.transport, cfg.bucket_mb, cfg.verify, cfg.timeout_s,
-                   cfg.master_address, cfg.master_port, cfg.disk_dir, api_key, cfg.pause_mode)
+                   cfg.master_address, cfg.master_port, cfg.disk_dir, api_key, cfg.pause_mode, allow_shared)
 
     # ------------------------------------------------------------------ the weights
 
@@ -170,6 +189,8 @@ class WeightSync:
         t0 = time.perf_counter()
         self._phases = {"prepare": 0.0, "pack": 0.0, "send": 0.0, "free": 0.0}
         self._engine_timings = []
+        if self.transport == "shared":
+            return self._sync_shared(version, t0)
         named = self.named_tensors()
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
         buckets = list(W.bucket_by_bytes(named, int(self.cfg.bucket_mb * 2**20)))
@@ -195,6 +216,35 @@ class WeightSync:
                 "phases_ms": {k: round(v, 3) for k, v in self._phases.items()},
                 "engine_ms": answers[0].get("timings_ms") if answers else None,
                 "fast_path": bool(answers) and all(a.get("fast_path") for a in answers)}
+
+    def before_update(self) -> None:
+        """Call before the trainer updates. With the shared transport (colocated, mode=sync) the idle
+        engines drop their KV cache's memory meanwhile, so the trainer's peak and theirs do not add up."""
+        if self.transport == "shared":
+            self._on_all(lambda c: c.release_memory_occupation(["kv_cache"]))
+
+    def _sync_shared(self, version: str, t0: float) -> dict:
+        shared = self.source.share_weights(self.engine_dtype)  # the first call moves them into shared memory
+        t = self._phase("prepare", t0)
+        try:
+            self._on_all(lambda c: c.update_weights_from_shared(shared.path, shared.manifest, weight_version=version))
+        except WeightSyncError as e:
+            if not self._auto:
+                raise
+            # `auto` chose it from URLs and devices; an engine in another container (or an SGLang
+            # server, which lacks the route) cannot map our memory: copy the weights instead.
+            print(f"note: the engine cannot map the trainer's shared weights ({e}); using transport 'distributed'",
+                  file=sys.stderr)
+            self.transport = "distributed"
+            return self.sync(version)
+        self._phase("send", t)
+        ms = (time.perf_counter() - t0) * 1000.0
+        if self.cfg.verify:
+            self.verify(version)
+        answer = self._engine_timings[0] if self._engine_timings else {}
+        return {"ms": ms, "bytes": 0, "transport": "shared", "verified": self.cfg.verify, "buckets": 0,
+                "weight_version": version, "phases_ms": {k: round(v, 3) for k, v in self._phases.items()},
+                "engine_ms": answer.get("timings_ms"), "fast_path": True}
 
     def _phase(self, name: str, since: float) -> float:
         now = time.perf_counter()

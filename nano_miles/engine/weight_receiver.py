@@ -10,19 +10,36 @@ old weights and version kept). A flattened bucket laid out exactly like a run of
 parameters is swapped in with ONE copy (flat_params.py), anything else tensor by tensor; either way
 the copy is complete and the trainer's buffer released before the answer, which also carries
 timings_ms per phase.
+
+/update_weights_from_shared (a CPU trainer on this machine, nano_miles/shared_weights.py): the first
+call maps the trainer's shared-memory weights read-only in place of the engine's own copy (which is
+freed); from then on the trainer's in-place updates are the engine's weights, and each call only
+flushes the KV cache and sets the version. Any other weight update first gives the engine a private
+copy again ("detach"), so it can never write into the trainer's weights.
+
+/release_memory_occupation and /resume_memory_occupation (SGLang's routes for colocated training):
+on a CPU engine, releasing tag "kv_cache" hands the KV cache's pages back to the kernel (madvise
+MADV_DONTNEED: they read as zeros, the state torch.zeros gave them, and are faulted in again as
+generation uses them) after flushing every cached prefix, so during a colocated trainer's update the
+idle engine holds no KV memory. Resuming is therefore a no-op here.
 """
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import json
+import mmap
 import threading
 import time
 
 import torch
 from aiohttp import web
 
+from nano_miles import shared_weights as S
 from nano_miles.dtypes import dtype_name
 from nano_miles.engine import weight_group as G
 from nano_miles.engine import weights as W
+from nano_miles.engine.flat_params import FlatParameters
 from nano_miles.engine.http_io import json_body, weight_answer
 from nano_miles.engine.model import skip_weight_name
 from nano_miles.engine.protocol import DEFAULT_GROUP_NAME, RequestError
@@ -54,6 +71,23 @@ class _Update:
 LARGE_BODY_ROUTES = ("/update_weights_from_tensor", "/update_weights_from_disk", "/update_weights_from_distributed",
                      "/init_weights_update_group", "/destroy_weights_update_group")
 
+_MADV_DONTNEED = 4
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _drop_pages(tensor: torch.Tensor) -> int:
+    """Give the whole pages inside a CPU tensor's memory back to the kernel; they read as zeros
+    afterwards. Returns the bytes dropped. Only for memory whose contents no longer matter."""
+    page = mmap.PAGESIZE
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    first, last = -(-start // page) * page, end // page * page
+    if last <= first:
+        return 0
+    if _libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED) != 0:
+        raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) failed")
+    return last - first
+
 
 class WeightReceiver:
     """The weight routes of one server. `worker` owns the engine (worker.py); dist_timeout_s bounds
@@ -66,6 +100,7 @@ class WeightReceiver:
         self.groups: dict = {}  # group_name -> process group
         self.group_locks: dict = {}
         self.recv_buffers: dict = {}  # group_name -> persistent uint8 buffer its broadcasts land in
+        self.shared_key = None  # (path, manifest) of the shared weights the parameters map, or None
 
     def add_routes(self, router) -> None:
         router.add_post("/update_weights_from_tensor", self.update_from_tensor)
@@ -73,6 +108,9 @@ class WeightReceiver:
         router.add_post("/init_weights_update_group", self.init_group)
         router.add_post("/update_weights_from_distributed", self.update_from_distributed)
         router.add_post("/destroy_weights_update_group", self.destroy_group)
+        router.add_post("/update_weights_from_shared", self.update_from_shared)
+        router.add_post("/release_memory_occupation", self.release_memory)
+        router.add_post("/resume_memory_occupation", self.resume_memory)
         router.add_route("*", "/weights_checksum", self.weights_checksum)
 
     @property
@@ -99,17 +137,34 @@ class WeightReceiver:
             return _Update(flat=(span[0], bucket.flattened_tensor), count=len(bucket.metadata))
         return _Update(named=self._check(bucket.reconstruct_tensors()))
 
-    async def _apply(self, update: _Update, body, source: str, timings: dict, t0: float) -> web.Response:
-        """Swap in `update` on the engine thread once in-flight work allows; bump the version.
-        Answers with per-phase timings_ms: parse (the JSON body), decode/receive, wait (hand-off to
-        the engine thread and drain), copy (the copy until complete + KV flush), release (dropping
-        the trainer's buffer), answer (back to the event loop), total (handler entry to answer)."""
+    @staticmethod
+    def _update_fields(body):
+        """(abort_all_requests, weight_version) of an update body, checked."""
         abort_first = body.get("abort_all_requests", False)
         if not isinstance(abort_first, bool):
             raise RequestError("abort_all_requests must be a boolean")
         given = body.get("weight_version")
         if given is not None and not isinstance(given, (str, int)):
             raise RequestError("weight_version must be a string")
+        return abort_first, given
+
+    def _detach(self, eng) -> None:
+        """Private weights again (a copy of the shared ones), before an update of another kind writes them."""
+        if self.shared_key is None:
+            return
+        if FlatParameters.packable(eng.model):
+            eng.flat_params = FlatParameters(eng.model)  # packs (copies) into a new buffer of its own
+        else:
+            for p in eng.model.parameters():
+                p.data = p.data.clone()
+        self.shared_key = None
+
+    async def _apply(self, update: _Update, body, source: str, timings: dict, t0: float) -> web.Response:
+        """Swap in `update` on the engine thread once in-flight work allows; bump the version.
+        Answers with per-phase timings_ms: parse (the JSON body), decode/receive, wait (hand-off to
+        the engine thread and drain), copy (the copy until complete + KV flush), release (dropping
+        the trainer's buffer), answer (back to the event loop), total (handler entry to answer)."""
+        abort_first, given = self._update_fields(body)
         # flush_cache=false without a weight_version marks one bucket of a multi-bucket sync (more
         # follow): the version moves once, with the last bucket. The KV cache is flushed regardless,
         # so nothing computed with older weights is ever reused.
@@ -122,6 +177,7 @@ class WeightReceiver:
             t = time.perf_counter()
             timings["wait"] = (t - submitted) * 1000
             old = eng.weight_version
+            self._detach(eng)
             named, flat = update.take()
             if flat is not None:
                 eng.load_flat(*flat)  # matched already: one copy, complete on return, then a KV flush
@@ -190,6 +246,68 @@ class WeightReceiver:
             return weight_answer(False, f"Failed to update weights from disk: {e}")
         timings = {"decode": (time.perf_counter() - t) * 1000}
         return await self._apply(_Update(named=named), body, f"disk ({path})", timings, t0)
+
+    # --- shared memory ---
+    async def update_from_shared(self, request):
+        t0 = time.perf_counter()
+        body = await json_body(request)
+        abort_first, given = self._update_fields(body)
+        path, manifest = body.get("path"), body.get("manifest")
+        key = (path, json.dumps(manifest))
+        views = None
+        if key != self.shared_key:
+            cfg = self.engine.model_config
+            try:
+                views = await asyncio.to_thread(S.map_shared, path, manifest, self.engine.weight_specs,
+                                                lambda name: skip_weight_name(name, cfg))
+            except S.SharedWeightsError as e:
+                return weight_answer(False, f"Failed to map shared weights: {e}")
+
+        def swap(eng):
+            if views is not None:
+                params = dict(eng.model.named_parameters())
+                for name, view in views.items():
+                    params[name].data = view
+                eng.flat_params = None  # its private buffer is behind no parameter now: freed
+                S.release_free_heap()  # and what the load left on the heap
+                self.shared_key = key
+            # The trainer wrote the weights in place: caches derived from them (the FP32 lm_head of a
+            # bf16 engine) watch the version counter, which another process's writes do not move.
+            torch.autograd.graph.increment_version(eng.model.lm_head_weight())
+            eng.flush_cache()
+            eng.weight_version = _next_version(eng.weight_version, given)
+            return eng.weight_version
+
+        version = await self.worker.update(swap, abort_first)
+        ms = (time.perf_counter() - t0) * 1000
+        return web.json_response({
+            "success": True, "attached": views is not None, "bytes_copied": 0,
+            "message": f"Serving the trainer's shared weights ({path}){' (mapped now)' if views is not None else ''}. "
+                       f"Weight version updated to {version}.",
+            "timings_ms": {"total": round(ms, 3)}})
+
+    # --- memory occupation ---
+    async def release_memory(self, request):
+        body = await json_body(request, default={})
+        tags = body.get("tags") or ["kv_cache", "weights"]
+        if not (isinstance(tags, list) and set(tags) <= {"kv_cache", "weights"}):
+            raise RequestError('tags must be a list of "kv_cache" and "weights"')
+        if self.engine.device.type != "cpu":
+            return weight_answer(False, "release_memory_occupation frees CPU memory only; this engine runs on "
+                                        f"{self.engine.device}")
+        if "kv_cache" not in tags:
+            return weight_answer(True, "Nothing released: weights stay resident (shared with the trainer, or ours)")
+
+        def release(eng):
+            eng.flush_cache()  # every cached prefix is forgotten before its pages are
+            return sum(_drop_pages(t) for t in (eng.kv.k, eng.kv.v))
+
+        freed = await self.worker.update(release, False)  # once nothing runs
+        return weight_answer(True, f"Released the KV cache's memory ({freed / 2**20:.0f} MiB); weights stay resident")
+
+    async def resume_memory(self, request):
+        await json_body(request, default={})
+        return weight_answer(True, "Nothing to resume: released KV pages come back as generation uses them")
 
     # --- distributed ---
     async def init_group(self, request):

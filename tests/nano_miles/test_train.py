@@ -32,7 +32,8 @@ REPO = Path(__file__).resolve().parents[2]
 DENY_NAMESPACES = [sys.executable, "-c", "import sys; from nano_openshell.seccomp import main; sys.exit(main())",
                    "--deny-namespaces", "--"]
 FAST = ["--set", "model=tiny-random-qwen2", "--set", "rollout.max_new_tokens=24",
-        "--set", "rollout.env.max_turns=2", "--set", "rollout.group_size=2", "--set", "tasks_per_step=2"]
+        "--set", "rollout.env.max_turns=2", "--set", "rollout.group_size=2", "--set", "tasks_per_step=2",
+        "--set", "checkpoint_every=1"]  # the tests below kill runs between steps: a checkpoint after each
 
 
 def _train(args, api_key: str | None = None, **kw) -> subprocess.Popen:

@@ -1,0 +1,225 @@
+"""What a training run needs in memory and on disk, decided before anything heavy loads.
+
+`plan_memory` reads only the model's config.json, estimates the host memory the run's processes will
+take at their peak (trainer, engine, sandboxes; GPU memory is not counted), compares it with what the
+machine can give (MemAvailable, and the memory limit of this process's cgroup less what the cgroup
+already uses), and refuses with the numbers when it does not fit, in one line, before any model loads.
+`memory_limit_gb` sets the budget instead; `memory_check=false` runs anyway.
+
+The terms, per parameter P of the model, in bytes (measured with bench/main_job_memory.py; see
+docs/benchmarks.md for how close the estimate came):
+  trainer   weights (P x dtype size; in shared memory with a colocated CPU engine), FP32 masters when
+            the compute dtype is not FP32 (4P), FP32 gradients (4P), AdamW's two FP32 moments (8P),
+            activations of one micro-batch of the longest sequence (per token and layer; only the
+            layer inputs with gradient checkpointing, plus one layer recomputed), the log-prob chunk's
+            [chunk, vocab] FP32 tensors and the tied lm_head's gradient, the frozen reference policy
+            (loss.kl_coef > 0), and the Python/torch runtime
+  engine    weights (none when shared), the KV cache, the runtime
+  sandboxes per episode in flight
+In mode=sync the two phases do not overlap: the sandboxes are closed before the update, and with the
+shared transport the engine drops its KV cache's memory for it; gradients and activations exist only
+during the update. The peak is then what is resident plus the larger phase, not their sum.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from nano_miles.dtypes import DTYPES
+from nano_miles.engine.model import ModelConfig
+
+GB = 1e9
+TRAINER_RUNTIME = int(0.9 * GB)  # torch + transformers + the loop, measured on the CPU job
+ENGINE_RUNTIME = int(0.7 * GB)   # torch + the server + prefill activations of a CPU engine
+SANDBOX_BYTES = int(0.02 * GB)   # one episode's sandbox processes (bwrap, shell, init), PSS
+CPU_KV_DEFAULT = 2 << 30         # EngineConfig.cpu_kv_cache_bytes: the engine's own default
+CPU_LOGPROB_CHUNK = 256          # trainer.logprob_chunk = 0 on CPU (trainer.py)
+
+
+class MemoryCheckError(RuntimeError):
+    """The run does not fit the machine's memory; str(e) is one line with the numbers."""
+
+
+def num_params(mc: ModelConfig) -> int:
+    H, I, L = mc.hidden_size, mc.intermediate_size, mc.num_layers
+    q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+    attention = H * q + 2 * H * kv + q * H + ((q + 2 * kv) if mc.attention_bias else 0)
+    layer = attention + 3 * H * I + 2 * H
+    embed = mc.vocab_size * H * (1 if mc.tie_word_embeddings else 2)
+    return embed + L * layer + H
+
+
+def kv_bytes_per_token(mc: ModelConfig, dtype: torch.dtype) -> int:
+    return 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * dtype.itemsize
+
+
+def activation_bytes_per_token(mc: ModelConfig, checkpointing: bool) -> int:
+    """FP32 bytes kept for backward per token: every layer's saved tensors (about 12 hidden-sized and
+    4 MLP-sized vectors a layer), or with checkpointing each layer's input plus one layer recomputed."""
+    layer = 4 * (12 * mc.hidden_size + 4 * mc.intermediate_size)
+    if checkpointing:
+        return mc.num_layers * 4 * mc.hidden_size + 2 * layer  # the recomputed layer and its gradients
+    return mc.num_layers * layer
+
+
+@dataclass
+class MemoryPlan:
+    resident: dict[str, int] = field(default_factory=dict)  # held through the whole step
+    rollout: dict[str, int] = field(default_factory=dict)   # only while the engine generates
+    update: dict[str, int] = field(default_factory=dict)    # only during the trainer's update
+    overlap: bool = False  # async: rollouts run during updates, so both phases' terms add up
+    available: int = 0
+    source: str = ""
+    num_params: int = 0
+
+    @property
+    def peak(self) -> int:
+        phases = (sum(self.rollout.values()), sum(self.update.values()))
+        return sum(self.resident.values()) + (sum(phases) if self.overlap else max(phases))
+
+    def breakdown(self) -> str:
+        items = {**self.resident, **self.rollout, **self.update}
+        top = sorted(items.items(), key=lambda kv: -kv[1])
+        return ", ".join(f"{k} {v / GB:.1f}" for k, v in top if v >= 0.05 * GB)
+
+
+def machine_memory() -> tuple[int, str]:
+    """(bytes this process may still use, where the figure comes from)."""
+    options = []
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[1:]}
+        options.append((info["MemAvailable"], "MemAvailable"))
+    except (OSError, KeyError, ValueError):
+        pass
+    options += _cgroup_room()
+    if not options:
+        return 0, "unknown"
+    return min(options)
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # "max": no limit
+
+
+def _stat(path: str) -> dict[str, int]:
+    try:
+        with open(path) as f:
+            return {k: int(v) for k, v in (line.split() for line in f if len(line.split()) == 2)}
+    except (OSError, ValueError):
+        return {}
+
+
+def _cgroup_room() -> list[tuple[int, str]]:
+    """Room left under every memory limit on this process's cgroup path (v2 and v1), page cache
+    that can be reclaimed counted as room."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = [line.rstrip("\n").split(":", 2) for line in f]
+    except OSError:
+        return []
+    room = []
+    for _, controllers, path in (parts for parts in lines if len(parts) == 3):
+        if controllers == "":
+            roots, limit_file, usage_file, stat_key = ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"), \
+                "memory.max", "memory.current", "inactive_file"
+        elif "memory" in controllers.split(","):
+            roots, limit_file, usage_file, stat_key = ("/sys/fs/cgroup/memory",), \
+                "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"
+        else:
+            continue
+        for root in roots:
+            d = os.path.normpath(root + path)
+            while d.startswith(root):
+                limit, usage = _read_int(f"{d}/{limit_file}"), _read_int(f"{d}/{usage_file}")
+                if limit is not None and usage is not None and limit < 1 << 60:
+                    free = limit - usage + _stat(f"{d}/memory.stat").get(stat_key, 0)
+                    room.append((max(free, 0), f"cgroup {limit_file} {limit / GB:.1f} GB"))
+                if d == root:
+                    break
+                d = os.path.dirname(d)
+    return room
+
+
+def estimate(cfg, layout, model_path: str, shared: bool) -> MemoryPlan:
+    """The plan for a TrainConfig `cfg` whose devices are `layout` (engine_handle.plan_layout)."""
+    mc = ModelConfig.from_pretrained(model_path)
+    P = num_params(mc)
+    dtype = DTYPES[layout.dtype]
+    plan = MemoryPlan(num_params=P, overlap=cfg.mode == "async")
+    in_flight = min(cfg.rollout.max_concurrency, cfg.tasks_per_step * cfg.rollout.group_size)
+    plan.rollout["sandboxes"] = in_flight * SANDBOX_BYTES  # closed when their episode ends
+    if layout.trainer_device == "cpu":
+        t = cfg.trainer
+        checkpointing = t.gradient_checkpointing if t.gradient_checkpointing is not None else True
+        micro = t.micro_batch_size or 1
+        chunk = t.logprob_chunk or CPU_LOGPROB_CHUNK
+        plan.resident["trainer weights"] = P * dtype.itemsize
+        if dtype != torch.float32:
+            plan.resident["FP32 masters"] = 4 * P
+        plan.resident["AdamW moments"] = 8 * P
+        plan.resident["trainer runtime"] = TRAINER_RUNTIME
+        if cfg.loss.kl_coef > 0:
+            plan.resident["reference policy"] = P * dtype.itemsize
+        plan.update["gradients"] = 4 * P + (P * dtype.itemsize if dtype != torch.float32 else 0)
+        tokens = micro * cfg.rollout.env.max_total_tokens
+        layers = tokens * activation_bytes_per_token(mc, checkpointing)
+        # The chunk's FP32 [chunk, vocab] tensors (logits, log-softmax, the entropy's two, a gradient)
+        # and the tied lm_head's [vocab, hidden] weight gradient, in the backward before the layers'.
+        logits = 5 * chunk * mc.vocab_size * 4 + mc.vocab_size * mc.hidden_size * 4
+        plan.update["activations"] = max(layers, tokens * 4 * mc.hidden_size * mc.num_layers + logits)
+    else:
+        plan.resident["trainer runtime"] = 2 * TRAINER_RUNTIME  # CUDA context and pinned buffers on the host
+    if not cfg.engine.url and layout.engine_device == "cpu":
+        plan.resident["engine weights"] = 0 if shared else P * dtype.itemsize
+        kv = job_kv_cache_bytes(cfg, mc, dtype)
+        # Shared (colocated): the engine drops its KV cache's memory for the update.
+        (plan.rollout if shared else plan.resident)["engine KV cache"] = kv
+        plan.resident["engine runtime"] = ENGINE_RUNTIME
+    elif not cfg.engine.url:
+        plan.resident["engine runtime"] = 2 * ENGINE_RUNTIME
+    return plan
+
+
+def uses_shared_weights(cfg, layout) -> bool:
+    """Will the weight sync be `shared` (weight_sync.choose_transport, as train asks for it)?"""
+    return (cfg.mode == "sync" and cfg.sync.transport in ("auto", "shared") and not cfg.engine.url
+            and layout.trainer_device == "cpu" and layout.engine_device == "cpu")
+
+
+def job_kv_cache_bytes(cfg, mc: ModelConfig, dtype: torch.dtype) -> int:
+    """A CPU engine's KV cache sized for the job: every episode in flight at its token budget (twice
+    as many episodes in async mode, which rolls out the next step during an update), never more than
+    the engine's default."""
+    episodes = min(cfg.rollout.max_concurrency, cfg.tasks_per_step * cfg.rollout.group_size)
+    if cfg.mode == "async":
+        episodes = min(cfg.rollout.max_concurrency, 2 * episodes)
+    return min(CPU_KV_DEFAULT, episodes * cfg.rollout.env.max_total_tokens * kv_bytes_per_token(mc, dtype))
+
+
+def plan_memory(cfg, layout, model_path: str, shared: bool, echo=print) -> MemoryPlan:
+    """Estimate, size a CPU engine's KV cache for the job (layout.engine_args), and refuse with the
+    numbers when the estimate does not fit (unless cfg.memory_check is false)."""
+    plan = estimate(cfg, layout, model_path, shared)
+    if not cfg.engine.url and layout.engine_device == "cpu":
+        kv = {**plan.resident, **plan.rollout}["engine KV cache"]
+        layout.engine_args += ["--set", f"engine.cpu_kv_cache_bytes={kv}"]
+    if cfg.memory_limit_gb > 0:
+        plan.available, plan.source = int(cfg.memory_limit_gb * GB), "memory_limit_gb"
+    else:
+        plan.available, plan.source = machine_memory()
+    line = (f"this run needs about {plan.peak / GB:.1f} GB of memory at its peak ({plan.breakdown()}) and "
+            f"{plan.available / GB:.1f} GB is available ({plan.source})")
+    if plan.available and plan.peak > plan.available and cfg.memory_check:
+        raise MemoryCheckError(
+            f"{line}: lower rollout.env.max_total_tokens, rollout.group_size or tasks_per_step, use a smaller "
+            "model, or set memory_check=false to start anyway")
+    echo(f"memory: {line}")
+    return plan
