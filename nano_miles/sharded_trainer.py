@@ -73,8 +73,9 @@ class ShardedTrainer(Trainer):
         if cfg.true_on_policy:
             raise ValueError("true on-policy mode needs the engine's model over the trainer's parameters; "
                              "it is single-process only for now (trainer.nproc=1)")
-        if cfg.micro_batch_size == 0:  # auto, as Trainer: 8 sequences on a GPU, 1 on the CPU
-            cfg = dataclasses.replace(cfg, micro_batch_size=8 if env.device.type == "cuda" else 1)
+        on_gpu = env.device.type == "cuda"  # the autos, as Trainer's: 8 sequences and 1024-token chunks on a GPU
+        cfg = dataclasses.replace(cfg, micro_batch_size=cfg.micro_batch_size or (8 if on_gpu else 1),
+                                  logprob_chunk=cfg.logprob_chunk or (1024 if on_gpu else 256))
         self.cfg, self.env = cfg, env
         self.device, self.dtype = env.device, DTYPES[cfg.dtype]
         self.exact_model = None  # Trainer._logprobs' true on-policy branch stays off
