@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -41,7 +40,6 @@ def cpu_config(*sets):
 
 def test_a_run_that_cannot_fit_is_refused_in_one_line_before_anything_loads(tmp_path):
     run_dir = tmp_path / "run"
-    t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "nano_miles.cli", "train", "--set", "model=tiny-random-qwen2",
                            "--set", "memory_limit_gb=0.5", "--set", f"run_dir={run_dir}"], cwd=REPO,
                           capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO)))
@@ -51,8 +49,7 @@ def test_a_run_that_cannot_fit_is_refused_in_one_line_before_anything_loads(tmp_
     line = lines[0]
     assert line.startswith("nano-miles train: this run needs about ") and "0.5 GB is available (memory_limit_gb)" in line
     assert "memory_check=false" in line and "trainer runtime" in line  # what it is made of, and the way out
-    assert not (run_dir / "engine.json").exists() and not (run_dir / "engine.log").exists()  # no engine started
-    assert time.monotonic() - t0 < 60
+    assert not run_dir.exists()  # refused before the run directory, the engine or the trainer
 
 
 def test_memory_check_false_starts_anyway_and_says_the_numbers(tmp_path):
@@ -72,10 +69,12 @@ def test_the_default_job_is_planned_under_12_gb_with_one_copy_of_the_weights(qwe
     assert uses_shared_weights(cfg, layout)
     shared = estimate(cfg, layout, qwen_config, shared=True)
     assert shared.num_params == 494_032_768  # Qwen2.5-0.5B's published parameter count
-    assert shared.rollout["engine weights"] == 0 and shared.rollout["trainer weights"] == 4 * shared.num_params
+    assert shared.resident["engine weights"] == 0 and shared.resident["trainer weights"] == 4 * shared.num_params
     assert shared.peak <= 12 * GB, shared.breakdown()
-    # The engine's KV cache is sized for the job: 16 episodes x 4096 tokens, under the engine's 2 GiB default.
-    assert shared.rollout["engine KV cache"] == 16 * 4096 * 2 * 24 * 2 * 64 * 4 < 2 << 30
+    # The engine's KV cache is sized for the job (every episode in flight at 4096 tokens), under the
+    # engine's 2 GiB default: 2 (K, V) x 24 layers x 2 KV heads x 64 x 4 bytes a token.
+    episodes = cfg.tasks_per_step * cfg.rollout.group_size
+    assert shared.rollout["engine KV cache"] == episodes * 4096 * 2 * 24 * 2 * 64 * 4 < 2 << 30
     # mode=async needs a second copy of the weights and keeps the KV cache through the update.
     async_cfg = cpu_config("mode=async")
     assert not uses_shared_weights(async_cfg, layout)
