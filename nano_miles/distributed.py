@@ -13,8 +13,10 @@ interleaves its collectives with the training step's on the default group.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
+import threading
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
@@ -132,6 +134,9 @@ def run_rank(fn: Callable, *args, device_type: str = "auto", timeout_s: float = 
 
 # ----------------------------------------------------------------------------- launch
 
+_AGENT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+
+
 def launch(nproc: int, entrypoint: Callable | str, args: tuple | list = (), *, device_type: str = "cpu",
            max_restarts: int = 0, shutdown_timeout_s: int = 5) -> dict[int, Any]:
     """Start `nproc` ranks on this host through torch.distributed.run's elastic agent, wait for them.
@@ -151,6 +156,9 @@ def launch(nproc: int, entrypoint: Callable | str, args: tuple | list = (), *, d
     omp_was = os.environ.get("OMP_NUM_THREADS")
     if omp_was is None:
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    # The agent installs its own SIGINT/SIGTERM/SIGHUP/SIGQUIT handlers and leaves them behind; put
+    # the caller's back, or a later Ctrl-C in this process would kill it instead of raising.
+    handlers = {sig: signal.getsignal(sig) for sig in _AGENT_SIGNALS}
     try:
         return elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as e:
@@ -158,6 +166,9 @@ def launch(nproc: int, entrypoint: Callable | str, args: tuple | list = (), *, d
     finally:
         if omp_was is None:
             os.environ.pop("OMP_NUM_THREADS", None)
+        if threading.current_thread() is threading.main_thread():
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 def describe_failures(failures: dict) -> str:

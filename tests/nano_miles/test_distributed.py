@@ -84,3 +84,13 @@ def test_a_hung_rank_times_out_the_collective_and_the_launcher_names_it(tmp_path
     assert "Timed out" in message and "another rank died or stopped answering" in message, message
     assert 5 <= waited < 5 + 25, waited
     assert not (tmp_path / "finished_0").exists()
+
+
+def test_launch_gives_the_callers_signal_handlers_back():
+    """The elastic agent installs its own SIGINT/SIGTERM handlers; after launch the caller's are back,
+    so a later Ctrl-C in the same process still raises KeyboardInterrupt (the train loop relies on it)."""
+    import signal
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    results = launch(1, os.getpid)
+    assert set(results) == {0} and results[0] != os.getpid()
+    assert {sig: signal.getsignal(sig) for sig in before} == before
