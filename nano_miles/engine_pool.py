@@ -21,6 +21,7 @@ whose replica fails moves, whole, to another.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -126,9 +127,10 @@ class EnginePool:
 
     def _launch(self, i: int, device: str) -> EngineProcess:
         log = None if self.run_dir is None else self.run_dir / ("engine.log" if i == 0 else f"engine-{i}.log")
+        # The user's $NANO_MILES_API_KEY, when set, so they can reach the engines too; else a fresh key.
         return start_engine_process(self.model_path, device=device, dtype=self.layout.dtype,
                                     extra_args=self.layout.args_of(i), ready_timeout=self.ready_timeout,
-                                    log_path=log)
+                                    log_path=log, api_key=os.environ.get(API_KEY_ENV) or None)
 
     def _write_state(self) -> None:
         """engine.json in the run directory: the replicas' pids and URLs (the first one's at the top)."""

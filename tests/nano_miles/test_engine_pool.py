@@ -107,9 +107,13 @@ def test_bad_engine_keys_are_one_line(sets, message, capsys):
     assert message in err and len(err.strip().splitlines()) == 1, err
 
 
+API_KEY = "test-engine-pool-key"
+
+
 def _running(url: str) -> int:
     try:
-        return requests.get(url + "/get_server_info", timeout=2).json()["internal_states"][0]["running"]
+        return requests.get(url + "/get_server_info", headers={"Authorization": f"Bearer {API_KEY}"},
+                            timeout=2).json()["internal_states"][0]["running"]
     except (requests.RequestException, ValueError, KeyError):
         return 0
 
@@ -123,7 +127,7 @@ def test_a_replica_killed_mid_rollout_is_restarted_and_no_step_is_lost(tmp_path)
                              "--set", "rollout.max_new_tokens=128",
                              "--set", "engine.replicas=2", "--set", "sync.verify=true", "--set", f"run_dir={run_dir}"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                            env=dict(os.environ, PYTHONUNBUFFERED="1", NANO_MILES_API_KEY=API_KEY))
     try:
         deadline, victim = time.monotonic() + 240, None
         while victim is None and time.monotonic() < deadline and proc.poll() is None:
