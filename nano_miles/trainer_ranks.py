@@ -273,8 +273,9 @@ class TrainerRanks:
         return self._pending
 
     def wait_for_save(self) -> None:
-        """Finish the checkpoint being written (every rank renames nothing until all have written)."""
-        if self._pending is not None:
+        """Finish the checkpoint being written (renamed into place once every rank has written its
+        part). Nothing to do once a call failed half-way: the others are not listening any more."""
+        if self._pending is not None and not self.channel.broken:
             with self.channel.command("wait_save"):
                 pending, self._pending = self._pending, None
                 pending.wait()
