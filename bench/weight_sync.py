@@ -7,10 +7,18 @@ Against, in the same run: a raw device-to-device copy of the same bytes (one fla
 copy per tensor). Also the train/inference log-prob parity of the bf16 trainer against the bf16
 engine on rollouts it sampled.
 
+With --engines M (M engine processes, on --engine-devices), every transport is measured twice in the
+same run: the sync to the first engine alone, and the sync to all M (what `engine.replicas=M` does each
+step); the table gives their ratio (goal: M=2 within 1.3x of M=1, since a broadcast is one-to-many).
+
   PYTHONPATH=. python3 bench/weight_sync.py                               # 2 GPUs
+  PYTHONPATH=. python3 bench/weight_sync.py --engines 2 --engine-devices cuda:1,cuda:2 \
+      --transports distributed,ipc --label replicas                       # 3 GPUs: 1 trainer, 2 engines
   NCCL_P2P_DISABLE=1 PYTHONPATH=. python3 bench/weight_sync.py --transports distributed --label nccl-no-p2p
   PYTHONPATH=. python3 bench/weight_sync.py --shapes tiny --trainer-device cpu --engine-device cpu \
       --transports distributed,disk,ipc                                   # CPU smoke run
+  PYTHONPATH=. python3 bench/weight_sync.py --shapes tiny --trainer-device cpu --engine-device cpu \
+      --engines 2 --transports distributed,ipc --dry-run                  # CPU rehearsal of --engines
 """
 from __future__ import annotations
 
@@ -47,9 +55,9 @@ def watchdog(seconds, engine_holder):
     def fire():
         progress(f"WATCHDOG: no result after {seconds:.0f}s; stacks and engine log follow")
         faulthandler.dump_traceback(file=sys.stdout, all_threads=True)
-        if engine_holder:
-            print("---- engine log (tail) ----\n" + engine_holder[0].log()[-4000:], flush=True)
-            engine_holder[0].stop()
+        for engine in engine_holder:
+            print(f"---- engine {engine.url} log (tail) ----\n" + engine.log()[-4000:], flush=True)
+            engine.stop()
         os._exit(3)
     t = threading.Timer(seconds, fire)
     t.daemon = True
@@ -108,24 +116,26 @@ def median_phases(dicts) -> dict:
     return {k: round(statistics.median(d[k] for d in dicts if d and k in d), 3) for k in keys}
 
 
-def measure(trainer, client, url, transport, args, nbytes, raw_one) -> dict:
-    with WeightSync(trainer, url, transport=transport, bucket_mb=args.bucket_mb, timeout_s=args.timeout_s) as ws:
+def measure(trainer, clients, urls, transport, args, nbytes, raw_one) -> dict:
+    """Median sync time of `transport` to the engines at `urls` (each checked: version and checksums)."""
+    with WeightSync(trainer, urls, transport=transport, bucket_mb=args.bucket_mb, timeout_s=args.timeout_s) as ws:
         times, phases, engine_ms, fast = [], [], [], []
         for i in range(2 + args.repeats):
             with torch.no_grad():  # a real update each time, so no stale state can pass
                 trainer.params[0].add_(1e-2 if i % 2 else -1e-2)
-            stats = ws.sync(f"{transport}-{i}")
-            progress(f"{transport} sync {i}: {stats['ms']:.1f} ms ({ws.transport})")
+            stats = ws.sync(f"{transport}-{len(urls)}-{i}")
+            progress(f"{transport} sync {i} to {len(urls)} engine(s): {stats['ms']:.1f} ms ({ws.transport})")
             if i >= 2:
                 times.append(stats["ms"])
                 phases.append(stats["phases_ms"])
                 engine_ms.append(stats["engine_ms"])
                 fast.append(stats["fast_path"])
-        assert client.weight_version() == f"{transport}-{i}"
-        ws.verify(f"{transport}-{i}")  # sha256 of every tensor on both sides (not timed)
+        for client in clients:
+            assert client.weight_version() == f"{transport}-{len(urls)}-{i}"
+        ws.verify(f"{transport}-{len(urls)}-{i}")  # sha256 of every tensor on every engine (not timed)
         name = transport if transport != "auto" else f"auto={ws.transport}"
     ms = statistics.median(times)
-    return dict(transport=name, ms=ms, gib_per_s=nbytes / 2**30 / (ms / 1000),
+    return dict(transport=name, engines=len(urls), ms=ms, gib_per_s=nbytes / 2**30 / (ms / 1000),
                 vs_raw=ms / raw_one if raw_one == raw_one else None, buckets=stats["buckets"],
                 verified=True, min_ms=min(times), max_ms=max(times), fast_path=all(fast),
                 phases_ms=median_phases(phases), engine_ms=median_phases(engine_ms))
@@ -136,6 +146,9 @@ def main():
     ap.add_argument("--shapes", default="qwen2.5-0.5b", choices=sorted(SHAPES))
     ap.add_argument("--trainer-device", default="cuda:0")
     ap.add_argument("--engine-device", default="cuda:1")
+    ap.add_argument("--engines", type=int, default=1, help="engine processes; M > 1 also measures the sync to all M")
+    ap.add_argument("--engine-devices", default="", help="comma-separated, one per engine (cycled); "
+                    "default: --engine-device for every engine")
     ap.add_argument("--transports", default="disk,distributed,auto,ipc,staged")
     ap.add_argument("--bucket-mb", type=float, default=1024.0)
     ap.add_argument("--repeats", type=int, default=5)
@@ -164,47 +177,63 @@ def main():
     if tdev.type == "cuda" and edev.type == "cuda":
         progress("raw device-to-device copies")
         raw_one, raw_many = raw_copies(named, tdev, edev)
-    progress(f"starting the engine process on {edev}")
-
-    engine = start_engine_process(folder, device=str(edev), dtype=dtype, ready_timeout=600,
-                                  extra_args=["--no-cuda-graph", "--num-kv-blocks", "512", "--max-running-requests", "16",
-                                              "--dist-timeout", str(args.timeout_s)])
-    engine_holder.append(engine)
-    progress(f"engine ready at {engine.url}")
-    rows, parity_row = [], None
+    if args.engines < 1:
+        ap.error(f"--engines must be >= 1, got {args.engines}")
+    devices = args.engine_devices.split(",") if args.engine_devices else [args.engine_device]
+    devices = [devices[i % len(devices)] for i in range(args.engines)]
+    progress(f"starting {args.engines} engine process(es) on {', '.join(devices)}")
+    rows, parity_row, engines = [], None, []
     try:
-        client = engine.client(timeout=600)
+        for device in devices:  # one at a time: each sizes its KV cache with the others already loaded
+            engines.append(start_engine_process(
+                folder, device=device, dtype=dtype, ready_timeout=600,
+                extra_args=["--no-cuda-graph", "--num-kv-blocks", "512", "--max-running-requests", "16",
+                            "--dist-timeout", str(args.timeout_s)]))
+            engine_holder.append(engines[-1])
+            progress(f"engine ready at {engines[-1].url} ({device})")
+        clients = [e.client(timeout=600) for e in engines]
+        urls = [e.url for e in engines]
         try:
             if args.parity_tokens:
-                parity_row = parity(trainer, client, new_tokens=args.parity_tokens,
+                parity_row = parity(trainer, clients[0], new_tokens=args.parity_tokens,
                                     vocab=min(1000, SHAPES[args.shapes]["vocab_size"]))
         except Exception as e:
             print(f"parity: FAILED: {type(e).__name__}: {e}", flush=True)
         progress(f"parity: {parity_row}")
+        # The same run syncs to one engine, then (--engines M) to all M: their ratio is the cost of a replica.
         for transport in [t for t in args.transports.split(",") if t]:
-            try:
-                rows.append(measure(trainer, client, engine.url, transport, args, nbytes, raw_one))
-            except Exception as e:  # one broken transport must not hide the others' figures
-                progress(f"{transport}: FAILED: {type(e).__name__}: {e}")
-                rows.append(dict(transport=transport, error=f"{type(e).__name__}: {e}"[:500]))
-        client.close()
+            for k in sorted({1, args.engines}):
+                try:
+                    rows.append(measure(trainer, clients[:k], urls[:k], transport, args, nbytes, raw_one))
+                except Exception as e:  # one broken transport must not hide the others' figures
+                    progress(f"{transport} to {k} engine(s): FAILED: {type(e).__name__}: {e}")
+                    rows.append(dict(transport=transport, engines=k, error=f"{type(e).__name__}: {e}"[:500]))
+        for c in clients:
+            c.close()
     finally:
-        engine.stop()
+        for e in engines:
+            e.stop()
 
     name = torch.cuda.get_device_name(tdev) if tdev.type == "cuda" else platform.processor() or "cpu"
     label = f" [{args.label}]" if args.label else ""
     print(f"\nWeight sync{label}: {args.shapes} shapes, {nbytes / 2**30:.3f} GiB {dtype}, trainer {tdev} -> "
-          f"engine process {edev}, on {torch.cuda.device_count()} x {name}")
+          f"engine process(es) {', '.join(devices)}, on {torch.cuda.device_count()} x {name}")
     print(f"raw device-to-device copy of the same bytes: one buffer {raw_one:.2f} ms, "
           f"{len(named)} separate copies {raw_many:.2f} ms")
-    print(f"{'transport':12s} {'ms (median)':>12s} {'GiB/s':>8s} {'x raw copy':>11s} {'min..max ms':>16s} {'verified':>9s}")
+    print(f"{'transport':12s} {'engines':>7s} {'ms (median)':>12s} {'GiB/s':>8s} {'x raw copy':>11s} "
+          f"{'min..max ms':>16s} {'verified':>9s} {'x 1 engine':>10s}")
+    one = {r["transport"]: r["ms"] for r in rows if r.get("engines") == 1 and "error" not in r}
     for r in rows:
         if "error" in r:
-            print(f"{r['transport']:12s} failed: {r['error']}")
+            print(f"{r['transport']:12s} {r['engines']:7d} failed: {r['error']}")
             continue
         vs = f"{r['vs_raw']:.1f}" if r["vs_raw"] is not None else "-"
-        print(f"{r['transport']:12s} {r['ms']:12.1f} {r['gib_per_s']:8.1f} {vs:>11s} "
-              f"{r['min_ms']:7.1f}..{r['max_ms']:<8.1f} {str(r['verified']):>9s}")
+        r["vs_one_engine"] = r["ms"] / one[r["transport"]] if r["transport"] in one else None
+        ratio = f"{r['vs_one_engine']:.2f}" if r["vs_one_engine"] is not None else "-"
+        print(f"{r['transport']:12s} {r['engines']:7d} {r['ms']:12.1f} {r['gib_per_s']:8.1f} {vs:>11s} "
+              f"{r['min_ms']:7.1f}..{r['max_ms']:<8.1f} {str(r['verified']):>9s} {ratio:>10s}")
+    if args.engines > 1:
+        print(f"goal: {args.engines} engines within 1.3x of one (x 1 engine column)")
     print("\nwhere the time goes (CPU wall ms, medians). trainer: prepare = named tensors + bucket split, "
           "pack = flatten + serialize (+ wait for the GPU), send = HTTP/broadcast until every engine answered, "
           "free = release the bucket. engine: parse = JSON body, decode (incl. CUDA IPC open) or receive (the "
@@ -216,7 +245,7 @@ def main():
         ph, en = r["phases_ms"], r["engine_ms"] or {}
         http = ph.get("send", 0.0) - en.get("total", 0.0) if en else float("nan")
         eng = " ".join(f"{k} {v:.2f}" for k, v in en.items())
-        print(f"{r['transport']:12s} one copy: {str(r['fast_path']):5s} | trainer: "
+        print(f"{r['transport']:12s} {r['engines']} engine(s), one copy: {str(r['fast_path']):5s} | trainer: "
               + " ".join(f"{k} {v:.2f}" for k, v in ph.items()) + f" | engine: {eng} | http {http:.2f}")
     if parity_row:
         print(f"log-prob parity, trainer vs engine ({dtype}, 8 x {args.parity_tokens} sampled tokens): "

@@ -14,8 +14,10 @@ docs/benchmarks.md for how close the estimate came):
             layer inputs with gradient checkpointing, plus one layer recomputed), the log-prob chunk's
             [chunk, vocab] FP32 tensors and the tied lm_head's gradient, the frozen reference policy
             (loss.kl_coef > 0), and the Python/torch runtime
-  engine    weights (none when shared), the KV cache, the runtime
+  engine    weights (none when shared), the KV cache, the runtime; once per CPU replica (engine.replicas)
   sandboxes per episode in flight
+With trainer.nproc = N CPU ranks, the sharded state (masters, gradients, moments) is counted once in all,
+the runtime and one micro-batch's activations once per rank.
 In mode=sync the two phases do not overlap: the sandboxes are closed before the update, and with the
 shared transport the engine drops its KV cache's memory for it; gradients and activations exist only
 during the update. The peak is then what is resident plus the larger phase, not their sum.
@@ -165,7 +167,8 @@ def estimate(cfg, layout, model_path: str, shared: bool) -> MemoryPlan:
         if dtype != torch.float32:
             plan.resident["FP32 masters"] = 4 * P
         plan.resident["AdamW moments"] = 8 * P
-        plan.resident["trainer runtime"] = TRAINER_RUNTIME
+        ranks = cfg.trainer.nproc
+        plan.resident["trainer runtime"] = ranks * TRAINER_RUNTIME
         if cfg.loss.kl_coef > 0:
             plan.resident["reference policy"] = P * dtype.itemsize
         plan.update["gradients"] = 4 * P + (P * dtype.itemsize if dtype != torch.float32 else 0)
@@ -174,15 +177,16 @@ def estimate(cfg, layout, model_path: str, shared: bool) -> MemoryPlan:
         # The chunk's FP32 [chunk, vocab] tensors (logits, log-softmax, the entropy's two, a gradient)
         # and the tied lm_head's [vocab, hidden] weight gradient, in the backward before the layers'.
         logits = 5 * chunk * mc.vocab_size * 4 + mc.vocab_size * mc.hidden_size * 4
-        plan.update["activations"] = max(layers, tokens * 4 * mc.hidden_size * mc.num_layers + logits)
+        plan.update["activations"] = ranks * max(layers, tokens * 4 * mc.hidden_size * mc.num_layers + logits)
     else:
         plan.resident["trainer runtime"] = 2 * TRAINER_RUNTIME  # CUDA context and pinned buffers on the host
     if not cfg.engine.url and layout.engine_device == "cpu":
-        plan.resident["engine weights"] = 0 if shared else P * dtype.itemsize
+        replicas = max(1, layout.engine_devices.count("cpu"))
+        plan.resident["engine weights"] = 0 if shared else replicas * P * dtype.itemsize
         kv = job_kv_cache_bytes(cfg, mc, dtype)
         # Shared (colocated): the engine drops its KV cache's memory for the update.
-        (plan.rollout if shared else plan.resident)["engine KV cache"] = kv
-        plan.resident["engine runtime"] = ENGINE_RUNTIME
+        (plan.rollout if shared else plan.resident)["engine KV cache"] = replicas * kv
+        plan.resident["engine runtime"] = replicas * ENGINE_RUNTIME
     elif not cfg.engine.url:
         plan.resident["engine runtime"] = 2 * ENGINE_RUNTIME
     return plan
@@ -191,7 +195,8 @@ def estimate(cfg, layout, model_path: str, shared: bool) -> MemoryPlan:
 def uses_shared_weights(cfg, layout) -> bool:
     """Will the weight sync be `shared` (weight_sync.choose_transport, as train asks for it)?"""
     return (cfg.mode == "sync" and cfg.sync.transport in ("auto", "shared") and not cfg.engine.url
-            and layout.trainer_device == "cpu" and layout.engine_device == "cpu")
+            and layout.trainer_device == "cpu" and layout.engine_device == "cpu"
+            and cfg.trainer.nproc == 1)  # a sharded trainer holds no whole tensor an engine could map
 
 
 def job_kv_cache_bytes(cfg, mc: ModelConfig, dtype: torch.dtype) -> int:
@@ -209,7 +214,7 @@ def plan_memory(cfg, layout, model_path: str, shared: bool, echo=print) -> Memor
     numbers when the estimate does not fit (unless cfg.memory_check is false)."""
     plan = estimate(cfg, layout, model_path, shared)
     if not cfg.engine.url and layout.engine_device == "cpu":
-        kv = {**plan.resident, **plan.rollout}["engine KV cache"]
+        kv = {**plan.resident, **plan.rollout}["engine KV cache"] // max(1, layout.engine_devices.count("cpu"))
         layout.engine_args += ["--set", f"engine.cpu_kv_cache_bytes={kv}"]
     if cfg.memory_limit_gb > 0:
         plan.available, plan.source = int(cfg.memory_limit_gb * GB), "memory_limit_gb"

@@ -50,6 +50,7 @@ class StepRollout:
     setup_failures: int   # episodes lost before their first turn (sandbox setup): counted, not trained on
     data_position: int    # the stream's position after this step's tasks (what a checkpoint stores)
     setup_errors: list[str] = field(default_factory=list)  # the first few setup failures' messages
+    engine_requests: list[int] = field(default_factory=list)  # /generate calls per engine replica
 
     @property
     def episodes(self) -> int:
@@ -87,9 +88,10 @@ def episode_seed(run_seed: int, step: int) -> int:
     return run_seed * 1_000_003 + step  # fresh task instances every step, reproducible per run
 
 
-def roll_out_step(step: int, stream: TaskStream, tasks_per_step: int, urls: list[str], tokenizer,
+def roll_out_step(step: int, stream: TaskStream, tasks_per_step: int, engines, tokenizer,
                   cfg: RolloutConfig, run_seed: int, desc: str = "rollout", sandbox_factory=None) -> StepRollout:
-    """Take the step's tasks from `stream` and roll out a group of each, with a progress bar
+    """Take the step's tasks from `stream` and roll out a group of each on `engines` (URLs or an
+    EnginePool), with a progress bar
     (episodes done, ETA) on stderr. On any failure the stream is put back, so that a retry takes
     the same tasks with the same seeds."""
     position = stream.position
@@ -98,14 +100,14 @@ def roll_out_step(step: int, stream: TaskStream, tasks_per_step: int, urls: list
     t0 = time.perf_counter()
     try:
         with tqdm(total=len(tasks) * cfg.group_size, desc=desc, unit="ep", leave=False, dynamic_ncols=True) as bar:
-            trajs = asyncio.run(rollout_groups(urls, tokenizer, tasks, cfg, seed=episode_seed(run_seed, step),
+            trajs = asyncio.run(rollout_groups(engines, tokenizer, tasks, cfg, seed=episode_seed(run_seed, step),
                                                sandbox_factory=sandbox_factory, stats=stats,
                                                on_episode_done=lambda: bar.update(1)))
     except BaseException:
         stream.position = position
         raise
     return StepRollout(step, trajs, time.perf_counter() - t0, stats.get("setup_failures", 0), stream.position,
-                       stats.get("setup_errors", []))
+                       stats.get("setup_errors", []), engine_requests=stats.get("engine_requests", []))
 
 
 class SyncProducer:

@@ -14,7 +14,8 @@ tests/nano_miles/test_tito.py for a real case). After every turn we assert the o
 prefix of the new one.
 
 Engines are reached only through the SGLang /generate protocol, so a real SGLang server works too.
-Each group (the G samples of one task) goes to one engine, so its shared prompt hits the prefix cache.
+Each group (the G samples of one task) goes to one engine, so its shared prompt hits the prefix cache;
+which one, and what happens when it dies, is nano_miles/engine_pool.py's GroupRouter.
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ from dataclasses import dataclass, field
 
 from nano_miles.batch import Trajectory
 from nano_miles.chat_format import ChatFormat
+from nano_miles.client import EngineUnavailable
+from nano_miles.engine_pool import EnginePool, GroupRouter
 from nano_miles.env import EnvConfig, OpenShellEnv
 from nano_miles.task_api import SetupError, Task, TaskUnavailable
 
@@ -145,16 +148,18 @@ async def run_episode(client, fmt: ChatFormat, task: Task, seed: int, group_id: 
             raise
 
 
-async def rollout_groups(urls: list[str], tokenizer, tasks: list[Task], cfg: RolloutConfig,
-                         seed: int = 0, sandbox_factory=None, clients=None,
-                         stats: dict | None = None, on_episode_done=None) -> list[Trajectory]:
-    """G samples of every task, all episodes concurrently; group g goes to engine g % len(urls).
+async def rollout_groups(engines: list[str] | EnginePool, tokenizer, tasks: list[Task], cfg: RolloutConfig,
+                         seed: int = 0, sandbox_factory=None, stats: dict | None = None,
+                         on_episode_done=None) -> list[Trajectory]:
+    """G samples of every task, all episodes concurrently, over `engines` (URLs, or an EnginePool
+    whose replicas come and go): each group on one engine, the least busy when it starts.
 
     Samples in a group share the task seed (same files, same ground truth): GRPO compares them
-    against each other. Trajectories come back grouped, in task order. If an engine is unavailable
-    the whole call fails with that error (the other episodes are cancelled and their sandboxes closed):
-    the training loop decides whether to retry. on_episode_done(), if given, is called as each
-    episode ends (progress bars).
+    against each other. Trajectories come back grouped, in task order. An episode whose engine
+    dies runs again from its start on another engine (its group moves there); when no engine is
+    left the whole call fails with EngineUnavailable (the other episodes are cancelled and their
+    sandboxes closed): the training loop decides whether to retry. on_episode_done(), if given, is
+    called as each episode ends (progress bars). stats["engine_requests"]: /generate calls per engine.
 
     Episodes whose sandbox setup failed have no prompt and nothing to learn from: they are left out
     of the result and counted in stats["setup_failures"] (with the first errors in stats["setup_errors"]).
@@ -162,20 +167,30 @@ async def rollout_groups(urls: list[str], tokenizer, tasks: list[Task], cfg: Rol
     on stderr and in stats["unavailable"] ({task id: reason}), and counted nowhere else.
     Sandbox failures later in an episode stay in, with finish_reason "infra_error" and reward 0.
     """
-    from nano_miles.client import AsyncEngineClient
-
-    if not urls and clients is None:
+    pool = engines if isinstance(engines, EnginePool) else EnginePool.of(list(engines))
+    if not pool.replicas:
         raise ValueError("rollout_groups needs at least one engine URL")
     fmt = tokenizer if isinstance(tokenizer, ChatFormat) else ChatFormat(tokenizer)
-    own = clients is None
-    clients = clients or [AsyncEngineClient(u, timeout=cfg.request_timeout) for u in urls]
+    router = GroupRouter(pool, cfg.request_timeout)
     sem = asyncio.Semaphore(cfg.max_concurrency)
     # one worker per episode in flight (+ room for closes queued behind a cancelled episode's command)
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=2 * cfg.max_concurrency, thread_name_prefix="episode")
+    pool_threads = concurrent.futures.ThreadPoolExecutor(max_workers=2 * cfg.max_concurrency,
+                                                         thread_name_prefix="episode")
 
-    async def one(client, task, task_seed, group_id):
+    async def one(task, task_seed, group_id):
         async with sem:
-            traj = await run_episode(client, fmt, task, task_seed, group_id, cfg, sandbox_factory, pool)
+            while True:
+                replica, generation = router.pick(group_id)
+                try:
+                    traj = await run_episode(router.client(replica), fmt, task, task_seed, group_id, cfg,
+                                             sandbox_factory, pool_threads)
+                    break
+                except EngineUnavailable as e:  # its sandbox is closed; run it again elsewhere, if any
+                    router.failed(replica, generation, e)
+                    if not pool.serving():
+                        raise
+                finally:
+                    router.done(replica)
         if on_episode_done is not None:
             on_episode_done()
         return traj
@@ -186,7 +201,7 @@ async def rollout_groups(urls: list[str], tokenizer, tasks: list[Task], cfg: Rol
             task_seed = seed * 100_003 + g
             group_id = f"{task.id}-s{task_seed}"
             for _ in range(cfg.group_size):
-                jobs.append(asyncio.ensure_future(one(clients[g % len(clients)], task, task_seed, group_id)))
+                jobs.append(asyncio.ensure_future(one(task, task_seed, group_id)))
         if not jobs:
             return []
         # On the first error (EngineUnavailable...) or our own cancellation: cancel the rest once, let
@@ -202,6 +217,8 @@ async def rollout_groups(urls: list[str], tokenizer, tasks: list[Task], cfg: Rol
         if errors:
             raise errors[0]
         results = [j.result() for j in jobs]
+        if stats is not None:
+            stats["engine_requests"] = router.counts()
         failed = [t for t in results if t.finish_reason == "infra_error" and not t.prompt_ids]
         if stats is not None:
             stats["setup_failures"] = len(failed)
@@ -217,7 +234,5 @@ async def rollout_groups(urls: list[str], tokenizer, tasks: list[Task], cfg: Rol
                   "score:\n" + "\n".join(f"  {why}" for why in unavailable.values()), file=sys.stderr)
         return [t for t in results if t.prompt_ids]
     finally:
-        pool.shutdown(wait=False)  # queued closes still run; the threads finish before the process exits
-        if own:
-            for c in clients:
-                await c.close()
+        pool_threads.shutdown(wait=False)  # queued closes still run; the threads finish before the process exits
+        await router.close()

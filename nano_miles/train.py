@@ -1,11 +1,13 @@
 """`nano-miles train`: the closed loop. Rollout -> batch -> advantages -> update -> weight sync -> metrics.
 
-    nano-miles train [--config FILE.toml] [--set key=value ...] [--engine-url URL] [--resume RUN_DIR]
+    nano-miles train [--config FILE.toml] [--set key=value ...] [--engine-url URL ...] [--resume RUN_DIR]
+    torchrun --nproc-per-node N -m nano_miles.train [the same arguments]
 
-Where things run (nano_miles/engine_handle.py): two or more GPUs put the trainer on cuda:0 and the
-engine on cuda:1; one GPU holds both; no GPU runs both on the CPU. The engine is a separate process
-(`nano-miles serve`) that this loop starts, restarts when it dies, and stops at the end; or
-`--engine-url` drives one somebody else runs (ours or SGLang).
+Where things run (nano_miles/engine_handle.py): the trainer on cuda:0 (its ranks on cuda:0..N-1 with
+trainer.nproc=N, nano_miles/trainer_ranks.py), the engine replicas (engine.replicas) on the GPUs after
+them, or beside them, or everything on the CPU. Engines are separate processes (`nano-miles serve`)
+that this loop starts, restarts when they die, and stops at the end; or `--engine-url` (repeatable)
+drives engines somebody else runs (ours or SGLang). Rollouts spread over them (nano_miles/engine_pool.py).
 
 Modes (nano_miles/producer.py): `sync` (on-policy: every rollout uses the latest weights) and `async`
 (rollouts for step v+1 are generated while step v trains; a trajectory whose oldest token is more
@@ -19,8 +21,10 @@ infrastructure reasons stop the run with the cause; a run whose policy never cha
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
+import os
 import random
 import signal
 import sys
@@ -34,9 +38,10 @@ import torch
 from transformers import AutoTokenizer
 
 from nano_miles.algorithms import AdvantageConfig, LossConfig
-from nano_miles.checkpoint import Checkpointer, disk_line, export_model, load_checkpoint
+from nano_miles.checkpoint import Checkpointer, disk_line, export_model
 from nano_miles.client import EngineUnavailable
 from nano_miles.config import ConfigError, add_config_arguments, config_from_args, to_dict, to_toml
+from nano_miles.distributed import DistError
 from nano_miles.dtypes import TRAINABLE
 from nano_miles.engine_handle import EngineHandle, plan_layout
 from nano_miles.memory_plan import plan_memory, uses_shared_weights
@@ -48,6 +53,8 @@ from nano_miles.tasks import training_tasks
 from nano_miles.telemetry import (MetricsLog, check_report_to, memory_gb, parse_report_to, read_metrics, run_summary,
                                   step_metrics)
 from nano_miles.trainer import OptimConfig, Trainer, TrainerConfig
+from nano_miles.trainer_ranks import (RankCheckpointer, TrainerRanks, is_collective_failure, launch_ranks,
+                                      load_run_checkpoint, rank_device_type, rank_env, run_as_rank)
 from nano_miles.update import policy_update
 from nano_miles.weight_sync import SyncConfig, WeightSync, WeightSyncError
 
@@ -102,8 +109,7 @@ class TrainConfig(RolloutCommandConfig):
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.max_staleness < 0 or self.max_engine_restarts < 0:
             raise ValueError("max_staleness and max_engine_restarts must be >= 0")
-        if len(self.engine.urls) > 1:
-            raise ValueError(f"train drives one engine: engine.url takes one URL, got {self.engine.url!r}")
+        check_world(self, self.trainer.nproc)
         if self.true_on_policy and self.rollout.temperature != 1.0:
             raise ValueError("true_on_policy needs rollout.temperature = 1 (the engine's log-probs are of the "
                              "tempered distribution, the trainer's of the model's)")
@@ -116,24 +122,40 @@ class RunFailed(RuntimeError):
     """The run stopped, or ended, without a policy to show for it; the message says why and what to do."""
 
 
+def check_world(cfg: TrainConfig, world_size: int) -> None:
+    """What a trainer on several ranks cannot do yet: one line each."""
+    if world_size > 1 and cfg.loss.kl_coef > 0:
+        raise ValueError("loss.kl_coef > 0 (the frozen reference policy) needs trainer.nproc = 1 for now")
+    if world_size > 1 and cfg.true_on_policy:
+        raise ValueError("true_on_policy needs trainer.nproc = 1 for now (its trainer runs unsharded parameters)")
+
+
 CONFIG = TrainConfig
 
 
-def train_layout(cfg: TrainConfig):
-    """plan_layout for a training run: true_on_policy turns the engine's side on too (an engine given
-    by engine.url must have been started with `serve --true-on-policy`)."""
-    layout = plan_layout(cfg.dtype, cfg.engine, cfg.trainer_device)
+def train_layout(cfg: TrainConfig, ranks: TrainerRanks | None = None):
+    """plan_layout for a training run (the trainer's ranks on this host take the first GPUs):
+    true_on_policy turns the engine's side on too (an engine given by engine.url must have been
+    started with `serve --true-on-policy`)."""
+    if ranks is None:
+        layout = plan_layout(cfg.dtype, cfg.engine, cfg.trainer_device)
+    else:
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world_size))
+        layout = plan_layout(cfg.dtype, cfg.engine, str(ranks.env.device), trainer_ranks=local_ranks)
     if cfg.true_on_policy:
         layout.engine_args.append("--true-on-policy")
     return layout
 
 
 class TrainingRun:
-    """One run directory: the trainer, the engine, the weight sync, the data position, the metrics."""
+    """One run directory: the trainer, the engines, the weight sync, the data position, the metrics."""
 
-    def __init__(self, cfg: TrainConfig, resume_dir: str | None = None, echo=print, make_sandbox=None):
-        """make_sandbox: what makes an episode's sandbox (default: a Sandbox of sandbox.min_tier)."""
-        self.cfg, self.echo = cfg, echo
+    def __init__(self, cfg: TrainConfig, resume_dir: str | None = None, echo=print, make_sandbox=None,
+                 ranks: TrainerRanks | None = None):
+        """make_sandbox: what makes an episode's sandbox (default: a Sandbox of sandbox.min_tier).
+        ranks: on rank 0 of N trainer ranks, the handle that builds the sharded trainer and tells the
+        other ranks each collective call (nano_miles/trainer_ranks.py); None for one process."""
+        self.cfg, self.echo, self.ranks = cfg, echo, ranks
         self.started = time.monotonic()
         # Everything that can refuse the run does so before a model is loaded or a directory written:
         # a bad task selection or a benchmark (never trained on), the sandbox, the reporters, the model.
@@ -141,7 +163,8 @@ class TrainingRun:
         check_sandbox(cfg.sandbox)
         check_report_to(cfg.report_to)
         self.make_sandbox = make_sandbox or sandbox_factory(cfg.sandbox)
-        self.layout = train_layout(cfg)
+        self.layout = train_layout(cfg, ranks)
+        self.world_size = ranks.world_size if ranks else 1
         self.model_path = model_folder(cfg.model)
         self.memory = plan_memory(cfg, self.layout, self.model_path, uses_shared_weights(cfg, self.layout), echo)
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
@@ -152,74 +175,84 @@ class TrainingRun:
         echo(disk_line(self.memory.num_params, self.run_dir, cfg.keep_optimizer_state))
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        echo(f"model {self.model_path} | trainer {self.layout.trainer_device} | engine "
-             f"{cfg.engine.url or self.layout.engine_device} | dtype {self.layout.dtype} | mode {cfg.mode} "
-             f"| run_dir {self.run_dir}")
+        engines = cfg.engine.url or ", ".join(self.layout.engine_devices)
+        echo(f"model {self.model_path} | trainer {self.layout.trainer_device}"
+             f"{f' x {self.world_size} ranks' if ranks else ''} | engines {engines} | dtype {self.layout.dtype} "
+             f"| mode {cfg.mode} | run_dir {self.run_dir}")
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
-        # The engine starts before the trainer so that, on one shared GPU, it sizes its KV cache first.
-        self.engine = EngineHandle(cfg.engine, self.layout, self.model_path, self.run_dir)
-        (self.url,) = self.engine.start()
+        # The engines start before the trainer so that, on a shared GPU, they size their KV caches first.
+        self.engines = EngineHandle(cfg.engine, self.layout, self.model_path, self.run_dir)
+        self.engines.start()
         try:
             self._load(tasks, resume_dir)
         except BaseException:
-            self.engine.stop()  # not left running behind a run that never started
+            self.engines.stop()  # not left running behind a run that never started
             raise
 
     def _load(self, tasks: list, resume_dir: str | None) -> None:
         cfg, echo = self.cfg, self.echo
-        self.trainer = Trainer(dataclasses.replace(
+        trainer_cfg = dataclasses.replace(
             cfg.trainer, model=self.model_path, device=self.layout.trainer_device, dtype=self.layout.dtype,
-            true_on_policy=cfg.true_on_policy, optim=cfg.optim, loss=cfg.loss))
+            true_on_policy=cfg.true_on_policy, optim=cfg.optim, loss=cfg.loss)
+        self.trainer = self.ranks.build(trainer_cfg) if self.ranks else Trainer(trainer_cfg)
         self.reference = ReferencePolicy(self.trainer) if cfg.loss.kl_coef > 0 else None  # before any resume
         self.stream = TaskStream(tasks, cfg.seed)
         self.start_step = 0
         if resume_dir:
-            state = load_checkpoint(self.run_dir, self.trainer)
+            state = load_run_checkpoint(self.run_dir, self.trainer, echo)
             if state is None:
                 echo(f"{self.run_dir} has no checkpoint yet: starting from step 1")
             else:
                 self.start_step, self.stream.position = state["step"], state["data_position"]
                 echo(f"resumed from {self.run_dir}/checkpoint after step {self.start_step}")
         self.data_position = {self.start_step: self.stream.position}  # step -> stream position after it
-        self.checkpointer = Checkpointer(self.run_dir, self.trainer, cfg.checkpoint_every, cfg.checkpoint_minutes,
-                                         cfg.steps, cfg.keep_optimizer_state)
+        self.checkpointer = (RankCheckpointer if self.ranks else Checkpointer)(
+            self.run_dir, self.trainer, cfg.checkpoint_every, cfg.checkpoint_minutes, cfg.steps, cfg.keep_optimizer_state)
         self.log = MetricsLog(self.run_dir, resume_after_step=self.start_step if resume_dir else None, echo=echo,
                               report_to=cfg.report_to, config=to_dict(cfg))
         self.syncer = None
         self._mutating = False
         self._stop_after_step = False
         self._connect()
+        if self.trainer.step or self.syncer.transport == "shared":
+            # Fresh engines serve the base weights: catch them up (shared: map ours, freeing their own copy).
+            self._sync_now()
         self.producer = (AsyncProducer(self._roll_out, cfg.steps) if cfg.mode == "async"
                          else SyncProducer(self._roll_out))
 
-    # -- the engine --------------------------------------------------------------------------
+    # -- the engines ---------------------------------------------------------------------------
 
     def _connect(self) -> None:
+        """A weight sync to every replica that is up (after a restart, a new one: a new group)."""
         if self.syncer is not None:
             self.syncer.close()
+        self.syncer = None
         sync_cfg = self.cfg.sync
         if sync_cfg.pause_mode == "auto":  # async: rollouts are in flight at every sync; don't wait them out
             sync_cfg = dataclasses.replace(sync_cfg, pause_mode="in_place" if self.cfg.mode == "async" else "drain")
-        self.syncer = WeightSync.from_config(self.trainer, [self.url], sync_cfg, allow_shared=self.cfg.mode == "sync")
-        if self.trainer.step or self.syncer.transport == "shared":
-            # A fresh engine serves the base weights: catch it up (shared: map ours, freeing its own copy).
-            self.syncer.sync(str(self.trainer.step))
+        self.synced_replicas = self.engines.to_sync()
+        self.syncer = WeightSync.from_config(self.trainer, [r.url for r in self.synced_replicas], sync_cfg,
+                                             allow_shared=self.cfg.mode == "sync")
 
     def _recover(self, err: Exception, attempt: int, what: str) -> None:
+        """Restart the replicas that are dead (ours; theirs are left out until they answer again)
+        and reconnect the weight sync to the ones that are up."""
         if attempt > self.cfg.max_engine_restarts:
-            raise RuntimeError(f"{what}: the engine is still failing after {attempt - 1} restarts: {err}") from err
+            raise RuntimeError(f"{what}: the engines are still failing after {attempt - 1} restarts: {err}") from err
         self.echo(f"{what}: engine unavailable ({err}); restarting it and re-syncing the weights")
-        (self.url,) = self.engine.restart()
+        self.engines.probe()
+        self.engines.wait_restarts()
         self._connect()
 
     def _roll_out(self, step: int, desc: str) -> StepRollout:
-        cfg = self.cfg  # self.url is read at call time: a restart changes it
-        return roll_out_step(step, self.stream, cfg.tasks_per_step, [self.url], self.tokenizer, cfg.rollout,
+        cfg = self.cfg  # the pool's replicas are read at call time: a restart changes them
+        return roll_out_step(step, self.stream, cfg.tasks_per_step, self.engines, self.tokenizer, cfg.rollout,
                              cfg.seed, desc, sandbox_factory=self.make_sandbox)
 
     def _collect(self, step: int) -> StepRollout:
-        """This step's trajectories, retrying on a dead engine (same tasks, same seeds)."""
+        """This step's trajectories. A dead replica's episodes move to the others while it restarts;
+        only when none is left is the step retried (same tasks, same seeds) after a restart."""
         attempt = 0
         while True:
             try:
@@ -227,13 +260,21 @@ class TrainingRun:
             except EngineUnavailable as e:
                 attempt += 1
                 self._recover(e, attempt, f"step {step} rollout")
+                self._sync(step)  # the restarted engines serve the base weights
                 self.producer.restart(step)
+
+    def _sync_now(self) -> dict:
+        result = self.syncer.sync(str(self.trainer.step))
+        self.engines.synced(self.synced_replicas)  # restarted replicas take rollouts again
+        return result
 
     def _sync(self, step: int) -> dict:
         attempt = 0
         while True:
             try:
-                return self.syncer.sync(str(self.trainer.step))
+                if self.engines.wait_restarts():  # a replica came back during the step: sync it too
+                    self._connect()
+                return self._sync_now()
             except (EngineUnavailable, WeightSyncError, ConnectionError) as e:
                 attempt += 1
                 self._recover(e, attempt, f"step {step} weight sync")
@@ -260,9 +301,12 @@ class TrainingRun:
             # them, so that sync_ms measures the weight transfer and not the optimizer's tail.
             torch.cuda.synchronize(self.trainer.device)
         sync = self._sync(step)
+        memory = self.ranks.memory_gb() if self.ranks else [memory_gb(self.layout.trainer_device)]
         metrics = step_metrics(step, rollout, stale, self.cfg.max_staleness, train, skipped, sync,
-                               mem_gb=memory_gb(self.layout.trainer_device), step_s=time.perf_counter() - t0,
-                               engine_restarts=self.engine.restarts, all_lost=rollout.all_lost)
+                               mem_gb=max(memory), mem_gb_ranks=memory, step_s=time.perf_counter() - t0,
+                               world_size=self.world_size, engine_replicas=len(self.engines.replicas),
+                               engine_requests=rollout.engine_requests, sync_engines=sync["engines"],
+                               engine_restarts=self.engines.restarts, all_lost=rollout.all_lost)
         return {**metrics, "true_on_policy": self.cfg.true_on_policy}  # parity_max != 0 is then an error
 
     def _release_engine_memory(self) -> None:
@@ -361,18 +405,18 @@ class TrainingRun:
                 self.syncer.close()
             except Exception as e:  # the engine may already be gone
                 self.echo(f"weight sync close: {e}")
-        self.engine.stop()
+        self.engines.stop()
         self.log.close()
 
 
-def run_training(cfg: TrainConfig, resume_dir: str | None = None, echo=print) -> Path:
-    return TrainingRun(cfg, resume_dir, echo).run()
+def run_training(cfg: TrainConfig, resume_dir: str | None = None, echo=print, ranks: TrainerRanks | None = None) -> Path:
+    return TrainingRun(cfg, resume_dir, echo, ranks=ranks).run()
 
 
 # ----------------------------------------------------------------------------- CLI
 
 def add_arguments(p) -> None:
-    add_config_arguments(p, TrainConfig, {"--engine-url": "engine.url"})
+    add_config_arguments(p, TrainConfig, {"--engine-url": "engine.url"}, repeatable=("--engine-url",))
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
 
 
@@ -387,11 +431,43 @@ def run(args) -> int:
     if args.print_config:
         print(to_toml(cfg), end="")
         return 0
+    ranks = rank_env()
     try:
-        run_training(cfg, resume_dir=args.resume)
+        if ranks is not None and ranks[1] > 1:  # one of N ranks (torchrun, or launch_ranks below)
+            check_world(cfg, ranks[1])
+            return run_as_rank(rank_device_type(cfg.trainer_device), cfg.trainer.dist_timeout_s,
+                               lambda handle: _train(cfg, args.resume, handle))
+        if cfg.trainer.nproc > 1 and ranks is None:
+            return launch_ranks(cfg, args.resume)
+    except (DistError, ValueError) as e:  # more ranks than GPUs, a setting ranks cannot do yet
+        raise ConfigError(str(e)) from None
+    return _train(cfg, args.resume)
+
+
+def _train(cfg: TrainConfig, resume_dir: str | None, ranks: TrainerRanks | None = None) -> int:
+    try:
+        run_training(cfg, resume_dir=resume_dir, ranks=ranks)
     except KeyboardInterrupt:
         return 130
     except RuntimeError as e:
+        if ranks is not None and is_collective_failure(e):
+            raise  # the rank's wrapper says which rank and why, in one line
         print(f"nano-miles train: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m nano_miles.train ARGS` is `nano-miles train ARGS`; under torchrun every rank runs it."""
+    parser = argparse.ArgumentParser(prog="python -m nano_miles.train", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except ConfigError as e:
+        print(f"nano-miles train: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

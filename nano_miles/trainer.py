@@ -72,6 +72,8 @@ class TrainerConfig:
     logprob_chunk: int = 0        # tokens per lm_head -> float32 log_softmax chunk; 0 = auto (1024 on GPU, 256 on CPU: 0.16 GB a [chunk, vocab] tensor for Qwen)
     gradient_checkpointing: bool | None = None  # recompute decoder layers in backward; none = on for a CPU trainer (a 4096-token episode keeps ~12 GB of activations without it), off on GPU
     compute_entropy: bool = True  # report the policy entropy (one more pass over each chunk's logits)
+    nproc: int = 1                # trainer ranks: FSDP2 shards, one GPU each (gloo processes on CPU); train starts them itself
+    dist_timeout_s: float = 300.0  # seconds before any collective of the trainer ranks (or a silent rank 0) fails the run
     true_on_policy: bool = field(default=False, metadata=filled_in(
         "batch-invariant forward shared with the engine: log-probs equal bit for bit (train: true_on_policy)"))
     optim: OptimConfig = field(default_factory=OptimConfig, metadata=filled_in("AdamW"))
@@ -82,6 +84,10 @@ class TrainerConfig:
             raise ValueError(f"trainer dtype must be one of {list(TRAINABLE)}, got {self.dtype!r}")
         if self.micro_batch_size < 0 or self.logprob_chunk < 0:
             raise ValueError("trainer.micro_batch_size and trainer.logprob_chunk must be >= 0 (0 = auto)")
+        if isinstance(self.nproc, bool) or not isinstance(self.nproc, int) or self.nproc < 1:
+            raise ValueError(f"trainer.nproc must be an integer >= 1, got {self.nproc!r}")
+        if not self.dist_timeout_s > 0:
+            raise ValueError(f"trainer.dist_timeout_s must be > 0, got {self.dist_timeout_s}")
 
 
 def _chunk_logprobs(hidden, targets, weight, with_entropy: bool):

@@ -173,6 +173,8 @@ class WeightSync:
 
     def _source_device(self) -> torch.device:
         src = self.source
+        if hasattr(src, "named_weights") and getattr(src, "device", None) is not None:
+            return torch.device(src.device)  # (a sharded trainer's named_weights would gather them all)
         if hasattr(src, "named_weights"):
             return src.named_weights()[0][1].device
         if isinstance(src, torch.nn.Module):
@@ -191,28 +193,29 @@ class WeightSync:
         self._engine_timings = []
         if self.transport == "shared":
             return self._sync_shared(version, t0)
-        named = self.named_tensors()
-        nbytes = sum(t.numel() * t.element_size() for _, t in named)
-        buckets = list(W.bucket_by_bytes(named, int(self.cfg.bucket_mb * 2**20)))
-        self._phases["prepare"] = (time.perf_counter() - t0) * 1000.0
+        buckets = _Buckets(self._bucket_source(), self._phases, checksum=self.cfg.verify)
+        self._phases["prepare"] += (time.perf_counter() - t0) * 1000.0
         send = {"ipc": self._send_tensor, "staged": self._send_tensor,
                 "distributed": self._send_distributed, "disk": self._send_disk}[self.transport]
-        if self.cfg.pause_mode not in ("auto", "drain"):
-            self._on_all(lambda c: c.pause(self.cfg.pause_mode))
-            try:
+        try:
+            if self.cfg.pause_mode not in ("auto", "drain"):
+                self._on_all(lambda c: c.pause(self.cfg.pause_mode))
+                try:
+                    send(buckets, version)
+                finally:
+                    self._on_all(lambda c: c.resume())
+            else:
                 send(buckets, version)
-            finally:
-                self._on_all(lambda c: c.resume())
-        else:
-            send(buckets, version)
+        finally:
+            buckets.close()  # a source gathering from the trainer's ranks finishes the gather with them
         ms = (time.perf_counter() - t0) * 1000.0
         verified = False
         if self.cfg.verify:
-            self.verify(version, named)
+            self.verify(version, ours=buckets.checksums)
             verified = True
         answers = [a for a in self._engine_timings if isinstance(a, dict)]
-        return {"ms": ms, "bytes": nbytes, "transport": self.transport, "verified": verified,
-                "buckets": len(buckets), "weight_version": version,
+        return {"ms": ms, "bytes": buckets.nbytes, "transport": self.transport, "verified": verified,
+                "buckets": buckets.count, "weight_version": version, "engines": len(self.urls),
                 "phases_ms": {k: round(v, 3) for k, v in self._phases.items()},
                 "engine_ms": answers[0].get("timings_ms") if answers else None,
                 "fast_path": bool(answers) and all(a.get("fast_path") for a in answers)}
@@ -243,8 +246,17 @@ class WeightSync:
             self.verify(version)
         answer = self._engine_timings[0] if self._engine_timings else {}
         return {"ms": ms, "bytes": 0, "transport": "shared", "verified": self.cfg.verify, "buckets": 0,
-                "weight_version": version, "phases_ms": {k: round(v, 3) for k, v in self._phases.items()},
+                "weight_version": version, "engines": len(self.urls), "phases_ms": {k: round(v, 3) for k, v in self._phases.items()},
                 "engine_ms": answer.get("timings_ms"), "fast_path": True}
+
+    def _bucket_source(self):
+        """The weights in buckets of about bucket_mb. A trainer sharded over ranks gathers them a
+        bucket at a time (iter_full_weights: no rank ever holds them all, nor an FP32 copy); a whole
+        model is split here."""
+        bucket_bytes = int(self.cfg.bucket_mb * 2**20)
+        if hasattr(self.source, "iter_full_weights"):
+            return self.source.iter_full_weights(self.engine_dtype, bucket_bytes)
+        return W.bucket_by_bytes(self.named_tensors(), bucket_bytes)
 
     def _phase(self, name: str, since: float) -> float:
         now = time.perf_counter()
@@ -269,8 +281,7 @@ class WeightSync:
             raise WeightSyncError(f"{self.transport} weight sync failed on {len(errors)} engine(s): " + "; ".join(errors))
 
     def _send_tensor(self, buckets, version):
-        for i, bucket in enumerate(buckets):
-            last = i == len(buckets) - 1
+        for bucket, last in buckets:
             t = time.perf_counter()
             flat = W.FlattenedTensorBucket(named_tensors=bucket)  # a fresh buffer for every sync
             # staged: one contiguous copy onto each engine's own GPU
@@ -333,9 +344,8 @@ class WeightSync:
     def _send_distributed(self, buckets, version):
         if self._group is None:
             self._init_group()
-        for i, bucket in enumerate(buckets):
+        for i, (bucket, last) in enumerate(buckets):
             start = time.perf_counter()
-            last = i == len(buckets) - 1
             names = [n for n, _ in bucket]
             dtypes = [dtype_name(t.dtype) for _, t in bucket]
             shapes = [list(t.shape) for _, t in bucket]
@@ -364,7 +374,7 @@ class WeightSync:
             self._disk_dir = tempfile.mkdtemp(prefix="nano-miles-weights-")
         os.makedirs(self._disk_dir, exist_ok=True)
         start = time.perf_counter()
-        tensors = {n: x.contiguous().cpu() for bucket in buckets for n, x in bucket}
+        tensors = {n: x.contiguous().cpu() for bucket, _ in buckets for n, x in bucket}
         tmp = os.path.join(self._disk_dir, ".model.safetensors.tmp")
         save_file(tensors, tmp)
         os.replace(tmp, os.path.join(self._disk_dir, "model.safetensors"))  # engines never see half a file
@@ -374,10 +384,11 @@ class WeightSync:
 
     # ------------------------------------------------------------------ verify and close
 
-    def verify(self, weight_version=None, named=None) -> None:
-        """Compare each engine's per-tensor checksums (and weight_version) with ours; raise on any difference."""
-        named = self.named_tensors() if named is None else named
-        ours = W.checksums(named)
+    def verify(self, weight_version=None, named=None, ours: dict | None = None) -> None:
+        """Compare each engine's per-tensor checksums (and weight_version) with ours (`ours`, else of
+        `named`, else of the source's weights now); raise on any difference."""
+        if ours is None:
+            ours = W.checksums(self.named_tensors() if named is None else named)
         for url, client in zip(self.urls, self.clients):
             answer = client.weights_checksum()
             served = answer["checksums"]
@@ -419,3 +430,36 @@ class WeightSync:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class _Buckets:
+    """The buckets of one sync as (bucket, is_last) pairs, one ahead of the sender (the last one is
+    known when it is sent). Counts bytes and buckets, times the gathering (the `prepare` phase) and,
+    for verify, takes each tensor's checksum as it passes."""
+
+    def __init__(self, source, phases: dict, checksum: bool):
+        self.source, self.phases, self.checksum = iter(source), phases, checksum
+        self.nbytes, self.count, self.checksums = 0, 0, {}
+
+    def _next(self):
+        t = time.perf_counter()
+        bucket = next(self.source, None)
+        self.phases["prepare"] += (time.perf_counter() - t) * 1000.0
+        if bucket is not None:
+            self.count += 1
+            self.nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
+            if self.checksum:
+                self.checksums.update(W.checksums(bucket))
+        return bucket
+
+    def __iter__(self):
+        bucket = self._next()
+        while bucket is not None:
+            following = self._next()
+            yield bucket, following is None
+            bucket = following
+
+    def close(self) -> None:
+        close = getattr(self.source, "close", None)
+        if close is not None:
+            close()

@@ -94,8 +94,12 @@ def test_concurrent_groups_against_the_real_engine(engine_server, tok, fmt, priv
     tasks = select_tasks("seed") + select_tasks("nth_line,json_sum")
     cfg = RolloutConfig(group_size=3, max_new_tokens=24, env=EnvConfig(max_turns=3))
     # the same server twice: exercises spreading groups over a list of URLs
-    trajs = asyncio.run(rollout_groups([engine_server.url, engine_server.url + "/"], tok, tasks, cfg, seed=5))
+    stats = {}
+    trajs = asyncio.run(rollout_groups([engine_server.url, engine_server.url + "/"], tok, tasks, cfg, seed=5,
+                                       stats=stats))
     assert workspaces(private_tmp) == [], "every episode's sandbox is closed"
+    # Every /generate call counted, on both "engines": groups alternate between them as they start.
+    assert sum(stats["engine_requests"]) == sum(t.num_turns for t in trajs) and min(stats["engine_requests"]) > 0
     assert len(trajs) == len(tasks) * 3
     assert [t.task_id for t in trajs] == [t.id for t in tasks for _ in range(3)]
     for t in trajs:

@@ -233,7 +233,7 @@ def _served_engine(layout) -> EngineConfig:
     """The engine config `nano-miles serve` builds from the layout's arguments (serve's own parser)."""
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    return config_from_args(ServerConfig, parser.parse_args(["--model", "m", *layout.engine_args])).engine
+    return config_from_args(ServerConfig, parser.parse_args(["--model", "m", *layout.args_of(0)])).engine
 
 
 def test_engine_keys_reach_the_engine_process():
@@ -311,7 +311,7 @@ def _run_with_broken_sandboxes(tmp_path, *sets):
     printed = []
     broken = functools.partial(Sandbox, workspace="/nonexistent/workspace")
     run = TrainingRun(cfg, echo=printed.append, make_sandbox=broken)
-    engine_pid = run.engine.process.process.pid
+    engine_pid = run.engines.replicas[0].process.process.pid
     with pytest.raises(RunFailed) as failed:
         run.run()
     assert _wait_dead(engine_pid), "engine left running after a failed run"
