@@ -6,17 +6,30 @@ K samples per task (one group each, same files and ground truth); a sample passe
 accepts its answer. pass@k uses the unbiased estimator 1 - C(n-c, k) / C(n, k) per task (n samples,
 c correct), averaged over the tasks of a family. The keys are rollout's (docs/config.md); K is
 `rollout.group_size` (`--samples`).
+
+Inside a training run (`eval_every`), RunEvaluation measures the policy the run's engines serve at
+that moment the same way, on `eval_tasks` and a fixed ALFA subset, into the step's metrics.
 """
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import math
+import random
+import time
 from dataclasses import dataclass
 
+from tqdm import tqdm
+
+from nano_miles import alfa
 from nano_miles.alfa import three_part_summary
+from nano_miles.client import EngineUnavailable
 from nano_miles.config import config_from_args, to_toml
+from nano_miles.rollout import rollout_groups
 from nano_miles.rollout_cli import (RolloutCommandConfig, add_common_arguments, append_result, collect, solved,
                                     selected_tasks, summarize)
+from nano_miles.tasks import select_tasks
 
 
 @dataclass
@@ -49,6 +62,77 @@ def per_family(trajs, tasks, k: int) -> dict[str, dict]:
         rows.setdefault("all", []).append(scores)
     return {fam: {"tasks": len(v), "pass@1": sum(a for a, _ in v) / len(v), f"pass@{k}": sum(b for _, b in v) / len(v)}
             for fam, v in sorted(rows.items(), key=lambda kv: (kv[0] == "all", kv[0]))}
+
+
+def alfa_subset(n: int, echo=print) -> list:
+    """`n` ALFA tasks, the same ones in every run (a fixed-seed sample, in registry order); [] with one
+    line saying why when the icalfa package is not installed."""
+    if n <= 0:
+        return []
+    try:
+        alfa.package_dir()
+    except KeyError as e:
+        echo(f"eval: the ALFA part is left out: {e.args[0]}")
+        return []
+    tasks = select_tasks("alfa")
+    chosen = set(random.Random(0).sample([t.id for t in tasks], min(n, len(tasks))))
+    return [t for t in tasks if t.id in chosen]
+
+
+class RunEvaluation:
+    """Evaluation inside a training run: every `eval_every` steps and after the last one, pass@1 of
+    the policy the run's engines serve (the weights just synced) on `eval_tasks` and on the ALFA
+    subset, with `eval_samples` samples a task at the run's rollout settings. Its task instances are
+    seeded by the run seed alone, the same at every evaluation, so the curve moves with the policy
+    only; it never touches the training task stream (a resumed run sees the same training tasks)."""
+
+    def __init__(self, cfg, echo=print):
+        self.every, self.last_step, self.seed, self.echo = cfg.eval_every, cfg.steps, cfg.seed, echo
+        self.rollout = dataclasses.replace(cfg.rollout, group_size=cfg.eval_samples)
+        self.tasks = selected_tasks("train", cfg.eval_tasks) if self.every else []
+        self.alfa = alfa_subset(cfg.eval_alfa_tasks, echo) if self.every else []
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and (step % self.every == 0 or step == self.last_step)
+
+    def after_step(self, step: int, engines, tokenizer, sandbox_factory=None) -> dict:
+        """The eval_* metrics of `step` ({} when no evaluation is due)."""
+        if not self.due(step):
+            return {}
+        tasks = self.tasks + self.alfa
+        stats, t0 = {}, time.perf_counter()
+        try:
+            with tqdm(total=len(tasks) * self.rollout.group_size, desc=f"step {step} eval", unit="ep", leave=False,
+                      dynamic_ncols=True) as bar:
+                trajs = asyncio.run(rollout_groups(engines, tokenizer, tasks, self.rollout, seed=self.seed,
+                                                   sandbox_factory=sandbox_factory, stats=stats,
+                                                   on_episode_done=lambda: bar.update(1)))
+        except EngineUnavailable as e:  # the next step's rollout restarts the engine; this measurement is lost
+            self.echo(f"eval after step {step} left out: engine unavailable ({e})")
+            return {"eval_seconds": time.perf_counter() - t0, "eval_error": str(e)}
+        seconds = time.perf_counter() - t0
+        alfa_ids = {t.id for t in self.alfa}
+        mine = [t for t in trajs if t.task_id not in alfa_ids]
+        theirs = [t for t in trajs if t.task_id in alfa_ids]
+        heldout = per_family(mine, self.tasks, 1).get("all", {})
+        out = {"eval_seconds": seconds, "eval_pass_at_1": heldout.get("pass@1"),
+               "eval_task_count": heldout.get("tasks", 0)}
+        line = (f"eval after step {step}: {self.rollout.group_size} sample(s) a task, {out['eval_task_count']} tasks "
+                f"pass@1 {_show(out['eval_pass_at_1'])}")
+        if self.alfa:
+            scored = per_family(theirs, self.alfa, 1).get("all", {})
+            unavailable = sum(task_id in alfa_ids for task_id in stats.get("unavailable", {}))
+            out.update({"eval_alfa_pass_at_1": scored.get("pass@1"), "eval_alfa_task_count": scored.get("tasks", 0),
+                        "eval_alfa_unavailable": unavailable,
+                        "eval_alfa_score": (three_part_summary(theirs) or {}).get("score")})
+            line += (f", ALFA {out['eval_alfa_task_count']} tasks pass@1 {_show(out['eval_alfa_pass_at_1'])} "
+                     f"({unavailable} of {len(self.alfa)} cannot run here, left out)")
+        self.echo(f"{line}, in {seconds:.1f}s")
+        return out
+
+
+def _show(value) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def add_arguments(p) -> None:

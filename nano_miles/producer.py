@@ -11,12 +11,15 @@ import asyncio
 import queue
 import random
 import threading
+import sys
 import time
 from dataclasses import dataclass, field
+from itertools import zip_longest
 
 from tqdm import tqdm
 
-from nano_miles.rollout import RolloutConfig, rollout_groups
+from nano_miles.dynamic_sampling import SamplingTally, TrainRolloutConfig, split_groups
+from nano_miles.rollout import rollout_groups
 
 
 class TaskStream:
@@ -45,21 +48,28 @@ class TaskStream:
 @dataclass
 class StepRollout:
     step: int
-    trajectories: list
+    trajectories: list    # what the update trains on
     seconds: float
     setup_failures: int   # episodes lost before their first turn (sandbox setup): counted, not trained on
     data_position: int    # the stream's position after this step's tasks (what a checkpoint stores)
     setup_errors: list[str] = field(default_factory=list)  # the first few setup failures' messages
     engine_requests: list[int] = field(default_factory=list)  # /generate calls per engine replica
+    dropped: list = field(default_factory=list)  # rolled out, not trained on (dynamic sampling: no signal, surplus)
+    sampling: SamplingTally | None = None
+
+    @property
+    def generated(self) -> list:
+        """Every trajectory the step rolled out (what its reward and accuracy are measured on)."""
+        return self.trajectories + self.dropped
 
     @property
     def episodes(self) -> int:
-        return len(self.trajectories) + self.setup_failures
+        return len(self.generated) + self.setup_failures
 
     @property
     def lost(self) -> list:
         """Trajectories cut short by a sandbox failure (setup failures have none: they are counted)."""
-        return [t for t in self.trajectories if t.finish_reason == "infra_error"]
+        return [t for t in self.generated if t.finish_reason == "infra_error"]
 
     @property
     def infra_errors(self) -> list[str]:
@@ -70,6 +80,15 @@ class StepRollout:
     def all_lost(self) -> bool:
         """Every episode failed for infrastructure reasons: nothing the policy did is in this step."""
         return self.episodes > 0 and self.setup_failures + len(self.lost) == self.episodes
+
+    @property
+    def skip_reason(self) -> str | None:
+        """Why this step cannot update the policy whatever the trainer does (None: it can try)."""
+        if self.all_lost:
+            return "every episode failed for infrastructure reasons (sandbox)"
+        if not self.trajectories and self.sampling is not None and self.sampling.enabled:
+            return self.sampling.note
+        return None
 
 
 def _version(v) -> int:
@@ -88,26 +107,60 @@ def episode_seed(run_seed: int, step: int) -> int:
     return run_seed * 1_000_003 + step  # fresh task instances every step, reproducible per run
 
 
+def round_seed(run_seed: int, step: int, round_index: int) -> int:
+    """The episode seed of a step's rollout round: the first round's is episode_seed (dynamic sampling
+    off: nothing changes), later rounds get instances of their own."""
+    return episode_seed(run_seed, step) + round_index * 7_919_000_003
+
+
 def roll_out_step(step: int, stream: TaskStream, tasks_per_step: int, engines, tokenizer,
-                  cfg: RolloutConfig, run_seed: int, desc: str = "rollout", sandbox_factory=None) -> StepRollout:
+                  cfg: TrainRolloutConfig, run_seed: int, desc: str = "rollout", sandbox_factory=None) -> StepRollout:
     """Take the step's tasks from `stream` and roll out a group of each on `engines` (URLs or an
-    EnginePool), with a progress bar
-    (episodes done, ETA) on stderr. On any failure the stream is put back, so that a retry takes
-    the same tasks with the same seeds."""
+    EnginePool), with a progress bar (episodes done, ETA) on stderr. With cfg.dynamic_sampling, groups
+    without a learning signal are dropped and more tasks taken, round after round, until the batch has
+    `tasks_per_step` groups or cfg.max_sampling_rounds rounds ran (nano_miles/dynamic_sampling.py).
+    On any failure the stream is put back, so that a retry takes the same tasks with the same seeds."""
     position = stream.position
-    tasks = stream.take(tasks_per_step)
-    stats = {}
+    tally = SamplingTally(cfg.dynamic_sampling, tasks_per_step, max_rounds=cfg.max_sampling_rounds)
+    kept, dropped, setup_errors, requests, setup_failures = [], [], [], [], 0  # kept: groups, in order
     t0 = time.perf_counter()
     try:
-        with tqdm(total=len(tasks) * cfg.group_size, desc=desc, unit="ep", leave=False, dynamic_ncols=True) as bar:
-            trajs = asyncio.run(rollout_groups(engines, tokenizer, tasks, cfg, seed=episode_seed(run_seed, step),
-                                               sandbox_factory=sandbox_factory, stats=stats,
-                                               on_episode_done=lambda: bar.update(1)))
+        while True:
+            tasks = stream.take(cfg.round_size(tasks_per_step - len(kept)))
+            stats = {}
+            label = desc if tally.rounds == 0 else f"{desc} (round {tally.rounds + 1}, refill)"
+            with tqdm(total=len(tasks) * cfg.group_size, desc=label, unit="ep", leave=False, dynamic_ncols=True) as bar:
+                trajs = asyncio.run(rollout_groups(engines, tokenizer, tasks, cfg,
+                                                   seed=round_seed(run_seed, step, tally.rounds),
+                                                   sandbox_factory=sandbox_factory, stats=stats,
+                                                   on_episode_done=lambda: bar.update(1)))
+            tally.rounds += 1
+            tally.generated += len(tasks)
+            setup_failures += stats.get("setup_failures", 0)
+            setup_errors += stats.get("setup_errors", [])
+            requests = [a + b for a, b in zip_longest(requests, stats.get("engine_requests", []), fillvalue=0)]
+            with_signal, without = split_groups(trajs)
+            tally.without_signal += len(tasks) - len(with_signal)  # groups lost to setup failures have none either
+            if not cfg.dynamic_sampling:  # every group is trained on, in the order it came
+                kept = [trajs]
+                tally.kept = len(with_signal) + len(without)
+                break
+            kept += with_signal
+            dropped += [t for g in without for t in g]
+            lost = all(t.finish_reason == "infra_error" for t in trajs)  # (also when setup lost them all)
+            if len(kept) >= tasks_per_step or tally.rounds >= cfg.max_sampling_rounds or lost:
+                break  # full; or bounded; or the sandbox lost a whole round: more rounds would lose theirs too
     except BaseException:
         stream.position = position
         raise
-    return StepRollout(step, trajs, time.perf_counter() - t0, stats.get("setup_failures", 0), stream.position,
-                       stats.get("setup_errors", []), engine_requests=stats.get("engine_requests", []))
+    if cfg.dynamic_sampling:
+        dropped += [t for g in kept[tasks_per_step:] for t in g]  # an oversampled round's surplus groups
+        kept = kept[:tasks_per_step]
+        tally.kept = len(kept)
+        if tally.note:
+            print(f"step {step}: {tally.note}", file=sys.stderr)
+    return StepRollout(step, [t for g in kept for t in g], time.perf_counter() - t0, setup_failures, stream.position,
+                       setup_errors[:3], engine_requests=requests, dropped=dropped, sampling=tally)
 
 
 class SyncProducer:

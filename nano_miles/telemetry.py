@@ -41,6 +41,8 @@ COLUMNS = (
     ("tokens_per_s", "tok/s", "{:>7.0f}"),
     ("turns_mean", "turns", "{:>5.2f}"),
     ("staleness_max", "stale", "{:>5d}"),
+    ("zero_variance_share", "0-var", "{:>5.2f}"),  # groups whose samples all got the same reward: no signal
+    ("eval_pass_at_1", "eval", "{:>5.2f}"),        # eval_every steps: pass@1 on eval_tasks
     ("elapsed_s", "elapsed", "duration"),   # the whole run so far, and the time its remaining steps need
     ("eta_s", "ETA", "duration"),
 )
@@ -82,11 +84,13 @@ def step_metrics(step: int, rollout, staleness: list[int], max_staleness: int, t
                  sync: dict, **extra) -> dict:
     """The metrics.jsonl row of one training step: what was rolled out (`rollout`: a StepRollout),
     how stale it was, what the update did (`train`: the trainer's metrics, {} if `skipped`), and
-    the weight sync; `extra` (timings, memory, restarts) is added as is."""
-    trajs = rollout.trajectories
+    the weight sync; `extra` (timings, memory, restarts) is added as is. Reward, accuracy and
+    throughput are of every trajectory rolled out, those dynamic sampling dropped included (the
+    policy's, not the filtered batch's); `trajectories` and `task_ids` are what was trained on."""
+    trajs = rollout.generated
     response_tokens = sum(len(t.response_ids) for t in trajs)
     return {
-        "step": step, "trajectories": len(trajs), "task_ids": [t.task_id for t in trajs],
+        "step": step, "trajectories": len(rollout.trajectories), "task_ids": [t.task_id for t in rollout.trajectories],
         "infra_failures": sum(t.finish_reason == "infra_error" for t in trajs),
         "setup_failures": rollout.setup_failures,
         "infra_errors": list(dict.fromkeys(rollout.infra_errors))[:3],  # why, in the sandbox's words
@@ -103,6 +107,7 @@ def step_metrics(step: int, rollout, staleness: list[int], max_staleness: int, t
         "weight_version": sync["weight_version"],
         "rollout_s": rollout.seconds, "response_tokens": response_tokens,
         "tokens_per_s": response_tokens / max(rollout.seconds, 1e-9),
+        **(rollout.sampling.metrics() if rollout.sampling else {}),
         **extra,
     }
 
@@ -233,8 +238,11 @@ def read_metrics(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+EVAL_CURVES = (("eval_pass_at_1", "eval_tasks"), ("eval_alfa_pass_at_1", "ALFA subset"))
+
+
 def write_curves(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
-    """PNG curves of reward, accuracy and parity over steps."""
+    """PNG curves of reward, accuracy and parity over steps, and of the evaluations (eval_every), if any."""
     rows = read_metrics(metrics_path)
     if not rows:
         return []
@@ -243,22 +251,33 @@ def write_curves(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    written = []
-    steps = [r["step"] for r in rows]
-    for key, title in (("reward_mean", "mean reward"), ("acc", "accuracy"), ("parity_mean", "log-prob parity (mean |diff|)")):
-        values = [r.get(key) for r in rows]
+    def plot(name: str, title: str, series: dict[str, list[tuple]], log: bool = False) -> Path:
         fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot(steps, [float("nan") if v is None else v for v in values], marker="o")
-        if key == "parity_mean" and any(v is not None and v > 0 for v in values):  # true on-policy: all 0.0
+        for label, points in series.items():
+            ax.plot([s for s, _ in points], [float("nan") if v is None else v for _, v in points], marker="o",
+                    label=label)
+        if log:
             ax.set_yscale("log")
+        if len(series) > 1:
+            ax.legend()
         ax.set_xlabel("step")
         ax.set_title(title)
         ax.grid(alpha=0.3)
         fig.tight_layout()
-        path = Path(out_dir) / f"{key}.png"
+        path = Path(out_dir) / f"{name}.png"
         fig.savefig(path, dpi=100)
         plt.close(fig)
-        written.append(path)
+        return path
+
+    written = []
+    for key, title in (("reward_mean", "mean reward"), ("acc", "accuracy"), ("parity_mean", "log-prob parity (mean |diff|)")):
+        points = [(r["step"], r.get(key)) for r in rows]
+        log = key == "parity_mean" and any(v is not None and v > 0 for _, v in points)  # true on-policy: all 0.0
+        written.append(plot(key, title, {key: points}, log))
+    evals = {label: [(r["step"], r[key]) for r in rows if r.get(key) is not None] for key, label in EVAL_CURVES}
+    evals = {label: points for label, points in evals.items() if points}
+    if evals:  # only the steps that evaluated
+        written.append(plot("eval_pass_at_1", "pass@1 during training (eval_every)", evals))
     return written
 
 
@@ -276,11 +295,18 @@ def run_summary(rows: list[dict], wall_s: float, run_dir: Path) -> list[str]:
         return f"{show(first)} (step {first['step']}) -> {show(last)} (step {last['step']})"
 
     files = [name for name in ("metrics.jsonl", "tensorboard/", "wandb/", "reward_mean.png", "acc.png",
-                               "parity_mean.png", "checkpoint/", "final/") if (run_dir / name).exists()]
+                               "parity_mean.png", "eval_pass_at_1.png", "checkpoint/", "final/")
+             if (run_dir / name).exists()]
     lines = [f"summary: {len(rows)} step{'s' if len(rows) != 1 else ''}, {duration(wall_s)} wall time",
              f"  reward    {change('reward_mean', '{:+.3f}')}",
-             f"  accuracy  {change('acc', '{:.1%}')}",
-             f"  files     {run_dir}/: {', '.join(files)}"]
+             f"  accuracy  {change('acc', '{:.1%}')}"]
+    for key, label in EVAL_CURVES:
+        evaluated = [r for r in rows if r.get(key) is not None]
+        if evaluated:
+            a, b = evaluated[0], evaluated[-1]
+            lines.append(f"  eval      pass@1 on {label}: {a[key]:.3f} (step {a['step']}) -> {b[key]:.3f} "
+                         f"(step {b['step']})")
+    lines.append(f"  files     {run_dir}/: {', '.join(files)}")
     if (run_dir / "final").is_dir():
         lines.append(f"  policy    nano-miles eval --model {run_dir / 'final'}   "
                      f"(or: nano-miles serve --model {run_dir / 'final'})")

@@ -43,7 +43,9 @@ from nano_miles.client import EngineUnavailable
 from nano_miles.config import ConfigError, add_config_arguments, config_from_args, to_dict, to_toml
 from nano_miles.distributed import DistError
 from nano_miles.dtypes import TRAINABLE
+from nano_miles.dynamic_sampling import TrainRolloutConfig
 from nano_miles.engine_handle import EngineHandle, plan_layout
+from nano_miles.evaluate import RunEvaluation
 from nano_miles.memory_plan import plan_memory, uses_shared_weights
 from nano_miles.producer import AsyncProducer, StepRollout, SyncProducer, TaskStream, roll_out_step, staleness
 from nano_miles.reference import ReferencePolicy
@@ -89,6 +91,11 @@ class TrainConfig(RolloutCommandConfig):
     true_on_policy: bool = False      # batch-invariant engine and trainer: log-probs equal bit for bit, parity_max 0.0
     max_infra_failed_steps: int = 2   # steps in a row that lose every episode to the sandbox before the run stops
     report_to: str = "tensorboard"    # besides metrics.jsonl, comma-separated: tensorboard, wandb (needs wandb), none
+    eval_every: int = 0               # pass@1 of the current policy every this many steps and after the last one, into the metrics (eval_*); 0 = off
+    eval_tasks: str = "heldout"       # eval_every: the tasks evaluated besides ALFA (a selection, as `nano-miles eval --tasks`)
+    eval_samples: int = 1             # eval_every: samples per task (pass@1 is their mean), at rollout.temperature like `nano-miles eval`
+    eval_alfa_tasks: int = 20         # eval_every: also this many ALFA tasks, the same fixed subset in every run (needs icalfa); 0 = none
+    rollout: TrainRolloutConfig = field(default_factory=TrainRolloutConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossConfig = field(default_factory=LossConfig)
@@ -109,6 +116,8 @@ class TrainConfig(RolloutCommandConfig):
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.max_staleness < 0 or self.max_engine_restarts < 0:
             raise ValueError("max_staleness and max_engine_restarts must be >= 0")
+        if self.eval_every < 0 or self.eval_samples < 1 or self.eval_alfa_tasks < 0:
+            raise ValueError("eval_every and eval_alfa_tasks must be >= 0 (0 = off), eval_samples >= 1")
         check_world(self, self.trainer.nproc)
         if self.true_on_policy and self.rollout.temperature != 1.0:
             raise ValueError("true_on_policy needs rollout.temperature = 1 (the engine's log-probs are of the "
@@ -160,6 +169,7 @@ class TrainingRun:
         # Everything that can refuse the run does so before a model is loaded or a directory written:
         # a bad task selection or a benchmark (never trained on), the sandbox, the reporters, the model.
         tasks = selected_tasks("train", cfg.tasks, cfg.tasks_module, select=training_tasks)
+        self.evaluation = RunEvaluation(cfg, echo)
         check_sandbox(cfg.sandbox)
         check_report_to(cfg.report_to)
         self.make_sandbox = make_sandbox or sandbox_factory(cfg.sandbox)
@@ -291,9 +301,8 @@ class TrainingRun:
                 if s <= self.cfg.max_staleness and t.finish_reason != "infra_error"]
         self._mutating = True  # from here until the step is logged, the trainer is between states
         self._release_engine_memory()
-        if rollout.all_lost:
-            train, skipped = {}, "every episode failed for infrastructure reasons (sandbox)"
-        else:
+        train, skipped = {}, rollout.skip_reason  # all lost to the sandbox; dynamic sampling found no signal
+        if skipped is None:
             train, skipped = policy_update(self.trainer, kept, self.cfg.advantage, self.pad_id, self.echo,
                                            updates=self.cfg.updates_per_step, reference=self.reference)
         if self.trainer.device.type == "cuda":
@@ -360,6 +369,7 @@ class TrainingRun:
             self.producer.start(self.start_step + 1)
             for step in range(self.start_step + 1, cfg.steps + 1):
                 metrics = self.step(step)
+                metrics.update(self.evaluation.after_step(step, self.engines, self.tokenizer, self.make_sandbox))
                 metrics.update(self._timing(step, loop_started))
                 self.log.log(metrics)
                 completed, self._mutating = step, False

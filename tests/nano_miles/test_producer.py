@@ -7,9 +7,9 @@ import pytest
 
 from nano_miles.batch import Trajectory
 from nano_miles.client import EngineUnavailable
+from nano_miles.dynamic_sampling import TrainRolloutConfig
 from nano_miles.models import load_tokenizer
 from nano_miles.producer import AsyncProducer, SyncProducer, TaskStream, roll_out_step, staleness
-from nano_miles.rollout import RolloutConfig
 from nano_miles.tasks import select_tasks
 from nano_openshell import Sandbox
 
@@ -23,7 +23,7 @@ def tok(tiny_model_path):
 
 def _producer(mode, stream, tok, **kw):
     def roll_out(step, desc):
-        return roll_out_step(step, stream, 2, DEAD_ENGINE, tok, RolloutConfig(group_size=2, max_new_tokens=8),
+        return roll_out_step(step, stream, 2, DEAD_ENGINE, tok, TrainRolloutConfig(group_size=2, max_new_tokens=8),
                              run_seed=0, desc=desc, **kw)
     return SyncProducer(roll_out) if mode == "sync" else AsyncProducer(roll_out, last_step=3)
 
