@@ -8,7 +8,8 @@ the run's task stream for the groups still missing, round after round, until the
 max_num_gen_batches; `rollout.oversample` is its gen_batch_size / train_batch_size). A step that
 hits the bound trains on the groups it has, or skips its update when it has none, and its metrics
 say so (`sampling_note`). Surplus groups of an oversampled round are rolled out, counted and not
-trained on, as verl does.
+trained on, as verl does. (`advantage.filter_zero_variance` drops such groups at the update without
+refilling: the batch shrinks instead.)
 """
 from __future__ import annotations
 

@@ -92,6 +92,39 @@ def test_the_run_ends_with_a_summary_of_what_it_did_and_where_the_files_are(tmp_
     assert run_summary([], 3.0, tmp_path) == [f"no step completed in 0:03; run directory {tmp_path}"]
 
 
+def tensorboard_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
+    """{tag: [(step, value)]} from a run's TensorBoard event files, read by TensorBoard's own reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_evaluations_get_their_curve_their_scalars_and_a_summary_line(tmp_path):
+    """eval_* columns (eval_every) are in the rows of the steps that evaluated; TensorBoard gets them as
+    scalars at those steps, eval_pass_at_1.png draws them, and the summary shows first -> last."""
+    log = MetricsLog(tmp_path, echo=lambda s: None)
+    log.log(_metrics(1))
+    log.log(_metrics(2, eval_pass_at_1=0.25, eval_alfa_pass_at_1=0.1, eval_seconds=3.5))
+    log.log(_metrics(3))
+    log.log(_metrics(4, eval_pass_at_1=0.5, eval_alfa_pass_at_1=0.2, eval_seconds=3.0))
+    log.close()
+    scalars = tensorboard_scalars(tmp_path)
+    assert scalars["eval_pass_at_1"] == [(2, 0.25), (4, 0.5)] and [s for s, _ in scalars["eval_seconds"]] == [2, 4]
+    assert (tmp_path / "eval_pass_at_1.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = run_summary(read_metrics(tmp_path / "metrics.jsonl"), 10.0, tmp_path)
+    assert "  eval      pass@1 on eval_tasks: 0.250 (step 2) -> 0.500 (step 4)" in summary
+    assert "  eval      pass@1 on ALFA subset: 0.100 (step 2) -> 0.200 (step 4)" in summary
+    assert "eval_pass_at_1.png" in summary[-1]
+    # A run that never evaluated draws no eval curve.
+    quiet = tmp_path / "quiet"
+    log = MetricsLog(quiet, echo=lambda s: None, report_to="none")
+    log.log(_metrics(1))
+    log.close()
+    assert not (quiet / "eval_pass_at_1.png").exists()
+
+
 def test_report_to_none_writes_metrics_jsonl_alone(tmp_path):
     log = MetricsLog(tmp_path, echo=lambda s: None, report_to="none")
     log.log(_metrics(1))

@@ -1,0 +1,67 @@
+"""Evaluation inside a training run (`eval_every`, nano_miles/evaluate.py's RunEvaluation): a real run
+(tiny-random-qwen2, real engine, real sandbox) writes eval columns into metrics.jsonl, TensorBoard
+and the PNG curves, and the evaluations never move the training data position."""
+import sys
+
+from nano_miles.config import load_config, parse_set
+from nano_miles.evaluate import RunEvaluation, alfa_subset
+from nano_miles.producer import TaskStream
+from nano_miles.tasks import select_tasks
+from nano_miles.telemetry import read_metrics
+from nano_miles.train import TrainConfig, TrainingRun
+from tests.nano_miles.test_telemetry import tensorboard_scalars
+
+FAST = ["model=tiny-random-qwen2", "rollout.max_new_tokens=16", "rollout.env.max_turns=1", "rollout.group_size=2",
+        "tasks_per_step=2", "checkpoint_every=1"]
+
+
+def _config(*sets):
+    return load_config(TrainConfig, None, parse_set(FAST + list(sets)))
+
+
+def _expected_task_ids(steps, seed=0, per_step=2, group=2):
+    stream = TaskStream(select_tasks("train"), seed)
+    return [[t.id for t in stream.take(per_step) for _ in range(group)] for _ in range(steps)]
+
+
+def test_eval_every_measures_the_policy_and_leaves_the_training_stream_alone(tmp_path):
+    run_dir = tmp_path / "run"
+    printed = []
+    sets = ["eval_every=2", "eval_tasks=kernel_name,md5_file", "eval_alfa_tasks=2", f"run_dir={run_dir}"]
+    TrainingRun(_config("steps=3", *sets), echo=printed.append).run()
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    evaluated = [r for r in rows if "eval_seconds" in r]
+    assert [r["step"] for r in evaluated] == [2, 3]  # every 2 steps, and after the last one
+    for r in evaluated:
+        assert 0.0 <= r["eval_pass_at_1"] <= 1.0 and r["eval_task_count"] == 2 and r["eval_seconds"] > 0
+        # ALFA: scored, or left out with the reason when this sandbox cannot mount its paths; never lost
+        assert r["eval_alfa_task_count"] + r["eval_alfa_unavailable"] == 2
+        assert r["eval_alfa_pass_at_1"] is None or 0.0 <= r["eval_alfa_pass_at_1"] <= 1.0
+    assert [line for line in printed if line.startswith("eval after step ")][0].startswith(
+        "eval after step 2: 1 sample(s) a task, 2 tasks pass@1 ")
+    assert [s for s, _ in tensorboard_scalars(run_dir)["eval_pass_at_1"]] == [2, 3]
+    assert (run_dir / "eval_pass_at_1.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The evaluations took no task from the training stream: the run trained on what a run without
+    # them would, and a resumed run continues the same order.
+    assert [r["task_ids"] for r in rows] == _expected_task_ids(3)
+    TrainingRun(_config("steps=4", *sets), resume_dir=str(run_dir), echo=printed.append).run()
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and [r["task_ids"] for r in rows] == _expected_task_ids(4)
+    assert "eval_seconds" in rows[3]
+
+
+def test_without_icalfa_the_alfa_part_is_left_out_with_one_line(monkeypatch):
+    printed = []
+    monkeypatch.setitem(sys.modules, "icalfa", None)  # what importlib sees when the package is not installed
+    assert alfa_subset(5, printed.append) == []
+    assert printed == ["eval: the ALFA part is left out: the alfa tasks need the icalfa package: pip install "
+                       "icalfa==0.3.6 (the project's [alfa] extra)"]
+
+
+def test_the_alfa_subset_is_the_same_in_every_run_and_the_schedule_ends_with_the_last_step():
+    first = [t.id for t in alfa_subset(20)]
+    assert first == [t.id for t in alfa_subset(20)] and len(set(first)) == 20
+    assert all(t.startswith("alfa_") for t in first) and len({t.split("_")[1] for t in first}) > 1
+    evaluation = RunEvaluation(_config("steps=5", "eval_every=2", "eval_alfa_tasks=0"))
+    assert [s for s in range(1, 6) if evaluation.due(s)] == [2, 4, 5]
+    assert not any(RunEvaluation(_config("steps=5")).due(s) for s in range(1, 6))  # eval_every = 0: off
