@@ -25,7 +25,7 @@ from tqdm import tqdm
 from nano_miles import alfa
 from nano_miles.alfa import three_part_summary
 from nano_miles.client import EngineUnavailable
-from nano_miles.config import config_from_args, to_toml
+from nano_miles.config import ConfigError, config_from_args, to_toml
 from nano_miles.rollout import rollout_groups
 from nano_miles.rollout_cli import (RolloutCommandConfig, add_common_arguments, append_result, collect, solved,
                                     selected_tasks, summarize)
@@ -89,7 +89,10 @@ class RunEvaluation:
     def __init__(self, cfg, echo=print):
         self.every, self.last_step, self.seed, self.echo = cfg.eval_every, cfg.steps, cfg.seed, echo
         self.rollout = dataclasses.replace(cfg.rollout, group_size=cfg.eval_samples)
-        self.tasks = selected_tasks("train", cfg.eval_tasks) if self.every else []
+        try:
+            self.tasks = selected_tasks("train", cfg.eval_tasks) if self.every else []
+        except ConfigError as e:
+            raise ConfigError(f"eval_tasks: {e}") from None
         self.alfa = alfa_subset(cfg.eval_alfa_tasks, echo) if self.every else []
 
     def due(self, step: int) -> bool:

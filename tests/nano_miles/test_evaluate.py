@@ -3,7 +3,9 @@
 and the PNG curves, and the evaluations never move the training data position."""
 import sys
 
-from nano_miles.config import load_config, parse_set
+import pytest
+
+from nano_miles.config import ConfigError, load_config, parse_set
 from nano_miles.evaluate import RunEvaluation, alfa_subset
 from nano_miles.producer import TaskStream
 from nano_miles.tasks import select_tasks
@@ -48,6 +50,12 @@ def test_eval_every_measures_the_policy_and_leaves_the_training_stream_alone(tmp
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and [r["task_ids"] for r in rows] == _expected_task_ids(4)
     assert "eval_seconds" in rows[3]
+
+
+def test_a_bad_eval_selection_is_one_line_before_anything_loads(tmp_path):
+    with pytest.raises(ConfigError, match=r"^eval_tasks: unknown task 'nope'; known: "):
+        TrainingRun(_config("eval_every=1", "eval_tasks=nope", f"run_dir={tmp_path / 'run'}"))
+    assert not (tmp_path / "run").exists()
 
 
 def test_without_icalfa_the_alfa_part_is_left_out_with_one_line(monkeypatch):
