@@ -80,11 +80,12 @@ def alfa_subset(n: int, echo=print) -> list:
 
 
 class RunEvaluation:
-    """Evaluation inside a training run: every `eval_every` steps and after the last one, pass@1 of
-    the policy the run's engines serve (the weights just synced) on `eval_tasks` and on the ALFA
-    subset, with `eval_samples` samples a task at the run's rollout settings. Its task instances are
-    seeded by the run seed alone, the same at every evaluation, so the curve moves with the policy
-    only; it never touches the training task stream (a resumed run sees the same training tasks)."""
+    """Evaluation inside a training run: before the first step (the base policy, logged as step 0),
+    every `eval_every` steps and after the last one, pass@1 of the policy the run's engines serve (the
+    weights just synced) on `eval_tasks` and on the ALFA subset, with `eval_samples` samples a task at
+    the run's rollout settings. Its task instances are seeded by the run seed alone, the same at every
+    evaluation, so the curve moves with the policy only; it never touches the training task stream
+    (a resumed run sees the same training tasks)."""
 
     def __init__(self, cfg, echo=print):
         self.every, self.last_step, self.seed, self.echo = cfg.eval_every, cfg.steps, cfg.seed, echo
@@ -105,13 +106,13 @@ class RunEvaluation:
         tasks = self.tasks + self.alfa
         stats, t0 = {}, time.perf_counter()
         try:
-            with tqdm(total=len(tasks) * self.rollout.group_size, desc=f"step {step} eval", unit="ep", leave=False,
+            with tqdm(total=len(tasks) * self.rollout.group_size, desc=f"eval {_when(step)}", unit="ep", leave=False,
                       dynamic_ncols=True) as bar:
                 trajs = asyncio.run(rollout_groups(engines, tokenizer, tasks, self.rollout, seed=self.seed,
                                                    sandbox_factory=sandbox_factory, stats=stats,
                                                    on_episode_done=lambda: bar.update(1)))
         except EngineUnavailable as e:  # the next step's rollout restarts the engine; this measurement is lost
-            self.echo(f"eval after step {step} left out: engine unavailable ({e})")
+            self.echo(f"eval {_when(step)} left out: engine unavailable ({e})")
             return {"eval_seconds": time.perf_counter() - t0, "eval_error": str(e)}
         seconds = time.perf_counter() - t0
         alfa_ids = {t.id for t in self.alfa}
@@ -120,7 +121,7 @@ class RunEvaluation:
         heldout = per_family(mine, self.tasks, 1).get("all", {})
         out = {"eval_seconds": seconds, "eval_pass_at_1": heldout.get("pass@1"),
                "eval_task_count": heldout.get("tasks", 0)}
-        line = (f"eval after step {step}: {self.rollout.group_size} sample(s) a task, {out['eval_task_count']} tasks "
+        line = (f"eval {_when(step)}: {self.rollout.group_size} sample(s) a task, {out['eval_task_count']} tasks "
                 f"pass@1 {_show(out['eval_pass_at_1'])}")
         if self.alfa:
             scored = per_family(theirs, self.alfa, 1).get("all", {})
@@ -132,6 +133,10 @@ class RunEvaluation:
                      f"({unavailable} of {len(self.alfa)} cannot run here, left out)")
         self.echo(f"{line}, in {seconds:.1f}s")
         return out
+
+
+def _when(step: int) -> str:
+    return "of the base policy (step 0)" if step == 0 else f"after step {step}"
 
 
 def _show(value) -> str:

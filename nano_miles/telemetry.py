@@ -168,9 +168,10 @@ class MetricsLog:
         self.echo = echo
         if resume_after_step is not None and self.path.exists():
             # A run killed after logging step k but before checkpointing it will redo step k:
-            # drop lines past the checkpoint so no step appears twice.
+            # drop lines past the checkpoint so no step appears twice (with no checkpoint at all, the
+            # run starts over from its step 0 evaluation: every line goes).
             kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= resume_after_step]
+                    if line.strip() and resume_after_step and json.loads(line)["step"] <= resume_after_step]
             self.path.write_text("".join(line + "\n" for line in kept))
         self._file = open(self.path, "a", buffering=1)
         self._tb = self._wandb = None
@@ -189,6 +190,20 @@ class MetricsLog:
         error = parity_error(metrics)
         if metrics.get("true_on_policy"):
             metrics = {**metrics, "parity_error": error is not None}
+        self._write(metrics)
+        if not self._header_printed:
+            self.echo(format_header())
+            self._header_printed = True
+        self.echo(format_row(metrics))
+        if error is not None:
+            self.echo(error)
+
+    def log_eval(self, metrics: dict) -> None:
+        """A row of evaluation alone (eval_* keys): the base policy's, at step 0, before any training."""
+        if metrics:
+            self._write({"step": 0, **metrics})
+
+    def _write(self, metrics: dict) -> None:
         self._file.write(json.dumps(metrics, sort_keys=True) + "\n")
         step = int(metrics["step"])
         scalars = {key: value for key, value in metrics.items()
@@ -199,12 +214,6 @@ class MetricsLog:
             self._tb.flush()
         if self._wandb is not None:
             self._wandb.log(scalars, step=step)
-        if not self._header_printed:
-            self.echo(format_header())
-            self._header_printed = True
-        self.echo(format_row(metrics))
-        if error is not None:
-            self.echo(error)
 
     def close(self) -> None:
         self._file.close()
@@ -271,7 +280,7 @@ def write_curves(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
 
     written = []
     for key, title in (("reward_mean", "mean reward"), ("acc", "accuracy"), ("parity_mean", "log-prob parity (mean |diff|)")):
-        points = [(r["step"], r.get(key)) for r in rows]
+        points = [(r["step"], r.get(key)) for r in rows if "reward_mean" in r]  # training steps (not step 0's eval)
         log = key == "parity_mean" and any(v is not None and v > 0 for _, v in points)  # true on-policy: all 0.0
         written.append(plot(key, title, {key: points}, log))
     evals = {label: [(r["step"], r[key]) for r in rows if r.get(key) is not None] for key, label in EVAL_CURVES}
@@ -284,6 +293,7 @@ def write_curves(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
 def run_summary(rows: list[dict], wall_s: float, run_dir: Path) -> list[str]:
     """The lines a run ends with: first vs last reward and accuracy, the wall time, where the files are."""
     run_dir = Path(run_dir)
+    evaluations, rows = rows, [r for r in rows if "reward_mean" in r]  # training steps, without step 0's eval
     if not rows:
         return [f"no step completed in {duration(wall_s)}; run directory {run_dir}"]
     first, last = rows[0], rows[-1]
@@ -301,7 +311,7 @@ def run_summary(rows: list[dict], wall_s: float, run_dir: Path) -> list[str]:
              f"  reward    {change('reward_mean', '{:+.3f}')}",
              f"  accuracy  {change('acc', '{:.1%}')}"]
     for key, label in EVAL_CURVES:
-        evaluated = [r for r in rows if r.get(key) is not None]
+        evaluated = [r for r in evaluations if r.get(key) is not None]
         if evaluated:
             a, b = evaluated[0], evaluated[-1]
             lines.append(f"  eval      pass@1 on {label}: {a[key]:.3f} (step {a['step']}) -> {b[key]:.3f} "

@@ -91,7 +91,7 @@ class TrainConfig(RolloutCommandConfig):
     true_on_policy: bool = False      # batch-invariant engine and trainer: log-probs equal bit for bit, parity_max 0.0
     max_infra_failed_steps: int = 2   # steps in a row that lose every episode to the sandbox before the run stops
     report_to: str = "tensorboard"    # besides metrics.jsonl, comma-separated: tensorboard, wandb (needs wandb), none
-    eval_every: int = 0               # pass@1 of the current policy every this many steps and after the last one, into the metrics (eval_*); 0 = off
+    eval_every: int = 0               # pass@1 of the current policy before step 1 (a step 0 row), every this many steps and after the last, into the metrics (eval_*); 0 = off
     eval_tasks: str = "heldout"       # eval_every: the tasks evaluated besides ALFA (a selection, as `nano-miles eval --tasks`)
     eval_samples: int = 1             # eval_every: samples per task (pass@1 is their mean), at rollout.temperature like `nano-miles eval`
     eval_alfa_tasks: int = 20         # eval_every: also this many ALFA tasks, the same fixed subset in every run (needs icalfa); 0 = none
@@ -366,6 +366,8 @@ class TrainingRun:
         previous = signal.signal(signal.SIGINT, self._on_sigint) if in_main else None
         loop_started, lost = time.monotonic(), 0
         try:
+            if self.start_step == 0:  # the base policy, measured as every later evaluation is (step 0)
+                self.log.log_eval(self.evaluation.after_step(0, self.engines, self.tokenizer, self.make_sandbox))
             self.producer.start(self.start_step + 1)
             for step in range(self.start_step + 1, cfg.steps + 1):
                 metrics = self.step(step)

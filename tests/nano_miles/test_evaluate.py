@@ -33,23 +33,26 @@ def test_eval_every_measures_the_policy_and_leaves_the_training_stream_alone(tmp
     TrainingRun(_config("steps=3", *sets), echo=printed.append).run()
     rows = read_metrics(run_dir / "metrics.jsonl")
     evaluated = [r for r in rows if "eval_seconds" in r]
-    assert [r["step"] for r in evaluated] == [2, 3]  # every 2 steps, and after the last one
+    # the base policy before any training (a row of its own, step 0), every 2 steps, and after the last one
+    assert [r["step"] for r in evaluated] == [0, 2, 3]
+    assert set(rows[0]) - {"step"} == {key for key in evaluated[1] if key.startswith("eval_")}  # eval alone
     for r in evaluated:
         assert 0.0 <= r["eval_pass_at_1"] <= 1.0 and r["eval_task_count"] == 2 and r["eval_seconds"] > 0
         # ALFA: scored, or left out with the reason when this sandbox cannot mount its paths; never lost
         assert r["eval_alfa_task_count"] + r["eval_alfa_unavailable"] == 2
         assert r["eval_alfa_pass_at_1"] is None or 0.0 <= r["eval_alfa_pass_at_1"] <= 1.0
-    assert [line for line in printed if line.startswith("eval after step ")][0].startswith(
-        "eval after step 2: 1 sample(s) a task, 2 tasks pass@1 ")
-    assert [s for s, _ in tensorboard_scalars(run_dir)["eval_pass_at_1"]] == [2, 3]
+    lines = [line for line in printed if line.startswith("eval ")]
+    assert lines[0].startswith("eval of the base policy (step 0): 1 sample(s) a task, 2 tasks pass@1 ")
+    assert lines[1].startswith("eval after step 2: ") and len(lines) == 3
+    assert [s for s, _ in tensorboard_scalars(run_dir)["eval_pass_at_1"]] == [0, 2, 3]
     assert (run_dir / "eval_pass_at_1.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # The evaluations took no task from the training stream: the run trained on what a run without
-    # them would, and a resumed run continues the same order.
-    assert [r["task_ids"] for r in rows] == _expected_task_ids(3)
+    # them would, and a resumed run continues the same order (with no second step 0).
+    assert [r["task_ids"] for r in rows[1:]] == _expected_task_ids(3)
     TrainingRun(_config("steps=4", *sets), resume_dir=str(run_dir), echo=printed.append).run()
     rows = read_metrics(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [1, 2, 3, 4] and [r["task_ids"] for r in rows] == _expected_task_ids(4)
-    assert "eval_seconds" in rows[3]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4] and [r["task_ids"] for r in rows[1:]] == _expected_task_ids(4)
+    assert "eval_seconds" in rows[4]
 
 
 def test_a_bad_eval_selection_is_one_line_before_anything_loads(tmp_path):

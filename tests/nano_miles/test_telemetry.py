@@ -43,6 +43,14 @@ def test_missing_keys_are_refused(tmp_path):
 
 def test_resume_drops_steps_after_the_checkpoint(tmp_path):
     log = MetricsLog(tmp_path, echo=lambda s: None)
+    log.log_eval({"eval_pass_at_1": 0.125})
+    for step in (1, 2, 3):
+        log.log(_metrics(step))
+    log.close()
+    MetricsLog(tmp_path, resume_after_step=0, echo=lambda s: None).close()  # no checkpoint: the run starts over
+    assert read_metrics(tmp_path / "metrics.jsonl") == []
+    log = MetricsLog(tmp_path, echo=lambda s: None)
+    log.log_eval({"eval_pass_at_1": 0.125})
     for step in (1, 2, 3):
         log.log(_metrics(step))
     log.close()
@@ -50,7 +58,7 @@ def test_resume_drops_steps_after_the_checkpoint(tmp_path):
     log.log(_metrics(3, reward_mean=9.0))
     log.close()
     rows = read_metrics(tmp_path / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["reward_mean"] == 9.0
+    assert [r["step"] for r in rows] == [0, 1, 2, 3] and rows[-1]["reward_mean"] == 9.0
 
 
 def test_row_formats_missing_values_as_dash():
@@ -104,17 +112,23 @@ def tensorboard_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
 def test_evaluations_get_their_curve_their_scalars_and_a_summary_line(tmp_path):
     """eval_* columns (eval_every) are in the rows of the steps that evaluated; TensorBoard gets them as
     scalars at those steps, eval_pass_at_1.png draws them, and the summary shows first -> last."""
-    log = MetricsLog(tmp_path, echo=lambda s: None)
+    printed = []
+    log = MetricsLog(tmp_path, echo=printed.append)
+    log.log_eval({"eval_pass_at_1": 0.125, "eval_seconds": 4.0})  # the base policy, before step 1
     log.log(_metrics(1))
     log.log(_metrics(2, eval_pass_at_1=0.25, eval_alfa_pass_at_1=0.1, eval_seconds=3.5))
     log.log(_metrics(3))
     log.log(_metrics(4, eval_pass_at_1=0.5, eval_alfa_pass_at_1=0.2, eval_seconds=3.0))
     log.close()
+    assert len(printed) == 5  # the header and one row a training step: step 0 is no table row
     scalars = tensorboard_scalars(tmp_path)
-    assert scalars["eval_pass_at_1"] == [(2, 0.25), (4, 0.5)] and [s for s, _ in scalars["eval_seconds"]] == [2, 4]
+    assert scalars["eval_pass_at_1"] == [(0, 0.125), (2, 0.25), (4, 0.5)]
+    assert [s for s, _ in scalars["eval_seconds"]] == [0, 2, 4]
     assert (tmp_path / "eval_pass_at_1.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = run_summary(read_metrics(tmp_path / "metrics.jsonl"), 10.0, tmp_path)
-    assert "  eval      pass@1 on eval_tasks: 0.250 (step 2) -> 0.500 (step 4)" in summary
+    assert summary[:3] == ["summary: 4 steps, 0:10 wall time", "  reward    +0.100 (step 1) -> +0.400 (step 4)",
+                           "  accuracy  12.5% (step 1) -> 50.0% (step 4)"]
+    assert "  eval      pass@1 on eval_tasks: 0.125 (step 0) -> 0.500 (step 4)" in summary
     assert "  eval      pass@1 on ALFA subset: 0.100 (step 2) -> 0.200 (step 4)" in summary
     assert "eval_pass_at_1.png" in summary[-1]
     # A run that never evaluated draws no eval curve.
