@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import queue
 import random
-import threading
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from itertools import zip_longest

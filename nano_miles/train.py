@@ -368,6 +368,7 @@ class TrainingRun:
         try:
             if self.start_step == 0:  # the base policy, measured as every later evaluation is (step 0)
                 self.log.log_eval(self.evaluation.after_step(0, self.engines, self.tokenizer, self.make_sandbox))
+                loop_started = time.monotonic()  # the ETA is the training steps' pace
             self.producer.start(self.start_step + 1)
             for step in range(self.start_step + 1, cfg.steps + 1):
                 metrics = self.step(step)
