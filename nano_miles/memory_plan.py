@@ -156,7 +156,8 @@ def estimate(cfg, layout, model_path: str, shared: bool) -> MemoryPlan:
     P = num_params(mc)
     dtype = DTYPES[layout.dtype]
     plan = MemoryPlan(num_params=P, overlap=cfg.mode == "async")
-    in_flight = min(cfg.rollout.max_concurrency, cfg.tasks_per_step * cfg.rollout.group_size)
+    # a step's largest rollout round: its first (dynamic sampling's rollout.oversample makes it larger)
+    in_flight = min(cfg.rollout.max_concurrency, cfg.rollout.round_size(cfg.tasks_per_step) * cfg.rollout.group_size)
     plan.rollout["sandboxes"] = in_flight * SANDBOX_BYTES  # closed when their episode ends
     if layout.trainer_device == "cpu":
         t = cfg.trainer
@@ -203,7 +204,7 @@ def job_kv_cache_bytes(cfg, mc: ModelConfig, dtype: torch.dtype) -> int:
     """A CPU engine's KV cache sized for the job: every episode in flight at its token budget (twice
     as many episodes in async mode, which rolls out the next step during an update), never more than
     the engine's default."""
-    episodes = min(cfg.rollout.max_concurrency, cfg.tasks_per_step * cfg.rollout.group_size)
+    episodes = min(cfg.rollout.max_concurrency, cfg.rollout.round_size(cfg.tasks_per_step) * cfg.rollout.group_size)
     if cfg.mode == "async":
         episodes = min(cfg.rollout.max_concurrency, 2 * episodes)
     return min(CPU_KV_DEFAULT, episodes * cfg.rollout.env.max_total_tokens * kv_bytes_per_token(mc, dtype))

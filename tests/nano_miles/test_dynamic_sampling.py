@@ -12,11 +12,14 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+import torch
 
 from nano_miles.batch import Trajectory
 from nano_miles.config import load_config, parse_set
 from nano_miles.dynamic_sampling import TrainRolloutConfig, split_groups
+from nano_miles.engine.model import ModelConfig
 from nano_miles.env import EnvConfig
+from nano_miles.memory_plan import job_kv_cache_bytes
 from nano_miles.models import load_tokenizer
 from nano_miles.producer import AsyncProducer, SyncProducer, TaskStream, roll_out_step
 from nano_miles.tasks import select_tasks
@@ -212,3 +215,14 @@ def test_a_run_whose_groups_never_disagree_skips_its_updates_and_says_so(tmp_pat
     assert row["dropped_group_share"] == 1.0 and row["trajectories"] == 0
     assert row["update_skipped"] == row["sampling_note"] and "update skipped" in row["update_skipped"]
     assert row["reward_mean"] == pytest.approx(-0.1)  # measured on every episode rolled out, dropped ones included
+
+
+def test_the_memory_plan_holds_an_oversampled_round(tiny_model_path):
+    """The CPU engine's KV cache is sized for the episodes of a step's largest round."""
+    mc = ModelConfig.from_pretrained(str(tiny_model_path))
+
+    def kv(*sets):
+        cfg = load_config(TrainConfig, None, parse_set(["tasks_per_step=2", "rollout.group_size=2", *sets]))
+        return job_kv_cache_bytes(cfg, mc, torch.float32)
+    assert kv("rollout.dynamic_sampling=true", "rollout.oversample=2") == 2 * kv("rollout.dynamic_sampling=true") \
+        == 2 * kv("rollout.oversample=2")  # oversample means nothing without dynamic sampling
