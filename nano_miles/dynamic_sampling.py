@@ -32,6 +32,9 @@ class TrainRolloutConfig(RolloutConfig):
             raise ValueError(f"rollout.max_sampling_rounds must be >= 1, got {self.max_sampling_rounds}")
         if not self.oversample >= 1.0:
             raise ValueError(f"rollout.oversample must be >= 1, got {self.oversample}")
+        if self.dynamic_sampling and self.group_size < 2:
+            raise ValueError("rollout.dynamic_sampling needs rollout.group_size >= 2: a group of one sample never "
+                             "has a learning signal, so every group would be dropped")
 
     def round_size(self, missing: int) -> int:
         """Groups to roll out when `missing` are still needed."""

@@ -89,7 +89,7 @@ class RunEvaluation:
 
     def __init__(self, cfg, echo=print):
         self.every, self.last_step, self.seed, self.echo = cfg.eval_every, cfg.steps, cfg.seed, echo
-        self.rollout = dataclasses.replace(cfg.rollout, group_size=cfg.eval_samples)
+        self.rollout = dataclasses.replace(cfg.rollout, group_size=cfg.eval_samples, dynamic_sampling=False)
         try:
             self.tasks = selected_tasks("train", cfg.eval_tasks) if self.every else []
         except ConfigError as e:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from nano_miles.batch import Trajectory
-from nano_miles.config import load_config, parse_set
+from nano_miles.config import ConfigError, load_config, parse_set
 from nano_miles.dynamic_sampling import TrainRolloutConfig, split_groups
 from nano_miles.engine.model import ModelConfig
 from nano_miles.env import EnvConfig
@@ -64,10 +64,10 @@ class ScriptedEngine:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def reply(self, body: dict) -> dict:
-        group = body["rid"].split("-t")[0]  # rid = {task id}-s{task seed}-{task seed}-t{turn}-{hex}
+        group, turn = body["rid"].split("-t")  # rid = {task id}-s{task seed}-{task seed}-t{turn}-{hex}
         task_id = group.split("-s")[0]
         with self.lock:
-            answer = task_id in self.mixed and body["rid"].split("-t")[1].startswith("0-") and group not in self.answered
+            answer = task_id in self.mixed and turn.startswith("0-") and group not in self.answered
             if answer:
                 self.answered.add(group)
         ids = self.tok.encode("<answer>linux</answer>" if answer else "let me think", add_special_tokens=False)
@@ -226,3 +226,13 @@ def test_the_memory_plan_holds_an_oversampled_round(tiny_model_path):
         return job_kv_cache_bytes(cfg, mc, torch.float32)
     assert kv("rollout.dynamic_sampling=true", "rollout.oversample=2") == 2 * kv("rollout.dynamic_sampling=true") \
         == 2 * kv("rollout.oversample=2")  # oversample means nothing without dynamic sampling
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["rollout.dynamic_sampling=true", "rollout.group_size=1"],
+     "rollout.dynamic_sampling needs rollout.group_size >= 2"),
+    (["rollout.max_sampling_rounds=0"], "rollout.max_sampling_rounds must be >= 1, got 0"),
+    (["rollout.oversample=0.5"], "rollout.oversample must be >= 1, got 0.5")])
+def test_settings_that_cannot_work_are_one_line(sets, message):
+    with pytest.raises(ConfigError, match=f"^{message}"):
+        load_config(TrainConfig, None, parse_set(sets))
