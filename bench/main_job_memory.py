@@ -60,13 +60,17 @@ def role(proc: psutil.Process, root_pid: int) -> str:
 
 
 def dir_bytes(path: Path) -> int:
-    total = 0
+    """Disk the directory takes, as `du` counts it: a hard-linked file (final/ shares checkpoint/'s
+    weights) once, by its allocated blocks."""
+    total, seen = 0, set()
     for p in path.rglob("*"):
         try:
-            if p.is_file() and not p.is_symlink():
-                total += p.stat().st_size
+            st = p.lstat()
         except OSError:
-            pass
+            continue
+        if p.is_file() and not p.is_symlink() and (st.st_dev, st.st_ino) not in seen:
+            seen.add((st.st_dev, st.st_ino))
+            total += st.st_blocks * 512
     return total
 
 
