@@ -410,11 +410,15 @@ def load_run_checkpoint(run_dir: Path, trainer, echo=print) -> dict | None:
     if not ckpt.exists() and (old / "state.json").exists():
         old.rename(ckpt)  # killed between the two renames of a save
     if not (ckpt / ".metadata").exists():
-        if isinstance(trainer, TrainerRanks) and (ckpt / "state.json").exists():
-            raise RuntimeError(f"{ckpt} was written by one process, not by ranks: resume it with "
-                               "--set trainer.nproc=1 (a run saved with N > 1 ranks resumes with any N)")
-        return load_checkpoint(Path(run_dir), trainer, echo)
-    state = json.loads((ckpt / "state.json").read_text())
+        if not isinstance(trainer, TrainerRanks) or not (ckpt / "state.json").exists():
+            return load_checkpoint(Path(run_dir), trainer, echo)
+        # Written by one process: every rank reads its rows of it (dist_checkpoint.load_single_process).
+        state = json.loads((ckpt / "state.json").read_text())
+        if not (state.get("optimizer") and (ckpt / "optimizer.pt").exists()):
+            echo("the checkpoint keeps no AdamW state (the run had completed; keep_optimizer_state=true keeps "
+                 "it): AdamW's moments restart from zero")
+    else:
+        state = json.loads((ckpt / "state.json").read_text())
     if isinstance(trainer, TrainerRanks):
         trainer.load_checkpoint(ckpt)
     else:

@@ -107,6 +107,23 @@ def scenarios(out: str, model: str, device_type: str = "cpu") -> None:
     run_rank(_scenarios, out, model, device_type=device_type, timeout_s=60)
 
 
+def _resume_single_process(env, ckpt: str, out: str, model: str) -> None:
+    """Load a single-process checkpoint (checkpoint.py's files) into the ranks, then update once more;
+    rank 0 writes the whole state after each."""
+    torch.set_num_threads(1)
+    trainer = ShardedTrainer(trainer_config(model, CHECKPOINTED), env)
+    dist_checkpoint.load(trainer, Path(ckpt))
+    loaded = full_state(trainer)  # (full_tensor(): a collective, every rank gathers)
+    update(trainer, CHECKPOINTED)
+    continued = full_state(trainer)
+    if env.rank == 0:
+        torch.save({"loaded": loaded, "continued": continued}, Path(out) / "resumed.pt")
+
+
+def resume_single_process(ckpt: str, out: str, model: str) -> None:
+    run_rank(_resume_single_process, ckpt, out, model, device_type="cpu", timeout_s=60)
+
+
 def _kill(env, out: str, model: str) -> None:
     """Rank 1 dies inside the second decoder layer's forward of its first micro-batch; rank 0 is then
     in the middle of the same step, in FSDP's collectives."""

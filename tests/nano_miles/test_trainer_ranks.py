@@ -1,5 +1,6 @@
 """`nano-miles train` with the trainer on 2 ranks (FSDP2 over gloo, CPU) and 2 engine replicas, end
-to end (nano_miles/trainer_ranks.py): the run, its resume on 1 rank, a killed rank, bad input."""
+to end (nano_miles/trainer_ranks.py): the run, its resume on 1 rank, a single-process run's resume on 2
+ranks, a killed rank, bad input."""
 import json
 import os
 import signal
@@ -70,6 +71,22 @@ def test_a_two_rank_run_resumes_on_one_rank_at_the_same_data_position(two_rank_r
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert [r["world_size"] for r in rows] == [2, 2, 1]
     # Every step trained on the tasks an uninterrupted run would use, and versions go on from 2.
+    assert [r["task_ids"] for r in rows] == _expected_task_ids(3)
+    assert [r["weight_version"] for r in rows] == ["1", "2", "3"]
+
+
+def test_a_single_process_run_resumes_on_two_ranks_at_the_same_data_position(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _train("--set", "steps=2", "--set", "keep_optimizer_state=true", "--set", f"run_dir={run_dir}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert not (run_dir / "checkpoint" / ".metadata").exists()  # checkpoint.py's files, not DCP's
+    proc = _train("--resume", str(run_dir), "--set", "steps=3", "--set", "trainer.nproc=2")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"resumed from {run_dir}/checkpoint after step 2" in proc.stdout
+    assert "moments restart from zero" not in proc.stdout  # AdamW's state came along
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["world_size"] for r in rows] == [1, 1, 2]
     assert [r["task_ids"] for r in rows] == _expected_task_ids(3)
     assert [r["weight_version"] for r in rows] == ["1", "2", "3"]
 
