@@ -79,6 +79,17 @@ class ShardAdamW(torch.optim.AdamW):
                   weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
 
 
+def shard_model(model, owner, mesh, mp: MixedPrecisionPolicy, reshard_after_forward: bool):
+    """fully_shard each decoder layer, then the root (_Root: the log-prob pass of `owner`); returns the
+    root and every FSDP module (layers first)."""
+    layers = list(model.base_model.layers)
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    root = _Root(model, owner)
+    fully_shard(root, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    return root, (*layers, root)
+
+
 def assign_groups(group_ids: list[str], lengths: list[int], world_size: int) -> list[list[int]]:
     """Row indices per rank, whole groups each: groups by token count, largest first, each to the
     rank with the fewest tokens so far (the lowest rank on ties). Deterministic: every rank computes
@@ -137,12 +148,7 @@ class ShardedTrainer(Trainer):
         # One rank holds every parameter anyway: a layer gathered in forward stays gathered for its
         # backward (no second gather), as the single-process Trainer keeps its bf16 model.
         self.one_rank = env.world_size == 1
-        layers = list(model.base_model.layers)
-        for layer in layers:
-            fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=not self.one_rank)
-        self.root = _Root(model, self)
-        fully_shard(self.root, mesh=mesh, mp_policy=mp, reshard_after_forward=not self.one_rank)
-        self.fsdp_modules = (*layers, self.root)
+        self.root, self.fsdp_modules = shard_model(model, self, mesh, mp, reshard_after_forward=not self.one_rank)
         self._gradient_sync = True  # FSDP's default: every backward hands its gradients to the shards
         for module in self.fsdp_modules if not self.one_rank else ():
             # A plain SUM over ranks: the loss is over the whole batch already. (One rank: no division
