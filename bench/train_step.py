@@ -139,11 +139,14 @@ def profiled(fn, device) -> str:
     on_gpu = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     sync(device)
-    with torch.profiler.profile(activities=activities) as prof:
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        wall = (time.perf_counter() - t0) * 1000
+    try:  # diagnostics only: a profiler that cannot start must not cost the run its figures
+        with torch.profiler.profile(activities=activities) as prof:
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            wall = (time.perf_counter() - t0) * 1000
+    except RuntimeError as e:
+        return f"profile failed: {e}"
     line = f"profiled step: {wall:.1f} ms wall"
     if on_gpu:
         spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()

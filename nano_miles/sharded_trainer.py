@@ -281,9 +281,11 @@ class ShardedTrainer(Trainer):
 
         grad_norm = self._clip_and_step()
         peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
-        parts = [None] * self.env.world_size
-        dist.all_gather_object(parts, (sums, tokens, pg_loss, ratio_max, diff_sum, diff_max, peak),
-                               group=self.env.cpu_group)
+        mine = (sums, tokens, pg_loss, ratio_max, diff_sum, diff_max, peak)
+        parts = [mine]
+        if not self.one_rank:  # (collectives of one rank still cost a launch and, here, a pickle)
+            parts = [None] * self.env.world_size
+            dist.all_gather_object(parts, mine, group=self.env.cpu_group)
         sums, tokens = {}, sum(p[1] for p in parts)
         for part in parts:
             for k, v in part[0].items():
@@ -319,7 +321,8 @@ class ShardedTrainer(Trainer):
         square = torch.zeros((), dtype=torch.float32, device=self.device)
         if grads:
             square = torch.stack(torch._foreach_norm(grads)).square().sum()  # this rank's part of |g|^2
-        dist.all_reduce(square)
+        if not self.one_rank:
+            dist.all_reduce(square)
         norm = float(square.sqrt())
         if not math.isfinite(norm):
             self.optimizer.zero_grad(set_to_none=True)
