@@ -9,6 +9,11 @@ share, and the ranks produce the update one process would:
   it, and gradients are reduce-scattered in FP32 after every micro-batch, so they accumulate in
   FP32 as in the single-process trainer. FSDP's root wraps the whole log-prob computation
   (`_Root`), because the chunked FP32 lm_head of `Trainer._logprobs` uses the root's weights.
+  AdamW steps on the local shards (ShardAdamW: one fused kernel).
+- One rank (N=1) holds every parameter anyway, so it skips what only sharing needs: layers stay
+  gathered from forward to backward (and across micro-batches), gradients accumulate in FP32 on
+  them and reach the shards once per step, no collective of one rank is run. This keeps the N=1
+  step close to the single-process Trainer's (bench/train_step.py --nproc 1 --baseline).
 - Data: whole groups of a step go to ranks (largest first to the rank with the fewest tokens),
   advantages having been computed over the whole batch before. The loss is normalised by the whole
   batch's count (`loss_normalizer` of every row) and gradients are SUMMED over ranks (FSDP would
