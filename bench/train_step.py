@@ -138,17 +138,21 @@ def timed(fn, device, warmup, steps):
 def profiled(fn, device) -> str:
     """One more step under torch.profiler: its wall time, how much of it the GPU ran kernels (the union
     of kernel intervals over all streams: the rest the GPU waited for the CPU), and the top ops."""
+    try:  # diagnostics only: a profiler that fails must not cost the run its figures
+        return _profile(fn, device)
+    except Exception as e:
+        return f"profile failed: {type(e).__name__}: {e}"
+
+
+def _profile(fn, device) -> str:
     on_gpu = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     sync(device)
-    try:  # diagnostics only: a profiler that cannot start must not cost the run its figures
-        with torch.profiler.profile(activities=activities) as prof:
-            t0 = time.perf_counter()
-            fn()
-            sync(device)
-            wall = (time.perf_counter() - t0) * 1000
-    except RuntimeError as e:
-        return f"profile failed: {e}"
+    with torch.profiler.profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        wall = (time.perf_counter() - t0) * 1000
     line = f"profiled step: {wall:.1f} ms wall"
     if on_gpu:
         spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
