@@ -18,7 +18,8 @@ Prints a table, appends to bench/results.jsonl (and $OUT/train_step.json when $O
   PYTHONPATH=. python3 bench/train_step.py                                   # the GPU figure (cuda)
   PYTHONPATH=. python3 bench/train_step.py --shapes tiny                     # a CPU smoke run
   PYTHONPATH=. python3 bench/train_step.py --true-on-policy                  # + the same step in true on-policy mode
-  PYTHONPATH=. python3 bench/train_step.py --nproc 1 --baseline              # FSDP2 N=1 vs today's step
+  PYTHONPATH=. python3 bench/train_step.py --nproc 1 --baseline              # FSDP2 N=1 vs today's step, and the ratio
+  PYTHONPATH=. python3 bench/train_step.py --nproc 1 --baseline --profile    # + where each step's time goes
   PYTHONPATH=. python3 bench/train_step.py --nproc 2 --shapes qwen2.5-7b     # 7B on 2 GPUs
   PYTHONPATH=. python3 bench/train_step.py --nproc 1 --shapes qwen2.5-7b --layers 4   # a slice, to project
 
@@ -26,7 +27,9 @@ Projecting a model that does not fit on N=1: the per-rank peak is (state / N) + 
 (activations, one or two gathered layers, the root's gathered embeddings/lm_head) that does not
 shrink with N. Measure N=1 with --layers 4 and --layers 8: both parts are linear in the layer count,
 so peak(28 layers, N=1) = p4 + 6 * (p8 - p4) and the 2-rank peak is that minus half the state
-(the table's state column at 28 layers / 2); the step time projects the same way.
+(the table's state column at 28 layers / 2); the step time projects the same way. (At N=1 the
+layers also stay gathered from forward to backward, 2 bytes a bf16 parameter that N ranks free
+after each layer's forward: the projection above is that much pessimistic for N=2.)
 """
 from __future__ import annotations
 
@@ -38,6 +41,8 @@ import statistics
 import time
 
 import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from bench.results import git_commit, save, utc_now
@@ -130,6 +135,38 @@ def timed(fn, device, warmup, steps):
     return statistics.median(times)
 
 
+def profiled(fn, device) -> str:
+    """One more step under torch.profiler: its wall time, how much of it the GPU ran kernels (the union
+    of kernel intervals over all streams: the rest the GPU waited for the CPU), and the top ops."""
+    try:  # diagnostics only: a profiler that fails must not cost the run its figures
+        return _profile(fn, device)
+    except Exception as e:
+        return f"profile failed: {type(e).__name__}: {e}"
+
+
+def _profile(fn, device) -> str:
+    on_gpu = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    sync(device)
+    with torch.profiler.profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        wall = (time.perf_counter() - t0) * 1000
+    line = f"profiled step: {wall:.1f} ms wall"
+    if on_gpu:
+        spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                       if e.device_type == DeviceType.CUDA)
+        busy, end = 0.0, float("-inf")
+        for start, stop in spans:
+            if stop > end:
+                busy += stop - max(start, end)
+                end = stop
+        line += f", GPU busy {busy / 1000:.1f} ms ({len(spans)} kernels), idle {wall - busy / 1000:.1f} ms"
+    key = "self_device_time_total" if on_gpu else "self_cpu_time_total"
+    return line + "\n" + prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=60)
+
+
 def peak_gib(device):
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
 
@@ -154,6 +191,8 @@ def single_process(args, device, batch, adv, tokens, with_naive: bool) -> list[d
     rows.append(dict(method=f"nano_miles ({args.dtype} + fp32 masters)", ms=ms, tokens_per_s=tokens / ms * 1000,
                      peak_gib=peak_gib(device), bf16_changed=changed_share(trainer.params, init),
                      grad_norm=m["grad_norm"], entropy=m.get("entropy"), logprob_diff_mean=m["logprob_diff_mean"]))
+    if args.profile:
+        rows[-1]["profile"] = profiled(lambda: trainer.train_step(batch, adv), device)
     del trainer, init
     reset(device)
     if not with_naive:
@@ -199,7 +238,9 @@ def _sharded_rank(env, args: dict) -> dict:
     m = trainer.train_step(batch, adv)
     params = sum(p.numel() for p in trainer.params)
     peak = peak_gib(device) if device.type == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    return dict(ms=ms, peak_gib=peak, params=params, grad_norm=m["grad_norm"], entropy=m.get("entropy"))
+    profile = profiled(lambda: trainer.train_step(batch, adv), device) if args["profile"] else None
+    return dict(ms=ms, peak_gib=peak, params=params, grad_norm=m["grad_norm"], entropy=m.get("entropy"),
+                profile=profile)
 
 
 def sharded_rank(args: dict) -> dict:
@@ -225,6 +266,8 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--dry-run", action="store_true", help="print only; do not append to bench/results.jsonl")
     ap.add_argument("--true-on-policy", action="store_true", help="also time the step in true on-policy mode")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile one more step of each trainer timed (GPU busy vs idle time, top ops)")
     args = ap.parse_args()
     if args.true_on_policy and args.nproc:
         ap.error("--true-on-policy times the single-process Trainer; the sharded one does not have that mode yet")
@@ -266,18 +309,26 @@ def main():
                          tokens_per_s=tokens / ms * 1000, peak_gib=max(r["peak_gib"] for r in per_rank),
                          peak_gib_per_rank=[r["peak_gib"] for r in per_rank], state_gib_per_rank=state,
                          params=per_rank[0]["params"], grad_norm=per_rank[0]["grad_norm"],
-                         entropy=per_rank[0]["entropy"]))
+                         entropy=per_rank[0]["entropy"], profile=per_rank[0]["profile"]))
+        if args.baseline:
+            rows[-1]["vs_single_process"] = ms / rows[0]["ms"]
         peak_label = "peak GiB/rank" if device.type == "cuda" else "peak RSS GiB/rank"
         print(f"{'method':40s} {'ms/step':>9s} {'tok/s':>9s} {peak_label:>18s} {'state GiB/rank':>15s}")
         for r in rows:
             state = f"{r['state_gib_per_rank']:15.2f}" if "state_gib_per_rank" in r else f"{'':15s}"
             print(f"{r['method']:40s} {r['ms']:9.1f} {r['tokens_per_s']:9.0f} {r['peak_gib']:18.2f} {state}")
         if args.baseline:
-            print(f"FSDP2 x {args.nproc} / single process, step time: {rows[-1]['ms'] / rows[0]['ms']:.3f}")
+            print(f"FSDP2 x {args.nproc} / single process, step time: {rows[-1]['vs_single_process']:.3f}"
+                  f" (goal at N=1: <= 1.10)")
+    profiles = "\n".join(f"--- {r['method']}\n{r.pop('profile')}" for r in rows if r.get("profile"))
+    if profiles:
+        print(profiles)
+    for r in rows:
+        r.pop("profile", None)
     record = dict(bench="train_step", date=utc_now(), commit=git_commit(), machine=name, torch=torch.__version__,
                   config=vars(args), results=rows)
     if not args.dry_run:
-        save(record, "train_step.json")
+        save(record, "train_step.json", extra_text=profiles or None)
 
 
 if __name__ == "__main__":

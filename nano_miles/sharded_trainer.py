@@ -9,6 +9,11 @@ share, and the ranks produce the update one process would:
   it, and gradients are reduce-scattered in FP32 after every micro-batch, so they accumulate in
   FP32 as in the single-process trainer. FSDP's root wraps the whole log-prob computation
   (`_Root`), because the chunked FP32 lm_head of `Trainer._logprobs` uses the root's weights.
+  AdamW steps on the local shards (ShardAdamW: one fused kernel).
+- One rank (N=1) holds every parameter anyway, so it skips what only sharing needs: layers stay
+  gathered from forward to backward (and across micro-batches), gradients accumulate in FP32 on
+  them and reach the shards once per step, no collective of one rank is run. This keeps the N=1
+  step close to the single-process Trainer's (bench/train_step.py --nproc 1 --baseline).
 - Data: whole groups of a step go to ranks (largest first to the rank with the fewest tokens),
   advantages having been computed over the whole batch before. The loss is normalised by the whole
   batch's count (`loss_normalizer` of every row) and gradients are SUMMED over ranks (FSDP would
@@ -29,6 +34,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.optim.adamw import adamw
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from nano_miles.algorithms import loss_normalizer, policy_loss
@@ -48,6 +54,45 @@ class _Root(torch.nn.Module):
 
     def forward(self, tokens, score_mask, need_grad: bool, with_entropy: bool):
         return Trainer._logprobs(self.trainer, tokens, score_mask, need_grad, with_entropy)
+
+
+class ShardAdamW(torch.optim.AdamW):
+    """AdamW over FSDP's sharded parameters whose step runs on the local shards: the same arithmetic
+    and the same state (exp_avg and exp_avg_sq are DTensors like the parameters, so checkpoints see
+    a plain AdamW), but one fused kernel over plain tensors instead of DTensor's dispatch over each of
+    ~300 (milliseconds of CPU time a step, which the GPU waits out: the step follows the norm's sync)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("ShardAdamW.step takes no closure")
+        for group in self.param_groups:
+            shards = [p for p in group["params"] if p.grad is not None]
+            for p in shards:
+                state = self.state[p]
+                if not state:  # as AdamW's own first step makes it
+                    on_device = group["fused"] or group["capturable"]
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+            states = [self.state[p] for p in shards]
+            beta1, beta2 = group["betas"]
+            adamw([p.to_local() for p in shards], [p.grad.to_local() for p in shards],
+                  [s["exp_avg"].to_local() for s in states], [s["exp_avg_sq"].to_local() for s in states], [],
+                  [s["step"] for s in states], foreach=group["foreach"], fused=group["fused"],
+                  capturable=group["capturable"], amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+                  weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
+
+
+def shard_model(model, owner, mesh, mp: MixedPrecisionPolicy, reshard_after_forward: bool):
+    """fully_shard each decoder layer, then the root (_Root: the log-prob pass of `owner`); returns the
+    root and every FSDP module (layers first)."""
+    layers = list(model.base_model.layers)
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    root = _Root(model, owner)
+    fully_shard(root, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    return root, (*layers, root)
 
 
 def assign_groups(group_ids: list[str], lengths: list[int], world_size: int) -> list[list[int]]:
@@ -73,9 +118,11 @@ class ShardedTrainer(Trainer):
         if cfg.true_on_policy:
             raise ValueError("true on-policy mode needs the engine's model over the trainer's parameters; "
                              "it is single-process only for now (trainer.nproc=1)")
-        on_gpu = env.device.type == "cuda"  # the autos, as Trainer's: 8 sequences and 1024-token chunks on a GPU
+        on_gpu = env.device.type == "cuda"  # the autos, as Trainer's
         cfg = dataclasses.replace(cfg, micro_batch_size=cfg.micro_batch_size or (8 if on_gpu else 1),
-                                  logprob_chunk=cfg.logprob_chunk or (1024 if on_gpu else 256))
+                                  logprob_chunk=cfg.logprob_chunk or (1024 if on_gpu else 256),
+                                  gradient_checkpointing=not on_gpu if cfg.gradient_checkpointing is None
+                                  else cfg.gradient_checkpointing)
         self.cfg, self.env = cfg, env
         self.device, self.dtype = env.device, DTYPES[cfg.dtype]
         self.exact_model = None  # Trainer._logprobs' true on-policy branch stays off
@@ -100,13 +147,17 @@ class ShardedTrainer(Trainer):
 
         mesh = init_device_mesh(self.device.type, (env.world_size,))
         # FP32 sharded masters; gathered in the compute dtype; gradients reduced in FP32.
-        mp = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
-        layers = list(model.base_model.layers)
-        for layer in layers:
-            fully_shard(layer, mesh=mesh, mp_policy=mp)
-        self.root = _Root(model, self)
-        fully_shard(self.root, mesh=mesh, mp_policy=mp)
-        for module in (*layers, self.root):  # a plain SUM over ranks: the loss is over the whole batch already
+        # (cast_forward_inputs off: the activations are already in the compute dtype, the embeddings'
+        # output being; FSDP would walk every layer's arguments each forward to cast nothing.)
+        mp = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+        # One rank holds every parameter anyway: a layer gathered in forward stays gathered for its
+        # backward (no second gather), as the single-process Trainer keeps its bf16 model.
+        self.one_rank = env.world_size == 1
+        self.root, self.fsdp_modules = shard_model(model, self, mesh, mp, reshard_after_forward=not self.one_rank)
+        self._gradient_sync = True  # FSDP's default: every backward hands its gradients to the shards
+        for module in self.fsdp_modules if not self.one_rank else ():
+            # A plain SUM over ranks: the loss is over the whole batch already. (One rank: no division
+            # to undo, and no extra pass over the gradients dividing by 1.)
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)  # (else a PREMUL_SUM, which gloo lacks)
         self.root.to_empty(device=self.device)
@@ -121,8 +172,8 @@ class ShardedTrainer(Trainer):
             _random_init(self.names, self.params, env.rank)
         self.masters = list(self.params)  # the sharded FP32 parameters ARE the masters
         o = cfg.optim
-        self.optimizer = torch.optim.AdamW(self.masters, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                                           weight_decay=o.weight_decay, foreach=True)
+        kwargs = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+        self.optimizer = ShardAdamW(self.masters, fused=True, **kwargs)  # CUDA and CPU both have the kernel
         self.step = 0
 
     def _load_hf_weights(self, folder: str) -> None:
@@ -175,7 +226,7 @@ class ShardedTrainer(Trainer):
             n = int(lengths[idx].max())
             lp, _ = self._logprobs(batch.tokens[idx, :n], mask[idx, :n - 1], need_grad=False, with_entropy=False)
             out[idx, :n - 1] = lp
-        self.root.reshard()  # a no-grad forward leaves the root gathered; the next step must re-gather
+        self._reshard()  # a no-grad forward leaves modules gathered; the next step must gather afresh
         dist.all_reduce(out)
         return out.cpu()
 
@@ -198,6 +249,12 @@ class ShardedTrainer(Trainer):
         sums, tokens, pg_loss, ratio_max, diff_sum, diff_max = {}, 0, 0.0, 1.0, 0.0, 0.0
         mine, n_micro, lengths = self._plan(batch)
         for done in range(1, n_micro + 1):
+            if self.one_rank:
+                # Nothing to reduce across ranks: the gradient accumulates in FP32 on the gathered layers
+                # (FSDP upcasts it, as Trainer's master gradients) and is handed to the shards once, after
+                # the last micro-batch; the layers stay gathered until then. (With N ranks each
+                # micro-batch is reduce-scattered: whole FP32 gradients on every rank would undo sharding.)
+                self._sync_gradients(done == n_micro)
             if done > len(mine):
                 self._filler_pass(batch, need_grad=True)
             else:
@@ -229,9 +286,11 @@ class ShardedTrainer(Trainer):
 
         grad_norm = self._clip_and_step()
         peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
-        parts = [None] * self.env.world_size
-        dist.all_gather_object(parts, (sums, tokens, pg_loss, ratio_max, diff_sum, diff_max, peak),
-                               group=self.env.cpu_group)
+        mine = (sums, tokens, pg_loss, ratio_max, diff_sum, diff_max, peak)
+        parts = [mine]
+        if not self.one_rank:  # (collectives of one rank still cost a launch and, here, a pickle)
+            parts = [None] * self.env.world_size
+            dist.all_gather_object(parts, mine, group=self.env.cpu_group)
         sums, tokens = {}, sum(p[1] for p in parts)
         for part in parts:
             for k, v in part[0].items():
@@ -247,6 +306,17 @@ class ShardedTrainer(Trainer):
             metrics["peak_mem_gib"] = max(p[6] for p in parts)  # the largest rank's
         return metrics
 
+    def _sync_gradients(self, on: bool) -> None:
+        if on != self._gradient_sync:  # (FSDP's setters walk every submodule: only on a change)
+            for module in self.fsdp_modules:
+                module.set_requires_gradient_sync(on, recurse=False)
+                module.set_reshard_after_backward(on, recurse=False)
+            self._gradient_sync = on
+
+    def _reshard(self) -> None:
+        for module in self.fsdp_modules:
+            module.reshard()
+
     def _accumulate_master_grads(self):
         pass  # FSDP reduce-scatters FP32 gradients straight into the sharded masters
 
@@ -256,7 +326,8 @@ class ShardedTrainer(Trainer):
         square = torch.zeros((), dtype=torch.float32, device=self.device)
         if grads:
             square = torch.stack(torch._foreach_norm(grads)).square().sum()  # this rank's part of |g|^2
-        dist.all_reduce(square)
+        if not self.one_rank:
+            dist.all_reduce(square)
         norm = float(square.sqrt())
         if not math.isfinite(norm):
             self.optimizer.zero_grad(set_to_none=True)

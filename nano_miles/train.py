@@ -133,8 +133,6 @@ class RunFailed(RuntimeError):
 
 def check_world(cfg: TrainConfig, world_size: int) -> None:
     """What a trainer on several ranks cannot do yet: one line each."""
-    if world_size > 1 and cfg.loss.kl_coef > 0:
-        raise ValueError("loss.kl_coef > 0 (the frozen reference policy) needs trainer.nproc = 1 for now")
     if world_size > 1 and cfg.true_on_policy:
         raise ValueError("true_on_policy needs trainer.nproc = 1 for now (its trainer runs unsharded parameters)")
 

@@ -45,6 +45,7 @@ from nano_miles import dist_checkpoint
 from nano_miles.checkpoint import Checkpointer, load_checkpoint
 from nano_miles.config import to_toml
 from nano_miles.distributed import DistError, check_nproc, describe_failures, launch, main_guard, run_rank
+from nano_miles.reference import ReferencePolicy
 from nano_miles.sharded_trainer import ShardedTrainer
 from nano_miles.telemetry import memory_gb
 
@@ -196,6 +197,7 @@ class TrainerRanks:
         self.env, self.channel = env, channel
         self.trainer: ShardedTrainer | None = None
         self._pending = None  # a checkpoint being written in the background
+        self.reference = None  # the KL penalty's frozen shards (freeze_reference)
         channel.start_heartbeat()
 
     @property
@@ -239,6 +241,16 @@ class TrainerRanks:
         self.wait_for_save()  # DCP's writer thread and the step's metrics share the gloo group
         with self.channel.command("train_step", batch, torch.as_tensor(advantages), old_logprobs, ref_logprobs):
             return self.trainer.train_step(batch, advantages, old_logprobs, ref_logprobs, on_micro_batch)
+
+    def freeze_reference(self) -> None:
+        """Every rank freezes its shards as the KL penalty's reference (nano_miles.reference)."""
+        with self.channel.command("freeze_reference"):
+            self.reference = ReferencePolicy(self.trainer)
+
+    def reference_logprobs(self, batch) -> torch.Tensor:
+        self.wait_for_save()
+        with self.channel.command("reference_logprobs", batch):
+            return self.reference.logprobs(batch)
 
     def iter_full_weights(self, dtype=None, bucket_bytes: int = 512 * 2**20):
         """Whole tensors a bucket at a time, gathered from every rank's shards (the weight sync)."""
@@ -328,7 +340,7 @@ class Follower:
 
     def __init__(self, env, channel: CommandChannel):
         self.env, self.channel = env, channel
-        self.trainer, self.pending = None, None
+        self.trainer, self.pending, self.reference = None, None, None
 
     def run(self) -> None:
         while True:
@@ -348,6 +360,12 @@ class Follower:
             self.trainer.train_step(batch, advantages, old_logprobs, ref_logprobs)
         except FloatingPointError:
             pass  # the gradient norm is global: rank 0 skips this update too, and says so
+
+    def on_freeze_reference(self):
+        self.reference = ReferencePolicy(self.trainer)
+
+    def on_reference_logprobs(self, batch):
+        self.reference.logprobs(batch)
 
     def on_weights(self, dtype, bucket_bytes):
         for _ in self.trainer.iter_full_weights(dtype, bucket_bytes):
@@ -410,11 +428,15 @@ def load_run_checkpoint(run_dir: Path, trainer, echo=print) -> dict | None:
     if not ckpt.exists() and (old / "state.json").exists():
         old.rename(ckpt)  # killed between the two renames of a save
     if not (ckpt / ".metadata").exists():
-        if isinstance(trainer, TrainerRanks) and (ckpt / "state.json").exists():
-            raise RuntimeError(f"{ckpt} was written by one process, not by ranks: resume it with "
-                               "--set trainer.nproc=1 (a run saved with N > 1 ranks resumes with any N)")
-        return load_checkpoint(Path(run_dir), trainer, echo)
-    state = json.loads((ckpt / "state.json").read_text())
+        if not isinstance(trainer, TrainerRanks) or not (ckpt / "state.json").exists():
+            return load_checkpoint(Path(run_dir), trainer, echo)
+        # Written by one process: every rank reads its rows of it (dist_checkpoint.load_single_process).
+        state = json.loads((ckpt / "state.json").read_text())
+        if not (state.get("optimizer") and (ckpt / "optimizer.pt").exists()):
+            echo("the checkpoint keeps no AdamW state (the run had completed; keep_optimizer_state=true keeps "
+                 "it): AdamW's moments restart from zero")
+    else:
+        state = json.loads((ckpt / "state.json").read_text())
     if isinstance(trainer, TrainerRanks):
         trainer.load_checkpoint(ckpt)
     else:

@@ -1,11 +1,14 @@
 """Fixtures of the sharded-trainer tests: one 2-rank run (gloo, CPU) shared by the trainer and the
-checkpoint tests, and the single-process Trainer's results on the same batches to compare it with."""
+checkpoint tests, the single-process Trainer's results on the same batches to compare it with, and
+this process as a world of one rank."""
 from __future__ import annotations
+
+import socket
 
 import pytest
 import torch
 
-from nano_miles.distributed import launch
+from nano_miles.distributed import destroy_distributed, init_distributed, launch
 from nano_miles.trainer import Trainer
 from tests.nano_miles import sharded_ranks
 
@@ -39,4 +42,22 @@ def one_process_results(tiny_model_path):
                 results["continued"] = (None, sharded_ranks.full_state(trainer))
         return results
     finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def world_of_one(monkeypatch):
+    """This process as rank 0 of a real 1-rank gloo group, set up as torchrun's environment would."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in dict(RANK=0, WORLD_SIZE=1, LOCAL_RANK=0, MASTER_ADDR="127.0.0.1", MASTER_PORT=port).items():
+        monkeypatch.setenv(key, str(value))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks and the reference ran
+    env = init_distributed("cpu", timeout_s=60)
+    try:
+        yield env
+    finally:
+        destroy_distributed()
         torch.set_num_threads(threads)

@@ -14,9 +14,10 @@ import torch
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from nano_miles import dist_checkpoint
-from nano_miles.algorithms import AdvantageConfig
+from nano_miles.algorithms import AdvantageConfig, LossConfig
 from nano_miles.batch import Trajectory
 from nano_miles.distributed import main_guard, run_rank
+from nano_miles.reference import ReferencePolicy
 from nano_miles.sharded_trainer import ShardedTrainer
 from nano_miles.trainer import OptimConfig, TrainerConfig
 from nano_miles.update import policy_update
@@ -29,7 +30,13 @@ SCENARIOS = {
     "one_group": ((3,), 1, 1, "float32"),            # rank 1 has no row: it only keeps step with rank 0
     "minibatches": ((2, 3, 2, 1), 1, 2, "float32"),  # PPO: two optimizer steps of whole groups
     "bf16": ((3, 2, 3), 1, 1, "bfloat16"),           # bf16 compute, FP32 gradients and masters
+    "kl": ((2, 3, 2, 1), 1, 2, "float32"),           # KL to the frozen initial policy (moved from on step 2)
 }
+KL_COEF = {"kl": 1.0}
+# The KL's gradient at step 2 is proportional to how far step 1 moved the policy, so it carries step
+# 1's differences (Adam's lr * g / (|g| + eps), amplified where |g| ~ eps) into step 2. With eps at
+# the gradients' scale Adam's step is ~ lr * g / eps, and the two sides agree to rounding again.
+OPTIM = {"kl": OptimConfig(lr=1e-2, eps=1e-2)}
 CHECKPOINTED = "minibatches"  # saved (in the background) after its update, then trained on once more
 
 
@@ -55,14 +62,16 @@ def trainer_config(model: str, name: str = "even", device: str = "cpu") -> Train
     _, micro_batch_size, _, dtype = SCENARIOS[name]
     if dtype == "float32":  # a bf16 trainer on a GPU turns on TF32 for the whole process: not for FP32 ones
         torch.set_float32_matmul_precision("highest")
-    return TrainerConfig(model=model, device=device, optim=OptimConfig(lr=1e-4), micro_batch_size=micro_batch_size,
-                         dtype=dtype)
+    return TrainerConfig(model=model, device=device, optim=OPTIM.get(name, OptimConfig(lr=1e-4)),
+                         micro_batch_size=micro_batch_size,
+                         dtype=dtype, loss=LossConfig(kl_coef=KL_COEF.get(name, 0.0)))
 
 
 def update(trainer, name: str) -> dict:
     sizes, _, updates, _ = SCENARIOS[name]
+    reference = ReferencePolicy(trainer) if trainer.cfg.loss.kl_coef > 0 else None  # the policy before this update
     metrics, skipped = policy_update(trainer, make_trajs(sizes), AdvantageConfig(), pad_id=0,
-                                     echo=lambda *_: None, updates=updates)
+                                     echo=lambda *_: None, updates=updates, reference=reference)
     assert skipped is None, skipped
     return metrics
 
@@ -105,6 +114,23 @@ def _scenarios(env, out: str, model: str) -> None:
 
 def scenarios(out: str, model: str, device_type: str = "cpu") -> None:
     run_rank(_scenarios, out, model, device_type=device_type, timeout_s=60)
+
+
+def _resume_single_process(env, ckpt: str, out: str, model: str) -> None:
+    """Load a single-process checkpoint (checkpoint.py's files) into the ranks, then update once more;
+    rank 0 writes the whole state after each."""
+    torch.set_num_threads(1)
+    trainer = ShardedTrainer(trainer_config(model, CHECKPOINTED), env)
+    dist_checkpoint.load(trainer, Path(ckpt))
+    loaded = full_state(trainer)  # (full_tensor(): a collective, every rank gathers)
+    update(trainer, CHECKPOINTED)
+    continued = full_state(trainer)
+    if env.rank == 0:
+        torch.save({"loaded": loaded, "continued": continued}, Path(out) / "resumed.pt")
+
+
+def resume_single_process(ckpt: str, out: str, model: str) -> None:
+    run_rank(_resume_single_process, ckpt, out, model, device_type="cpu", timeout_s=60)
 
 
 def _kill(env, out: str, model: str) -> None:

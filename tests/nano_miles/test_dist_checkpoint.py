@@ -1,12 +1,12 @@
 """Sharded checkpoints through torch.distributed.checkpoint (nano_miles/dist_checkpoint.py): saved by
-2 ranks in the background, resumed by 1 rank (sharded or the single-process Trainer) exactly."""
-import socket
-
+2 ranks in the background, resumed by 1 rank (sharded or the single-process Trainer) exactly; and a
+single-process checkpoint resumed by 2 ranks exactly."""
 import pytest
 import torch
 
 from nano_miles import dist_checkpoint
-from nano_miles.distributed import destroy_distributed, init_distributed
+from nano_miles.checkpoint import save_checkpoint
+from nano_miles.distributed import launch
 from nano_miles.sharded_trainer import ShardedTrainer
 from nano_miles.trainer import Trainer
 from tests.nano_miles import sharded_ranks
@@ -23,24 +23,6 @@ def assert_same_state(got: dict, expected: dict, what: str):
         for k in ("exp_avg", "exp_avg_sq"):  # moments of ~1e-3 and ~1e-6: relative to their size
             torch.testing.assert_close(got["optim"][n][k], moments[k], rtol=1e-5,
                                        atol=1e-6 * float(moments[k].abs().max()))
-
-
-@pytest.fixture
-def world_of_one(monkeypatch):
-    """This process as rank 0 of a real 1-rank gloo group, set up as torchrun's environment would."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for key, value in dict(RANK=0, WORLD_SIZE=1, LOCAL_RANK=0, MASTER_ADDR="127.0.0.1", MASTER_PORT=port).items():
-        monkeypatch.setenv(key, str(value))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the ranks and the reference ran
-    env = init_distributed("cpu", timeout_s=60)
-    try:
-        yield env
-    finally:
-        destroy_distributed()
-        torch.set_num_threads(threads)
 
 
 def test_two_ranks_checkpoint_resumes_on_one_sharded_rank(two_rank_run, one_process_results, tiny_model_path,
@@ -60,6 +42,26 @@ def test_the_single_process_trainer_loads_a_sharded_checkpoint(two_rank_run, one
     trainer = Trainer(sharded_ranks.trainer_config(str(tiny_model_path), CHECKPOINTED))
     dist_checkpoint.load(trainer, two_rank_run / "ckpt")
     assert_same_state(sharded_ranks.full_state(trainer), one_process_results[CHECKPOINTED][1], "the Trainer")
+
+
+def test_a_single_process_checkpoint_resumes_on_two_ranks(tmp_path, one_process_results, tiny_model_path):
+    """checkpoint.py's files (whole safetensors, torch.save'd AdamW state): each rank reads its rows,
+    and the 2 ranks continue as the one process does."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the fixture's one process ran
+    try:
+        trainer = Trainer(sharded_ranks.trainer_config(str(tiny_model_path), CHECKPOINTED))
+        sharded_ranks.update(trainer, CHECKPOINTED)
+    finally:
+        torch.set_num_threads(threads)
+    save_checkpoint(tmp_path / "run", trainer, {"step": 1})
+    launch(2, sharded_ranks.resume_single_process,
+           (str(tmp_path / "run" / "checkpoint"), str(tmp_path), str(tiny_model_path)))
+    got = torch.load(tmp_path / "resumed.pt")
+    assert_same_state(got["loaded"], sharded_ranks.full_state(trainer), "2 ranks from one process's checkpoint")
+    continued = one_process_results["continued"][1]["masters"]
+    worst = max(float((m - continued[n]).abs().max()) for n, m in got["continued"]["masters"].items())
+    assert worst <= 1e-6
 
 
 def test_a_background_save_keeps_the_saved_moment_and_replaces_the_old_one(tmp_path, tiny_model_path):

@@ -5,7 +5,7 @@ import torch
 from safetensors.torch import load_file
 
 from nano_miles.distributed import launch
-from nano_miles.sharded_trainer import assign_groups
+from nano_miles.sharded_trainer import ShardedTrainer, assign_groups
 from nano_miles.trainer import Trainer
 from tests.nano_miles import sharded_ranks
 from tests.nano_miles.sharded_ranks import SCENARIOS
@@ -14,7 +14,8 @@ from tests.nano_miles.sharded_ranks import SCENARIOS
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_two_ranks_make_the_update_of_one_process(two_rank_run, one_process_results, tiny_model_path, name):
     """even groups; groups that do not split evenly (one rank runs filler passes to keep step); one
-    group that all goes to rank 0; PPO mini-batches (updates_per_step=2); bf16 compute.
+    group that all goes to rank 0; PPO mini-batches (updates_per_step=2); bf16 compute; the KL penalty
+    to a frozen reference (sharded on the ranks, a whole copy in one process).
 
     With micro-batches of one row both sides compute every row alike and the FP32 weights agree to
     1e-6. With two rows per micro-batch the ranks pair other rows than one process does, and padding
@@ -44,6 +45,24 @@ def test_two_ranks_make_the_update_of_one_process(two_rank_run, one_process_resu
     for key in ("pg_loss", "grad_norm", "entropy", "clip_frac", "ratio_mean", "ratio_max",
                 "logprob_diff_mean", "logprob_diff_max", "tis_mean"):
         assert m[key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-7), key
+    if name in sharded_ranks.KL_COEF:  # the second mini-batch's policy had moved from the reference
+        # k3 = exp(d) - d - 1 ~ d^2 / 2 cancels in FP32: each token's value is off by up to ~6e-8
+        assert m["kl_ref"] > 1e-6 and m["kl_ref"] == pytest.approx(metrics["kl_ref"], abs=1e-8)
+
+
+@pytest.mark.parametrize("name", ["uneven_mb2", "minibatches", "bf16"])
+def test_one_sharded_rank_makes_the_update_of_one_process(world_of_one, one_process_results, tiny_model_path, name):
+    """With one rank the sharded trainer skips what only sharing needs (layers stay gathered through
+    backward, FP32 gradients accumulate over the micro-batches and reach the shards once): the update
+    is still the one process's, micro-batch for micro-batch."""
+    trainer = ShardedTrainer(sharded_ranks.trainer_config(str(tiny_model_path), name), world_of_one)
+    initial = sharded_ranks.full_state(trainer)["masters"]
+    metrics = sharded_ranks.update(trainer, name)
+    got = sharded_ranks.full_state(trainer)["masters"]
+    expected, state = one_process_results[name]
+    worst = max(float((got[n] - initial[n] - d).abs().max()) for n, d in state["delta"].items())
+    assert worst <= 1e-6, f"{name}: the update differs from one process's by {worst:.2e}"
+    assert metrics["world_size"] == 1 and metrics["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5)
 
 
 @pytest.mark.gpu

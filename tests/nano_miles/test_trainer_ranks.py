@@ -1,5 +1,6 @@
 """`nano-miles train` with the trainer on 2 ranks (FSDP2 over gloo, CPU) and 2 engine replicas, end
-to end (nano_miles/trainer_ranks.py): the run, its resume on 1 rank, a killed rank, bad input."""
+to end (nano_miles/trainer_ranks.py): the run, its resume on 1 rank, a single-process run's resume on 2
+ranks, a killed rank, bad input."""
 import json
 import os
 import signal
@@ -74,6 +75,31 @@ def test_a_two_rank_run_resumes_on_one_rank_at_the_same_data_position(two_rank_r
     assert [r["weight_version"] for r in rows] == ["1", "2", "3"]
 
 
+def test_a_single_process_run_resumes_on_two_ranks_at_the_same_data_position(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _train("--set", "steps=2", "--set", "keep_optimizer_state=true", "--set", f"run_dir={run_dir}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert not (run_dir / "checkpoint" / ".metadata").exists()  # checkpoint.py's files, not DCP's
+    proc = _train("--resume", str(run_dir), "--set", "steps=3", "--set", "trainer.nproc=2")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"resumed from {run_dir}/checkpoint after step 2" in proc.stdout
+    assert "moments restart from zero" not in proc.stdout  # AdamW's state came along
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["world_size"] for r in rows] == [1, 1, 2]
+    assert [r["task_ids"] for r in rows] == _expected_task_ids(3)
+    assert [r["weight_version"] for r in rows] == ["1", "2", "3"]
+
+
+def test_two_ranks_train_with_the_kl_penalty_to_a_sharded_reference(tmp_path):
+    proc = _train("--set", "steps=1", "--set", "trainer.nproc=2", "--set", "loss.kl_coef=0.1",
+                  "--set", f"run_dir={tmp_path / 'run'}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (row,) = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert row["world_size"] == 2 and row["update_skipped"] is None
+    assert row["kl_ref"] == 0.0  # one update from the initial policy: the reference is the policy
+
+
 def _rank_pid(launcher: int, rank: int) -> int | None:
     for child in psutil.Process(launcher).children(recursive=True):
         try:
@@ -124,7 +150,7 @@ def test_a_killed_rank_stops_the_whole_run_naming_it(tmp_path):
 @pytest.mark.parametrize("sets,message", [
     (["trainer.nproc=0"], "trainer.nproc must be an integer >= 1, got 0"),
     ([f"trainer.nproc={max(2, torch.cuda.device_count() + 1)}", "trainer_device=cuda"], "GPUs (one per rank) but"),
-    (["trainer.nproc=2", "loss.kl_coef=0.1"], "loss.kl_coef > 0 (the frozen reference policy) needs trainer.nproc = 1"),
+    (["trainer.nproc=2", "true_on_policy=true"], "true_on_policy needs trainer.nproc = 1"),
 ])
 def test_bad_rank_settings_are_one_line(sets, message, capsys):
     assert cli.main(["train", *[a for s in sets for a in ("--set", s)]]) == 2
