@@ -33,8 +33,11 @@ import os
 import select
 import time
 
-_SIGNALS_RESET = (_signal.SIGPIPE, _signal.SIGXFSZ, _signal.SIGCHLD, _signal.SIGINT, _signal.SIGTERM,
-                  _signal.SIGHUP)
+# a command starts with every signal at its default, as from a normal shell: not only those the init
+# changed (Python ignores SIGPIPE and SIGXFSZ) but any the supervisor ignored (a nohup'd trainer's
+# SIGHUP), which fork and exec pass down. Blocked: none (setsigmask=()). glibc's own two signals
+# (32, 33) are not ours to name; glibc programs handle them themselves.
+_SIGNALS_RESET = tuple(sorted(set(_signal.valid_signals()) - {_signal.SIGKILL, _signal.SIGSTOP}))
 _MAX_MESSAGE = 1 << 20   # argv + env of one command; larger scripts come as a file descriptor
 _REMOVE_BUDGET = 0.2     # seconds spent removing finished commands' TMPDIRs at a time
 
