@@ -20,6 +20,7 @@ _KILL_WAIT of a kill request gets the whole sandbox killed instead (the next com
 import array
 import concurrent.futures
 import fcntl
+import json
 import marshal
 import os
 import select
@@ -162,48 +163,49 @@ class Init:
                  user: int | None = None, cgroup_leaf=None):
         """argv: [uid drop] bwrap ... -- (the layout; see namespaced.py); user: a uid to start it under
         when there is no uid-drop tool (Popen then forks instead of vforking: once per Sandbox).
-        cgroup_leaf (cgroup.Leaf): bwrap starts in it, and so every process of the sandbox: a /bin/sh
-        stub waits for one line on stdin, is moved into the leaf, then execs the rest."""
+        cgroup_leaf (cgroup.Leaf): every process of the sandbox lives in it. Moving a process into a
+        fresh cgroup waits out an RCU grace period (~10-15 ms of wall time, little CPU), so it is not
+        done before bwrap starts: bwrap reports its child (our init, pid 1) on --info-fd before that
+        child does anything, and a thread moves bwrap and the init into the leaf while the mounts are
+        made and Python boots; no command is sent before they are in (spawn() waits for it). The init
+        forks nothing until it is sent a command, so every command's process is born inside."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         err_r, err_w = os.pipe()
         src_r, src_w = os.pipe()  # the init's program (see _BOOT), ~35 KB
+        info_r, info_w = os.pipe() if cgroup_leaf is not None else (None, None)
         program = _nsinit_program()
-        if cgroup_leaf is not None:
-            argv = ["/bin/sh", "-c", 'read -r _ && exec "$@"', "nano-openshell-start"] + argv
-            program = b"go\n" + program  # the stub's go-ahead, written once it is in the leaf
         try:
             fcntl.fcntl(src_w, fcntl.F_SETPIPE_SZ, len(program))
         except OSError:
             pass  # a user over its pipe quota gets small pipes: the rest is written once bwrap runs
         os.set_blocking(src_w, False)
         try:
-            sent = 0 if cgroup_leaf is not None else os.write(src_w, program)
+            sent = os.write(src_w, program)
         except BlockingIOError:
             sent = 0
         self._sock, self._err, self._ids = ours, err_r, iter(range(1, 1 << 62))
         self.dead: str | None = None  # why, once the init is known to be gone
         self.closed = False
+        self._joining = None  # the thread moving bwrap and the init into the cgroup leaf
         ids = dict(user=user, group=user, extra_groups=[]) if user is not None else {}
-        full = argv + ["--as-pid-1", "--", python, "-I", "-S", "-c", _BOOT, str(theirs.fileno())]
+        info = ["--info-fd", str(info_w)] if info_w is not None else []
+        full = argv + info + ["--as-pid-1", "--", python, "-I", "-S", "-c", _BOOT, str(theirs.fileno())]
         try:
-            self._proc = _spawner().submit(
-                subprocess.Popen, full, stdin=src_r, stdout=subprocess.DEVNULL, stderr=err_w,
-                env=env, pass_fds=pass_fds + (theirs.fileno(),), **ids).result()
-            if cgroup_leaf is not None:
-                try:
-                    cgroup_leaf.add(self._proc.pid)
-                except BaseException:
-                    self._proc.kill()
-                    self._proc.wait()
-                    raise
+            keep = pass_fds + (theirs.fileno(),) + ((info_w,) if info_w is not None else ())
+            self._proc = _spawner().submit(subprocess.Popen, full, stdin=src_r, stdout=subprocess.DEVNULL,
+                                           stderr=err_w, env=env, pass_fds=keep, **ids).result()
         except BaseException:
             ours.close()
             os.close(err_r)
+            if info_r is not None:
+                os.close(info_r)
             raise
         finally:
             theirs.close()
             os.close(err_w)
             os.close(src_r)
+            if info_w is not None:
+                os.close(info_w)
             if sent < len(program):
                 os.set_blocking(src_w, True)
                 try:
@@ -212,8 +214,40 @@ class Init:
                 except OSError:
                     pass  # bwrap failed: the first command says why
             os.close(src_w)
+        if cgroup_leaf is not None:
+            self._joining = threading.Thread(target=self._join_cgroup, args=(cgroup_leaf, info_r),
+                                             name="nano-openshell-cgroup", daemon=True)
+            self._joining.start()
         os.set_blocking(err_r, False)
         ours.setblocking(False)
+
+    def _join_cgroup(self, leaf, info_r: int) -> None:
+        """Move bwrap and its child, the init, into the leaf (see __init__); on failure the sandbox is
+        killed (its first command fails clearly, the next one starts a new init)."""
+        try:
+            report = b""
+            while True:  # bwrap writes {"child-pid": N, ...} and closes it before its child runs
+                chunk = os.read(info_r, 4096)
+                if not chunk:
+                    break
+                report += chunk
+            child = int(json.loads(report)["child-pid"])
+            leaf.add(self._proc.pid)
+            leaf.add(child)
+        except Exception as e:
+            self.abort(f"the sandbox could not be moved into its cgroup ({e!r}); it was killed")
+        finally:
+            os.close(info_r)
+
+    def _joined(self, deadline: float) -> None:
+        """Wait until the sandbox is in its cgroup (nothing may run outside it)."""
+        joining = self._joining
+        if joining is None or not joining.is_alive():
+            return
+        joining.join(max(0.0, deadline - time.monotonic()))
+        if joining.is_alive():
+            self.abort("the sandbox was not in its cgroup before the deadline; it was killed")
+            raise InitDied(self.dead)
 
     def alive(self) -> bool:
         if self.dead is None and self._proc.poll() is not None:
@@ -246,6 +280,7 @@ class Init:
     def spawn(self, argv: list[str], env: dict[str, str], out_w: int, err_w: int, script_fd: int | None,
               deadline: float) -> "Command":
         """Start argv with out_w/err_w as its stdout/stderr (and script_fd as fd 3); fds are not closed here."""
+        self._joined(deadline)
         if not self.alive():
             raise NotDelivered(self.dead)
         status_r, status_w = os.pipe()
@@ -277,11 +312,11 @@ class Init:
     def close(self) -> None:
         self.closed, self.dead = True, self.dead or "the sandbox is closed"
         self._sock.close()  # EOF: the init exits, and every process of the sandbox dies with it
-        try:
-            self._proc.wait(timeout=_CLOSE_WAIT)
-        except subprocess.TimeoutExpired:
+        if not _exited(self._proc, _CLOSE_WAIT):
             self._proc.kill()
-            self._proc.wait()
+        self._proc.wait()
+        if self._joining is not None:
+            self._joining.join()  # it ends with bwrap (EOF on --info-fd, or a move that now fails)
         os.close(self._err)
 
 
@@ -365,6 +400,25 @@ def run(start_init, script: str, env: dict[str, str], deadline: float, output_by
                 os.close(fd)
     proc.stdout, proc.stderr = open(out_r, "rb", buffering=0), open(err_r, "rb", buffering=0)
     return drain(proc, deadline, output_bytes, proc.kill)
+
+
+def _exited(proc: subprocess.Popen, timeout: float) -> bool:
+    """Has proc exited within timeout? Woken by its pidfd the moment it does (Popen.wait(timeout)
+    sleeps in growing steps: a bwrap gone after 3 ms was seen after ~7 ms)."""
+    if proc.returncode is not None:
+        return True
+    try:
+        fd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):  # Linux < 5.3, or Python without it
+        try:
+            proc.wait(timeout=timeout)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+    try:
+        return _ready(fd, select.POLLIN, timeout)
+    finally:
+        os.close(fd)
 
 
 def _ready(fd: int, event: int, timeout: float | None) -> bool:
