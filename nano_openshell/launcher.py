@@ -5,6 +5,8 @@ Namespaces(...).get() starts `[uid drop] bwrap <layout> --as-pid-1 -- python3 -I
 command simply waits in the socket until the init reads it; a dead init is replaced at the next
 get(). run() is one command: Init.spawn() sends it (argv, env and its fds by SCM_RIGHTS) and returns
 a Command, which is what output.drain needs of a Popen: wait(timeout), kill(), returncode.
+With a cgroup, bwrap and the init are moved into it by a thread while they boot (Init.__init__ says
+why); no command is sent before they are in.
 
 Lifetime. Every bwrap is started from one long-lived thread of ours: bwrap's --die-with-parent is
 PR_SET_PDEATHSIG, which fires when the THREAD that started it ends (a pool thread that created a
