@@ -40,18 +40,29 @@ _KILL_WAIT = 2.0       # after a kill request, how long the init has to report t
 _CLOSE_WAIT = 1.0      # after EOF, how long bwrap has to exit before it is killed
 _MAX_STATUS = 4096
 _INLINE_SCRIPT_BYTES = 64 * 1024
-_SPAWNER: dict[int, concurrent.futures.ThreadPoolExecutor] = {}  # pid -> the thread every bwrap starts from
-_SPAWNER_LOCK = threading.Lock()
+_POOLS: dict[tuple[int, str], concurrent.futures.ThreadPoolExecutor] = {}  # (pid, name) -> its threads
+_POOLS_LOCK = threading.Lock()
+
+
+def _pool(name: str, workers: int) -> concurrent.futures.ThreadPoolExecutor:
+    """Long-lived threads of this process (a forked child makes its own: the parent's are not in it)."""
+    key = (os.getpid(), name)
+    with _POOLS_LOCK:
+        if key not in _POOLS:
+            for old in [k for k in _POOLS if k[0] != key[0]]:
+                del _POOLS[old]
+            _POOLS[key] = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix=f"nano-openshell-{name}")
+        return _POOLS[key]
 
 
 def _spawner() -> concurrent.futures.ThreadPoolExecutor:
-    """One long-lived thread per process (a forked child has its own: the parent's is not in it)."""
-    pid = os.getpid()
-    with _SPAWNER_LOCK:
-        if pid not in _SPAWNER:
-            _SPAWNER.clear()
-            _SPAWNER[pid] = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nano-openshell-bwrap")
-        return _SPAWNER[pid]
+    """The one thread every bwrap starts from (see Lifetime above)."""
+    return _pool("bwrap", 1)
+
+
+def _joiner() -> concurrent.futures.ThreadPoolExecutor:
+    """Threads that move sandboxes into their cgroups (each waits out a grace period: several at once)."""
+    return _pool("cgroup", 16)
 
 
 class InitDied(RuntimeError):
@@ -124,10 +135,11 @@ class Namespaces:
                 os.write(prog_w, self._seccomp)  # a few hundred bytes: fits the pipe buffer
                 os.close(prog_w)
                 argv = self._argv + namespaced.command_args(prog_r, self._socket_fd)[:-1]  # Init adds "--"
-                self._init = Init(argv, self.python, {"PATH": self._path}, self._fds + (prog_r,), self._user,
-                                  self._leaf)
-            finally:
+            except BaseException:
                 os.close(prog_r)
+                raise
+            self._init = Init(argv, self.python, {"PATH": self._path}, self._fds, self._user, self._leaf,
+                              own_fds=(prog_r,))
             return self._init
 
     def close(self) -> None:
@@ -162,9 +174,11 @@ def _nsinit_program() -> bytes:
 
 class Init:
     def __init__(self, argv: list[str], python: str, env: dict[str, str], pass_fds: tuple[int, ...],
-                 user: int | None = None, cgroup_leaf=None):
+                 user: int | None = None, cgroup_leaf=None, own_fds: tuple[int, ...] = ()):
         """argv: [uid drop] bwrap ... -- (the layout; see namespaced.py); user: a uid to start it under
         when there is no uid-drop tool (Popen then forks instead of vforking: once per Sandbox).
+        own_fds: passed to bwrap too, and closed here once it started. Returns before bwrap runs:
+        the spawner thread starts it (the first use of _proc waits for that).
         cgroup_leaf (cgroup.Leaf): every process of the sandbox lives in it. Moving a process into a
         fresh cgroup waits out an RCU grace period (~10-15 ms of wall time, little CPU), so it is not
         done before bwrap starts: bwrap reports its child (our init, pid 1) on --info-fd before that
@@ -175,6 +189,26 @@ class Init:
         err_r, err_w = os.pipe()
         src_r, src_w = os.pipe()  # the init's program (see _BOOT), ~35 KB
         info_r, info_w = os.pipe() if cgroup_leaf is not None else (None, None)
+        self._sock, self._err, self._ids = ours, err_r, iter(range(1, 1 << 62))
+        self.dead: str | None = None  # why, once the init is known to be gone
+        self.closed = False
+        self._joining = None  # the future of moving bwrap and the init into the cgroup leaf
+        ids = dict(user=user, group=user, extra_groups=[]) if user is not None else {}
+        info = ["--info-fd", str(info_w)] if info_w is not None else []
+        full = argv + info + ["--as-pid-1", "--", python, "-I", "-S", "-c", _BOOT, str(theirs.fileno())]
+        theirs_fd = theirs.detach()
+        keep = pass_fds + own_fds + (theirs_fd,) + ((info_w,) if info_w is not None else ())
+        closing = (theirs_fd, err_w, src_r) + own_fds + ((info_w,) if info_w is not None else ())
+        popen = dict(stdin=src_r, stdout=subprocess.DEVNULL, stderr=err_w, env=env, pass_fds=keep, **ids)
+        self._started = _spawner().submit(self._start, full, popen, closing, src_w)
+        if cgroup_leaf is not None:  # a pool's thread: starting a thread waits for it to run (~ms when busy)
+            self._joining = _joiner().submit(self._join_cgroup, cgroup_leaf, info_r)
+        os.set_blocking(err_r, False)
+        ours.setblocking(False)
+
+    def _start(self, argv: list[str], popen: dict, closing: tuple[int, ...], src_w: int):
+        """In the spawner thread: start bwrap, close our copies of its fds, send the init's program.
+        A failure to start is this init's death (the first command says why), not an exception."""
         program = _nsinit_program()
         try:
             fcntl.fcntl(src_w, fcntl.F_SETPIPE_SZ, len(program))
@@ -185,43 +219,23 @@ class Init:
             sent = os.write(src_w, program)
         except BlockingIOError:
             sent = 0
-        self._sock, self._err, self._ids = ours, err_r, iter(range(1, 1 << 62))
-        self.dead: str | None = None  # why, once the init is known to be gone
-        self.closed = False
-        self._joining = None  # the thread moving bwrap and the init into the cgroup leaf
-        ids = dict(user=user, group=user, extra_groups=[]) if user is not None else {}
-        info = ["--info-fd", str(info_w)] if info_w is not None else []
-        full = argv + info + ["--as-pid-1", "--", python, "-I", "-S", "-c", _BOOT, str(theirs.fileno())]
         try:
-            keep = pass_fds + (theirs.fileno(),) + ((info_w,) if info_w is not None else ())
-            self._proc = _spawner().submit(subprocess.Popen, full, stdin=src_r, stdout=subprocess.DEVNULL,
-                                           stderr=err_w, env=env, pass_fds=keep, **ids).result()
-        except BaseException:
-            ours.close()
-            os.close(err_r)
-            if info_r is not None:
-                os.close(info_r)
-            raise
+            return subprocess.Popen(argv, **popen)
+        except Exception as e:
+            self.dead = f"bwrap could not be started: {e!r}"
+            return None
         finally:
-            theirs.close()
-            os.close(err_w)
-            os.close(src_r)
-            if info_w is not None:
-                os.close(info_w)
-            if sent < len(program):
-                os.set_blocking(src_w, True)
-                try:
-                    while sent < len(program):  # the init reads it as it boots
-                        sent += os.write(src_w, program[sent:])
-                except OSError:
-                    pass  # bwrap failed: the first command says why
-            os.close(src_w)
-        if cgroup_leaf is not None:
-            self._joining = threading.Thread(target=self._join_cgroup, args=(cgroup_leaf, info_r),
-                                             name="nano-openshell-cgroup", daemon=True)
-            self._joining.start()
-        os.set_blocking(err_r, False)
-        ours.setblocking(False)
+            for fd in closing:
+                os.close(fd)
+            if sent < len(program):  # the init reads the rest as it boots: not on this thread's time
+                threading.Thread(target=_write_all, args=(src_w, program[sent:]), daemon=True).start()
+            else:
+                os.close(src_w)
+
+    @property
+    def _proc(self) -> subprocess.Popen | None:
+        """bwrap, once the spawner thread started it; None when it could not be started."""
+        return self._started.result()
 
     def _join_cgroup(self, leaf, info_r: int) -> None:
         """Move bwrap and its child, the init, into the leaf (see __init__); on failure the sandbox is
@@ -243,15 +257,17 @@ class Init:
 
     def _joined(self, deadline: float) -> None:
         """Wait until the sandbox is in its cgroup (nothing may run outside it)."""
-        joining = self._joining
-        if joining is None or not joining.is_alive():
+        if self._joining is None:
             return
-        joining.join(max(0.0, deadline - time.monotonic()))
-        if joining.is_alive():
+        try:
+            self._joining.result(max(0.0, deadline - time.monotonic()))
+        except concurrent.futures.TimeoutError:
             self.abort("the sandbox was not in its cgroup before the deadline; it was killed")
-            raise InitDied(self.dead)
+            raise InitDied(self.dead) from None
 
     def alive(self) -> bool:
+        if self._proc is None:
+            return False
         if self.dead is None and self._proc.poll() is not None:
             self.dead = self._why(f"bwrap exited with status {self._proc.returncode}")
         return self.dead is None
@@ -307,18 +323,20 @@ class Init:
         """Kill the whole sandbox now (bwrap; its init dies with it, and the pid namespace with that)."""
         self.dead = self.dead or why
         try:
-            self._proc.kill()
+            if self._proc is not None:
+                self._proc.kill()
         except OSError:
             pass
 
     def close(self) -> None:
         self.closed, self.dead = True, self.dead or "the sandbox is closed"
         self._sock.close()  # EOF: the init exits, and every process of the sandbox dies with it
-        if not _exited(self._proc, _CLOSE_WAIT):
-            self._proc.kill()
-        self._proc.wait()
+        if self._proc is not None:
+            if not _exited(self._proc, _CLOSE_WAIT):
+                self._proc.kill()
+            self._proc.wait()
         if self._joining is not None:
-            self._joining.join()  # it ends with bwrap (EOF on --info-fd, or a move that now fails)
+            self._joining.result()  # it ends with bwrap (EOF on --info-fd, or a move that now fails)
         os.close(self._err)
 
 
@@ -402,6 +420,17 @@ def run(start_init, script: str, env: dict[str, str], deadline: float, output_by
                 os.close(fd)
     proc.stdout, proc.stderr = open(out_r, "rb", buffering=0), open(err_r, "rb", buffering=0)
     return drain(proc, deadline, output_bytes, proc.kill)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    try:
+        os.set_blocking(fd, True)
+        while data:
+            data = data[os.write(fd, data):]
+    except OSError:
+        pass  # bwrap failed: the first command says why
+    finally:
+        os.close(fd)
 
 
 def _exited(proc: subprocess.Popen, timeout: float) -> bool:
