@@ -108,8 +108,14 @@ def kill_tree() -> None:
 def _exec_command(cfg: dict) -> None:
     """In the forked child: drop everything, then exec bash. Never returns."""
     try:
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGPIPE):
-            signal.signal(sig, signal.SIG_DFL)
+        # every signal at its default and none blocked, as from a normal shell: not only those the
+        # init changed (Python ignores SIGPIPE and SIGXFSZ) but any the supervisor ignored
+        for sig in signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP}:
+            try:
+                signal.signal(sig, signal.SIG_DFL)
+            except (OSError, ValueError):
+                pass
+        signal.pthread_sigmask(signal.SIG_SETMASK, ())
         for name, value in cfg["rlimits"].items():
             resource.setrlimit(getattr(resource, name), (value, value))
         os.chdir(cfg["workspace"])

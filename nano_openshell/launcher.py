@@ -5,6 +5,8 @@ Namespaces(...).get() starts `[uid drop] bwrap <layout> --as-pid-1 -- python3 -I
 command simply waits in the socket until the init reads it; a dead init is replaced at the next
 get(). run() is one command: Init.spawn() sends it (argv, env and its fds by SCM_RIGHTS) and returns
 a Command, which is what output.drain needs of a Popen: wait(timeout), kill(), returncode.
+With a cgroup, bwrap and the init are moved into it by a thread while they boot (Init.__init__ says
+why); no command is sent before they are in.
 
 Lifetime. Every bwrap is started from one long-lived thread of ours: bwrap's --die-with-parent is
 PR_SET_PDEATHSIG, which fires when the THREAD that started it ends (a pool thread that created a
@@ -20,6 +22,7 @@ _KILL_WAIT of a kill request gets the whole sandbox killed instead (the next com
 import array
 import concurrent.futures
 import fcntl
+import json
 import marshal
 import os
 import select
@@ -37,18 +40,29 @@ _KILL_WAIT = 2.0       # after a kill request, how long the init has to report t
 _CLOSE_WAIT = 1.0      # after EOF, how long bwrap has to exit before it is killed
 _MAX_STATUS = 4096
 _INLINE_SCRIPT_BYTES = 64 * 1024
-_SPAWNER: dict[int, concurrent.futures.ThreadPoolExecutor] = {}  # pid -> the thread every bwrap starts from
-_SPAWNER_LOCK = threading.Lock()
+_POOLS: dict[tuple[int, str], concurrent.futures.ThreadPoolExecutor] = {}  # (pid, name) -> its threads
+_POOLS_LOCK = threading.Lock()
+
+
+def _pool(name: str, workers: int) -> concurrent.futures.ThreadPoolExecutor:
+    """Long-lived threads of this process (a forked child makes its own: the parent's are not in it)."""
+    key = (os.getpid(), name)
+    with _POOLS_LOCK:
+        if key not in _POOLS:
+            for old in [k for k in _POOLS if k[0] != key[0]]:
+                del _POOLS[old]
+            _POOLS[key] = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix=f"nano-openshell-{name}")
+        return _POOLS[key]
 
 
 def _spawner() -> concurrent.futures.ThreadPoolExecutor:
-    """One long-lived thread per process (a forked child has its own: the parent's is not in it)."""
-    pid = os.getpid()
-    with _SPAWNER_LOCK:
-        if pid not in _SPAWNER:
-            _SPAWNER.clear()
-            _SPAWNER[pid] = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nano-openshell-bwrap")
-        return _SPAWNER[pid]
+    """The one thread every bwrap starts from (see Lifetime above)."""
+    return _pool("bwrap", 1)
+
+
+def _joiner() -> concurrent.futures.ThreadPoolExecutor:
+    """Threads that move sandboxes into their cgroups (each waits out a grace period: several at once)."""
+    return _pool("cgroup", 16)
 
 
 class InitDied(RuntimeError):
@@ -121,10 +135,11 @@ class Namespaces:
                 os.write(prog_w, self._seccomp)  # a few hundred bytes: fits the pipe buffer
                 os.close(prog_w)
                 argv = self._argv + namespaced.command_args(prog_r, self._socket_fd)[:-1]  # Init adds "--"
-                self._init = Init(argv, self.python, {"PATH": self._path}, self._fds + (prog_r,), self._user,
-                                  self._leaf)
-            finally:
+            except BaseException:
                 os.close(prog_r)
+                raise
+            self._init = Init(argv, self.python, {"PATH": self._path}, self._fds, self._user, self._leaf,
+                              own_fds=(prog_r,))
             return self._init
 
     def close(self) -> None:
@@ -159,63 +174,100 @@ def _nsinit_program() -> bytes:
 
 class Init:
     def __init__(self, argv: list[str], python: str, env: dict[str, str], pass_fds: tuple[int, ...],
-                 user: int | None = None, cgroup_leaf=None):
+                 user: int | None = None, cgroup_leaf=None, own_fds: tuple[int, ...] = ()):
         """argv: [uid drop] bwrap ... -- (the layout; see namespaced.py); user: a uid to start it under
         when there is no uid-drop tool (Popen then forks instead of vforking: once per Sandbox).
-        cgroup_leaf (cgroup.Leaf): bwrap starts in it, and so every process of the sandbox: a /bin/sh
-        stub waits for one line on stdin, is moved into the leaf, then execs the rest."""
+        own_fds: passed to bwrap too, and closed here once it started. Returns before bwrap runs:
+        the spawner thread starts it (the first use of _proc waits for that).
+        cgroup_leaf (cgroup.Leaf): every process of the sandbox lives in it. Moving a process into a
+        fresh cgroup waits out an RCU grace period (~10-15 ms of wall time, little CPU), so it is not
+        done before bwrap starts: bwrap reports its child (our init, pid 1) on --info-fd before that
+        child does anything, and a thread moves bwrap and the init into the leaf while the mounts are
+        made and Python boots; no command is sent before they are in (spawn() waits for it). The init
+        forks nothing until it is sent a command, so every command's process is born inside."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         err_r, err_w = os.pipe()
         src_r, src_w = os.pipe()  # the init's program (see _BOOT), ~35 KB
+        info_r, info_w = os.pipe() if cgroup_leaf is not None else (None, None)
+        self._sock, self._err, self._ids = ours, err_r, iter(range(1, 1 << 62))
+        self.dead: str | None = None  # why, once the init is known to be gone
+        self.closed = False
+        self._joining = None  # the future of moving bwrap and the init into the cgroup leaf
+        ids = dict(user=user, group=user, extra_groups=[]) if user is not None else {}
+        info = ["--info-fd", str(info_w)] if info_w is not None else []
+        full = argv + info + ["--as-pid-1", "--", python, "-I", "-S", "-c", _BOOT, str(theirs.fileno())]
+        theirs_fd = theirs.detach()
+        keep = pass_fds + own_fds + (theirs_fd,) + ((info_w,) if info_w is not None else ())
+        closing = (theirs_fd, err_w, src_r) + own_fds + ((info_w,) if info_w is not None else ())
+        popen = dict(stdin=src_r, stdout=subprocess.DEVNULL, stderr=err_w, env=env, pass_fds=keep, **ids)
+        self._started = _spawner().submit(self._start, full, popen, closing, src_w)
+        if cgroup_leaf is not None:  # a pool's thread: starting a thread waits for it to run (~ms when busy)
+            self._joining = _joiner().submit(self._join_cgroup, cgroup_leaf, info_r)
+        os.set_blocking(err_r, False)
+        ours.setblocking(False)
+
+    def _start(self, argv: list[str], popen: dict, closing: tuple[int, ...], src_w: int):
+        """In the spawner thread: start bwrap, close our copies of its fds, send the init's program.
+        A failure to start is this init's death (the first command says why), not an exception."""
         program = _nsinit_program()
-        if cgroup_leaf is not None:
-            argv = ["/bin/sh", "-c", 'read -r _ && exec "$@"', "nano-openshell-start"] + argv
-            program = b"go\n" + program  # the stub's go-ahead, written once it is in the leaf
         try:
             fcntl.fcntl(src_w, fcntl.F_SETPIPE_SZ, len(program))
         except OSError:
             pass  # a user over its pipe quota gets small pipes: the rest is written once bwrap runs
         os.set_blocking(src_w, False)
         try:
-            sent = 0 if cgroup_leaf is not None else os.write(src_w, program)
+            sent = os.write(src_w, program)
         except BlockingIOError:
             sent = 0
-        self._sock, self._err, self._ids = ours, err_r, iter(range(1, 1 << 62))
-        self.dead: str | None = None  # why, once the init is known to be gone
-        self.closed = False
-        ids = dict(user=user, group=user, extra_groups=[]) if user is not None else {}
-        full = argv + ["--as-pid-1", "--", python, "-I", "-S", "-c", _BOOT, str(theirs.fileno())]
         try:
-            self._proc = _spawner().submit(
-                subprocess.Popen, full, stdin=src_r, stdout=subprocess.DEVNULL, stderr=err_w,
-                env=env, pass_fds=pass_fds + (theirs.fileno(),), **ids).result()
-            if cgroup_leaf is not None:
-                try:
-                    cgroup_leaf.add(self._proc.pid)
-                except BaseException:
-                    self._proc.kill()
-                    self._proc.wait()
-                    raise
-        except BaseException:
-            ours.close()
-            os.close(err_r)
-            raise
+            return subprocess.Popen(argv, **popen)
+        except Exception as e:
+            self.dead = f"bwrap could not be started: {e!r}"
+            return None
         finally:
-            theirs.close()
-            os.close(err_w)
-            os.close(src_r)
-            if sent < len(program):
-                os.set_blocking(src_w, True)
-                try:
-                    while sent < len(program):  # the init reads it as it boots
-                        sent += os.write(src_w, program[sent:])
-                except OSError:
-                    pass  # bwrap failed: the first command says why
-            os.close(src_w)
-        os.set_blocking(err_r, False)
-        ours.setblocking(False)
+            for fd in closing:
+                os.close(fd)
+            if sent < len(program):  # the init reads the rest as it boots: not on this thread's time
+                threading.Thread(target=_write_all, args=(src_w, program[sent:]), daemon=True).start()
+            else:
+                os.close(src_w)
+
+    @property
+    def _proc(self) -> subprocess.Popen | None:
+        """bwrap, once the spawner thread started it; None when it could not be started."""
+        return self._started.result()
+
+    def _join_cgroup(self, leaf, info_r: int) -> None:
+        """Move bwrap and its child, the init, into the leaf (see __init__); on failure the sandbox is
+        killed (its first command fails clearly, the next one starts a new init)."""
+        try:
+            report = b""
+            while True:  # bwrap writes {"child-pid": N, ...} and closes it before its child runs
+                chunk = os.read(info_r, 4096)
+                if not chunk:
+                    break
+                report += chunk
+            child = int(json.loads(report)["child-pid"])
+            leaf.add(self._proc.pid)
+            leaf.add(child)
+        except Exception as e:
+            self.abort(f"the sandbox could not be moved into its cgroup ({e!r}); it was killed")
+        finally:
+            os.close(info_r)
+
+    def _joined(self, deadline: float) -> None:
+        """Wait until the sandbox is in its cgroup (nothing may run outside it)."""
+        if self._joining is None:
+            return
+        try:
+            self._joining.result(max(0.0, deadline - time.monotonic()))
+        except concurrent.futures.TimeoutError:
+            self.abort("the sandbox was not in its cgroup before the deadline; it was killed")
+            raise InitDied(self.dead) from None
 
     def alive(self) -> bool:
+        if self._proc is None:
+            return False
         if self.dead is None and self._proc.poll() is not None:
             self.dead = self._why(f"bwrap exited with status {self._proc.returncode}")
         return self.dead is None
@@ -246,6 +298,7 @@ class Init:
     def spawn(self, argv: list[str], env: dict[str, str], out_w: int, err_w: int, script_fd: int | None,
               deadline: float) -> "Command":
         """Start argv with out_w/err_w as its stdout/stderr (and script_fd as fd 3); fds are not closed here."""
+        self._joined(deadline)
         if not self.alive():
             raise NotDelivered(self.dead)
         status_r, status_w = os.pipe()
@@ -270,18 +323,20 @@ class Init:
         """Kill the whole sandbox now (bwrap; its init dies with it, and the pid namespace with that)."""
         self.dead = self.dead or why
         try:
-            self._proc.kill()
+            if self._proc is not None:
+                self._proc.kill()
         except OSError:
             pass
 
     def close(self) -> None:
         self.closed, self.dead = True, self.dead or "the sandbox is closed"
         self._sock.close()  # EOF: the init exits, and every process of the sandbox dies with it
-        try:
-            self._proc.wait(timeout=_CLOSE_WAIT)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
+        if self._proc is not None:
+            if not _exited(self._proc, _CLOSE_WAIT):
+                self._proc.kill()
             self._proc.wait()
+        if self._joining is not None:
+            self._joining.result()  # it ends with bwrap (EOF on --info-fd, or a move that now fails)
         os.close(self._err)
 
 
@@ -365,6 +420,36 @@ def run(start_init, script: str, env: dict[str, str], deadline: float, output_by
                 os.close(fd)
     proc.stdout, proc.stderr = open(out_r, "rb", buffering=0), open(err_r, "rb", buffering=0)
     return drain(proc, deadline, output_bytes, proc.kill)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    try:
+        os.set_blocking(fd, True)
+        while data:
+            data = data[os.write(fd, data):]
+    except OSError:
+        pass  # bwrap failed: the first command says why
+    finally:
+        os.close(fd)
+
+
+def _exited(proc: subprocess.Popen, timeout: float) -> bool:
+    """Has proc exited within timeout? Woken by its pidfd the moment it does (Popen.wait(timeout)
+    sleeps in growing steps: a bwrap gone after 3 ms was seen after ~7 ms)."""
+    if proc.returncode is not None:
+        return True
+    try:
+        fd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):  # Linux < 5.3, or Python without it
+        try:
+            proc.wait(timeout=timeout)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+    try:
+        return _ready(fd, select.POLLIN, timeout)
+    finally:
+        os.close(fd)
 
 
 def _ready(fd: int, event: int, timeout: float | None) -> bool:

@@ -4,7 +4,7 @@ A bwrap per command cost ~3 ms of mounts and namespaces each time; this init is 
 `python3 -I -S -c <launcher._BOOT> FD` inside the Sandbox's bwrap (--as-pid-1), so a command costs one
 posix_spawn of bash. The sandbox may not see this package, so this file comes on stdin (compiled when
 the sandbox's Python can take our bytecode), and it imports only modules built into the interpreter
-(os, _socket, select, marshal, _signal, time).
+(posix, _socket, select, marshal, _signal, time): its start is Python's own start-up and nothing more.
 
 Protocol, on the SOCK_SEQPACKET socket FD (the supervisor's side is launcher.py):
   ("run", id, argv, env) + SCM_RIGHTS [status, stdout, stderr(, script)]: start a command, with a
@@ -29,12 +29,15 @@ A timeout kills the command's tree the same way.
 import _signal
 import _socket
 import marshal
-import os
+import posix as os  # not os: importing os (and _collections_abc) is ~1.5 ms of every start
 import select
 import time
 
-_SIGNALS_RESET = (_signal.SIGPIPE, _signal.SIGXFSZ, _signal.SIGCHLD, _signal.SIGINT, _signal.SIGTERM,
-                  _signal.SIGHUP)
+# a command starts with every signal at its default, as from a normal shell: not only those the init
+# changed (Python ignores SIGPIPE and SIGXFSZ) but any the supervisor ignored (a nohup'd trainer's
+# SIGHUP), which fork and exec pass down. Blocked: none (setsigmask=()). glibc's own two signals
+# (32, 33) are not ours to name; glibc programs handle them themselves.
+_SIGNALS_RESET = tuple(sorted(set(_signal.valid_signals()) - {_signal.SIGKILL, _signal.SIGSTOP}))
 _MAX_MESSAGE = 1 << 20   # argv + env of one command; larger scripts come as a file descriptor
 _REMOVE_BUDGET = 0.2     # seconds spent removing finished commands' TMPDIRs at a time
 

@@ -18,9 +18,9 @@ command costs a posix_spawn inside, not a sandbox start. /tmp and /dev/shm last 
 Sandbox; each command gets a fresh TMPDIR, cwd /workspace, and its whole process tree killed at its end.
 Where the host lets us create one (cgroup.py; as root it usually does), each Sandbox has its own
 cgroup: memory (Limits.memory_bytes) and processes (Limits.processes) are capped for the sandbox as a
-whole (the namespaced tier's bwrap starts inside it), and the fallback tier's commands are killed by
-cgroup.kill. Without one, a fallback command's tree is killed by scanning /proc for its init's
-descendants, and memory is bounded per process only (RLIMIT_AS).
+whole (the namespaced tier's bwrap and init are moved in before its first command), and the fallback
+tier's commands are killed by cgroup.kill. Without one, a fallback command's tree is killed by
+scanning /proc for its init's descendants, and memory is bounded per process only (RLIMIT_AS).
 What a Sandbox does not protect here is listed in `gaps` (ExecResult.gaps, probe's tiers[t]["gaps"]).
 Known limits: disk use in the workspace is bounded per file (RLIMIT_FSIZE), not in total; in the
 fallback tier Landlock (below ABI 9) does not cover connect() to pathname Unix sockets, and a
@@ -191,7 +191,7 @@ class Sandbox:
         self._mounts = {}  # path in the sandbox -> the host directory behind it
         mounts = self._check_mounts(mounts)
         self.cgroup, self.cgroup_reason = None, "not asked for (use_cgroup=False)"
-        self._processes_in_cgroup = False  # does every process of this tier start inside self.cgroup
+        self._processes_in_cgroup = False  # does every command of this tier start inside self.cgroup
 
         if workspace is None:
             workspace = tempfile.mkdtemp(prefix="nano-openshell-ws-")
@@ -215,7 +215,7 @@ class Sandbox:
                 self.cgroup, self.cgroup_reason = SandboxCgroup.create(self.limits.memory_bytes,
                                                                        self.limits.processes)
                 self._owned.cgroup = self.cgroup
-                self._processes_in_cgroup = self.cgroup is not None  # namespaced: bwrap starts inside
+                self._processes_in_cgroup = self.cgroup is not None  # namespaced: the init is moved in first
             if policy is not None:
                 self._start_proxy(policy)
             if self.tier == "namespaced":

@@ -3,6 +3,7 @@
 import asyncio
 import math
 import os
+import signal
 import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -71,6 +72,34 @@ def test_stdin_is_closed(sandbox):
     r = started(sandbox.exec(f"echo {MARK}; cat; read x; echo read=$?; python3 -c 'import sys; print(len(sys.stdin.read()))'",
                              timeout=5))
     assert not r.timed_out and r.stdout.endswith("read=1\n0\n")
+
+
+@pytest.fixture
+def supervisor_ignoring_signals():
+    """A supervisor that ignores signals, as Python does SIGPIPE and SIGXFSZ and a daemon SIGHUP or
+    SIGQUIT: ignored dispositions survive fork and exec, so each would reach the command unless reset."""
+    ignored = (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
+    before = {sig: signal.signal(sig, signal.SIG_IGN) for sig in ignored}
+    yield
+    for sig, handler in before.items():
+        signal.signal(sig, handler)
+
+
+def test_commands_start_with_default_signal_dispositions(make_sandbox, supervisor_ignoring_signals):
+    """As from a normal shell: no signal ignored (bash lists the ones it found ignored at entry in
+    trap -p) or blocked, so a pipeline's writer dies of SIGPIPE quietly and a file over RLIMIT_FSIZE
+    kills its writer with SIGXFSZ."""
+    sb = make_sandbox()
+    r = started(sb.exec(f"echo {MARK}; trap -p; echo blocked=$(grep -c '^SigBlk:\\s*0*$' /proc/self/status 2>/dev/null)",
+                        timeout=10))
+    lines = r.stdout.splitlines()[1:]
+    assert lines[:-1] == [], f"signals ignored at the command's start: {lines[:-1]}"
+    if sb.tier == "namespaced":  # the fallback tier hides /proc (Landlock)
+        assert lines[-1] == "blocked=1", "the command starts with signals blocked"
+    r = sb.exec("yes | head -1; echo ${PIPESTATUS[@]}", timeout=10)
+    assert (r.stdout, r.stderr) == ("y\n141 0\n", ""), r
+    r = sb.exec('(ulimit -f 1; yes > "$TMPDIR/big"); echo $?', timeout=10)
+    assert r.stdout == f"{128 + signal.SIGXFSZ}\n" and "too large" not in r.stderr, r
 
 
 @pytest.mark.parametrize("command,error", [
@@ -161,6 +190,7 @@ def _zombie_children() -> list[int]:
 
 def test_32_concurrent_commands_threads(sandbox):
     sandbox.exec("true", timeout=10)  # warm up lazily created fds
+    sandbox.exec("true", timeout=10)  # started: what its start holds for a while is given back
     fds = _open_fds()
     cmd = (f'echo {MARK}; echo $RANDOM$$ > "${{TMPDIR:-/tmp}}/id"; sleep 0.3; '
            'ls -A "${TMPDIR:-/tmp}"; cat "${TMPDIR:-/tmp}/id"; ls /proc/self/fd | wc -l')
@@ -179,6 +209,7 @@ def test_32_concurrent_commands_asyncio(sandbox):
     async def main():
         return await asyncio.gather(*(sandbox.aexec(f"echo {MARK}; echo {i}", timeout=30) for i in range(32)))
 
+    sandbox.exec("true", timeout=10)  # started: what its start holds for a while is given back
     fds = _open_fds()
     results = asyncio.run(main())
     assert [started(r).stdout.split()[1] for r in results] == [str(i) for i in range(32)]

@@ -194,3 +194,15 @@ def test_a_forked_supervisor_starts_sandboxes_of_its_own(ns):
         os.waitpid(pid, 0)
         pytest.fail("the forked child's Sandbox never started")
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_bwrap_that_cannot_start_fails_the_command_clearly(ns):
+    """bwrap is started on the spawner thread after Sandbox() returned: a bwrap that cannot start is
+    that init's death, said by the command (a SandboxError naming why), never a hang."""
+    assert ns.exec("true", timeout=10).exit_code == 0
+    ns._namespaces._argv = ["/nonexistent/nano-openshell-bwrap"]  # the next init cannot start
+    ns._namespaces._init.abort("test: the next command needs a new init")
+    t0 = time.monotonic()
+    with pytest.raises(SandboxError, match="init died.*bwrap could not be started.*FileNotFoundError"):
+        ns.exec("true", timeout=10)
+    assert time.monotonic() - t0 < 5
