@@ -55,7 +55,7 @@ def _frozen_shards(trainer: ShardedTrainer) -> ShardedTrainer:
     view.model = model
     mp = MixedPrecisionPolicy(param_dtype=trainer.dtype, cast_forward_inputs=False)
     view.root, view.fsdp_modules = shard_model(model, view, trainer.params[0].device_mesh, mp,
-                                               reshard_after_forward=not trainer.one_rank)
+                                               one_rank=trainer.one_rank)
     view.root.to_empty(device=trainer.device)
     _rebuild_buffers(model, trainer.device)
     frozen = dict(model.named_parameters())

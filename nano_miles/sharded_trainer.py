@@ -84,14 +84,24 @@ class ShardAdamW(torch.optim.AdamW):
                   weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
 
 
-def shard_model(model, owner, mesh, mp: MixedPrecisionPolicy, reshard_after_forward: bool):
-    """fully_shard each decoder layer, then the root (_Root: the log-prob pass of `owner`); returns the
-    root and every FSDP module (layers first)."""
-    layers = list(model.base_model.layers)
+def shard_model(model, owner, mesh, mp: MixedPrecisionPolicy, one_rank: bool):
+    """fully_shard the root (_Root: the log-prob pass of `owner`) and, with N ranks, each decoder layer
+    first; returns the root and every FSDP module (layers first).
+
+    N ranks: one group per decoder layer, so a rank holds one layer's gathered bf16 weights at a time
+    (gathered for its forward, freed after it, gathered again for its backward) and the layer's
+    gradients are reduce-scattered as soon as its backward is done: the peak is the sharded state plus
+    a layer, which is what sharding is for. One rank: everything stays gathered from forward to
+    backward anyway (nothing to share), so per-layer groups would save no memory and only cost a set
+    of FSDP hooks per layer (pre/post forward and backward, events, a gradient copy-out each), CPU
+    time that the GPU waits out. So the root alone is the one group: one gather of the whole model,
+    one set of hooks, one gradient hand-off. (The parameters are the same DTensors under the same
+    names either way: checkpoints move between N and M ranks unchanged.)"""
+    layers = [] if one_rank else list(model.base_model.layers)
     for layer in layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
     root = _Root(model, owner)
-    fully_shard(root, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(root, mesh=mesh, mp_policy=mp, reshard_after_forward=not one_rank)
     return root, (*layers, root)
 
 
@@ -150,10 +160,10 @@ class ShardedTrainer(Trainer):
         # (cast_forward_inputs off: the activations are already in the compute dtype, the embeddings'
         # output being; FSDP would walk every layer's arguments each forward to cast nothing.)
         mp = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
-        # One rank holds every parameter anyway: a layer gathered in forward stays gathered for its
+        # One rank holds every parameter anyway: the model gathered in forward stays gathered for its
         # backward (no second gather), as the single-process Trainer keeps its bf16 model.
         self.one_rank = env.world_size == 1
-        self.root, self.fsdp_modules = shard_model(model, self, mesh, mp, reshard_after_forward=not self.one_rank)
+        self.root, self.fsdp_modules = shard_model(model, self, mesh, mp, one_rank=self.one_rank)
         self._gradient_sync = True  # FSDP's default: every backward hands its gradients to the shards
         for module in self.fsdp_modules if not self.one_rank else ():
             # A plain SUM over ranks: the loss is over the whole batch already. (One rank: no division
