@@ -117,8 +117,8 @@ def scenarios(out: str, model: str, device_type: str = "cpu") -> None:
 
 
 def _resume_single_process(env, ckpt: str, out: str, model: str) -> None:
-    """Load a single-process checkpoint (checkpoint.py's files) into the ranks, then update once more;
-    rank 0 writes the whole state after each."""
+    """Load a checkpoint (checkpoint.py's files of a single process, or a DCP one) into the ranks, then
+    update once more; rank 0 writes the whole state after each."""
     torch.set_num_threads(1)
     trainer = ShardedTrainer(trainer_config(model, CHECKPOINTED), env)
     dist_checkpoint.load(trainer, Path(ckpt))

@@ -4,11 +4,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from nano_miles import dist_checkpoint
 from nano_miles.distributed import launch
 from nano_miles.sharded_trainer import ShardedTrainer, assign_groups
 from nano_miles.trainer import Trainer
 from tests.nano_miles import sharded_ranks
-from tests.nano_miles.sharded_ranks import SCENARIOS
+from tests.nano_miles.sharded_ranks import CHECKPOINTED, SCENARIOS
+from tests.nano_miles.test_dist_checkpoint import assert_same_state
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
@@ -63,6 +65,23 @@ def test_one_sharded_rank_makes_the_update_of_one_process(world_of_one, one_proc
     worst = max(float((got[n] - initial[n] - d).abs().max()) for n, d in state["delta"].items())
     assert worst <= 1e-6, f"{name}: the update differs from one process's by {worst:.2e}"
     assert metrics["world_size"] == 1 and metrics["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5)
+
+
+def test_one_sharded_rank_checkpoint_resumes_on_two_ranks(tmp_path, world_of_one, one_process_results,
+                                                          tiny_model_path):
+    """One rank shards the model as one FSDP group, N ranks as a group per decoder layer: the parameters
+    are the same DTensors under the same names, so a checkpoint of one rank resumes on two exactly (and
+    two ranks' on one: tests/nano_miles/test_dist_checkpoint.py)."""
+    trainer = ShardedTrainer(sharded_ranks.trainer_config(str(tiny_model_path), CHECKPOINTED), world_of_one)
+    assert len(trainer.fsdp_modules) == 1  # the root alone
+    sharded_ranks.update(trainer, CHECKPOINTED)
+    dist_checkpoint.save(trainer, tmp_path / "ckpt", background=False)
+    launch(2, sharded_ranks.resume_single_process, (str(tmp_path / "ckpt"), str(tmp_path), str(tiny_model_path)))
+    got = torch.load(tmp_path / "resumed.pt")
+    assert_same_state(got["loaded"], one_process_results[CHECKPOINTED][1], "2 ranks from one sharded rank's checkpoint")
+    continued = one_process_results["continued"][1]["masters"]
+    worst = max(float((m - continued[n]).abs().max()) for n, m in got["continued"]["masters"].items())
+    assert worst <= 1e-6
 
 
 @pytest.mark.gpu
