@@ -3,17 +3,20 @@
 Every rank calls the same methods with the same whole batch (rank 0 broadcasts it); each takes its
 share, and the ranks produce the update one process would:
 
-- Sharding: one FSDP group per decoder layer plus the root (embeddings, final norm, lm_head). The
-  sharded parameters are the FP32 masters and AdamW's moments are sharded with them; a forward
-  all-gathers a layer's parameters cast to the compute dtype (bf16 on GPU) and frees them after
-  it, and gradients are reduce-scattered in FP32 after every micro-batch, so they accumulate in
-  FP32 as in the single-process trainer. FSDP's root wraps the whole log-prob computation
+- Sharding (N ranks): one FSDP group per decoder layer plus the root (embeddings, final norm,
+  lm_head). The sharded parameters are the FP32 masters and AdamW's moments are sharded with them; a
+  forward all-gathers a layer's parameters cast to the compute dtype (bf16 on GPU) and frees them
+  after it, and gradients are reduce-scattered in FP32 after every micro-batch, so they accumulate
+  in FP32 as in the single-process trainer. FSDP's root wraps the whole log-prob computation
   (`_Root`), because the chunked FP32 lm_head of `Trainer._logprobs` uses the root's weights.
   AdamW steps on the local shards (ShardAdamW: one fused kernel).
-- One rank (N=1) holds every parameter anyway, so it skips what only sharing needs: layers stay
-  gathered from forward to backward (and across micro-batches), gradients accumulate in FP32 on
-  them and reach the shards once per step, no collective of one rank is run. This keeps the N=1
-  step close to the single-process Trainer's (bench/train_step.py --nproc 1 --baseline).
+- One rank (N=1) holds every parameter anyway, so it skips what only sharing needs: the root is the
+  one FSDP group (per-layer groups would save no memory, only add hooks), the model is gathered once
+  and stays gathered, taking the shards' values in one foreach copy before each pass (as Trainer
+  copies its masters into its bf16 model); gradients accumulate in FP32 on it and reach the shards
+  once per step; no collective of one rank is run. This keeps the N=1 step close to the
+  single-process Trainer's (bench/train_step.py --nproc 1 --baseline). The parameters are the same
+  DTensors under the same names as with N ranks: checkpoints move between N and M ranks.
 - Data: whole groups of a step go to ranks (largest first to the rank with the fewest tokens),
   advantages having been computed over the whole batch before. The loss is normalised by the whole
   batch's count (`loss_normalizer` of every row) and gradients are SUMMED over ranks (FSDP would
@@ -51,6 +54,7 @@ class _Root(torch.nn.Module):
         super().__init__()
         self.model = model
         self.trainer = trainer  # not a Module: a plain attribute
+        self.gathered = None  # one rank: (the gathered parameters, the shards they copy)
 
     def forward(self, tokens, score_mask, need_grad: bool, with_entropy: bool):
         return Trainer._logprobs(self.trainer, tokens, score_mask, need_grad, with_entropy)
@@ -160,11 +164,13 @@ class ShardedTrainer(Trainer):
         # (cast_forward_inputs off: the activations are already in the compute dtype, the embeddings'
         # output being; FSDP would walk every layer's arguments each forward to cast nothing.)
         mp = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
-        # One rank holds every parameter anyway: the model gathered in forward stays gathered for its
-        # backward (no second gather), as the single-process Trainer keeps its bf16 model.
+        # One rank holds every parameter anyway: the model, once gathered, stays gathered (no gather
+        # per pass, see _refresh_gathered), as the single-process Trainer keeps its bf16 model.
         self.one_rank = env.world_size == 1
         self.root, self.fsdp_modules = shard_model(model, self, mesh, mp, one_rank=self.one_rank)
         self._gradient_sync = True  # FSDP's default: every backward hands its gradients to the shards
+        if self.one_rank:  # the model stays gathered across steps (see _refresh_gathered)
+            self.root.set_reshard_after_backward(False, recurse=False)
         for module in self.fsdp_modules if not self.one_rank else ():
             # A plain SUM over ranks: the loss is over the whole batch already. (One rank: no division
             # to undo, and no extra pass over the gradients dividing by 1.)
@@ -218,6 +224,24 @@ class ShardedTrainer(Trainer):
     def _logprobs(self, tokens, score_mask, need_grad: bool, with_entropy: bool):
         return self.root(tokens, score_mask, need_grad, with_entropy)
 
+    @torch.no_grad()
+    def _refresh_gathered(self) -> None:
+        """One rank, before each pass: the model stays gathered in the compute dtype from step to step
+        (there is nothing to share) and takes the shards' current values in one foreach copy, as Trainer
+        copies its masters into its bf16 model, instead of FSDP's unshard (a cast and a copy per
+        parameter, ~600 launches for 24 layers) and reshard (a free per parameter) every step. Every
+        pass copies: whatever wrote the shards since (the optimizer, a checkpoint load) is seen.
+        (Not by version counters: the fused AdamW kernel writes the shards without bumping them.)"""
+        root = self.root
+        if root.gathered is None:
+            shards = dict(self.model.named_parameters())  # the sharded DTensors, before the gather
+            root.unshard()  # FSDP's own gather; the modules now hold plain gathered parameters
+            gathered = dict(self.model.named_parameters())
+            root.gathered = (list(gathered.values()), [shards[name].to_local() for name in gathered])
+            return
+        params, local = root.gathered
+        torch._foreach_copy_(params, local)  # FP32 -> compute dtype, rounded to nearest as FSDP's cast
+
     # ------------------------------------------------------------------ log-probs and the step
 
     @torch.no_grad()
@@ -228,6 +252,8 @@ class ShardedTrainer(Trainer):
         mask = batch.loss_mask if mask is None else mask
         out = torch.zeros(mask.shape, dtype=torch.float32, device=self.device)
         mine, n_micro, lengths = self._plan(batch)
+        if self.one_rank:
+            self._refresh_gathered()
         for i in range(n_micro):
             if i >= len(mine):
                 self._filler_pass(batch, need_grad=False)
@@ -236,7 +262,8 @@ class ShardedTrainer(Trainer):
             n = int(lengths[idx].max())
             lp, _ = self._logprobs(batch.tokens[idx, :n], mask[idx, :n - 1], need_grad=False, with_entropy=False)
             out[idx, :n - 1] = lp
-        self._reshard()  # a no-grad forward leaves modules gathered; the next step must gather afresh
+        if not self.one_rank:
+            self._reshard()  # a no-grad forward leaves modules gathered; the next step must gather afresh
         dist.all_reduce(out)
         return out.cpu()
 
@@ -258,11 +285,13 @@ class ShardedTrainer(Trainer):
 
         sums, tokens, pg_loss, ratio_max, diff_sum, diff_max = {}, 0, 0.0, 1.0, 0.0, 0.0
         mine, n_micro, lengths = self._plan(batch)
+        if self.one_rank:
+            self._refresh_gathered()
         for done in range(1, n_micro + 1):
             if self.one_rank:
                 # Nothing to reduce across ranks: the gradient accumulates in FP32 on the gathered layers
                 # (FSDP upcasts it, as Trainer's master gradients) and is handed to the shards once, after
-                # the last micro-batch; the layers stay gathered until then. (With N ranks each
+                # the last micro-batch (the model stays gathered). (With N ranks each
                 # micro-batch is reduce-scattered: whole FP32 gradients on every rank would undo sharding.)
                 self._sync_gradients(done == n_micro)
             if done > len(mine):
@@ -320,7 +349,6 @@ class ShardedTrainer(Trainer):
         if on != self._gradient_sync:  # (FSDP's setters walk every submodule: only on a change)
             for module in self.fsdp_modules:
                 module.set_requires_gradient_sync(on, recurse=False)
-                module.set_reshard_after_backward(on, recurse=False)
             self._gradient_sync = on
 
     def _reshard(self) -> None:

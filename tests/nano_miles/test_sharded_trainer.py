@@ -52,11 +52,13 @@ def test_two_ranks_make_the_update_of_one_process(two_rank_run, one_process_resu
         assert m["kl_ref"] > 1e-6 and m["kl_ref"] == pytest.approx(metrics["kl_ref"], abs=1e-8)
 
 
-@pytest.mark.parametrize("name", ["uneven_mb2", "minibatches", "bf16"])
+@pytest.mark.parametrize("name", ["uneven_mb2", "minibatches", "bf16", "kl"])
 def test_one_sharded_rank_makes_the_update_of_one_process(world_of_one, one_process_results, tiny_model_path, name):
-    """With one rank the sharded trainer skips what only sharing needs (layers stay gathered through
-    backward, FP32 gradients accumulate over the micro-batches and reach the shards once): the update
-    is still the one process's, micro-batch for micro-batch."""
+    """With one rank the sharded trainer skips what only sharing needs (one FSDP group; the model stays
+    gathered from step to step and takes the new weights in one copy; FP32 gradients accumulate over the
+    micro-batches and reach the shards once): the update is still the one process's, micro-batch for
+    micro-batch, also with two optimizer steps in an update (minibatches) and with a frozen reference,
+    whose gathered copy must not follow the policy's (kl)."""
     trainer = ShardedTrainer(sharded_ranks.trainer_config(str(tiny_model_path), name), world_of_one)
     initial = sharded_ranks.full_state(trainer)["masters"]
     metrics = sharded_ranks.update(trainer, name)
@@ -81,6 +83,13 @@ def test_one_sharded_rank_checkpoint_resumes_on_two_ranks(tmp_path, world_of_one
     assert_same_state(got["loaded"], one_process_results[CHECKPOINTED][1], "2 ranks from one sharded rank's checkpoint")
     continued = one_process_results["continued"][1]["masters"]
     worst = max(float((m - continued[n]).abs().max()) for n, m in got["continued"]["masters"].items())
+    assert worst <= 1e-6
+
+    # The one rank keeps its model gathered between steps: loading the checkpoint back must reach it too.
+    sharded_ranks.update(trainer, CHECKPOINTED)
+    dist_checkpoint.load(trainer, tmp_path / "ckpt")
+    sharded_ranks.update(trainer, CHECKPOINTED)
+    worst = max(float((m.full_tensor() - continued[n]).abs().max()) for n, m in zip(trainer.names, trainer.masters))
     assert worst <= 1e-6
 
 
