@@ -28,8 +28,8 @@ Projecting a model that does not fit on N=1: the per-rank peak is (state / N) + 
 shrink with N. Measure N=1 with --layers 4 and --layers 8: both parts are linear in the layer count,
 so peak(28 layers, N=1) = p4 + 6 * (p8 - p4) and the 2-rank peak is that minus half the state
 (the table's state column at 28 layers / 2); the step time projects the same way. (At N=1 the
-layers also stay gathered from forward to backward, 2 bytes a bf16 parameter that N ranks free
-after each layer's forward: the projection above is that much pessimistic for N=2.)
+whole model also stays gathered (one FSDP group), 2 bytes a bf16 parameter that N ranks free after
+each layer's forward: the projection above is that much pessimistic for N=2.)
 """
 from __future__ import annotations
 
