@@ -358,6 +358,7 @@ class ShardedTrainer(Trainer):
     def _accumulate_master_grads(self):
         pass  # FSDP reduce-scatters FP32 gradients straight into the sharded masters
 
+    @torch.no_grad()  # (DTensor.to_local() of 300 gradients outside it: an autograd Function each)
     def _clip_and_step(self) -> float:
         """Clip on the norm of the whole gradient (every rank's shards), then one AdamW step."""
         grads = [m.grad.to_local() for m in self.masters if m.grad is not None]
