@@ -6,12 +6,15 @@ import re
 import subprocess
 import sys
 import tomllib
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
 from nano_miles import cli
+from nano_miles.dynamic_sampling import TrainRolloutConfig
 from nano_miles.evaluate import EvalConfig
+from nano_miles.rollout import RolloutConfig
 from nano_miles.rollout_cli import RolloutCommandConfig
 from nano_miles.train import TrainConfig
 
@@ -46,8 +49,11 @@ def test_flags_set_the_same_keys_as_set(capsys, tmp_path):
 def test_one_default_per_key_across_commands(capsys):
     rollout, evaluate, train = (_printed_config(capsys, [c]) for c in ("rollout", "eval", "train"))
     assert (rollout["tasks"], evaluate["tasks"], train["tasks"]) == ("seed", "heldout", "train")
-    for section in ("rollout", "engine"):
-        assert rollout[section] == evaluate[section] == train[section]
+    assert rollout["engine"] == evaluate["engine"] == train["engine"]
+    # train's rollout.* is every command's rollout.* plus its own dynamic-sampling keys, nothing renamed
+    train_only = {f.name for f in fields(TrainRolloutConfig)} - {f.name for f in fields(RolloutConfig)}
+    assert train_only == {"dynamic_sampling", "max_sampling_rounds", "oversample"}
+    assert rollout["rollout"] == evaluate["rollout"] == {k: v for k, v in train["rollout"].items() if k not in train_only}
     assert train["rollout"]["group_size"] == 4 and train["rollout"]["env"]["max_turns"] == 6
     # eval's --samples is the group size; set it and the TOML says so.
     assert _printed_config(capsys, ["eval", "--samples", "8"])["rollout"]["group_size"] == 8
