@@ -69,32 +69,30 @@ class _TensorRef(int):
     """Where a tensor was in a command's arguments (its index in the broadcast buffer)."""
 
 
-def _strip(obj, tensors: list):
-    """obj with every tensor (in lists, tuples, dicts, dataclasses) replaced by a _TensorRef."""
-    if isinstance(obj, torch.Tensor):
-        tensors.append(obj)
-        return _TensorRef(len(tensors) - 1)
+def _map_leaves(obj, leaf):
+    """obj rebuilt with leaf(x) for every x that is not a list, tuple, dict or dataclass instance."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: _strip(getattr(obj, f.name), tensors)
+        return dataclasses.replace(obj, **{f.name: _map_leaves(getattr(obj, f.name), leaf)
                                            for f in dataclasses.fields(obj) if f.init})
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_strip(x, tensors) for x in obj)
+        return type(obj)(_map_leaves(x, leaf) for x in obj)
     if isinstance(obj, dict):
-        return {k: _strip(v, tensors) for k, v in obj.items()}
-    return obj
+        return {k: _map_leaves(v, leaf) for k, v in obj.items()}
+    return leaf(obj)
+
+
+def _strip(obj, tensors: list):
+    """obj with every tensor (in lists, tuples, dicts, dataclasses) replaced by a _TensorRef."""
+    def ref(x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        tensors.append(x)
+        return _TensorRef(len(tensors) - 1)
+    return _map_leaves(obj, ref)
 
 
 def _fill(obj, tensors: list):
-    if isinstance(obj, _TensorRef):
-        return tensors[obj]
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: _fill(getattr(obj, f.name), tensors)
-                                           for f in dataclasses.fields(obj) if f.init})
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_fill(x, tensors) for x in obj)
-    if isinstance(obj, dict):
-        return {k: _fill(v, tensors) for k, v in obj.items()}
-    return obj
+    return _map_leaves(obj, lambda x: tensors[x] if isinstance(x, _TensorRef) else x)
 
 
 class CommandChannel:
