@@ -13,6 +13,10 @@
 #   sync|async  phase 1: 40 steps x 64 trajectories, trainer cuda:0 + engine cuda:1, the same seed and lr;
 #               then held-out pass@1 of its final policy (`sync` also evaluates the base model first)
 #   alfa        InterCode-ALFA pass@1 of the base model (and of the async run's final policy if present)
+#   learn       issue 14's long run (STEPS, MODE, LR, EXTRA), in device calls of LIMIT seconds: the
+#               first call starts it, each later one resumes it from the checkpoint the previous one
+#               left at its time limit (SIGINT checkpoints); once final/ exists, its held-out and ALFA
+#               pass@1 (ALFA_SAMPLES a task)
 #
 # Everything a phase prints or measures goes to $OUT (logs, metrics.jsonl copies, eval JSONL).
 # Knobs: STEPS (40), LR (3e-6), MODEL (the packaged Qwen; tiny-random-qwen2 rehearses on CPU),
@@ -95,6 +99,26 @@ async)
 alfa)
     evaluate "$MODEL" base_alfa alfa
     [ -d "$MG/async/final" ] && evaluate "$MG/async/final" async_alfa alfa ;;
+learn)
+    run="$MG/learn"
+    if [ -f "$run/metrics.jsonl" ] && [ ! -d "$run/final" ]; then
+        args=(--resume "$run" --set steps="$STEPS")
+    elif [ ! -d "$run/final" ]; then
+        args=(--set model="$MODEL" --set mode="${MODE:-async}" --set tasks=train --set steps="$STEPS"
+              --set tasks_per_step=8 --set rollout.group_size=8 --set optim.lr="$LR" --set checkpoint_every=25
+              --set run_dir="$run" --set trainer_device="$TRAINER_DEVICE" --set engine.device="$ENGINE_DEVICE"
+              "${extra[@]}")
+    fi
+    if [ ! -d "$run/final" ]; then
+        echo "=== learn: train ${args[*]}"
+        timeout -s INT -k 90 "${LIMIT:-500}" "$py" -m nano_miles.cli train "${args[@]}" 2>&1 \
+            | grep -v "it/s\]$" | tee -a "$OUT/learn_train.log"
+    fi
+    cp "$run/metrics.jsonl" "$OUT/learn_metrics.jsonl" 2>/dev/null
+    if [ -d "$run/final" ]; then
+        evaluate "$run/final" learn_final heldout
+        SAMPLES="${ALFA_SAMPLES:-2}" evaluate "$run/final" learn_alfa alfa
+    fi ;;
 *) echo "unknown phase $phase"; exit 2 ;;
 esac
 cp bench/results.jsonl "$OUT/results.jsonl" 2>/dev/null
