@@ -24,6 +24,7 @@ import os
 import sys
 
 from nano_miles import task_catalog  # noqa: F401  (registers the built-in tasks)
+from nano_miles import task_catalog_train  # noqa: F401  (registers 20 more training tasks)
 from nano_miles import task_files
 from nano_miles.task_check import check_tasks
 # the public task API, re-exported: a user's module imports it from here
