@@ -40,6 +40,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.optim.adamw import adamw
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from nano_miles import heap
 from nano_miles.algorithms import loss_normalizer, policy_loss
 from nano_miles.distributed import DistEnv
 from nano_miles.dtypes import DTYPES
@@ -140,6 +141,8 @@ class ShardedTrainer(Trainer):
         self.cfg, self.env = cfg, env
         self.device, self.dtype = env.device, DTYPES[cfg.dtype]
         self.exact_model = None  # Trainer._logprobs' true on-policy branch stays off
+        if not on_gpu:
+            heap.return_large_frees()  # as Trainer's (heap.py)
         if config is None:
             if not cfg.model:
                 raise ValueError("TrainerConfig.model must name an HF model folder")
@@ -324,6 +327,8 @@ class ShardedTrainer(Trainer):
                 on_micro_batch(done, n_micro)
 
         grad_norm = self._clip_and_step()
+        if self.device.type == "cpu":
+            heap.release_free_heap()
         peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
         mine = (sums, tokens, pg_loss, ratio_max, diff_sum, diff_max, peak)
         parts = [mine]

@@ -21,7 +21,6 @@ fault instead of silently changing the trainer's weights.
 """
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
 import warnings
@@ -29,21 +28,13 @@ import warnings
 import torch
 
 from nano_miles.dtypes import DTYPES, dtype_name
+from nano_miles.heap import release_free_heap  # the copies freed once weights move here
 
 ALIGN_BYTES = 64  # every tensor starts on a cache line (and any dtype's alignment)
 
 
 class SharedWeightsError(ValueError):
     """A manifest or file that cannot be mapped as the engine's weights."""
-
-
-def release_free_heap() -> None:
-    """Hand the C heap's free pages back to the kernel (glibc's malloc_trim). Tensors under 32 MB
-    come from the heap, and the copies freed once weights move into shared memory would otherwise
-    stay in the process's resident memory."""
-    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc only
-    if trim is not None:
-        trim(0)
 
 
 def _aligned(offset: int) -> int:

@@ -3,8 +3,8 @@
 - Log-probs: the decoder runs on a micro-batch of right-padded sequences (causal attention means a
   real token never sees the padding after it, so no attention mask is needed); then only the hidden
   states of the positions that are scored go through lm_head, a chunk of tokens at a time, with
-  log_softmax in float32. Each chunk is checkpointed, so neither the forward nor the backward ever
-  holds [batch, length, vocab] logits: at most [chunk, vocab].
+  log_softmax in float32 (logprob_head.py: the backward recomputes each chunk's logits), so neither
+  the forward nor the backward ever holds [batch, length, vocab] logits: at most [chunk, vocab].
 - Master weights: with dtype bfloat16 an lr 1e-6 AdamW step is far below a bf16 weight's spacing
   (2^-8 relative), so a bf16 parameter would never move. The optimizer therefore owns FP32 copies
   of every parameter (and FP32 moments); gradients are accumulated into them in FP32 after every
@@ -17,6 +17,8 @@
   come from the ordinary fast backward of each op.
 - Memory: AdamW's step is the fused kernel (no temporary full-size copies of the moments, which the
   foreach step makes: +2 GB for a 0.5B model in FP32); gradients are freed (set_to_none) after it.
+  lm_head's gradient is one buffer per micro-batch (logprob_head.py). A CPU trainer returns freed
+  tensors' memory to the kernel (heap.py).
   On CPU, share_weights() moves the tensors an engine serves into shared memory that a CPU engine
   on this machine maps instead of holding its own copy (nano_miles/shared_weights.py).
 - One optimizer step per train_step. Unless old log-probs are passed in, the policy that sampled
@@ -30,14 +32,14 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from nano_miles import batch_invariant
+from nano_miles import batch_invariant, heap
 from nano_miles.algorithms import LossConfig, loss_normalizer, policy_loss
 from nano_miles.config import filled_in
 from nano_miles.dtypes import DTYPES, TRAINABLE
 from nano_miles.engine.model import CausalLM
+from nano_miles.logprob_head import head_logprobs
 from nano_miles.shared_weights import SharedWeights
 
 
@@ -90,18 +92,6 @@ class TrainerConfig:
             raise ValueError(f"trainer.dist_timeout_s must be > 0, got {self.dist_timeout_s}")
 
 
-def _chunk_logprobs(hidden, targets, weight, with_entropy: bool):
-    """log p(target) in float32 for hidden [N, H]; the [N, V] logits live only inside this call."""
-    # FP32 lm_head, like the engine: bf16 logits would be rounded to 8 mantissa bits, and a hidden
-    # state that differs from the engine's in its last bit would then round to a different logit.
-    logits = F.linear(hidden.float(), weight.float())
-    logp_all = torch.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
-    if not with_entropy:
-        return logp, torch.zeros_like(logp)
-    return logp, -(logp_all.exp() * logp_all).sum(-1)
-
-
 def _exact_chunk_logprobs(hidden, targets, weight, with_entropy: bool):
     """_chunk_logprobs with the engine's batch-invariant head (true on-policy mode)."""
     logp_all = batch_invariant.log_softmax(batch_invariant.linear(hidden, weight, out_dtype=torch.float32))
@@ -121,6 +111,8 @@ class Trainer:
             gradient_checkpointing=not on_gpu if cfg.gradient_checkpointing is None else cfg.gradient_checkpointing)
         self.cfg = cfg
         self.dtype = DTYPES[cfg.dtype]
+        if not on_gpu:
+            heap.return_large_frees()  # freed gradients and activations leave the process (heap.py)
         if model is None:
             if not cfg.model:
                 raise ValueError("TrainerConfig.model must name an HF model folder")
@@ -183,29 +175,27 @@ class Trainer:
         """Log-probs [b, l-1] (float32, 0 where score_mask is False) and entropy (or None)."""
         tokens = tokens.to(self.device, non_blocking=True)
         score_mask = score_mask.to(self.device, non_blocking=True)
+        chunk = self.cfg.logprob_chunk
         if self.exact_model is not None:
             checkpoint_layers = self.cfg.gradient_checkpointing and need_grad
             hidden = self.exact_model.forward_sequences(tokens, checkpoint_layers)[:, :-1]
-            weight, chunk_logprobs = self.exact_model.lm_head_weight(), _exact_chunk_logprobs
+            weight = self.exact_model.lm_head_weight()
         else:
             hidden = self.model.base_model(input_ids=tokens).last_hidden_state[:, :-1]  # position t predicts t+1
-            weight, chunk_logprobs = self.model.get_output_embeddings().weight, _chunk_logprobs
+            weight = self.model.get_output_embeddings().weight
         rows, cols = score_mask.nonzero(as_tuple=True)
         h, targets = hidden[rows, cols], tokens[:, 1:][rows, cols]
-        logps, ents = [], []
-        for s in range(0, h.shape[0], self.cfg.logprob_chunk):
-            args = (h[s:s + self.cfg.logprob_chunk], targets[s:s + self.cfg.logprob_chunk], weight, with_entropy)
-            if need_grad:  # recompute the chunk's logits in backward instead of keeping them
-                lp, ent = checkpoint(chunk_logprobs, *args, use_reentrant=False)
-            else:
-                lp, ent = chunk_logprobs(*args)
-            logps.append(lp)
-            ents.append(ent)
-        out = torch.zeros(score_mask.shape, dtype=torch.float32, device=self.device)
-        out = out.index_put((rows, cols), torch.cat(logps) if logps else out.new_zeros(0))
-        entropy = None
-        if with_entropy:
-            entropy = torch.zeros_like(out).index_put((rows, cols), torch.cat(ents) if ents else out.new_zeros(0))
+        if self.exact_model is None:
+            logp, ent = head_logprobs(h, targets, weight, chunk, with_entropy, need_grad)
+        else:  # the batch-invariant head, its logits recomputed in backward by checkpointing
+            parts = [checkpoint(_exact_chunk_logprobs, h[s:s + chunk], targets[s:s + chunk], weight, with_entropy,
+                                use_reentrant=False) if need_grad else
+                     _exact_chunk_logprobs(h[s:s + chunk], targets[s:s + chunk], weight, with_entropy)
+                     for s in range(0, h.shape[0], chunk)]
+            logp = torch.cat([p[0] for p in parts]) if parts else h.new_zeros(0, dtype=torch.float32)
+            ent = torch.cat([p[1] for p in parts]) if parts else h.new_zeros(0, dtype=torch.float32)
+        out = torch.zeros(score_mask.shape, dtype=torch.float32, device=self.device).index_put((rows, cols), logp)
+        entropy = torch.zeros_like(out).index_put((rows, cols), ent) if with_entropy else None
         return out, entropy
 
     def _check_batch(self, batch):
@@ -288,6 +278,8 @@ class Trainer:
                 on_micro_batch(done, len(groups))
 
         grad_norm = self._clip_and_step()
+        if self.device.type == "cpu":
+            heap.release_free_heap()
         metrics = {k: v / max(tokens, 1) for k, v in sums.items()}
         metrics.update(
             step=self.step, pg_loss=pg_loss, ratio_max=ratio_max, grad_norm=grad_norm,

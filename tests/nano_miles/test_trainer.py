@@ -211,24 +211,29 @@ def test_bad_input_is_rejected_and_changes_nothing(model_path):
 def test_logits_exist_only_one_chunk_at_a_time(model_path, monkeypatch):
     """The lm_head -> float32 log_softmax step sees at most logprob_chunk tokens per call, in the
     forward and in the backward's recomputation, and only the scored positions at all."""
-    import nano_miles.trainer as trainer_module
+    import nano_miles.logprob_head as head
 
-    seen = []
-    original = trainer_module._chunk_logprobs
+    forward, backward = [], []
+    original_forward, original_backward = head.chunk_logprobs, head.chunk_logit_grads
 
-    def recording(hidden, targets, weight, with_entropy):
-        seen.append(hidden.shape[0])
-        return original(hidden, targets, weight, with_entropy)
+    def recording_forward(hidden, *args):
+        forward.append(hidden.shape[0])
+        return original_forward(hidden, *args)
 
-    monkeypatch.setattr(trainer_module, "_chunk_logprobs", recording)
+    def recording_backward(hidden, *args):
+        backward.append(hidden.shape[0])
+        return original_backward(hidden, *args)
+
+    monkeypatch.setattr(head, "chunk_logprobs", recording_forward)
+    monkeypatch.setattr(head, "chunk_logit_grads", recording_backward)
     batch = make_batch()
     trainer = make_trainer(model_path, micro_batch_size=4, logprob_chunk=5)
     trainer.train_step(batch, torch.tensor([1.0, -1.0, 0.5, -0.5]))
     scored = int(batch.loss_mask.sum())
-    assert max(seen) <= 5
+    assert max(forward + backward) <= 5
     # Every scored token goes through twice: the forward keeps no [chunk, vocab] logits for the
     # backward, which recomputes them chunk by chunk.
-    assert sum(seen) == 2 * scored
+    assert sum(forward) == sum(backward) == scored
 
 
 def test_a_non_finite_gradient_skips_the_update_with_a_clear_error(model_path):

@@ -1,0 +1,39 @@
+"""The C heap of a CPU process that trains: what glibc's malloc keeps after torch frees a tensor.
+
+torch's CPU tensors come from malloc. glibc serves a request of at least M_MMAP_THRESHOLD bytes with
+its own mmap (returned to the kernel on free) and smaller ones from the heap, and by default it raises
+that threshold to the size of every mmapped block freed, up to 32 MB. After the first backward, a
+trainer's per-layer gradients and activations (1-32 MB each for a 0.5B model) all come from the heap,
+where freed blocks between live ones stay resident: a CPU trainer's private memory grew ~0.5-1 GB a
+step for several steps, to ~3 GB above what its tensors need (bench/main_job_memory.py).
+
+`return_large_frees()` fixes the threshold (which also turns the raising off), so every block of
+1 MiB or more is its own mapping and goes back to the kernel when freed; `release_free_heap()` hands
+back the free pages left inside the heap. glibc only: elsewhere both do nothing.
+"""
+from __future__ import annotations
+
+import ctypes
+
+M_TRIM_THRESHOLD = -1  # mallopt parameters, from glibc's malloc.h
+M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD_BYTES = 1 << 20
+
+
+def _libc():
+    libc = ctypes.CDLL(None)
+    return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+
+
+def return_large_frees(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
+    """Serve blocks of `threshold` bytes or more with their own mapping, for the rest of this process.
+    Returns whether it took effect (False off glibc)."""
+    libc = _libc()
+    return bool(libc is not None and libc.mallopt(M_MMAP_THRESHOLD, ctypes.c_int(threshold)))
+
+
+def release_free_heap() -> None:
+    """Hand the heap's free pages back to the kernel (glibc's malloc_trim)."""
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(ctypes.c_size_t(0))

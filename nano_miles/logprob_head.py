@@ -1,0 +1,89 @@
+"""The trainer's head: hidden states -> float32 log p(target) (and entropy), chunk by chunk.
+
+The [tokens, vocab] logits exist only one chunk at a time, in the forward and in the backward, which
+recomputes them. The backward is written out (the log_softmax and entropy gradients autograd would
+compute, in the same order of operations) for one reason: the lm_head weight's gradient. Under
+autograd, every chunk of every micro-batch makes its own full [vocab, hidden] gradient (0.54 GB for
+Qwen2.5-0.5B) that is then added to the running one, so while `.grad` already holds the earlier
+micro-batches' sum, three copies are alive at once; here each chunk's product is added in place
+into a single buffer (addmm_), as fused linear-cross-entropy kernels (Liger's) do.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def chunk_logprobs(hidden, targets, weight, with_entropy: bool):
+    """log p(target) in float32 for hidden [N, H], and the entropy (zeros without with_entropy)."""
+    # FP32 lm_head, like the engine: bf16 logits would be rounded to 8 mantissa bits, and a hidden
+    # state that differs from the engine's in its last bit would then round to a different logit.
+    logits = F.linear(hidden.float(), weight.float())
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
+    if not with_entropy:
+        return logp, torch.zeros_like(logp)
+    return logp, -(logp_all.exp() * logp_all).sum(-1)
+
+
+def chunk_logit_grads(hidden, targets, weight, grad_logp, grad_entropy):
+    """d(loss)/d(logits) [N, V] of one chunk, recomputed, given the loss's gradients with respect to
+    its log-probs and entropies (grad_entropy None: the entropy was not differentiated)."""
+    logp_all = torch.log_softmax(F.linear(hidden.float(), weight.float()), dim=-1)
+    probs = logp_all.exp()
+    # d/d(logp_all): the gather puts grad_logp at each target; entropy = -sum(p * logp) gives
+    # -grad_entropy * p * (logp + 1). Then log_softmax's backward: g - p * sum(g).
+    grad = torch.zeros_like(logp_all)
+    if grad_entropy is not None:
+        grad = (logp_all + 1.0).mul_(probs).mul_(-grad_entropy[:, None])
+    grad.scatter_add_(-1, targets[:, None], grad_logp[:, None])
+    return grad.sub_(probs.mul_(grad.sum(-1, keepdim=True)))
+
+
+class ChunkedLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, targets, weight, chunk: int, with_entropy: bool):
+        logps, ents = [], []
+        for s in range(0, hidden.shape[0], chunk):
+            lp, ent = chunk_logprobs(hidden[s:s + chunk], targets[s:s + chunk], weight, with_entropy)
+            logps.append(lp)
+            ents.append(ent)
+        ctx.save_for_backward(hidden, targets, weight)
+        ctx.chunk, ctx.with_entropy = chunk, with_entropy
+        ctx.set_materialize_grads(False)  # an output the loss does not use comes back as None
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return (torch.cat(logps) if logps else empty), (torch.cat(ents) if ents else empty)
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, targets, weight = ctx.saved_tensors
+        need_hidden, _, need_weight = ctx.needs_input_grad[:3]
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+        w32 = weight.float()
+        if grad_logp is None:
+            grad_logp = torch.zeros(hidden.shape[0], device=hidden.device)
+        if not ctx.with_entropy:
+            grad_entropy = None  # the zeros returned in its place depend on nothing
+        for s in range(0, hidden.shape[0], ctx.chunk):
+            h = hidden[s:s + ctx.chunk]
+            g = chunk_logit_grads(h, targets[s:s + ctx.chunk], w32, grad_logp[s:s + ctx.chunk].float(),
+                                  None if grad_entropy is None else grad_entropy[s:s + ctx.chunk].float())
+            if need_hidden:
+                grad_hidden[s:s + ctx.chunk] = (g @ w32).to(hidden.dtype)
+            if need_weight:
+                grad_weight.addmm_(g.t(), h.float())  # in place: one [V, H] buffer for every chunk
+        if grad_weight is not None and weight.dtype != torch.float32:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, None, grad_weight, None, None
+
+
+def head_logprobs(hidden, targets, weight, chunk: int, with_entropy: bool, need_grad: bool):
+    """(log-probs [N], entropies [N] or zeros), float32, for hidden [N, H] against lm_head `weight`."""
+    if need_grad:
+        return ChunkedLogprobs.apply(hidden, targets, weight, chunk, with_entropy)
+    with torch.no_grad():
+        logps, ents = zip(*[chunk_logprobs(hidden[s:s + chunk], targets[s:s + chunk], weight, with_entropy)
+                            for s in range(0, hidden.shape[0], chunk)]) if hidden.shape[0] else ((), ())
+    empty = hidden.new_zeros(0, dtype=torch.float32)
+    return (torch.cat(logps) if logps else empty), (torch.cat(ents) if ents else empty)

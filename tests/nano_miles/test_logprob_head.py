@@ -1,0 +1,73 @@
+"""The trainer's chunked log-prob head (nano_miles/logprob_head.py): the same values and gradients as
+plain autograd over the whole [tokens, vocab] logits, without the per-chunk weight gradients."""
+import pytest
+import torch
+
+from nano_miles.logprob_head import head_logprobs
+
+
+def reference(hidden, targets, weight, with_entropy):
+    logp_all = torch.log_softmax(hidden.float() @ weight.float().t(), dim=-1)
+    logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
+    ent = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else torch.zeros_like(logp)
+    return logp, ent
+
+
+def inputs(dtype, n=37, h=16, v=50, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g).to(dtype).requires_grad_()
+    weight = (0.3 * torch.randn(v, h, generator=g)).to(dtype).requires_grad_()
+    targets = torch.randint(0, v, (n,), generator=g)
+    coef_logp, coef_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    return hidden, targets, weight, coef_logp, coef_ent
+
+
+@pytest.mark.parametrize("chunk", [1, 8, 37, 100])
+@pytest.mark.parametrize("entropy_in_loss", [False, True])
+def test_values_and_gradients_equal_autograd_over_the_whole_logits(chunk, entropy_in_loss):
+    hidden, targets, weight, c1, c2 = inputs(torch.float32)
+    results = []
+    for fn in (reference, lambda h, t, w, e: head_logprobs(h, t, w, chunk, e, need_grad=True)):
+        hidden.grad = weight.grad = None
+        logp, ent = fn(hidden, targets, weight, True)
+        loss = (c1 * logp).sum() + ((c2 * ent).sum() if entropy_in_loss else 0.0)
+        loss.backward()
+        results.append((logp.detach(), ent.detach(), hidden.grad.clone(), weight.grad.clone()))
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_inputs_get_bf16_gradients_from_float32_arithmetic():
+    hidden, targets, weight, c1, _ = inputs(torch.bfloat16)
+    logp, _ = head_logprobs(hidden, targets, weight, 8, False, need_grad=True)
+    assert logp.dtype == torch.float32
+    (c1 * logp).sum().backward()
+    assert hidden.grad.dtype == weight.grad.dtype == torch.bfloat16
+    h32, w32 = hidden.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
+    want, _ = reference(h32, targets, w32, False)
+    (c1 * want).sum().backward()
+    torch.testing.assert_close(logp.detach(), want.detach())
+    torch.testing.assert_close(weight.grad.float(), w32.grad, rtol=1e-2, atol=1e-3)  # one bf16 rounding
+
+
+def test_entropy_off_returns_zeros_that_carry_no_gradient():
+    hidden, targets, weight, c1, c2 = inputs(torch.float32)
+    logp, ent = head_logprobs(hidden, targets, weight, 8, False, need_grad=True)
+    assert torch.equal(ent, torch.zeros_like(ent))
+    ((c1 * logp).sum() + (c2 * ent).sum()).backward()
+    want_h, want_w = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    logp, _ = head_logprobs(hidden, targets, weight, 8, False, need_grad=True)
+    (c1 * logp).sum().backward()
+    assert torch.equal(hidden.grad, want_h) and torch.equal(weight.grad, want_w)
+
+
+def test_no_grad_path_and_empty_input():
+    hidden, targets, weight, _, _ = inputs(torch.float32)
+    logp, ent = head_logprobs(hidden, targets, weight, 8, True, need_grad=False)
+    want_logp, want_ent = reference(hidden, targets, weight, True)
+    torch.testing.assert_close(logp, want_logp.detach())
+    torch.testing.assert_close(ent, want_ent.detach())
+    assert not logp.requires_grad
+    logp, ent = head_logprobs(hidden[:0], targets[:0], weight, 8, True, need_grad=True)
+    assert logp.shape == ent.shape == (0,)
