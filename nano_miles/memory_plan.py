@@ -37,7 +37,7 @@ TRAINER_RUNTIME = int(0.9 * GB)  # torch + transformers + the loop, measured on 
 ENGINE_RUNTIME = int(0.7 * GB)   # torch + the server + prefill activations of a CPU engine
 SANDBOX_BYTES = int(0.02 * GB)   # one episode's sandbox processes (bwrap, shell, init), PSS
 CPU_KV_DEFAULT = 2 << 30         # EngineConfig.cpu_kv_cache_bytes: the engine's own default
-CPU_LOGPROB_CHUNK = 256          # trainer.logprob_chunk = 0 on CPU (trainer.py)
+CPU_LOGPROB_CHUNK = 128          # trainer.logprob_chunk = 0 on CPU (trainer.py)
 
 
 class MemoryCheckError(RuntimeError):

@@ -135,7 +135,7 @@ class ShardedTrainer(Trainer):
                              "it is single-process only for now (trainer.nproc=1)")
         on_gpu = env.device.type == "cuda"  # the autos, as Trainer's
         cfg = dataclasses.replace(cfg, micro_batch_size=cfg.micro_batch_size or (8 if on_gpu else 1),
-                                  logprob_chunk=cfg.logprob_chunk or (1024 if on_gpu else 256),
+                                  logprob_chunk=cfg.logprob_chunk or (1024 if on_gpu else 128),
                                   gradient_checkpointing=not on_gpu if cfg.gradient_checkpointing is None
                                   else cfg.gradient_checkpointing)
         self.cfg, self.env = cfg, env

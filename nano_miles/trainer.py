@@ -71,7 +71,7 @@ class TrainerConfig:
     dtype: str = field(default="float32", metadata=filled_in(
         "compute dtype: float32 | bfloat16 (masters and AdamW state are FP32)"))
     micro_batch_size: int = 0     # sequences per forward/backward; 0 = auto (8 on GPU, 1 on CPU)
-    logprob_chunk: int = 0        # tokens per lm_head -> float32 log_softmax chunk; 0 = auto (1024 on GPU, 256 on CPU: 0.16 GB a [chunk, vocab] tensor for Qwen)
+    logprob_chunk: int = 0        # tokens per lm_head -> float32 log_softmax chunk; 0 = auto (1024 on GPU, 128 on CPU: 0.08 GB a [chunk, vocab] tensor for Qwen)
     gradient_checkpointing: bool | None = None  # recompute decoder layers in backward; none = on for a CPU trainer (a 4096-token episode keeps ~12 GB of activations without it), off on GPU
     compute_entropy: bool = True  # report the policy entropy (one more pass over each chunk's logits)
     nproc: int = 1                # trainer ranks: FSDP2 shards, one GPU each (gloo processes on CPU); train starts them itself
@@ -107,7 +107,7 @@ class Trainer:
         on_gpu = self.device.type == "cuda"
         cfg = dataclasses.replace(  # the autos, decided here once
             cfg, micro_batch_size=cfg.micro_batch_size or (8 if on_gpu else 1),
-            logprob_chunk=cfg.logprob_chunk or (1024 if on_gpu else 256),
+            logprob_chunk=cfg.logprob_chunk or (1024 if on_gpu else 128),
             gradient_checkpointing=not on_gpu if cfg.gradient_checkpointing is None else cfg.gradient_checkpointing)
         self.cfg = cfg
         self.dtype = DTYPES[cfg.dtype]

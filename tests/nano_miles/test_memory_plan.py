@@ -97,7 +97,7 @@ def test_defaults_keep_the_cpu_job_small():
     assert (cfg.checkpoint_every, cfg.checkpoint_minutes, cfg.keep_optimizer_state) == (0, 10.0, False)
     assert cfg.memory_check and cfg.memory_limit_gb == 0
     trainer = Trainer(TrainerConfig(model=str(resolve_model("tiny-random-qwen2"))))
-    assert trainer.cfg.gradient_checkpointing is True and trainer.cfg.logprob_chunk == 256
+    assert trainer.cfg.gradient_checkpointing is True and trainer.cfg.logprob_chunk == 128
     assert trainer.optimizer.defaults["fused"]  # no full-size temporaries in the AdamW step
     line = disk_line(494_032_768, Path("/"), keep_optimizer=False)
     assert "a checkpoint is 5.9 GB (11.9 GB while one replaces the last)" in line and "keeps 2.0 GB at the end" in line
