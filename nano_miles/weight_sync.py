@@ -44,7 +44,7 @@ from urllib.parse import urlparse
 
 import torch
 
-from nano_miles.client import EngineClient
+from nano_miles.client import EngineClient, EngineUnavailable
 from nano_miles.dtypes import dtype_name
 from nano_miles.engine import weight_group as G
 from nano_miles.engine import weights as W
@@ -266,19 +266,22 @@ class WeightSync:
     def _on_all(self, fn):
         """fn(client) on every engine concurrently; raise WeightSyncError naming the engines that failed."""
         futures = [self._pool.submit(fn, c) for c in self.clients]
-        errors, answers = [], []
+        errors, answers, unreachable = [], [], False
         for url, f in zip(self.urls, futures):
             try:
                 answer = f.result(timeout=self.cfg.timeout_s + 5)
             except Exception as e:  # refused update, dead engine, timeout
                 errors.append(f"{url}: {type(e).__name__}: {e}")
+                unreachable |= isinstance(e, EngineUnavailable)
                 continue
             if isinstance(answer, dict) and answer.get("success") is False:
                 errors.append(f"{url}: {answer.get('message')}")
             answers.append(answer)
         self._engine_timings = answers  # the last call's answers (the last bucket's)
         if errors:
-            raise WeightSyncError(f"{self.transport} weight sync failed on {len(errors)} engine(s): " + "; ".join(errors))
+            message = f"{self.transport} weight sync failed on {len(errors)} engine(s): " + "; ".join(errors)
+            # a dead engine is the caller's to restart (train's loop does), not a reason to change transport
+            raise (EngineUnavailable if unreachable else WeightSyncError)(message)
 
     def _send_tensor(self, buckets, version):
         for bucket, last in buckets:

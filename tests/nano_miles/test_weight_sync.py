@@ -253,3 +253,23 @@ def test_gpu_sync_to_an_engine_on_another_gpu(transport, tiny_model_path):
             batch = engine_rollouts(client, seed=9)
             assert (trainer.logprobs(batch) - batch.rollout_logprobs)[batch.loss_mask].abs().mean() <= 5e-3
         client.close()
+
+
+def test_a_dead_engine_is_unavailable_not_a_reason_to_change_transport(engine_server, tiny_model_path,
+                                                                         restore_engine_weights):
+    """An engine killed before a shared sync used to make `auto` fall back to 'distributed', whose
+    rendezvous then waited minutes for the dead engine, instead of the loop restarting it."""
+    import socket
+
+    from nano_miles.client import EngineClient, EngineUnavailable
+
+    trainer = Trainer(TrainerConfig(model=tiny_model_path, device="cpu"))
+    with WeightSync(trainer, engine_server.url, transport="auto", allow_shared=True) as ws:
+        assert ws.transport == "shared"
+        with socket.socket() as s:  # a port nobody listens on: the engine is gone
+            s.bind(("127.0.0.1", 0))
+            dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+        ws.urls, ws.clients = [dead], [EngineClient(dead, timeout=5)]
+        with pytest.raises(EngineUnavailable, match="unavailable"):
+            ws.sync("1")
+        assert ws.transport == "shared"
