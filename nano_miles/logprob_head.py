@@ -40,19 +40,23 @@ def chunk_logit_grads(hidden, targets, weight, grad_logp, grad_entropy):
     return grad.sub_(probs.mul_(grad.sum(-1, keepdim=True)))
 
 
+def _chunked(hidden, targets, weight, chunk: int, with_entropy: bool):
+    """chunk_logprobs over [N, H] a chunk at a time: (log-probs [N], entropies [N])."""
+    parts = [chunk_logprobs(hidden[s:s + chunk], targets[s:s + chunk], weight, with_entropy)
+             for s in range(0, hidden.shape[0], chunk)]
+    if not parts:
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return empty, empty
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
 class ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, targets, weight, chunk: int, with_entropy: bool):
-        logps, ents = [], []
-        for s in range(0, hidden.shape[0], chunk):
-            lp, ent = chunk_logprobs(hidden[s:s + chunk], targets[s:s + chunk], weight, with_entropy)
-            logps.append(lp)
-            ents.append(ent)
         ctx.save_for_backward(hidden, targets, weight)
         ctx.chunk, ctx.with_entropy = chunk, with_entropy
         ctx.set_materialize_grads(False)  # an output the loss does not use comes back as None
-        empty = hidden.new_zeros(0, dtype=torch.float32)
-        return (torch.cat(logps) if logps else empty), (torch.cat(ents) if ents else empty)
+        return _chunked(hidden, targets, weight, chunk, with_entropy)
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
@@ -83,7 +87,4 @@ def head_logprobs(hidden, targets, weight, chunk: int, with_entropy: bool, need_
     if need_grad:
         return ChunkedLogprobs.apply(hidden, targets, weight, chunk, with_entropy)
     with torch.no_grad():
-        logps, ents = zip(*[chunk_logprobs(hidden[s:s + chunk], targets[s:s + chunk], weight, with_entropy)
-                            for s in range(0, hidden.shape[0], chunk)]) if hidden.shape[0] else ((), ())
-    empty = hidden.new_zeros(0, dtype=torch.float32)
-    return (torch.cat(logps) if logps else empty), (torch.cat(ents) if ents else empty)
+        return _chunked(hidden, targets, weight, chunk, with_entropy)

@@ -93,7 +93,7 @@ class TrainerConfig:
 
 
 def _exact_chunk_logprobs(hidden, targets, weight, with_entropy: bool):
-    """_chunk_logprobs with the engine's batch-invariant head (true on-policy mode)."""
+    """logprob_head.chunk_logprobs with the engine's batch-invariant head (true on-policy mode)."""
     logp_all = batch_invariant.log_softmax(batch_invariant.linear(hidden, weight, out_dtype=torch.float32))
     logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
     if not with_entropy:

@@ -264,7 +264,8 @@ class WeightSync:
         return now
 
     def _on_all(self, fn):
-        """fn(client) on every engine concurrently; raise WeightSyncError naming the engines that failed."""
+        """fn(client) on every engine concurrently; raise WeightSyncError naming the engines that failed
+        (EngineUnavailable when one of them could not be reached)."""
         futures = [self._pool.submit(fn, c) for c in self.clients]
         errors, answers, unreachable = [], [], False
         for url, f in zip(self.urls, futures):
