@@ -13,6 +13,8 @@
 #   sync|async  phase 1: 40 steps x 64 trajectories, trainer cuda:0 + engine cuda:1, the same seed and lr;
 #               then held-out pass@1 of its final policy (`sync` also evaluates the base model first)
 #   alfa        InterCode-ALFA pass@1 of the base model (and of the async run's final policy if present)
+#   learn-start / learn-watch   the same run in one background process (setsid) that outlives the
+#               device call: no restart and resume between calls; watch calls keep the machine warm
 #   learn       issue 14's long run (STEPS, MODE, LR, EXTRA), in device calls of LIMIT seconds: the
 #               first call starts it, each later one resumes it from the checkpoint the previous one
 #               left at its time limit (SIGINT checkpoints); once final/ exists, its held-out and ALFA
@@ -119,6 +121,28 @@ learn)
         evaluate "$run/final" learn_final heldout
         SAMPLES="${ALFA_SAMPLES:-2}" evaluate "$run/final" learn_alfa alfa
     fi ;;
+learn-start)
+    # The same run as `learn`, in one process that outlives the device call (setsid): no restart and
+    # resume between calls. `learn-watch` calls, back to back, keep the machine warm and bring back
+    # its files. After training: full ALFA pass@1 (ALFA_SAMPLES a task) of the final policy.
+    rm -rf "$MG/learn" "$MG/bg"; mkdir -p "$MG/bg"
+    OUT="$MG/bg" setsid nohup bash "$0" learn-run </dev/null >"$MG/bg/run.log" 2>&1 &
+    sleep "${WATCH:-60}"; tail -5 "$MG/bg/learn_train.log" ;;
+learn-run)
+    run="$MG/learn"
+    args=(--set model="$MODEL" --set mode="${MODE:-async}" --set tasks=train --set steps="$STEPS"
+          --set tasks_per_step=8 --set rollout.group_size=8 --set optim.lr="$LR" --set checkpoint_every=1000
+          --set run_dir="$run" --set trainer_device="$TRAINER_DEVICE" --set engine.device="$ENGINE_DEVICE" "${extra[@]}")
+    echo "=== learn-run: train ${args[*]}" >"$OUT/learn_train.log"
+    "$py" -m nano_miles.cli train "${args[@]}" 2>&1 | grep --line-buffered -v "/s\]$\|s/ep\]$" >>"$OUT/learn_train.log"
+    [ -d "$run/final" ] && SAMPLES="${ALFA_SAMPLES:-2}" evaluate "$run/final" learn_alfa alfa >/dev/null
+    touch "$OUT/done" ;;
+learn-watch)
+    # wait up to WATCH seconds (or until the background run is done), then bring its files back
+    for _ in $(seq "${WATCH:-500}"); do [ -f "$MG/bg/done" ] && break; sleep 1; done
+    cp "$MG/learn/metrics.jsonl" "$OUT/learn_metrics.jsonl" 2>/dev/null; cp "$MG/bg/"*.log "$MG/bg/"*.jsonl "$OUT/" 2>/dev/null
+    grep -h "^eval\|rror" "$MG/bg/learn_train.log" | tail -12; tail -4 "$MG/bg/learn_train.log"
+    [ -f "$MG/bg/done" ] && echo "=== learn done" && tail -15 "$MG/bg/eval_learn_alfa.log" ;;
 *) echo "unknown phase $phase"; exit 2 ;;
 esac
 cp bench/results.jsonl "$OUT/results.jsonl" 2>/dev/null
