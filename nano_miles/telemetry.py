@@ -251,7 +251,9 @@ EVAL_CURVES = (("eval_pass_at_1", "eval_tasks"), ("eval_alfa_pass_at_1", "ALFA s
 
 
 def write_curves(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
-    """PNG curves of reward, accuracy and parity over steps, and of the evaluations (eval_every), if any."""
+    """PNG curves of reward, accuracy, policy entropy and parity over steps, and of the evaluations
+    (eval_every), if any. Entropy is drawn because its collapse is what ends learning in GRPO runs:
+    once it nears 0, every group's samples agree and carry no signal."""
     rows = read_metrics(metrics_path)
     if not rows:
         return []
@@ -279,7 +281,8 @@ def write_curves(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
         return path
 
     written = []
-    for key, title in (("reward_mean", "mean reward"), ("acc", "accuracy"), ("parity_mean", "log-prob parity (mean |diff|)")):
+    for key, title in (("reward_mean", "mean reward"), ("acc", "accuracy"), ("entropy", "policy entropy (nats a token)"),
+                       ("parity_mean", "log-prob parity (mean |diff|)")):
         points = [(r["step"], r.get(key)) for r in rows if "reward_mean" in r]  # training steps (not step 0's eval)
         log = key == "parity_mean" and any(v is not None and v > 0 for _, v in points)  # true on-policy: all 0.0
         written.append(plot(key, title, {key: points}, log))
@@ -305,7 +308,7 @@ def run_summary(rows: list[dict], wall_s: float, run_dir: Path) -> list[str]:
         return f"{show(first)} (step {first['step']}) -> {show(last)} (step {last['step']})"
 
     files = [name for name in ("metrics.jsonl", "tensorboard/", "wandb/", "reward_mean.png", "acc.png",
-                               "parity_mean.png", "eval_pass_at_1.png", "checkpoint/", "final/")
+                               "entropy.png", "parity_mean.png", "eval_pass_at_1.png", "checkpoint/", "final/")
              if (run_dir / name).exists()]
     lines = [f"summary: {len(rows)} step{'s' if len(rows) != 1 else ''}, {duration(wall_s)} wall time",
              f"  reward    {change('reward_mean', '{:+.3f}')}",

@@ -28,7 +28,7 @@ def test_run_directory_contents(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(set(REQUIRED_KEYS) <= set(r) for r in rows)
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
-    for name in ("reward_mean.png", "acc.png", "parity_mean.png"):
+    for name in ("reward_mean.png", "acc.png", "entropy.png", "parity_mean.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert printed[0] == format_header() and len(printed) == 4
     assert "12.5%" in printed[1]
@@ -95,7 +95,7 @@ def test_the_run_ends_with_a_summary_of_what_it_did_and_where_the_files_are(tmp_
         "summary: 3 steps, 4:05 wall time",
         "  reward    -0.050 (step 1) -> +0.310 (step 3)",
         "  accuracy  12.5% (step 1) -> 50.0% (step 3)",
-        f"  files     {tmp_path}/: metrics.jsonl, tensorboard/, reward_mean.png, acc.png, parity_mean.png, final/",
+        f"  files     {tmp_path}/: metrics.jsonl, tensorboard/, reward_mean.png, acc.png, entropy.png, parity_mean.png, final/",
         f"  policy    nano-miles eval --model {tmp_path / 'final'}   (or: nano-miles serve --model {tmp_path / 'final'})"]
     assert run_summary([], 3.0, tmp_path) == [f"no step completed in 0:03; run directory {tmp_path}"]
 
