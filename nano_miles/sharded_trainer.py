@@ -43,6 +43,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from nano_miles import heap
 from nano_miles.algorithms import loss_normalizer, policy_loss
 from nano_miles.distributed import DistEnv
+from nano_miles.lr_schedule import set_lr
 from nano_miles.dtypes import DTYPES
 from nano_miles.trainer import Trainer, TrainerConfig
 
@@ -381,6 +382,7 @@ class ShardedTrainer(Trainer):
             coef = max_norm / (norm + 1e-6)  # torch's clip_grad_norm_ formula
             if coef < 1.0:
                 torch._foreach_mul_(grads, coef)
+        set_lr(self.optimizer, self.cfg.optim, self.step)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1

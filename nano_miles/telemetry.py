@@ -100,7 +100,7 @@ def step_metrics(step: int, rollout, staleness: list[int], max_staleness: int, t
         "reward_mean": _mean(t.reward for t in trajs),
         "acc": _mean(1.0 if t.reward_components.get("correct", 0) > 0 else 0.0 for t in trajs),
         "turns_mean": _mean(t.num_turns for t in trajs),
-        **{key: train.get(key) for key in ("pg_loss", "clip_frac", "approx_kl", "kl_ref", "entropy", "grad_norm")},
+        **{key: train.get(key) for key in ("pg_loss", "clip_frac", "approx_kl", "kl_ref", "entropy", "grad_norm", "lr")},
         "parity_mean": train.get("logprob_diff_mean"), "parity_max": train.get("logprob_diff_max"),
         "update_skipped": skipped, "updates": train.get("updates", 1) if train else 0,
         "sync_ms": sync["ms"], "sync_transport": sync["transport"], "sync_verified": sync["verified"],

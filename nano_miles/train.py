@@ -122,6 +122,11 @@ class TrainConfig(RolloutCommandConfig):
         if self.true_on_policy and self.rollout.temperature != 1.0:
             raise ValueError("true_on_policy needs rollout.temperature = 1 (the engine's log-probs are of the "
                              "tempered distribution, the trainer's of the model's)")
+        if (self.optim.lr_schedule != "constant" and not self.optim.decay_steps
+                and self.optim.warmup_steps >= self.steps * self.updates_per_step):
+            raise ValueError(f"optim.lr_schedule={self.optim.lr_schedule} decays after optim.warmup_steps "
+                             f"({self.optim.warmup_steps}), but the run has only {self.steps * self.updates_per_step} "
+                             "optimizer steps: fewer warm-up steps, or optim.decay_steps")
         if self.max_infra_failed_steps < 1:
             raise ValueError(f"max_infra_failed_steps must be >= 1, got {self.max_infra_failed_steps}")
         parse_report_to(self.report_to)
@@ -202,7 +207,8 @@ class TrainingRun:
         cfg, echo = self.cfg, self.echo
         trainer_cfg = dataclasses.replace(
             cfg.trainer, model=self.model_path, device=self.layout.trainer_device, dtype=self.layout.dtype,
-            true_on_policy=cfg.true_on_policy, optim=cfg.optim, loss=cfg.loss)
+            true_on_policy=cfg.true_on_policy, loss=cfg.loss,  # a decaying lr ends with the run unless told otherwise
+            optim=dataclasses.replace(cfg.optim, decay_steps=cfg.optim.decay_steps or cfg.steps * cfg.updates_per_step))
         self.trainer = self.ranks.build(trainer_cfg) if self.ranks else Trainer(trainer_cfg)
         self.reference = ReferencePolicy(self.trainer) if cfg.loss.kl_coef > 0 else None  # before any resume
         self.stream = TaskStream(tasks, cfg.seed)

@@ -40,6 +40,7 @@ from nano_miles.config import filled_in
 from nano_miles.dtypes import DTYPES, TRAINABLE
 from nano_miles.engine.model import CausalLM
 from nano_miles.logprob_head import head_logprobs
+from nano_miles.lr_schedule import SCHEDULES, set_lr
 from nano_miles.shared_weights import SharedWeights
 
 
@@ -51,6 +52,10 @@ class OptimConfig:
     eps: float = 1e-8           # AdamW denominator epsilon
     weight_decay: float = 0.0   # AdamW decoupled weight decay
     max_grad_norm: float = 1.0  # clip the global FP32 gradient norm; 0 disables clipping
+    lr_schedule: str = "constant"  # constant | cosine | linear: the decay after warm-up (nano_miles/lr_schedule.py)
+    warmup_steps: int = 0       # optimizer steps of linear warm-up from lr/warmup_steps to lr; 0 = none
+    decay_steps: int = 0        # cosine | linear: optimizer steps until the decay reaches min_lr_ratio; 0 = the run's (steps x updates_per_step), as HF's schedulers count
+    min_lr_ratio: float = 0.0   # cosine | linear: the final learning rate, as a fraction of lr
 
     def __post_init__(self):
         if not (self.lr > 0 and math.isfinite(self.lr)):
@@ -59,6 +64,14 @@ class OptimConfig:
             raise ValueError(f"optim betas must be in [0, 1), got {self.beta1}, {self.beta2}")
         if self.eps <= 0 or self.weight_decay < 0 or self.max_grad_norm < 0:
             raise ValueError("optim.eps must be > 0, weight_decay and max_grad_norm >= 0")
+        if self.lr_schedule not in SCHEDULES:
+            raise ValueError(f"optim.lr_schedule must be one of {', '.join(SCHEDULES)}, got {self.lr_schedule!r}")
+        if self.warmup_steps < 0 or self.decay_steps < 0:
+            raise ValueError("optim.warmup_steps and optim.decay_steps must be >= 0")
+        if self.decay_steps and self.decay_steps <= self.warmup_steps:
+            raise ValueError(f"optim.decay_steps ({self.decay_steps}) must be past optim.warmup_steps ({self.warmup_steps})")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
 
 
 @dataclass
@@ -318,6 +331,7 @@ class Trainer:
             # A NaN/inf gradient would poison the masters and the moments for good: skip the update.
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"non-finite gradient norm ({norm}) at step {self.step}; update skipped")
+        set_lr(self.optimizer, self.cfg.optim, self.step)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._copy_masters_to_model()

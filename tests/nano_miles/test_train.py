@@ -204,9 +204,12 @@ def test_several_updates_per_step_reach_the_engine_with_the_kl_penalty(tmp_path)
     update test shows it does once the policy moves."""
     run_dir = tmp_path / "run"
     _finish(_train(["--set", "steps=1", "--set", "updates_per_step=2", "--set", "sync.verify=true",
-                    "--set", "loss.kl_coef=0.1", "--set", f"run_dir={run_dir}"]))
+                    "--set", "loss.kl_coef=0.1", "--set", f"run_dir={run_dir}", "--set", "optim.lr=1e-4",
+                    "--set", "optim.lr_schedule=linear", "--set", "optim.min_lr_ratio=0.5"]))
     (row,) = read_metrics(run_dir / "metrics.jsonl")
     assert row["updates"] == 2 and row["weight_version"] == "2"  # one version per optimizer step
+    # the linear decay spans the run's 2 optimizer steps (as HF's schedulers count): 1e-4, then 7.5e-5
+    assert row["lr"] == pytest.approx(7.5e-5)
     assert row["sync_verified"] is True and row["parity_max"] <= 1e-5
     assert row["update_skipped"] is None and row["kl_ref"] >= 0.0  # computed against the reference
 
