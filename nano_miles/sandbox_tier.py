@@ -22,7 +22,7 @@ TIERS = ("fallback", "namespaced")  # weakest first; "none" (no isolation) is ne
 class SandboxConfig:
     """The `sandbox.*` keys."""
     min_tier: str = "namespaced"  # weakest isolation for an episode: namespaced (bubblewrap) | fallback (no namespaces)
-    pool_size: int = 0  # sandboxes kept booted ahead of episodes (~10 MB each); 0: each episode boots its own
+    pool_size: int = 0  # sandboxes kept booted ahead of episodes (~3 MB PSS each); 0: each episode boots its own
 
     def __post_init__(self):
         if self.min_tier not in TIERS:
