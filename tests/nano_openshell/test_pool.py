@@ -4,8 +4,11 @@ Real sandboxes in every tier the probe finds working here (the `tier` fixture); 
 namespaced tier has (an init that boots, mounts) is tested where that tier works.
 """
 
+import json
 import os
 import statistics
+import subprocess
+import sys
 import threading
 import time
 
@@ -114,6 +117,19 @@ def test_close_leaves_no_process_workspace_or_cgroup_of_the_idle_sandboxes(tier)
     with pytest.raises(SandboxError, match="pool is closed"):
         pool.take()
     pool.close()  # idempotent
+
+
+def test_idle_sandboxes_are_closed_at_interpreter_exit_without_close(tier):
+    code = ("import json; from nano_openshell import SandboxPool\n"
+            f"pool = SandboxPool(2, tier={tier!r}, min_tier='fallback'); assert pool.wait_filled(30)\n"
+            "idle = list(pool._idle.sandboxes)\n"
+            "print(json.dumps([sb.workspace for sb in idle] + [d for sb in idle if sb.cgroup is not None "
+            "for d in (sb.cgroup.path, *sb.cgroup.v1_dirs.values())]))\n")  # and exits, the pool still open
+    r = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    left = json.loads(r.stdout)
+    assert len(left) >= 2 and not [d for d in left if os.path.exists(d)], "no workspace or cgroup left"
 
 
 def test_concurrent_takes_from_8_threads_give_8_distinct_working_sandboxes(tier):
