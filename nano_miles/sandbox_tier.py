@@ -11,7 +11,7 @@ import functools
 from dataclasses import dataclass
 
 from nano_miles.config import ConfigError
-from nano_openshell import Sandbox
+from nano_openshell import Sandbox, SandboxPool
 from nano_openshell.namespaced import bwrap_candidates
 from nano_openshell.probe import TIERS as ALL_TIERS, probe
 
@@ -22,10 +22,13 @@ TIERS = ("fallback", "namespaced")  # weakest first; "none" (no isolation) is ne
 class SandboxConfig:
     """The `sandbox.*` keys."""
     min_tier: str = "namespaced"  # weakest isolation for an episode: namespaced (bubblewrap) | fallback (no namespaces)
+    pool_size: int = 0  # sandboxes kept booted ahead of episodes (~3 MB PSS each); 0: each episode boots its own
 
     def __post_init__(self):
         if self.min_tier not in TIERS:
             raise ValueError(f"sandbox.min_tier must be one of {list(TIERS)}, got {self.min_tier!r}")
+        if isinstance(self.pool_size, bool) or not isinstance(self.pool_size, int) or self.pool_size < 0:
+            raise ValueError(f"sandbox.pool_size must be an int >= 0, got {self.pool_size!r}")
 
 
 class SandboxUnavailable(ConfigError):
@@ -56,5 +59,9 @@ def check_sandbox(cfg: SandboxConfig) -> str:
 
 
 def sandbox_factory(cfg: SandboxConfig):
-    """What the rollouts call to make an episode's sandbox (fresh workspace, no network)."""
+    """What the rollouts call to make an episode's sandbox (fresh workspace, no network): factory() or
+    factory(mounts=...). With sandbox.pool_size > 0, a SandboxPool's take: a fresh sandbox booted ahead
+    (the pool lives as long as the factory; its idle sandboxes are closed at exit)."""
+    if cfg.pool_size > 0:
+        return SandboxPool(cfg.pool_size, min_tier=cfg.min_tier).take
     return functools.partial(Sandbox, min_tier=cfg.min_tier)

@@ -142,6 +142,12 @@ class Namespaces:
                               own_fds=(prog_r,))
             return self._init
 
+    def ready(self, deadline: float) -> bool:
+        """Init.ready of the running init; starts none (False when there is none or it died)."""
+        with self._lock:
+            init = self._init
+        return init is not None and init.ready(deadline)
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
@@ -192,6 +198,7 @@ class Init:
         self._sock, self._err, self._ids = ours, err_r, iter(range(1, 1 << 62))
         self.dead: str | None = None  # why, once the init is known to be gone
         self.closed = False
+        self._answered = False  # the init answered a ping (ready())
         self._joining = None  # the future of moving bwrap and the init into the cgroup leaf
         ids = dict(user=user, group=user, extra_groups=[]) if user is not None else {}
         info = ["--info-fd", str(info_w)] if info_w is not None else []
@@ -264,6 +271,31 @@ class Init:
         except concurrent.futures.TimeoutError:
             self.abort("the sandbox was not in its cgroup before the deadline; it was killed")
             raise InitDied(self.dead) from None
+
+    def ready(self, deadline: float) -> bool:
+        """Has the init booted: in its cgroup and answering on its socket? Runs nothing in the sandbox
+        (a ping, nsinit.py) and, unlike spawn(), does not kill a sandbox that is slow to boot: False at
+        the deadline, or once it is dead. After one answer, only whether it is still alive."""
+        if not self._answered:
+            try:
+                if self._joining is not None:
+                    self._joining.result(max(0.0, deadline - time.monotonic()))
+                if not self.alive():
+                    return False
+                status_r, status_w = os.pipe()
+                try:
+                    self._send(("ping",), [status_w], deadline)
+                finally:
+                    os.close(status_w)
+                try:
+                    answered = _ready(status_r, select.POLLIN, deadline - time.monotonic())
+                    answer = os.read(status_r, 2) if answered else b""
+                finally:
+                    os.close(status_r)
+            except (concurrent.futures.TimeoutError, InitDied):
+                return False
+            self._answered = answer == b"R\n"
+        return self._answered and self.alive()
 
     def alive(self) -> bool:
         if self._proc is None:

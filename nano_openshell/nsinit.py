@@ -12,6 +12,7 @@ Protocol, on the SOCK_SEQPACKET socket FD (the supervisor's side is launcher.py)
                            reported, for up to _REMOVE_BUDGET; the rest stays in /tmp); a
                            script fd (a large command, a memfd) is its fd 3, read as /dev/fd/3
   ("kill", id)             kill that command's whole tree (the supervisor's timeout)
+  ("ping",) + SCM_RIGHTS [status]: answered b"R\n" on status: the init is up (Sandbox.wait_ready)
 On the command's status pipe the init writes b"X<code>\n" once the command and everything it
 started are gone (code: the exit status, 128+N for a signal N, -9 when killed on request), or
 b"E<why>\n" when it could not start; then closes it. EOF on FD: the Sandbox is closing or its
@@ -105,6 +106,8 @@ class Init:
                 self.kill(msg[1])
             elif msg[0] == "run":
                 self.run(msg, fds)
+            elif msg[0] == "ping":
+                _write(fds[0], b"R\n")
         except Exception as e:  # a message cut short (its fds could not all be received): that command fails
             if fds:
                 _write(fds[0], b"E%s\n" % repr(e).encode(errors="replace"))

@@ -32,8 +32,6 @@ import concurrent.futures
 import math
 import os
 import random
-import shutil
-import sys
 import tempfile
 import threading
 import time
@@ -415,7 +413,12 @@ class Sandbox:
             finally:
                 init.close()
         finally:
-            _rmtree(tmpdir)
+            workspace_mod.rmtree(tmpdir)
+
+    def wait_ready(self, timeout: float = 10.0) -> bool:
+        """Wait, running nothing, until the first command would not wait for the init's boot (the
+        namespaced tier; the others start an init per command): False when it died or took longer."""
+        return self.tier != "namespaced" or (not self._closed and self._namespaces.ready(time.monotonic() + timeout))
 
     # ---- lifetime ----------------------------------------------------------------------------
     def close(self) -> None:
@@ -482,18 +485,3 @@ class _Owned:
             if not gone:
                 workspace_mod.remove_later(path)
 
-
-def _rmtree(path: str) -> None:
-    def retry(func, p, _exc):  # the command may have left read-only directories behind
-        try:
-            os.chmod(os.path.dirname(p), 0o700)
-            func(p)
-        except OSError:
-            pass
-
-    if sys.version_info >= (3, 12):  # onerror is deprecated there; the handler fits both
-        shutil.rmtree(path, onexc=retry)
-    else:
-        shutil.rmtree(path, onerror=retry)
-    if os.path.exists(path):
-        shutil.rmtree(path, ignore_errors=True)

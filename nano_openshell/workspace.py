@@ -22,6 +22,7 @@ import os
 import queue
 import shutil
 import stat
+import sys
 import tempfile
 import threading
 import time
@@ -222,3 +223,20 @@ def _finish() -> None:
 def pending() -> int:
     """Directories still being removed in the background."""
     return _LEFT.unfinished_tasks
+
+
+def rmtree(path: str) -> None:
+    """shutil.rmtree, through whatever read-only directories a command left behind."""
+    def retry(func, p, _exc):  # the command may have left read-only directories behind
+        try:
+            os.chmod(os.path.dirname(p), 0o700)
+            func(p)
+        except OSError:
+            pass
+
+    if sys.version_info >= (3, 12):  # onerror is deprecated there; the handler fits both
+        shutil.rmtree(path, onexc=retry)
+    else:
+        shutil.rmtree(path, onerror=retry)
+    if os.path.exists(path):
+        shutil.rmtree(path, ignore_errors=True)

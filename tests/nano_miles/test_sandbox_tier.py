@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from nano_miles.config import ConfigError
-from nano_miles.sandbox_tier import SandboxConfig, SandboxUnavailable
+from nano_miles.sandbox_tier import SandboxConfig, SandboxUnavailable, sandbox_factory
 
 REPO = Path(__file__).resolve().parents[2]
 DENY_NAMESPACES = [sys.executable, "-c", "import sys; from nano_openshell.seccomp import main; sys.exit(main())",
@@ -46,3 +46,20 @@ def test_min_tier_takes_the_two_episode_tiers_only():
     with pytest.raises(ValueError, match="sandbox.min_tier must be one of"):
         SandboxConfig(min_tier="none")  # no isolation at all is never an episode's sandbox
     assert issubclass(SandboxUnavailable, ConfigError)  # the CLI prints it as one line, exit status 2
+
+
+def test_pool_size_makes_the_factory_hand_out_sandboxes_booted_ahead():
+    from nano_openshell import probe
+    tier = probe()["tier"]
+    make = sandbox_factory(SandboxConfig(min_tier="fallback", pool_size=2))
+    assert make.__self__.wait_filled(30)  # the pool behind it boots its two while the run starts
+    with make() as a, make() as b:  # as env.py calls it
+        assert a.workspace != b.workspace
+        assert [sb.exec("echo ok", timeout=30).stdout for sb in (a, b)] == ["ok\n", "ok\n"]
+    if tier == "namespaced":
+        with make(mounts={"/data": None}) as sb:  # a task's mounts: a new sandbox, not a pooled one
+            assert sb.exec("test -d /data", timeout=30).exit_code == 0
+    make.__self__.close()
+    assert SandboxConfig().pool_size == 0  # off unless asked: each episode boots its own sandbox
+    with pytest.raises(ValueError, match=r"sandbox.pool_size must be an int >= 0, got -1"):
+        SandboxConfig(pool_size=-1)
