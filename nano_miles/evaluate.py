@@ -119,8 +119,13 @@ class RunEvaluation:
         mine = [t for t in trajs if t.task_id not in alfa_ids]
         theirs = [t for t in trajs if t.task_id in alfa_ids]
         heldout = per_family(mine, self.tasks, 1).get("all", {})
+        by_task: dict[str, list[bool]] = {}
+        for t in trajs:
+            by_task.setdefault(t.task_id, []).append(solved(t))
         out = {"eval_seconds": seconds, "eval_pass_at_1": heldout.get("pass@1"),
-               "eval_task_count": heldout.get("tasks", 0)}
+               "eval_task_count": heldout.get("tasks", 0),
+               # which tasks moved between evaluations (metrics.jsonl only: not a scalar)
+               "eval_by_task": {task_id: sum(r) / len(r) for task_id, r in sorted(by_task.items())}}
         line = (f"eval {_when(step)}: {self.rollout.group_size} sample(s) a task, {out['eval_task_count']} tasks "
                 f"pass@1 {_show(out['eval_pass_at_1'])}")
         if self.alfa:

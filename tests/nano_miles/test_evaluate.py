@@ -38,6 +38,9 @@ def test_eval_every_measures_the_policy_and_leaves_the_training_stream_alone(tmp
     assert set(rows[0]) - {"step"} == {key for key in evaluated[1] if key.startswith("eval_")}  # eval alone
     for r in evaluated:
         assert 0.0 <= r["eval_pass_at_1"] <= 1.0 and r["eval_task_count"] == 2 and r["eval_seconds"] > 0
+        mine = {k: v for k, v in r["eval_by_task"].items() if not k.startswith("alfa_")}  # pass@1 of each task
+        assert set(mine) == {"kernel_name", "md5_file"} and sum(mine.values()) / 2 == r["eval_pass_at_1"]
+        assert len(r["eval_by_task"]) == 2 + r["eval_alfa_task_count"]
         # ALFA: scored, or left out with the reason when this sandbox cannot mount its paths; never lost
         assert r["eval_alfa_task_count"] + r["eval_alfa_unavailable"] == 2
         assert r["eval_alfa_pass_at_1"] is None or 0.0 <= r["eval_alfa_pass_at_1"] <= 1.0
