@@ -6,7 +6,9 @@ compute, in the same order of operations) for one reason: the lm_head weight's g
 autograd, every chunk of every micro-batch makes its own full [vocab, hidden] gradient (0.54 GB for
 Qwen2.5-0.5B) that is then added to the running one, so while `.grad` already holds the earlier
 micro-batches' sum, three copies are alive at once; here each chunk's product is added in place
-into a single buffer (addmm_), as fused linear-cross-entropy kernels (Liger's) do.
+into a single buffer (addmm_), as fused linear-cross-entropy kernels (Liger's) do, and from the
+second micro-batch on that buffer is the float32 `.grad` itself (Megatron's gradient-accumulation
+fusion), so one copy is alive.
 """
 from __future__ import annotations
 
@@ -63,7 +65,16 @@ class ChunkedLogprobs(torch.autograd.Function):
         hidden, targets, weight = ctx.saved_tensors
         need_hidden, _, need_weight = ctx.needs_input_grad[:3]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+        grad_weight = None
+        # Gradient-accumulation fusion (Megatron's main_grad): a float32 weight that already holds a
+        # gradient (a later micro-batch) takes this one in place, and autograd gets None for it, so
+        # no second [V, H] buffer exists at the peak. Not under create_graph (then grads are graphs).
+        into_grad = (need_weight and weight.dtype == torch.float32 and weight.grad is not None
+                     and not torch.is_grad_enabled() and weight.grad.dtype == torch.float32
+                     and weight.grad.shape == weight.shape)
+        if need_weight:
+            grad_weight = weight.grad if into_grad else torch.zeros(weight.shape, dtype=torch.float32,
+                                                                    device=weight.device)
         w32 = weight.float()
         if grad_logp is None:
             grad_logp = torch.zeros(hidden.shape[0], device=hidden.device)
@@ -77,7 +88,9 @@ class ChunkedLogprobs(torch.autograd.Function):
                 grad_hidden[s:s + ctx.chunk] = (g @ w32).to(hidden.dtype)
             if need_weight:
                 grad_weight.addmm_(g.t(), h.float())  # in place: one [V, H] buffer for every chunk
-        if grad_weight is not None and weight.dtype != torch.float32:
+        if into_grad:
+            grad_weight = None  # already in weight.grad
+        elif grad_weight is not None and weight.dtype != torch.float32:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, None, grad_weight, None, None
 

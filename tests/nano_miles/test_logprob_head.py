@@ -71,3 +71,30 @@ def test_no_grad_path_and_empty_input():
     assert not logp.requires_grad
     logp, ent = head_logprobs(hidden[:0], targets[:0], weight, 8, True, need_grad=True)
     assert logp.shape == ent.shape == (0,)
+
+
+def test_later_micro_batches_add_into_the_weights_grad_in_place():
+    """Gradient-accumulation fusion: once weight.grad holds a gradient, the next micro-batch's is
+    added into that same tensor (no second [V, H] buffer), and the sum is autograd's over both."""
+    hidden, targets, weight, c1, _ = inputs(torch.float32)
+    halves = [(hidden[:20], targets[:20], c1[:20]), (hidden[20:], targets[20:], c1[20:])]
+    for h, t, c in halves:
+        (c * reference(h, t, weight, False)[0]).sum().backward()
+    want = weight.grad.clone()
+    weight.grad = None
+    (halves[0][2] * head_logprobs(*halves[0][:2], weight, 8, False, need_grad=True)[0]).sum().backward()
+    first = weight.grad
+    (halves[1][2] * head_logprobs(*halves[1][:2], weight, 8, False, need_grad=True)[0]).sum().backward()
+    assert weight.grad is first  # the same storage, added to in place
+    torch.testing.assert_close(weight.grad, want, rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_weights_keep_autograds_accumulation():
+    """Only a float32 .grad is added to in place; a bf16 weight's gradients are summed by autograd."""
+    hidden, targets, weight, c1, _ = inputs(torch.bfloat16)
+    for _ in range(2):
+        (c1 * head_logprobs(hidden, targets, weight, 8, False, need_grad=True)[0]).sum().backward()
+    twice = weight.grad.clone()
+    weight.grad = None
+    (c1 * head_logprobs(hidden, targets, weight, 8, False, need_grad=True)[0]).sum().backward()
+    torch.testing.assert_close(twice, 2 * weight.grad)
