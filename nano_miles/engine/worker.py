@@ -13,6 +13,7 @@ import queue
 import threading
 import traceback
 
+from nano_miles import heap
 from nano_miles.engine.protocol import RequestError
 
 
@@ -87,10 +88,19 @@ class EngineWorker:
             return
         finally:
             self.loaded.set()
+        on_cpu = self.engine.device.type == "cpu"
+        worked = False  # since the last trim (heap.py: what glibc keeps after torch frees CPU tensors)
         while True:
             busy = not self.paused and self.engine.has_unfinished()
+            idle = not busy and not self._update_ready()
+            if idle and worked and on_cpu:
+                # going idle (in sync mode: while the trainer updates, when the main job's memory peaks):
+                # hand back the heap's free pages that the finished requests left resident
+                heap.release_free_heap()
+                worked = False
+            worked = worked or busy or bool(self.updates)
             try:
-                cmd = self.commands.get(block=not busy and not self._update_ready())
+                cmd = self.commands.get(block=idle)
                 if not self._handle(cmd):
                     return
                 while True:  # take every queued command before the next step
