@@ -48,14 +48,19 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def per_family(trajs, tasks, k: int) -> dict[str, dict]:
-    """{family: {tasks, pass@1, pass@k}} plus "all"."""
-    family = {t.id: t.family for t in tasks}
+def solved_by_task(trajs) -> dict[str, list[bool]]:
+    """{task id: whether each of its samples was solved}, in the order the tasks first appear."""
     by_task: dict[str, list[bool]] = {}
     for t in trajs:
         by_task.setdefault(t.task_id, []).append(solved(t))
+    return by_task
+
+
+def per_family(trajs, tasks, k: int) -> dict[str, dict]:
+    """{family: {tasks, pass@1, pass@k}} plus "all"."""
+    family = {t.id: t.family for t in tasks}
     rows: dict[str, list[tuple[float, float]]] = {}
-    for task_id, results in by_task.items():
+    for task_id, results in solved_by_task(trajs).items():
         n, c = len(results), sum(results)
         scores = (pass_at_k(n, c, 1), pass_at_k(n, c, min(k, n)))
         rows.setdefault(family[task_id], []).append(scores)
@@ -119,13 +124,10 @@ class RunEvaluation:
         mine = [t for t in trajs if t.task_id not in alfa_ids]
         theirs = [t for t in trajs if t.task_id in alfa_ids]
         heldout = per_family(mine, self.tasks, 1).get("all", {})
-        by_task: dict[str, list[bool]] = {}
-        for t in trajs:
-            by_task.setdefault(t.task_id, []).append(solved(t))
         out = {"eval_seconds": seconds, "eval_pass_at_1": heldout.get("pass@1"),
                "eval_task_count": heldout.get("tasks", 0),
                # which tasks moved between evaluations (metrics.jsonl only: not a scalar)
-               "eval_by_task": {task_id: sum(r) / len(r) for task_id, r in sorted(by_task.items())}}
+               "eval_by_task": {task_id: sum(r) / len(r) for task_id, r in sorted(solved_by_task(trajs).items())}}
         line = (f"eval {_when(step)}: {self.rollout.group_size} sample(s) a task, {out['eval_task_count']} tasks "
                 f"pass@1 {_show(out['eval_pass_at_1'])}")
         if self.alfa:

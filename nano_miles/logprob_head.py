@@ -65,13 +65,12 @@ class ChunkedLogprobs(torch.autograd.Function):
         hidden, targets, weight = ctx.saved_tensors
         need_hidden, _, need_weight = ctx.needs_input_grad[:3]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = None
         # Gradient-accumulation fusion (Megatron's main_grad): a float32 weight that already holds a
         # gradient (a later micro-batch) takes this one in place, and autograd gets None for it, so
         # no second [V, H] buffer exists at the peak. Not under create_graph (then grads are graphs).
         into_grad = (need_weight and weight.dtype == torch.float32 and weight.grad is not None
-                     and not torch.is_grad_enabled() and weight.grad.dtype == torch.float32
-                     and weight.grad.shape == weight.shape)
+                     and not torch.is_grad_enabled())
+        grad_weight = None
         if need_weight:
             grad_weight = weight.grad if into_grad else torch.zeros(weight.shape, dtype=torch.float32,
                                                                     device=weight.device)

@@ -43,8 +43,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from nano_miles import heap
 from nano_miles.algorithms import loss_normalizer, policy_loss
 from nano_miles.distributed import DistEnv
-from nano_miles.lr_schedule import set_lr
 from nano_miles.dtypes import DTYPES
+from nano_miles.lr_schedule import set_lr
 from nano_miles.trainer import Trainer, TrainerConfig
 
 

@@ -123,13 +123,18 @@ class TrainConfig(RolloutCommandConfig):
             raise ValueError("true_on_policy needs rollout.temperature = 1 (the engine's log-probs are of the "
                              "tempered distribution, the trainer's of the model's)")
         if (self.optim.lr_schedule != "constant" and not self.optim.decay_steps
-                and self.optim.warmup_steps >= self.steps * self.updates_per_step):
+                and self.optim.warmup_steps >= self.optimizer_steps):
             raise ValueError(f"optim.lr_schedule={self.optim.lr_schedule} decays after optim.warmup_steps "
-                             f"({self.optim.warmup_steps}), but the run has only {self.steps * self.updates_per_step} "
+                             f"({self.optim.warmup_steps}), but the run has only {self.optimizer_steps} "
                              "optimizer steps: fewer warm-up steps, or optim.decay_steps")
         if self.max_infra_failed_steps < 1:
             raise ValueError(f"max_infra_failed_steps must be >= 1, got {self.max_infra_failed_steps}")
         parse_report_to(self.report_to)
+
+    @property
+    def optimizer_steps(self) -> int:
+        """The run's optimizer steps: where a decaying lr ends unless optim.decay_steps says otherwise."""
+        return self.steps * self.updates_per_step
 
 
 class RunFailed(RuntimeError):
@@ -208,7 +213,7 @@ class TrainingRun:
         trainer_cfg = dataclasses.replace(
             cfg.trainer, model=self.model_path, device=self.layout.trainer_device, dtype=self.layout.dtype,
             true_on_policy=cfg.true_on_policy, loss=cfg.loss,  # a decaying lr ends with the run unless told otherwise
-            optim=dataclasses.replace(cfg.optim, decay_steps=cfg.optim.decay_steps or cfg.steps * cfg.updates_per_step))
+            optim=dataclasses.replace(cfg.optim, decay_steps=cfg.optim.decay_steps or cfg.optimizer_steps))
         self.trainer = self.ranks.build(trainer_cfg) if self.ranks else Trainer(trainer_cfg)
         self.reference = ReferencePolicy(self.trainer) if cfg.loss.kl_coef > 0 else None  # before any resume
         self.stream = TaskStream(tasks, cfg.seed)
