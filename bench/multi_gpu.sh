@@ -14,7 +14,8 @@
 #               then held-out pass@1 of its final policy (`sync` also evaluates the base model first)
 #   alfa        InterCode-ALFA pass@1 of the base model (and of the async run's final policy if present)
 #   learn-start / learn-watch   the same run in one background process (setsid) that outlives the
-#               device call: no restart and resume between calls; watch calls keep the machine warm
+#               device call: no restart and resume between calls; watch calls keep the machine warm.
+#               ARM=name runs one arm of several side by side (its own run and files); ARMS="a b" watches them
 #   learn       issue 14's long run (STEPS, MODE, LR, EXTRA), in device calls of LIMIT seconds: the
 #               first call starts it, each later one resumes it from the checkpoint the previous one
 #               left at its time limit (SIGINT checkpoints); once final/ exists, its held-out and ALFA
@@ -42,6 +43,7 @@ TRAINER_DEVICE="${TRAINER_DEVICE:-$([ "$gpus" -ge 1 ] && echo cuda:0 || echo cpu
 ENGINE_DEVICE="${ENGINE_DEVICE:-$([ "$gpus" -ge 2 ] && echo cuda:1 || echo "$TRAINER_DEVICE")}"
 STEPS="${STEPS:-40}" LR="${LR:-3e-6}" SAMPLES="${SAMPLES:-8}"
 read -r -a extra <<<"${EXTRA:-}"
+run="$MG/learn${ARM:+-$ARM}" bg="$MG/bg${ARM:+-$ARM}"   # learn-*: one run (an arm) and its background files
 step() { local name=$1 limit=$2; shift 2; echo "=== $name (limit ${limit}s)"; timeout -k 5 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"; echo "=== $name rc=${PIPESTATUS[0]}"; }
 
 # evaluate MODEL_OR_DIR NAME TASKS: pass@1 on one split, with an engine of its own on $ENGINE_DEVICE
@@ -102,7 +104,6 @@ alfa)
     evaluate "$MODEL" base_alfa alfa
     [ -d "$MG/async/final" ] && evaluate "$MG/async/final" async_alfa alfa ;;
 learn)
-    run="$MG/learn"
     if [ -f "$run/metrics.jsonl" ] && [ ! -d "$run/final" ]; then
         args=(--resume "$run" --set steps="$STEPS")
     elif [ ! -d "$run/final" ]; then
@@ -125,11 +126,11 @@ learn-start)
     # The same run as `learn`, in one process that outlives the device call (setsid): no restart and
     # resume between calls. `learn-watch` calls, back to back, keep the machine warm and bring back
     # its files. After training: full ALFA pass@1 (ALFA_SAMPLES a task) of the final policy.
-    rm -rf "$MG/learn" "$MG/bg"; mkdir -p "$MG/bg"
-    OUT="$MG/bg" setsid nohup bash "$0" learn-run </dev/null >"$MG/bg/run.log" 2>&1 &
-    sleep "${WATCH:-60}"; tail -5 "$MG/bg/learn_train.log" ;;
+    # ARM=name keeps several runs (arms with different EXTRA) side by side on one GPU.
+    rm -rf "$run" "$bg"; mkdir -p "$bg"
+    OUT="$bg" setsid nohup bash "$0" learn-run </dev/null >"$bg/run.log" 2>&1 &
+    sleep "${WATCH:-60}"; tail -5 "$bg/learn_train.log" ;;
 learn-run)
-    run="$MG/learn"
     args=(--set model="$MODEL" --set mode="${MODE:-async}" --set tasks=train --set steps="$STEPS"
           --set tasks_per_step=8 --set rollout.group_size=8 --set optim.lr="$LR" --set checkpoint_every=1000
           --set run_dir="$run" --set trainer_device="$TRAINER_DEVICE" --set engine.device="$ENGINE_DEVICE" "${extra[@]}")
@@ -138,11 +139,18 @@ learn-run)
     [ -d "$run/final" ] && SAMPLES="${ALFA_SAMPLES:-2}" evaluate "$run/final" learn_alfa alfa >/dev/null
     touch "$OUT/done" ;;
 learn-watch)
-    # wait up to WATCH seconds (or until the background run is done), then bring its files back
-    for _ in $(seq "${WATCH:-500}"); do [ -f "$MG/bg/done" ] && break; sleep 1; done
-    cp "$MG/learn/metrics.jsonl" "$OUT/learn_metrics.jsonl" 2>/dev/null; cp "$MG/bg/"*.log "$MG/bg/"*.jsonl "$OUT/" 2>/dev/null
-    grep -h "^eval\|rror" "$MG/bg/learn_train.log" | tail -12; tail -4 "$MG/bg/learn_train.log"
-    [ -f "$MG/bg/done" ] && echo "=== learn done" && tail -15 "$MG/bg/eval_learn_alfa.log" ;;
+    # wait up to WATCH seconds (or until every arm in ARMS is done), then bring their files back
+    read -r -a arms <<<"${ARMS:-${ARM:-}}"; [ ${#arms[@]} -eq 0 ] && arms=("")
+    for _ in $(seq "${WATCH:-500}"); do
+        left=0; for a in "${arms[@]}"; do [ -f "$MG/bg${a:+-$a}/done" ] || left=1; done
+        [ $left -eq 0 ] && break; sleep 1
+    done
+    for a in "${arms[@]}"; do
+        b="$MG/bg${a:+-$a}" o="$OUT${a:+/$a}"; mkdir -p "$o"
+        cp "$MG/learn${a:+-$a}/metrics.jsonl" "$o/learn_metrics.jsonl" 2>/dev/null; cp "$b/"*.log "$b/"*.jsonl "$o/" 2>/dev/null
+        echo "=== arm ${a:-default}"; grep -h "^eval\|rror" "$b/learn_train.log" | tail -6; tail -2 "$b/learn_train.log"
+        [ -f "$b/done" ] && echo "=== learn done" && tail -8 "$b/eval_learn_alfa.log"
+    done ;;
 *) echo "unknown phase $phase"; exit 2 ;;
 esac
 cp bench/results.jsonl "$OUT/results.jsonl" 2>/dev/null
