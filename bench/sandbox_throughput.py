@@ -254,6 +254,7 @@ def main() -> None:
     record = {"bench": "sandbox_throughput",
               "date": utc_now(),
               "commit": git_commit(), "machine": machine, "uid": os.geteuid(), "preferred_tier": p["tier"],
+              "init": p["capabilities"].get("init"),
               "load_average": round(load, 2), "load_average_before": round(load_before, 2),
               "config": vars(args), "results": rows, "episodes_ms": episodes, "bare_bwrap_run_ms": bare_ms,
               "plain_cpu_command_ms": plain_cpu}

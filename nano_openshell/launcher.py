@@ -1,7 +1,8 @@
 """The supervisor's side of a namespaced Sandbox: its one bwrap, the init inside (nsinit.py), each command.
 
-Namespaces(...).get() starts `[uid drop] bwrap <layout> --as-pid-1 -- python3 -I -S -c <_BOOT> FD`
-(nsinit.py on stdin) and returns at once: the init boots while the caller goes on, and a first
+Namespaces(...).get() starts `[uid drop] bwrap <layout> --as-pid-1 -- INIT FD` and returns at once. INIT
+is nsinit.c compiled (init_build.py; the supervisor passes its file, the sandbox execs /proc/self/fd/N)
+or, where no C compiler works, `python3 -I -S -c <_BOOT>` with nsinit.py on stdin. Either way the init boots while the caller goes on, and a first
 command simply waits in the socket until the init reads it; a dead init is replaced at the next
 get(). run() is one command: Init.spawn() sends it (argv, env and its fds by SCM_RIGHTS) and returns
 a Command, which is what output.drain needs of a Popen: wait(timeout), kill(), returncode.
@@ -25,6 +26,7 @@ import fcntl
 import json
 import marshal
 import os
+import struct
 import select
 import shutil
 import socket
@@ -33,7 +35,7 @@ import sys
 import threading
 import time
 
-from . import namespaced
+from . import init_build, namespaced
 from .output import drain
 
 _KILL_WAIT = 2.0       # after a kill request, how long the init has to report the command gone
@@ -111,6 +113,7 @@ class Namespaces:
 
     def __init__(self, bwrap: str, tmp_bytes: int, uid: int | None, workspace_fd: int, mounts: dict[str, str],
                  socket_fd: int | None, seccomp_program: bytes, cgroup_leaf, path: str):
+        self.init_binary = init_build.binary() if init_build.kind() == "c" else None
         self.python, _ = namespaced.sandbox_python(uid is not None)
         if self.python is None:
             raise InitDied("no Python that the sandbox can run for its init (neither under /usr nor ours)")
@@ -139,7 +142,7 @@ class Namespaces:
                 os.close(prog_r)
                 raise
             self._init = Init(argv, self.python, {"PATH": self._path}, self._fds, self._user, self._leaf,
-                              own_fds=(prog_r,))
+                              own_fds=(prog_r,), binary=self.init_binary)
             return self._init
 
     def ready(self, deadline: float) -> bool:
@@ -178,10 +181,28 @@ def _nsinit_program() -> bytes:
     return _PROGRAM
 
 
+def encode(msg: tuple) -> bytes:
+    """A message to the init, in the one format both inits parse (nsinit.c's header says it):
+    ("run", id, argv, env) | ("kill", id) | ("ping",)."""
+    if msg[0] == "run":
+        _, cid, argv, env = msg
+        strings = [os.fsencode(a) for a in argv] + [os.fsencode(f"{k}={v}") for k, v in env.items()]
+        if any(b"\0" in x for x in strings):
+            raise ValueError("a command's argv and environment cannot hold NUL bytes")
+        return b"r" + struct.pack("<QII", cid, len(argv), len(env)) + b"".join(x + b"\0" for x in strings)
+    if msg[0] == "kill":
+        return b"k" + struct.pack("<Q", msg[1])
+    if msg[0] == "ping":
+        return b"p"
+    raise ValueError(f"unknown init message {msg[0]!r}")
+
+
 class Init:
     def __init__(self, argv: list[str], python: str, env: dict[str, str], pass_fds: tuple[int, ...],
-                 user: int | None = None, cgroup_leaf=None, own_fds: tuple[int, ...] = ()):
-        """argv: [uid drop] bwrap ... -- (the layout; see namespaced.py); user: a uid to start it under
+                 user: int | None = None, cgroup_leaf=None, own_fds: tuple[int, ...] = (),
+                 binary: str | None = None):
+        """argv: [uid drop] bwrap ... -- (the layout; see namespaced.py); binary: the C init (else
+        python runs nsinit.py); user: a uid to start it under
         when there is no uid-drop tool (Popen then forks instead of vforking: once per Sandbox).
         own_fds: passed to bwrap too, and closed here once it started. Returns before bwrap runs:
         the spawner thread starts it (the first use of _proc waits for that).
@@ -193,7 +214,12 @@ class Init:
         forks nothing until it is sent a command, so every command's process is born inside."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         err_r, err_w = os.pipe()
-        src_r, src_w = os.pipe()  # the init's program (see _BOOT), ~35 KB
+        if binary is not None:  # its file, open: the sandbox cannot see our cache, but can exec an fd
+            src_r, src_w = init_build.open_binary(), None
+            init_argv = [f"/proc/self/fd/{src_r}", None, str(src_r)]
+        else:
+            src_r, src_w = os.pipe()  # the init's program (see _BOOT), ~35 KB
+            init_argv = [python, "-I", "-S", "-c", _BOOT, None]
         info_r, info_w = os.pipe() if cgroup_leaf is not None else (None, None)
         self._sock, self._err, self._ids = ours, err_r, iter(range(1, 1 << 62))
         self.dead: str | None = None  # why, once the init is known to be gone
@@ -202,30 +228,35 @@ class Init:
         self._joining = None  # the future of moving bwrap and the init into the cgroup leaf
         ids = dict(user=user, group=user, extra_groups=[]) if user is not None else {}
         info = ["--info-fd", str(info_w)] if info_w is not None else []
-        full = argv + info + ["--as-pid-1", "--", python, "-I", "-S", "-c", _BOOT, str(theirs.fileno())]
+        init_argv[init_argv.index(None)] = str(theirs.fileno())
+        full = argv + info + ["--as-pid-1", "--"] + init_argv
         theirs_fd = theirs.detach()
-        keep = pass_fds + own_fds + (theirs_fd,) + ((info_w,) if info_w is not None else ())
+        keep = pass_fds + own_fds + (theirs_fd,) + ((info_w,) if info_w is not None else ()) + \
+            ((src_r,) if binary is not None else ())
         closing = (theirs_fd, err_w, src_r) + own_fds + ((info_w,) if info_w is not None else ())
-        popen = dict(stdin=src_r, stdout=subprocess.DEVNULL, stderr=err_w, env=env, pass_fds=keep, **ids)
+        popen = dict(stdin=subprocess.DEVNULL if binary is not None else src_r, stdout=subprocess.DEVNULL,
+                     stderr=err_w, env=env, pass_fds=keep, **ids)
         self._started = _spawner().submit(self._start, full, popen, closing, src_w)
         if cgroup_leaf is not None:  # a pool's thread: starting a thread waits for it to run (~ms when busy)
             self._joining = _joiner().submit(self._join_cgroup, cgroup_leaf, info_r)
         os.set_blocking(err_r, False)
         ours.setblocking(False)
 
-    def _start(self, argv: list[str], popen: dict, closing: tuple[int, ...], src_w: int):
-        """In the spawner thread: start bwrap, close our copies of its fds, send the init's program.
-        A failure to start is this init's death (the first command says why), not an exception."""
-        program = _nsinit_program()
-        try:
-            fcntl.fcntl(src_w, fcntl.F_SETPIPE_SZ, len(program))
-        except OSError:
-            pass  # a user over its pipe quota gets small pipes: the rest is written once bwrap runs
-        os.set_blocking(src_w, False)
-        try:
-            sent = os.write(src_w, program)
-        except BlockingIOError:
-            sent = 0
+    def _start(self, argv: list[str], popen: dict, closing: tuple[int, ...], src_w: int | None):
+        """In the spawner thread: start bwrap, close our copies of its fds, send the init's program
+        (nsinit.py's; none to the C init). A failure to start is this init's death (the first command
+        says why), not an exception."""
+        program, sent = (_nsinit_program(), 0) if src_w is not None else (b"", 0)
+        if src_w is not None:
+            try:
+                fcntl.fcntl(src_w, fcntl.F_SETPIPE_SZ, len(program))
+            except OSError:
+                pass  # a user over its pipe quota gets small pipes: the rest is written once bwrap runs
+            os.set_blocking(src_w, False)
+            try:
+                sent = os.write(src_w, program)
+            except BlockingIOError:
+                pass
         try:
             return subprocess.Popen(argv, **popen)
         except Exception as e:
@@ -234,7 +265,9 @@ class Init:
         finally:
             for fd in closing:
                 os.close(fd)
-            if sent < len(program):  # the init reads the rest as it boots: not on this thread's time
+            if src_w is None:
+                pass
+            elif sent < len(program):  # the init reads the rest as it boots: not on this thread's time
                 threading.Thread(target=_write_all, args=(src_w, program[sent:]), daemon=True).start()
             else:
                 os.close(src_w)
@@ -312,7 +345,7 @@ class Init:
         return what + (f": {said}" if said else "")
 
     def _send(self, msg: tuple, fds: list[int], deadline: float) -> None:
-        data = marshal.dumps(msg)
+        data = encode(msg)
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
         while True:
             try:

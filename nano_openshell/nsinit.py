@@ -4,9 +4,11 @@ A bwrap per command cost ~3 ms of mounts and namespaces each time; this init is 
 `python3 -I -S -c <launcher._BOOT> FD` inside the Sandbox's bwrap (--as-pid-1), so a command costs one
 posix_spawn of bash. The sandbox may not see this package, so this file comes on stdin (compiled when
 the sandbox's Python can take our bytecode), and it imports only modules built into the interpreter
-(posix, _socket, select, marshal, _signal, time): its start is Python's own start-up and nothing more.
+(posix, _socket, select, _signal, time): its start is Python's own start-up and nothing more.
+Where a C compiler works, nsinit.c (the same job and protocol, without that start-up) runs instead.
 
-Protocol, on the SOCK_SEQPACKET socket FD (the supervisor's side is launcher.py):
+Protocol, on the SOCK_SEQPACKET socket FD (the supervisor's side is launcher.py; the bytes of each
+message are in nsinit.c's header, launcher.encode builds them):
   ("run", id, argv, env) + SCM_RIGHTS [status, stdout, stderr(, script)]: start a command, with a
                            fresh private directory in /tmp as its TMPDIR (removed once it is
                            reported, for up to _REMOVE_BUDGET; the rest stays in /tmp); a
@@ -29,7 +31,6 @@ A timeout kills the command's tree the same way.
 
 import _signal
 import _socket
-import marshal
 import posix as os  # not os: importing os (and _collections_abc) is ~1.5 ms of every start
 import select
 import time
@@ -101,13 +102,15 @@ class Init:
                 fds += [int.from_bytes(payload[i:i + 4], "little", signed=True)
                         for i in range(0, len(payload) - len(payload) % 4, 4)]
         try:
-            msg = marshal.loads(data)
-            if msg[0] == "kill":
-                self.kill(msg[1])
-            elif msg[0] == "run":
-                self.run(msg, fds)
-            elif msg[0] == "ping":
+            kind = data[:1]
+            if kind == b"k":
+                self.kill(int.from_bytes(data[1:9], "little"))
+            elif kind == b"r":
+                self.run(data, fds)
+            elif kind == b"p":
                 _write(fds[0], b"R\n")
+            else:
+                raise ValueError("an unknown message")
         except Exception as e:  # a message cut short (its fds could not all be received): that command fails
             if fds:
                 _write(fds[0], b"E%s\n" % repr(e).encode(errors="replace"))
@@ -118,11 +121,16 @@ class Init:
                 except OSError:
                     pass
 
-    def run(self, msg, fds) -> None:
-        _, cid, argv, env = msg
+    def run(self, data: bytes, fds) -> None:
+        cid, argc, envc = (int.from_bytes(data[i:j], "little") for i, j in ((1, 9), (9, 13), (13, 17)))
+        strings = data[17:].split(b"\0")
+        if argc < 1 or len(fds) < 3 or len(strings) != argc + envc + 1 or strings[-1]:
+            raise ValueError("a malformed run message")
+        argv = strings[:argc]
+        env = dict(s.split(b"=", 1) for s in strings[argc:argc + envc])
         status_fd = os.dup(fds[0])
         tmp = _fresh_dir(cid)
-        env["TMPDIR"] = tmp or "/tmp"
+        env[b"TMPDIR"] = (tmp or "/tmp").encode()
         actions = [(os.POSIX_SPAWN_DUP2, self.devnull, 0), (os.POSIX_SPAWN_DUP2, fds[1], 1),
                    (os.POSIX_SPAWN_DUP2, fds[2], 2)]
         if len(fds) > 3:  # a large script, in a memfd: bash reads it as /dev/fd/3

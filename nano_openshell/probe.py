@@ -15,7 +15,7 @@ import subprocess
 import tempfile
 import threading
 
-from . import cgroup, landlock, namespaced, seccomp
+from . import cgroup, init_build, landlock, namespaced, seccomp
 
 TIERS = ("none", "fallback", "namespaced")  # weakest first
 
@@ -105,6 +105,18 @@ def _try_namespaced(bwrap: str | None) -> tuple[bool, str, str]:
     return False, f"bwrap at {bwrap} failed to start a sandbox: {err or 'no message'}", version
 
 
+def _init() -> str:
+    """Which init the namespaced tier's sandboxes get, and why."""
+    try:
+        kind = init_build.kind()
+    except (ValueError, RuntimeError) as e:
+        return f"none: {e}"
+    if kind == "c":
+        return f"c ({init_build.binary()})"
+    why = "NANO_OPENSHELL_INIT=python" if os.environ.get("NANO_OPENSHELL_INIT") == "python" else init_build.why_not()
+    return f"python (nsinit.py, ~6 ms more per sandbox start: {why})"
+
+
 def _compute() -> dict:
     candidates = namespaced.bwrap_candidates()
     sec = _seccomp_status()
@@ -125,6 +137,9 @@ def _compute() -> dict:
         failures.append(ns_reason)
     if not ns_ok and failures:
         ns_reason = "; ".join(failures)
+    caps["init"] = _init() if ns_ok else None
+    if ns_ok:
+        ns_reason += f"; init: {caps['init']}"
     missing = [name for name, ok in (("Landlock", caps["landlock_abi"] > 0), ("seccomp", caps["seccomp"])) if not ok]
     fb_reason = ("subreaper init in a new session with rlimits"
                  + (", Landlock ABI %d" % caps["landlock_abi"] if caps["landlock_abi"] else "")

@@ -7,26 +7,43 @@ anyway, that command fails with a clear SandboxError and the next one gets a new
 ends a running command the way a timeout does: test_escapes.py); an init
 that stops answering gets the whole sandbox killed soon after the command's deadline (the command
 times out), never a hang.
+
+Every test here runs on both inits: nsinit.c (compiled, the default where a C compiler works) and
+nsinit.py (the fallback), which speak the same protocol (launcher.encode).
 """
 
+import array
 import os
+import select
 import signal
+import socket
+import struct
 import threading
 import time
 
 import pytest
 
 from nano_openshell import SandboxError
-from nano_openshell import launcher
+from nano_openshell import init_build, launcher
 
 from .conftest import MARK, processes_with, sleep_arg, started, token, wait_gone
 
 
+@pytest.fixture(params=["c", "python"])
+def init_kind(request, monkeypatch):
+    if request.param == "c" and init_build.binary() is None:
+        pytest.skip(f"the C init cannot be built here: {init_build.why_not()}")
+    monkeypatch.setenv("NANO_OPENSHELL_INIT", request.param)
+    return request.param
+
+
 @pytest.fixture
-def ns(make_sandbox, tier):
+def ns(make_sandbox, tier, init_kind):
     if tier != "namespaced":
         pytest.skip("the per-Sandbox init is the namespaced tier's (the fallback tier starts one per command)")
-    return make_sandbox()
+    sandbox = make_sandbox()
+    assert (sandbox._namespaces.init_binary is not None) == (init_kind == "c")
+    return sandbox
 
 
 def _init_pid(sb) -> int:
@@ -46,7 +63,11 @@ def test_one_bwrap_and_one_init_serve_every_command(ns):
                for _ in range(3)]
     assert {r.stdout for r in replies} == {replies[0].stdout}
     ppid, init_cmdline = replies[0].stdout.splitlines()[1:3]
-    assert ppid == "1" and " -I -S -c " in init_cmdline  # our init is pid 1, every command its child
+    assert ppid == "1"  # our init is pid 1, every command its child
+    if ns._namespaces.init_binary is not None:  # the C init, exec'd from the file the supervisor passed
+        assert init_cmdline.startswith("/proc/self/fd/")
+    else:
+        assert " -I -S -c " in init_cmdline
     bwrap, init = ns._namespaces._init._proc.pid, _init_pid(ns)
     for _ in range(3):
         ns.exec("true", timeout=10)
@@ -63,6 +84,26 @@ def test_the_init_runs_as_the_sandbox_uid_without_capabilities_and_ends_with_clo
             assert ids["Uid"].split() == [str(ns.uid)] * 4 and ids["Groups"] == ""
     ns.close()
     assert not os.path.exists(f"/proc/{bwrap}") and not os.path.exists(f"/proc/{init}")
+
+
+def test_a_malformed_message_gets_an_error_line_and_the_init_serves_on(ns):
+    ns.exec("true", timeout=10)
+    init = ns._namespaces._init
+    run_true = launcher.encode(("run", 99, ["/bin/true"], {}))
+    for data, n_fds in ((b"r\x01", 3),                                              # cut short
+                        (b"z", 1),                                                  # unknown
+                        (run_true, 1),                                              # no stdout/stderr fds
+                        (b"r" + struct.pack("<QII", 7, 2, 0) + b"/bin/true\0", 3),  # argc says 2, has 1
+                        (launcher.encode(("run", 8, ["/nonexistent/x"], {})), 3)):  # cannot start
+        pipes = [os.pipe() for _ in range(n_fds)]
+        init._sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [w for _, w in pipes]))])
+        for r, w in pipes:
+            os.close(w)
+        assert select.select([pipes[0][0]], [], [], 5)[0], data
+        assert os.read(pipes[0][0], 200).startswith(b"E"), data
+        for r, _ in pipes:
+            os.close(r)
+    assert ns.exec("echo still serving", timeout=10).stdout == "still serving\n"
 
 
 def test_commands_cannot_signal_the_init(ns):
