@@ -1,6 +1,6 @@
 """The namespaced tier's layout: the bwrap command line that starts one Sandbox's namespaces.
 
-One bwrap per Sandbox (launcher.py starts it; nsinit.py is its pid 1 and starts each command). Inside:
+One bwrap per Sandbox (launcher.py starts it; nsinit.c, or nsinit.py, is its pid 1 and starts each command). Inside:
 new user, mount, pid, net, ipc, uts and cgroup namespaces, every capability dropped, the seccomp
 deny list (seccomp.deny_list) for the init and every command.
 

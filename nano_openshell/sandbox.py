@@ -13,7 +13,7 @@ As root, each Sandbox picks its own unprivileged uid for its commands and hands 
 (before every exec, whatever the host wrote there since the last one, on the command's clock: see
 workspace.py), so the workspace's parents must be world-traversable.
 In the namespaced tier a Sandbox keeps one set of namespaces for its whole life: one bwrap, started
-at Sandbox() and booting in the background, whose pid 1 is our init (launcher.py, nsinit.py), so a
+at Sandbox() and booting in the background, whose pid 1 is our init (launcher.py, nsinit.c), so a
 command costs a posix_spawn inside, not a sandbox start. /tmp and /dev/shm last as long as the
 Sandbox; each command gets a fresh TMPDIR, cwd /workspace, and its whole process tree killed at its end.
 Where the host lets us create one (cgroup.py; as root it usually does), each Sandbox has its own
@@ -371,7 +371,7 @@ class Sandbox:
         return await asyncio.get_running_loop().run_in_executor(_executor(), self.exec, command, timeout)
 
     def _exec_namespaced(self, command: str, deadline: float):
-        """One command through the Sandbox's init (launcher.py, nsinit.py): a posix_spawn of bash in
+        """One command through the Sandbox's init (launcher.py, nsinit.c): a posix_spawn of bash in
         namespaces that already exist. A dead init is replaced for the next command."""
         script = self.limits.ulimit_line()
         if self._proxy is not None:
