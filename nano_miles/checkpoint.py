@@ -276,6 +276,14 @@ def export_model(trainer, tokenizer_dir: str, out_dir: Path, checkpoint_dir: Pat
     return out_dir
 
 
+def export_best(trainer, tokenizer_dir: str, best_dir: Path, checkpoint_dir: Path, best: dict) -> Path:
+    """keep_best: the current policy as best/ (a HF folder, as final/), with best.json saying from which
+    step and with what score; the previous best/ is replaced only once the new one is complete."""
+    export_model(trainer, tokenizer_dir, best_dir, checkpoint_dir)
+    (best_dir / "best.json").write_text(json.dumps(best) + "\n")
+    return best_dir
+
+
 def _link_checkpoint_weights(trainer, checkpoint_dir: Path | None, target: Path) -> bool:
     if checkpoint_dir is None or not (checkpoint_dir / "state.json").exists():
         return False

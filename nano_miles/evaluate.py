@@ -19,6 +19,7 @@ import math
 import random
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from tqdm import tqdm
 
@@ -90,10 +91,14 @@ class RunEvaluation:
     weights just synced) on `eval_tasks` and on the ALFA subset, with `eval_samples` samples a task at
     the run's rollout settings. Its task instances are seeded by the run seed alone, the same at every
     evaluation, so the curve moves with the policy only; it never touches the training task stream
-    (a resumed run sees the same training tasks)."""
+    (a resumed run sees the same training tasks).
+
+    keep_best: new_best() says when a trained policy beats every earlier one on eval_tasks (the run
+    then exports it to best/; ALFA never picks it: that would be choosing on the benchmark)."""
 
     def __init__(self, cfg, echo=print):
         self.every, self.last_step, self.seed, self.echo = cfg.eval_every, cfg.steps, cfg.seed, echo
+        self.keep_best, self.best = cfg.keep_best, None
         self.rollout = dataclasses.replace(cfg.rollout, group_size=cfg.eval_samples, dynamic_sampling=False)
         try:
             self.tasks = selected_tasks("train", cfg.eval_tasks) if self.every else []
@@ -140,6 +145,29 @@ class RunEvaluation:
                      f"({unavailable} of {len(self.alfa)} cannot run here, left out)")
         self.echo(f"{line}, in {seconds:.1f}s")
         return out
+
+
+    def new_best(self, step: int, evaluated: dict, best_dir: Path) -> bool:
+        """keep_best: is the policy after `step` (trained: step > 0) better on eval_tasks than any before,
+        including those of the run's earlier part (best_dir/best.json) when it was resumed?"""
+        score = evaluated.get("eval_pass_at_1")
+        if not self.keep_best or step == 0 or score is None:
+            return False
+        if self.best is None:
+            self.best = _read_best(best_dir) or {}
+        if self.best and score <= self.best["eval_pass_at_1"]:
+            return False
+        self.best = {"step": step, "eval_pass_at_1": score}
+        self.echo(f"keep_best: the policy after step {step} is the best so far on the eval tasks ({score:.3f}), "
+                  f"exported to {best_dir}")
+        return True
+
+
+def _read_best(best_dir: Path) -> dict | None:
+    try:
+        return json.loads((best_dir / "best.json").read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _when(step: int) -> str:

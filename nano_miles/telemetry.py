@@ -308,7 +308,7 @@ def run_summary(rows: list[dict], wall_s: float, run_dir: Path) -> list[str]:
         return f"{show(first)} (step {first['step']}) -> {show(last)} (step {last['step']})"
 
     files = [name for name in ("metrics.jsonl", "tensorboard/", "wandb/", "reward_mean.png", "acc.png",
-                               "entropy.png", "parity_mean.png", "eval_pass_at_1.png", "checkpoint/", "final/")
+                               "entropy.png", "parity_mean.png", "eval_pass_at_1.png", "checkpoint/", "final/", "best/")
              if (run_dir / name).exists()]
     lines = [f"summary: {len(rows)} step{'s' if len(rows) != 1 else ''}, {duration(wall_s)} wall time",
              f"  reward    {change('reward_mean', '{:+.3f}')}",

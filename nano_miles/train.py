@@ -38,7 +38,7 @@ import torch
 from transformers import AutoTokenizer
 
 from nano_miles.algorithms import AdvantageConfig, LossConfig
-from nano_miles.checkpoint import Checkpointer, disk_line, export_model
+from nano_miles.checkpoint import Checkpointer, disk_line, export_best, export_model
 from nano_miles.client import EngineUnavailable
 from nano_miles.config import ConfigError, add_config_arguments, config_from_args, to_dict, to_toml
 from nano_miles.distributed import DistError
@@ -95,6 +95,7 @@ class TrainConfig(RolloutCommandConfig):
     eval_tasks: str = "heldout"       # eval_every: the tasks evaluated besides ALFA (a selection, as `nano-miles eval --tasks`)
     eval_samples: int = 1             # eval_every: samples per task (pass@1 is their mean), at rollout.temperature like `nano-miles eval`
     eval_alfa_tasks: int = 20         # eval_every: also this many ALFA tasks, the same fixed subset in every run (needs icalfa); 0 = none
+    keep_best: bool = False           # eval_every: also export the policy with the best pass@1 on eval_tasks so far to best/ (with best.json)
     rollout: TrainRolloutConfig = field(default_factory=TrainRolloutConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -116,8 +117,8 @@ class TrainConfig(RolloutCommandConfig):
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.max_staleness < 0 or self.max_engine_restarts < 0:
             raise ValueError("max_staleness and max_engine_restarts must be >= 0")
-        if self.eval_every < 0 or self.eval_samples < 1 or self.eval_alfa_tasks < 0:
-            raise ValueError("eval_every and eval_alfa_tasks must be >= 0 (0 = off), eval_samples >= 1")
+        if self.eval_every < 0 or self.eval_samples < 1 or self.eval_alfa_tasks < 0 or (self.keep_best and not self.eval_every):
+            raise ValueError("eval_every and eval_alfa_tasks must be >= 0 (0 = off), eval_samples >= 1; keep_best needs eval_every")
         check_world(self, self.trainer.nproc)
         if self.true_on_policy and self.rollout.temperature != 1.0:
             raise ValueError("true_on_policy needs rollout.temperature = 1 (the engine's log-probs are of the "
@@ -381,7 +382,11 @@ class TrainingRun:
             self.producer.start(self.start_step + 1)
             for step in range(self.start_step + 1, cfg.steps + 1):
                 metrics = self.step(step)
-                metrics.update(self.evaluation.after_step(step, self.engines, self.tokenizer, self.make_sandbox))
+                evaluated = self.evaluation.after_step(step, self.engines, self.tokenizer, self.make_sandbox)
+                if self.evaluation.new_best(step, evaluated, self.run_dir / "best"):
+                    export_best(self.trainer, self.model_path, self.run_dir / "best", self.run_dir / "checkpoint",
+                                self.evaluation.best)
+                metrics.update(evaluated)
                 metrics.update(self._timing(step, loop_started))
                 self.log.log(metrics)
                 completed, self._mutating = step, False

@@ -1,9 +1,11 @@
 """Evaluation inside a training run (`eval_every`, nano_miles/evaluate.py's RunEvaluation): a real run
 (tiny-random-qwen2, real engine, real sandbox) writes eval columns into metrics.jsonl, TensorBoard
 and the PNG curves, and the evaluations never move the training data position."""
+import json
 import sys
 
 import pytest
+from safetensors import safe_open
 
 from nano_miles.config import ConfigError, load_config, parse_set
 from nano_miles.evaluate import RunEvaluation, alfa_subset
@@ -29,7 +31,7 @@ def _expected_task_ids(steps, seed=0, per_step=2, group=2):
 def test_eval_every_measures_the_policy_and_leaves_the_training_stream_alone(tmp_path):
     run_dir = tmp_path / "run"
     printed = []
-    sets = ["eval_every=2", "eval_tasks=kernel_name,md5_file", "eval_alfa_tasks=2", f"run_dir={run_dir}"]
+    sets = ["eval_every=2", "eval_tasks=kernel_name,md5_file", "eval_alfa_tasks=2", f"run_dir={run_dir}", "keep_best=true"]
     TrainingRun(_config("steps=3", *sets), echo=printed.append).run()
     rows = read_metrics(run_dir / "metrics.jsonl")
     evaluated = [r for r in rows if "eval_seconds" in r]
@@ -52,10 +54,34 @@ def test_eval_every_measures_the_policy_and_leaves_the_training_stream_alone(tmp
     # The evaluations took no task from the training stream: the run trained on what a run without
     # them would, and a resumed run continues the same order (with no second step 0).
     assert [r["task_ids"] for r in rows[1:]] == _expected_task_ids(3)
+    # keep_best: best/ is the trained policy that first scored highest on the eval tasks (ALFA aside)
+    trained = [r for r in evaluated if r["step"] > 0]
+    first_best = max(trained, key=lambda r: (r["eval_pass_at_1"], -r["step"]))
+    assert json.loads((run_dir / "best" / "best.json").read_text()) == {
+        "step": first_best["step"], "eval_pass_at_1": first_best["eval_pass_at_1"]}
+    with safe_open(str(run_dir / "best" / "model.safetensors"), "pt") as f:
+        assert len(list(f.keys())) > 0 and (run_dir / "best" / "config.json").exists()
+    assert f"keep_best: the policy after step {first_best['step']} is the best so far on the eval tasks " \
+           f"({first_best['eval_pass_at_1']:.3f}), exported to {run_dir / 'best'}" in printed
     TrainingRun(_config("steps=4", *sets), resume_dir=str(run_dir), echo=printed.append).run()
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4] and [r["task_ids"] for r in rows[1:]] == _expected_task_ids(4)
     assert "eval_seconds" in rows[4]
+
+
+def test_keep_best_picks_only_a_trained_policy_that_beats_every_earlier_one_resumed_runs_included(tmp_path):
+    evaluation, best_dir = RunEvaluation(_config("steps=9", "eval_every=2", "keep_best=true")), tmp_path / "best"
+    picks = [evaluation.new_best(step, {"eval_pass_at_1": score}, best_dir)
+             for step, score in ((0, 0.5), (2, 0.2), (4, 0.2), (6, 0.1), (8, 0.3), (9, None))]
+    assert picks == [False, True, False, False, True, False]  # step 0 is the base model; ties keep the earlier
+    best_dir.mkdir()
+    (best_dir / "best.json").write_text(json.dumps({"step": 8, "eval_pass_at_1": 0.3}))
+    resumed = RunEvaluation(_config("steps=12", "eval_every=2", "keep_best=true"))
+    assert [resumed.new_best(s, {"eval_pass_at_1": v}, best_dir) for s, v in ((10, 0.25), (12, 0.4))] == [False, True]
+    off = RunEvaluation(_config("steps=4", "eval_every=2"))
+    assert not off.new_best(2, {"eval_pass_at_1": 1.0}, best_dir)
+    with pytest.raises(ValueError, match="keep_best needs eval_every"):
+        _config("keep_best=true")
 
 
 def test_a_bad_eval_selection_is_one_line_before_anything_loads(tmp_path):
