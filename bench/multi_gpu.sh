@@ -137,6 +137,7 @@ learn-run)
     echo "=== learn-run: train ${args[*]}" >"$OUT/learn_train.log"
     "$py" -m nano_miles.cli train "${args[@]}" 2>&1 | grep --line-buffered -v "/s\]$\|s/ep\]$" >>"$OUT/learn_train.log"
     [ -d "$run/final" ] && SAMPLES="${ALFA_SAMPLES:-2}" evaluate "$run/final" learn_alfa alfa >/dev/null
+    [ -d "$run/best" ] && SAMPLES="${ALFA_SAMPLES:-2}" evaluate "$run/best" learn_alfa_best alfa >/dev/null  # keep_best
     touch "$OUT/done" ;;
 learn-watch)
     # wait up to WATCH seconds (or until every arm in ARMS is done), then bring their files back
@@ -149,7 +150,8 @@ learn-watch)
         b="$MG/bg${a:+-$a}" o="$OUT${a:+/$a}"; mkdir -p "$o"
         cp "$MG/learn${a:+-$a}/metrics.jsonl" "$o/learn_metrics.jsonl" 2>/dev/null; cp "$b/"*.log "$b/"*.jsonl "$o/" 2>/dev/null
         echo "=== arm ${a:-default}"; grep -h "^eval\|rror" "$b/learn_train.log" | tail -6; tail -2 "$b/learn_train.log"
-        [ -f "$b/done" ] && echo "=== learn done" && tail -8 "$b/eval_learn_alfa.log"
+        [ -f "$b/done" ] && echo "=== learn done" && tail -8 "$b/eval_learn_alfa.log" && cat "$MG/learn${a:+-$a}/best/best.json" 2>/dev/null \
+            && tail -3 "$b/eval_learn_alfa_best.log" 2>/dev/null
     done ;;
 *) echo "unknown phase $phase"; exit 2 ;;
 esac
