@@ -82,8 +82,12 @@ class _BuildError(RuntimeError):
 
 def _key() -> str:
     compiler = shutil.which(os.environ.get("CC", "cc")) or ""
-    with open(_SOURCE, "rb") as f:
-        digest = hashlib.sha256(f.read() + "\0".join([compiler] + _FLAGS).encode()).hexdigest()[:16]
+    try:
+        with open(_SOURCE, "rb") as f:
+            source = f.read()
+    except OSError:  # an installation without it: the Python init (binary() says why)
+        source = b""
+    digest = hashlib.sha256(source + "\0".join([compiler] + _FLAGS).encode()).hexdigest()[:16]
     return f"{os.uname().machine}-{digest}"
 
 
