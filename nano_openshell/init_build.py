@@ -138,6 +138,9 @@ def _build(key: str) -> str:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    for name in os.listdir(cache):  # older sources' builds (a process still using one holds it open)
+        if name.startswith("nsinit-") and name != os.path.basename(target):
+            os.unlink(os.path.join(cache, name))
     return _checked(target)
 
 

@@ -114,28 +114,45 @@ static int is_root(pid_t pid, const pid_t *roots, size_t n_roots) {
     return 0;
 }
 
-/* keep[i] = 1 when process i is one of roots or descends from one; walks up parent links with memo */
+static const struct procs *sorting;
+static int by_pid(const void *a, const void *b) {
+    pid_t x = sorting->pid[*(const size_t *)a], y = sorting->pid[*(const size_t *)b];
+    return (x > y) - (x < y);
+}
+
+/* the index of pid in p (order: p's indices sorted by pid), or p->n when it is not there */
+static size_t find(const struct procs *p, const size_t *order, pid_t pid) {
+    size_t lo = 0, hi = p->n;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (p->pid[order[mid]] < pid) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo < p->n && p->pid[order[lo]] == pid ? order[lo] : p->n;
+}
+
+/* keep[i] = 1 when process i is one of roots or descends from one (2: it does not); each process's
+   parent chain is walked once, with what earlier walks found remembered (O(n log n) for any shape) */
 static char *in_trees(const struct procs *p, const pid_t *roots, size_t n_roots) {
     char *keep = calloc(p->n ? p->n : 1, 1);  /* 0 unknown, 1 inside, 2 outside */
-    size_t *path = malloc((p->n + 1) * sizeof *path);
-    if (!keep || !path) { free(path); return keep; }
+    size_t *path = malloc((p->n + 1) * sizeof *path), *order = malloc((p->n + 1) * sizeof *order);
+    if (!keep || !path || !order) { free(keep), free(path), free(order); return NULL; }
+    for (size_t i = 0; i < p->n; i++) order[i] = i;
+    sorting = p;
+    qsort(order, p->n, sizeof *order, by_pid);
     for (size_t i = 0; i < p->n; i++) {
         size_t depth = 0, j = i;
         char verdict = 2;
         for (;;) {
             if (keep[j]) { verdict = keep[j]; break; }
-            if (is_root(p->pid[j], roots, n_roots)) { verdict = 1; path[depth++] = j; break; }
             path[depth++] = j;
-            if (depth > p->n) break;  /* a parent loop cannot happen; stop anyway */
-            size_t k = p->n;
-            for (size_t m = 0; m < p->n; m++)
-                if (p->pid[m] == p->ppid[j]) { k = m; break; }
-            if (k == p->n) break;  /* parent is pid 1 (us) or already gone: outside every tree */
-            j = k;
+            if (is_root(p->pid[j], roots, n_roots)) { verdict = 1; break; }
+            j = find(p, order, p->ppid[j]);
+            if (j == p->n || depth > p->n) break;  /* parent is pid 1 (us) or gone: outside every tree */
         }
         for (size_t m = 0; m < depth; m++) keep[path[m]] = verdict;
     }
-    free(path);
+    free(path), free(order);
     return keep;
 }
 

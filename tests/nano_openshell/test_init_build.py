@@ -22,7 +22,10 @@ def fresh_cache(tmp_path, monkeypatch):
 
 
 def test_the_init_is_built_once_into_a_directory_only_we_can_write(fresh_cache):
+    fresh_cache.mkdir(parents=True, mode=0o700)
+    (fresh_cache / "nsinit-x86_64-0123456789abcdef").write_bytes(b"an older source's build")
     path = init_build.binary()
+    assert os.listdir(fresh_cache) == [os.path.basename(path)]  # the older build is gone
     assert path is not None and os.path.dirname(path) == str(fresh_cache)
     st, dir_st = os.stat(path), os.stat(fresh_cache)
     assert st.st_uid == os.geteuid() and not st.st_mode & 0o022 and st.st_mode & stat.S_IXOTH
