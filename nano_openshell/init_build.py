@@ -12,6 +12,7 @@ takes ~0.3 s, once.
 NANO_OPENSHELL_INIT=python forces the Python init (and =c fails loudly where it cannot be built).
 """
 
+import functools
 import hashlib
 import os
 import shutil
@@ -81,7 +82,13 @@ class _BuildError(RuntimeError):
 
 
 def _key() -> str:
-    compiler = shutil.which(os.environ.get("CC", "cc")) or ""
+    return _key_for(os.environ.get("CC", "cc"), os.environ.get("PATH", ""))
+
+
+@functools.lru_cache(maxsize=8)
+def _key_for(cc: str, path: str) -> str:
+    """The build's cache key: machine, source, compiler, flags (computed once per CC and PATH)."""
+    compiler = shutil.which(cc, path=path) or ""
     try:
         with open(_SOURCE, "rb") as f:
             source = f.read()

@@ -1,11 +1,12 @@
-"""The supervisor's side of a namespaced Sandbox: its one bwrap, the init inside (nsinit.py), each command.
+"""The supervisor's side of a namespaced Sandbox: its one bwrap, the init inside (nsinit.c), each command.
 
-Namespaces(...).get() starts `[uid drop] bwrap <layout> --as-pid-1 -- INIT FD` and returns at once. INIT
-is nsinit.c compiled (init_build.py; the supervisor passes its file, the sandbox execs /proc/self/fd/N)
-or, where no C compiler works, `python3 -I -S -c <_BOOT>` with nsinit.py on stdin. Either way the init boots while the caller goes on, and a first
-command simply waits in the socket until the init reads it; a dead init is replaced at the next
-get(). run() is one command: Init.spawn() sends it (argv, env and its fds by SCM_RIGHTS) and returns
-a Command, which is what output.drain needs of a Popen: wait(timeout), kill(), returncode.
+Namespaces(...).get() starts `[uid drop] bwrap <layout> --as-pid-1 -- INIT FD` and returns at once.
+INIT is nsinit.c compiled (init_build.py: the supervisor passes the file, the sandbox execs
+/proc/self/fd/N) or, where no C compiler works, `python3 -I -S -c <_BOOT>` with nsinit.py on stdin.
+The init boots while the caller goes on, and a first command simply waits in the socket until the
+init reads it; a dead init is replaced at the next get(). run() is one command: Init.spawn() sends
+it (argv, env and its fds by SCM_RIGHTS) and returns a Command, which is what output.drain needs of a
+Popen: wait(timeout), kill(), returncode.
 With a cgroup, bwrap and the init are moved into it by a thread while they boot (Init.__init__ says
 why); no command is sent before they are in.
 
@@ -26,10 +27,10 @@ import fcntl
 import json
 import marshal
 import os
-import struct
 import select
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -216,10 +217,10 @@ class Init:
         err_r, err_w = os.pipe()
         if binary is not None:  # its file, open: the sandbox cannot see our cache, but can exec an fd
             src_r, src_w = init_build.open_binary(), None
-            init_argv = [f"/proc/self/fd/{src_r}", None, str(src_r)]
+            init_argv = [f"/proc/self/fd/{src_r}", str(theirs.fileno()), str(src_r)]
         else:
             src_r, src_w = os.pipe()  # the init's program (see _BOOT), ~35 KB
-            init_argv = [python, "-I", "-S", "-c", _BOOT, None]
+            init_argv = [python, "-I", "-S", "-c", _BOOT, str(theirs.fileno())]
         info_r, info_w = os.pipe() if cgroup_leaf is not None else (None, None)
         self._sock, self._err, self._ids = ours, err_r, iter(range(1, 1 << 62))
         self.dead: str | None = None  # why, once the init is known to be gone
@@ -228,7 +229,6 @@ class Init:
         self._joining = None  # the future of moving bwrap and the init into the cgroup leaf
         ids = dict(user=user, group=user, extra_groups=[]) if user is not None else {}
         info = ["--info-fd", str(info_w)] if info_w is not None else []
-        init_argv[init_argv.index(None)] = str(theirs.fileno())
         full = argv + info + ["--as-pid-1", "--"] + init_argv
         theirs_fd = theirs.detach()
         keep = pass_fds + own_fds + (theirs_fd,) + ((info_w,) if info_w is not None else ()) + \
@@ -246,7 +246,7 @@ class Init:
         """In the spawner thread: start bwrap, close our copies of its fds, send the init's program
         (nsinit.py's; none to the C init). A failure to start is this init's death (the first command
         says why), not an exception."""
-        program, sent = (_nsinit_program(), 0) if src_w is not None else (b"", 0)
+        program, sent = _nsinit_program() if src_w is not None else b"", 0
         if src_w is not None:
             try:
                 fcntl.fcntl(src_w, fcntl.F_SETPIPE_SZ, len(program))
