@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import random
 import signal
 import sys
@@ -44,7 +43,7 @@ from nano_miles.config import ConfigError, add_config_arguments, config_from_arg
 from nano_miles.distributed import DistError
 from nano_miles.dtypes import TRAINABLE
 from nano_miles.dynamic_sampling import TrainRolloutConfig
-from nano_miles.engine_handle import EngineHandle, plan_layout
+from nano_miles.engine_handle import EngineHandle, train_layout
 from nano_miles.evaluate import RunEvaluation
 from nano_miles.memory_plan import plan_memory, uses_shared_weights
 from nano_miles.producer import AsyncProducer, StepRollout, SyncProducer, TaskStream, roll_out_step, staleness
@@ -149,20 +148,6 @@ def check_world(cfg: TrainConfig, world_size: int) -> None:
 
 
 CONFIG = TrainConfig
-
-
-def train_layout(cfg: TrainConfig, ranks: TrainerRanks | None = None):
-    """plan_layout for a training run (the trainer's ranks on this host take the first GPUs):
-    true_on_policy turns the engine's side on too (an engine given by engine.url must have been
-    started with `serve --true-on-policy`)."""
-    if ranks is None:
-        layout = plan_layout(cfg.dtype, cfg.engine, cfg.trainer_device)
-    else:
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world_size))
-        layout = plan_layout(cfg.dtype, cfg.engine, str(ranks.env.device), trainer_ranks=local_ranks)
-    if cfg.true_on_policy:
-        layout.engine_args.append("--true-on-policy")
-    return layout
 
 
 class TrainingRun:
