@@ -25,11 +25,14 @@ class TrainRolloutConfig(RolloutConfig):
     dynamic_sampling: bool = False   # DAPO: drop groups whose rewards are all equal (no signal) and refill the step's batch from the task stream
     max_sampling_rounds: int = 3     # dynamic sampling: rollout rounds per step at most (the first included); then it trains on the groups it has
     oversample: float = 1.0          # dynamic sampling: each round rolls out this many times the groups still missing (verl's gen_batch_size / train_batch_size)
+    pass_over_saturated: int = 0     # a task whose last group had equal rewards (all solved, or none) is passed over at its next N appearances in the task stream; 0 = off
 
     def __post_init__(self):
         super().__post_init__()
         if self.max_sampling_rounds < 1:
             raise ValueError(f"rollout.max_sampling_rounds must be >= 1, got {self.max_sampling_rounds}")
+        if not 0 <= self.pass_over_saturated <= 100:
+            raise ValueError(f"rollout.pass_over_saturated must be in [0, 100] (0 = off), got {self.pass_over_saturated}")
         if not self.oversample >= 1.0:
             raise ValueError(f"rollout.oversample must be >= 1, got {self.oversample}")
         if self.dynamic_sampling and self.group_size < 2:
@@ -66,6 +69,7 @@ class SamplingTally:
     without_signal: int = 0     # groups whose rewards were all equal (or lost): dropped when enabled
     rounds: int = 0
     max_rounds: int = 1
+    passed_over: int = 0        # task appearances the stream passed over (rollout.pass_over_saturated)
 
     @property
     def dropped(self) -> int:
@@ -85,4 +89,4 @@ class SamplingTally:
         share = self.generated and 1 / self.generated
         return {"groups_generated": self.generated, "groups_kept": self.kept, "groups_dropped": self.dropped,
                 "dropped_group_share": self.dropped * share, "zero_variance_share": self.without_signal * share,
-                "sampling_rounds": self.rounds, "sampling_note": self.note}
+                "sampling_rounds": self.rounds, "sampling_note": self.note, "tasks_passed_over": self.passed_over}

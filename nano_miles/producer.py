@@ -18,31 +18,61 @@ from itertools import zip_longest
 
 from tqdm import tqdm
 
-from nano_miles.dynamic_sampling import SamplingTally, TrainRolloutConfig, split_groups
+from nano_miles.dynamic_sampling import SamplingTally, TrainRolloutConfig, has_signal, split_groups
 from nano_miles.rollout import rollout_groups
 
 
 class TaskStream:
-    """The tasks of the run in a seeded order, epoch after epoch; `position` is all the state a
-    resume needs to continue exactly where the run stopped."""
+    """The tasks of the run in a seeded order, epoch after epoch; state() is all a resume needs to
+    continue exactly where the run stopped.
 
-    def __init__(self, tasks: list, seed: int, position: int = 0):
+    pass_over (rollout.pass_over_saturated): a task whose last group had no learning signal (every
+    sample solved it, or none did) is passed over at its next `pass_over` appearances, so rollouts
+    go to tasks that still teach something; a group with a signal clears that (saw())."""
+
+    def __init__(self, tasks: list, seed: int, position: int = 0, pass_over: int = 0):
         if not tasks:
             raise ValueError("no tasks selected")
-        self.tasks, self.seed, self.position = list(tasks), seed, position
+        self.tasks, self.seed, self.position, self.pass_over = list(tasks), seed, position, pass_over
+        self.passes: dict[str, int] = {}  # task id -> its appearances still to pass over
+        self._epoch_order = (-1, [])
 
     def _order(self, epoch: int) -> list:
-        order = list(self.tasks)
-        random.Random(self.seed * 7919 + epoch).shuffle(order)
-        return order
+        if self._epoch_order[0] != epoch:
+            order = list(self.tasks)
+            random.Random(self.seed * 7919 + epoch).shuffle(order)
+            self._epoch_order = (epoch, order)
+        return self._epoch_order[1]
 
     def take(self, k: int) -> list:
         out = []
-        for _ in range(k):
+        while len(out) < k:  # ends: every pass over uses one up, and none are added here
             epoch, i = divmod(self.position, len(self.tasks))
-            out.append(self._order(epoch)[i])
+            task = self._order(epoch)[i]
             self.position += 1
+            left = self.passes.pop(task.id, 0)
+            if left > 1:
+                self.passes[task.id] = left - 1
+            elif not left:
+                out.append(task)
         return out
+
+    def saw(self, task_id: str, signal: bool) -> None:
+        """The outcome of a group of task_id: with a learning signal or without (see pass_over)."""
+        if self.pass_over and signal:
+            self.passes.pop(task_id, None)
+        elif self.pass_over:
+            self.passes[task_id] = self.pass_over
+
+    def state(self) -> dict:
+        return {"position": self.position, "passes": dict(self.passes)}
+
+    def restore(self, state: dict | int) -> None:
+        """Back to a state() (an int: a checkpoint's position from before pass_over existed)."""
+        if isinstance(state, int):
+            self.position, self.passes = state, {}
+        else:
+            self.position, self.passes = state["position"], dict(state["passes"])
 
 
 @dataclass
@@ -51,7 +81,8 @@ class StepRollout:
     trajectories: list    # what the update trains on
     seconds: float
     setup_failures: int   # episodes lost before their first turn (sandbox setup): counted, not trained on
-    data_position: int    # the stream's position after this step's tasks (what a checkpoint stores)
+    data_position: int    # the stream's position after this step's tasks
+    stream_state: dict = field(default_factory=dict)  # the stream's whole state after them (what a checkpoint stores)
     setup_errors: list[str] = field(default_factory=list)  # the first few setup failures' messages
     engine_requests: list[int] = field(default_factory=list)  # /generate calls per engine replica
     dropped: list = field(default_factory=list)  # rolled out, not trained on (dynamic sampling: no signal, surplus)
@@ -120,13 +151,15 @@ def roll_out_step(step: int, stream: TaskStream, tasks_per_step: int, engines, t
     without a learning signal are dropped and more tasks taken, round after round, until the batch has
     `tasks_per_step` groups or cfg.max_sampling_rounds rounds ran (nano_miles/dynamic_sampling.py).
     On any failure the stream is put back, so that a retry takes the same tasks with the same seeds."""
-    position = stream.position
+    before = stream.state()
     tally = SamplingTally(cfg.dynamic_sampling, tasks_per_step, max_rounds=cfg.max_sampling_rounds)
     kept, dropped, setup_errors, requests, setup_failures = [], [], [], [], 0  # kept: groups, in order
     t0 = time.perf_counter()
     try:
         while True:
+            start = stream.position
             tasks = stream.take(cfg.round_size(tasks_per_step - len(kept)))
+            tally.passed_over += stream.position - start - len(tasks)
             stats = {}
             label = desc if tally.rounds == 0 else f"{desc} (round {tally.rounds + 1}, refill)"
             with tqdm(total=len(tasks) * cfg.group_size, desc=label, unit="ep", leave=False, dynamic_ncols=True) as bar:
@@ -140,6 +173,9 @@ def roll_out_step(step: int, stream: TaskStream, tasks_per_step: int, engines, t
             setup_errors += stats.get("setup_errors", [])
             requests = [a + b for a, b in zip_longest(requests, stats.get("engine_requests", []), fillvalue=0)]
             with_signal, without = split_groups(trajs)
+            for group in with_signal + without:  # pass_over: groups the sandbox lost say nothing of the task
+                if any(t.finish_reason != "infra_error" for t in group):
+                    stream.saw(group[0].task_id, has_signal(group))
             tally.without_signal += len(tasks) - len(with_signal)  # groups lost to setup failures have none either
             if not cfg.dynamic_sampling:  # every group is trained on, in the order it came
                 kept = [trajs]
@@ -151,7 +187,7 @@ def roll_out_step(step: int, stream: TaskStream, tasks_per_step: int, engines, t
             if len(kept) >= tasks_per_step or tally.rounds >= cfg.max_sampling_rounds or lost:
                 break  # full; or bounded; or the sandbox lost a whole round: more rounds would lose theirs too
     except BaseException:
-        stream.position = position
+        stream.restore(before)
         raise
     if cfg.dynamic_sampling:
         dropped += [t for g in kept[tasks_per_step:] for t in g]  # an oversampled round's surplus groups
@@ -160,7 +196,7 @@ def roll_out_step(step: int, stream: TaskStream, tasks_per_step: int, engines, t
         if tally.note:
             print(f"step {step}: {tally.note}", file=sys.stderr)
     return StepRollout(step, [t for g in kept for t in g], time.perf_counter() - t0, setup_failures, stream.position,
-                       setup_errors[:3], engine_requests=requests, dropped=dropped, sampling=tally)
+                       stream.state(), setup_errors[:3], engine_requests=requests, dropped=dropped, sampling=tally)
 
 
 class SyncProducer:

@@ -202,16 +202,17 @@ class TrainingRun:
             optim=dataclasses.replace(cfg.optim, decay_steps=cfg.optim.decay_steps or cfg.optimizer_steps))
         self.trainer = self.ranks.build(trainer_cfg) if self.ranks else Trainer(trainer_cfg)
         self.reference = ReferencePolicy(self.trainer) if cfg.loss.kl_coef > 0 else None  # before any resume
-        self.stream = TaskStream(tasks, cfg.seed)
+        self.stream = TaskStream(tasks, cfg.seed, pass_over=cfg.rollout.pass_over_saturated)
         self.start_step = 0
         if resume_dir:
             state = load_run_checkpoint(self.run_dir, self.trainer, echo)
             if state is None:
                 echo(f"{self.run_dir} has no checkpoint yet: starting from step 1")
             else:
-                self.start_step, self.stream.position = state["step"], state["data_position"]
+                self.start_step = state["step"]
+                self.stream.restore(state.get("stream", state["data_position"]))
                 echo(f"resumed from {self.run_dir}/checkpoint after step {self.start_step}")
-        self.data_position = {self.start_step: self.stream.position}  # step -> stream position after it
+        self.stream_after = {self.start_step: self.stream.state()}  # step -> the task stream's state after it
         self.checkpointer = (RankCheckpointer if self.ranks else Checkpointer)(
             self.run_dir, self.trainer, cfg.checkpoint_every, cfg.checkpoint_minutes, cfg.steps, cfg.keep_optimizer_state)
         self.log = MetricsLog(self.run_dir, resume_after_step=self.start_step if resume_dir else None, echo=echo,
@@ -289,7 +290,7 @@ class TrainingRun:
     def step(self, step: int) -> dict:
         t0 = time.perf_counter()
         rollout = self._collect(step)
-        self.data_position[step] = rollout.data_position
+        self.stream_after[step] = rollout.stream_state
         stale = [staleness(t, self.trainer.step) for t in rollout.trajectories]
         # Sandbox infrastructure failures are not the policy's doing: counted, never trained on.
         kept = [t for t, s in zip(rollout.trajectories, stale)
@@ -320,7 +321,8 @@ class TrainingRun:
             self.echo(f"engine memory release: {e}")
 
     def _checkpoint(self, step: int, background: bool = True) -> None:
-        self.checkpointer.save({"step": step, "data_position": self.data_position[step],
+        self.checkpointer.save({"step": step, "data_position": self.stream_after[step]["position"],
+                                "stream": self.stream_after[step],
                                 "weight_version": str(self.trainer.step)}, background)
         self.checkpointed = step
 

@@ -202,6 +202,38 @@ def test_oversampled_surplus_is_not_trained_on_and_off_means_unfiltered(tok, scr
     assert (m["groups_generated"], m["groups_kept"], m["groups_dropped"], m["zero_variance_share"]) == (4, 4, 0, 0.5)
 
 
+def test_a_step_passes_over_the_tasks_whose_last_group_had_no_signal(tok, scripted):
+    tasks = select_tasks(TASKS)
+    engine = scripted({"kernel_name"})  # the other three tasks' groups never have a signal
+    plain = [t.id for t in TaskStream(tasks, seed=3).take(12)]
+    stream = TaskStream(tasks, seed=3, pass_over=1)
+    cfg = _cfg(pass_over_saturated=1)
+    first = roll_out_step(1, stream, 4, [engine.url], tok, cfg, run_seed=0)
+    assert first.sampling.metrics()["tasks_passed_over"] == 0
+    assert first.stream_state == {"position": 4, "passes": {t: 1 for t in plain[:4] if t != "kernel_name"}}
+    second = roll_out_step(2, stream, 4, [engine.url], tok, cfg, run_seed=0)
+    # epoch 1 gives only kernel_name (the other three passed over once), epoch 2 the rest of the batch
+    assert [g.task_id for g in second.trajectories[::2]] == ["kernel_name"] + plain[8:11]
+    assert second.sampling.metrics()["tasks_passed_over"] == 3 and second.data_position == 11
+
+
+def test_a_resumed_run_passes_over_what_the_interrupted_one_would_have(tmp_path):
+    """The real engine with the random model: no group has a signal, so after two steps of two tasks
+    all four are passed over once; a run resumed after step 2 knows it from its checkpoint."""
+    sets = ["model=tiny-random-qwen2", "rollout.max_new_tokens=8", "rollout.env.max_turns=1", "rollout.group_size=2",
+            "tasks_per_step=2", f"tasks={TASKS}", "rollout.pass_over_saturated=1", "checkpoint_every=1",
+            "report_to=none", f"run_dir={tmp_path / 'run'}"]
+    TrainingRun(load_config(TrainConfig, None, parse_set(sets + ["steps=2"])), echo=lambda *a: None).run()
+    state = json.loads((tmp_path / "run" / "checkpoint" / "state.json").read_text())
+    assert state["stream"]["position"] == state["data_position"] == 4 and len(state["stream"]["passes"]) == 4
+    TrainingRun(load_config(TrainConfig, None, parse_set(sets + ["steps=3"])), resume_dir=str(tmp_path / "run"),
+                echo=lambda *a: None).run()
+    row = read_metrics(tmp_path / "run" / "metrics.jsonl")[-1]
+    plain = [t.id for t in TaskStream(select_tasks(TASKS), seed=0).take(10)]
+    assert row["step"] == 3 and row["tasks_passed_over"] == 4  # epoch 1 passed over whole; epoch 2 taken
+    assert row["task_ids"] == [plain[8]] * 2 + [plain[9]] * 2
+
+
 def test_a_run_whose_groups_never_disagree_skips_its_updates_and_says_so(tmp_path):
     """The real engine with the random model: every episode ends without an answer, all rewards are equal."""
     cfg = load_config(TrainConfig, None, parse_set([
@@ -232,7 +264,8 @@ def test_the_memory_plan_holds_an_oversampled_round(tiny_model_path):
     (["rollout.dynamic_sampling=true", "rollout.group_size=1"],
      "rollout.dynamic_sampling needs rollout.group_size >= 2"),
     (["rollout.max_sampling_rounds=0"], "rollout.max_sampling_rounds must be >= 1, got 0"),
-    (["rollout.oversample=0.5"], "rollout.oversample must be >= 1, got 0.5")])
+    (["rollout.oversample=0.5"], "rollout.oversample must be >= 1, got 0.5"),
+    (["rollout.pass_over_saturated=-1"], r"rollout.pass_over_saturated must be in \[0, 100\] \(0 = off\), got -1")])
 def test_settings_that_cannot_work_are_one_line(sets, message):
     with pytest.raises(ConfigError, match=f"^{message}"):
         load_config(TrainConfig, None, parse_set(sets))
