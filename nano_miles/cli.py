@@ -5,12 +5,17 @@ root config dataclass, when it takes config keys (`--config` / `--set`, see nano
 docs/config.md). This file only wires them together, importing a module when its subcommand is used
 (torch imports are slow), and prints bad input as one line: a ConfigError or ValueError from a
 subcommand is `nano-miles <command>: <what is wrong>` on stderr and exit status 2, never a traceback.
+SIGTERM (a scheduler, `timeout`, `kill`) stops a command the way Ctrl-C does: what it holds is
+released on the way out (sandboxes and their workspaces, engines; `train` checkpoints first), where
+Python's default would end the process at once and leave them behind. Either ends with one line.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+import threading
 
 from nano_miles.config import ConfigError
 
@@ -48,12 +53,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    takes_sigterm = threading.current_thread() is threading.main_thread() and \
+        signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    if takes_sigterm:
+        signal.signal(signal.SIGTERM, _terminate)
     try:
         return int(modules[args.command].run(args) or 0)
+    except KeyboardInterrupt:
+        print(f"nano-miles {args.command}: interrupted", file=sys.stderr)
+        return 130
     except (ConfigError, ValueError) as e:  # ConfigError is a ValueError; both are bad input
         message = " ".join(str(e).split()) or type(e).__name__
         print(f"nano-miles {args.command}: {message}", file=sys.stderr)
         return 2
+    finally:
+        if takes_sigterm:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _terminate(signum, frame):
+    raise KeyboardInterrupt  # unwinds like Ctrl-C: every context manager and finally block runs
 
 
 if __name__ == "__main__":

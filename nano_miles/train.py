@@ -334,7 +334,8 @@ class TrainingRun:
         # step's (otherwise every step since the last periodic checkpoint would be lost). Twice: now.
         if self._mutating and not self._stop_after_step:
             self._stop_after_step = True
-            self.echo("Ctrl-C: stopping after this step's update and weight sync (Ctrl-C again: stop now)")
+            what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+            self.echo(f"{what}: stopping after this step's update and weight sync ({what} again: stop now)")
             return
         raise KeyboardInterrupt
 
@@ -360,7 +361,10 @@ class TrainingRun:
         cfg = self.cfg
         self.checkpointed = completed = self.start_step
         in_main = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGINT, self._on_sigint) if in_main else None
+        # SIGTERM as Ctrl-C, single-process only: ranks that a failed sibling's agent stops must not
+        # finish a step whose collectives can no longer complete
+        stops = (signal.SIGINT, signal.SIGTERM) if self.ranks is None else (signal.SIGINT,)
+        previous = {s: signal.signal(s, self._on_sigint) for s in stops} if in_main else {}
         loop_started, lost = time.monotonic(), 0
         try:
             if self.start_step == 0:  # the base policy, measured as every later evaluation is (step 0)
@@ -396,8 +400,8 @@ class TrainingRun:
             self.echo(f"interrupted after step {completed}: resume with --resume {self.run_dir}")
             raise
         finally:
-            if in_main:
-                signal.signal(signal.SIGINT, previous)
+            for s, handler in previous.items():
+                signal.signal(s, handler)
             self.close()
         rows = read_metrics(self.log.path)
         for line in run_summary(rows, time.monotonic() - self.started, self.run_dir):

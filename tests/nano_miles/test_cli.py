@@ -1,5 +1,15 @@
 """`nano-miles` (nano_miles/cli.py): bad input is one line `nano-miles <command>: ...` on stderr and
-exit status 2, never a traceback, and it leaves nothing behind (no run directory, no model cache)."""
+exit status 2, never a traceback, and it leaves nothing behind (no run directory, no model cache).
+SIGTERM stops a command as Ctrl-C does: its sandboxes' workspaces are removed, a run checkpoints."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
 import pytest
 
 from nano_miles import cli
@@ -27,3 +37,56 @@ def test_bad_input_is_one_line_exit_2_and_leaves_nothing_behind(argv, message, c
     assert captured.err.startswith(message) and captured.err.count("\n") == 1, captured.err
     assert list(tmp_path.iterdir()) == []  # no stray runs/<ts>/config.json, no model built
 
+
+
+def _start(argv: list[str], tmp: Path, cwd: Path) -> subprocess.Popen:
+    """`nano-miles ARGV` in a process of its own, its temporary files (sandbox workspaces) under tmp."""
+    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    return subprocess.Popen([sys.executable, "-m", "nano_miles.cli", *argv], cwd=cwd, env=env, text=True,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _until(condition, within: float) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.fixture
+def private_tmp():
+    path = Path(tempfile.mkdtemp(prefix="sigterm-", dir="/tmp"))
+    path.chmod(0o755)  # the sandboxes' uids traverse it to their workspaces
+    yield path
+    subprocess.run(["rm", "-rf", str(path)])
+
+
+def _workspaces(tmp: Path) -> list:
+    return list(tmp.glob("nano-openshell-ws-*"))
+
+
+def test_sigterm_during_an_eval_removes_every_workspace_and_ends_with_one_line(tiny_model_path, private_tmp):
+    proc = _start(["eval", "--model", "tiny-random-qwen2", "--tasks", "train", "--samples", "4"], private_tmp,
+                  private_tmp)
+    assert _until(lambda: len(_workspaces(private_tmp)) >= 8, 120), proc.communicate(timeout=60)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and err.rstrip().endswith("nano-miles eval: interrupted"), err[-2000:]
+    assert "Traceback" not in err and _workspaces(private_tmp) == []
+
+
+def test_sigterm_during_training_checkpoints_and_removes_every_workspace(tiny_model_path, private_tmp):
+    run_dir = private_tmp / "run"
+    proc = _start(["train", "--set", "model=tiny-random-qwen2", "--set", "steps=200", "--set", "tasks_per_step=2",
+                   "--set", "rollout.group_size=2", "--set", "rollout.max_new_tokens=16", "--set", "report_to=none",
+                   "--set", f"run_dir={run_dir}"], private_tmp, private_tmp)
+    metrics = run_dir / "metrics.jsonl"
+    assert _until(lambda: metrics.exists() and metrics.read_text().count("\n") >= 1, 240), proc.communicate(timeout=60)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 130, err[-2000:]
+    state = json.loads((run_dir / "checkpoint" / "state.json").read_text())
+    assert state["step"] >= 1 and f"interrupted after step {state['step']}: resume with --resume {run_dir}" in out
+    assert "Traceback" not in err and _workspaces(private_tmp) == []
