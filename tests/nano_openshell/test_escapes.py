@@ -144,8 +144,9 @@ def test_killed_supervisor_leaves_nothing_behind(tier):
         assert _uid_gone(int(uid), within=3.0) == []
     # a killed supervisor cannot tidy up: remove its workspace and (fallback) the command's tmp dir
     shutil.rmtree(workspace)
+    owner = int(uid) if uid != "None" else os.geteuid()  # no uid drop (not root): the sandbox runs as us
     for left in set(glob.glob("/tmp/nano-openshell-tmp-*")) - before:
-        if uid != "None" and os.stat(left).st_uid == int(uid):
+        if os.stat(left).st_uid == owner:
             shutil.rmtree(left)
 
 
