@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import tomllib
 from pathlib import Path
@@ -36,8 +37,10 @@ FAST = ["--set", "model=tiny-random-qwen2", "--set", "rollout.max_new_tokens=24"
         "--set", "checkpoint_every=1"]  # the tests below kill runs between steps: a checkpoint after each
 
 
-def _train(args, api_key: str | None = None, **kw) -> subprocess.Popen:
+def _train(args, api_key: str | None = None, tmpdir: Path | None = None, **kw) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if tmpdir is not None:  # where its sandboxes' workspaces go
+        env["TMPDIR"] = str(tmpdir)
     if api_key is not None:  # the key of an engine somebody else runs (--engine-url)
         env[API_KEY_ENV] = api_key
     return subprocess.Popen([sys.executable, "-m", "nano_miles.cli", "train", *FAST, *args], cwd=REPO, env=env,
@@ -119,15 +122,26 @@ def test_two_step_run_writes_the_run_directory_and_advances_the_engine(tmp_path)
         assert len(reply["output_ids"]) == 2
 
 
-def test_resume_after_sigkill_loses_and_repeats_no_step(tmp_path):
+@pytest.fixture
+def traversable_tmp():
+    """A temporary directory the sandboxes' uids can traverse to their workspaces (tmp_path's parents
+    are private), removed afterwards with whatever a killed run left there."""
+    path = Path(tempfile.mkdtemp(prefix="nano-miles-test-", dir="/tmp"))
+    path.chmod(0o755)
+    yield path
+    subprocess.run(["rm", "-rf", str(path)])
+
+
+def test_resume_after_sigkill_loses_and_repeats_no_step(tmp_path, traversable_tmp):
     run_dir = tmp_path / "run"
-    proc = _train(["--set", "steps=3", "--set", f"run_dir={run_dir}"])
+    # a SIGKILLed supervisor cannot remove its episodes' workspaces: they go to a directory of the test's
+    proc = _train(["--set", "steps=3", "--set", f"run_dir={run_dir}"], tmpdir=traversable_tmp)
     _wait_for_step(run_dir, 2, proc)
     engine_pid = json.loads((run_dir / "engine.json").read_text())["pid"]
     proc.kill()
     proc.wait()
     assert _wait_dead(engine_pid), "the engine outlived a SIGKILLed trainer"
-    _finish(_train(["--resume", str(run_dir)]))
+    _finish(_train(["--resume", str(run_dir)], tmpdir=traversable_tmp))
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
     # The data position survived: every step trained on the tasks an uninterrupted run would use.
