@@ -14,10 +14,12 @@ NANO_OPENSHELL_INIT=python forces the Python init (and =c fails loudly where it 
 
 import functools
 import hashlib
+import marshal
 import os
 import shutil
 import stat
 import subprocess
+import sys
 import tempfile
 import threading
 
@@ -157,3 +159,26 @@ def _checked(path: str) -> str:
     if done.returncode != 0:
         raise _BuildError(f"{path} does not run here (exit {done.returncode})")
     return path
+
+
+# The Python init (nsinit.py, where no C init can be built) gets its program on stdin: its code
+# compiled here (what compiling its source would cost at every sandbox start, ~5 ms), used when the
+# sandbox's Python has our bytecode format (the same cache tag, as .pyc files), and its source otherwise.
+PYTHON_BOOT = ("import sys, marshal\n"
+               "tag, size, rest = sys.stdin.buffer.read().split(b'\\n', 2)\n"
+               "try:\n"
+               "    code = marshal.loads(rest[:int(size)]) if tag == sys.implementation.cache_tag.encode() else None\n"
+               "except Exception:\n"
+               "    code = None\n"
+               "exec(code or compile(rest[int(size):], 'nsinit.py', 'exec'))\n")
+_PROGRAM = None
+
+
+def python_program() -> bytes:
+    global _PROGRAM
+    if _PROGRAM is None:
+        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "nsinit.py"), "rb") as f:
+            source = f.read()
+        code = marshal.dumps(compile(source, "nsinit.py", "exec"))
+        _PROGRAM = b"%s\n%d\n" % (sys.implementation.cache_tag.encode(), len(code)) + code + source
+    return _PROGRAM

@@ -2,7 +2,8 @@
 
 Namespaces(...).get() starts `[uid drop] bwrap <layout> --as-pid-1 -- INIT FD` and returns at once.
 INIT is nsinit.c compiled (init_build.py: the supervisor passes the file, the sandbox execs
-/proc/self/fd/N) or, where no C compiler works, `python3 -I -S -c <_BOOT>` with nsinit.py on stdin.
+/proc/self/fd/N) or, where no C compiler works, `python3 -I -S -c <init_build.PYTHON_BOOT>` with
+nsinit.py on stdin.
 The init boots while the caller goes on, and a first command simply waits in the socket until the
 init reads it; a dead init is replaced at the next get(). run() is one command: Init.spawn() sends
 it (argv, env and its fds by SCM_RIGHTS) and returns a Command, which is what output.drain needs of a
@@ -25,14 +26,12 @@ import array
 import concurrent.futures
 import fcntl
 import json
-import marshal
 import os
 import select
 import shutil
 import socket
 import struct
 import subprocess
-import sys
 import threading
 import time
 
@@ -159,29 +158,6 @@ class Namespaces:
                 self._init.close()
 
 
-# The init's program comes on its stdin: its code compiled here (what compiling its source would
-# cost at every sandbox start, ~5 ms), used when the sandbox's Python has our bytecode format
-# (the same cache tag, as .pyc files), and its source otherwise.
-_BOOT = ("import sys, marshal\n"
-         "tag, size, rest = sys.stdin.buffer.read().split(b'\\n', 2)\n"
-         "try:\n"
-         "    code = marshal.loads(rest[:int(size)]) if tag == sys.implementation.cache_tag.encode() else None\n"
-         "except Exception:\n"
-         "    code = None\n"
-         "exec(code or compile(rest[int(size):], 'nsinit.py', 'exec'))\n")
-_PROGRAM = None
-
-
-def _nsinit_program() -> bytes:
-    global _PROGRAM
-    if _PROGRAM is None:
-        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "nsinit.py"), "rb") as f:
-            source = f.read()
-        code = marshal.dumps(compile(source, "nsinit.py", "exec"))
-        _PROGRAM = b"%s\n%d\n" % (sys.implementation.cache_tag.encode(), len(code)) + code + source
-    return _PROGRAM
-
-
 def encode(msg: tuple) -> bytes:
     """A message to the init, in the one format both inits parse (nsinit.c's header says it):
     ("run", id, argv, env) | ("kill", id) | ("ping",)."""
@@ -219,8 +195,8 @@ class Init:
             src_r, src_w = init_build.open_binary(), None
             init_argv = [f"/proc/self/fd/{src_r}", str(theirs.fileno()), str(src_r)]
         else:
-            src_r, src_w = os.pipe()  # the init's program (see _BOOT), ~35 KB
-            init_argv = [python, "-I", "-S", "-c", _BOOT, str(theirs.fileno())]
+            src_r, src_w = os.pipe()  # the init's program (see init_build.PYTHON_BOOT), ~35 KB
+            init_argv = [python, "-I", "-S", "-c", init_build.PYTHON_BOOT, str(theirs.fileno())]
         info_r, info_w = os.pipe() if cgroup_leaf is not None else (None, None)
         self._sock, self._err, self._ids = ours, err_r, iter(range(1, 1 << 62))
         self.dead: str | None = None  # why, once the init is known to be gone
@@ -246,7 +222,7 @@ class Init:
         """In the spawner thread: start bwrap, close our copies of its fds, send the init's program
         (nsinit.py's; none to the C init). A failure to start is this init's death (the first command
         says why), not an exception."""
-        program, sent = _nsinit_program() if src_w is not None else b"", 0
+        program, sent = init_build.python_program() if src_w is not None else b"", 0
         if src_w is not None:
             try:
                 fcntl.fcntl(src_w, fcntl.F_SETPIPE_SZ, len(program))

@@ -1,7 +1,7 @@
 """pid 1 of a namespaced Sandbox: one per Sandbox, it starts every command of that Sandbox.
 
 A bwrap per command cost ~3 ms of mounts and namespaces each time; this init is started once, as
-`python3 -I -S -c <launcher._BOOT> FD` inside the Sandbox's bwrap (--as-pid-1), so a command costs one
+`python3 -I -S -c <init_build.PYTHON_BOOT> FD` inside the Sandbox's bwrap (--as-pid-1), so a command costs one
 posix_spawn of bash. The sandbox may not see this package, so this file comes on stdin (compiled when
 the sandbox's Python can take our bytecode), and it imports only modules built into the interpreter
 (posix, _socket, select, _signal, time): its start is Python's own start-up and nothing more.
