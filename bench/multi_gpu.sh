@@ -48,10 +48,10 @@ step() { local name=$1 limit=$2; shift 2; echo "=== $name (limit ${limit}s)"; ti
 
 # evaluate MODEL_OR_DIR NAME TASKS: pass@1 on one split, with an engine of its own on $ENGINE_DEVICE
 evaluate() {
-    local model=$1 name=$2 tasks=$3
+    local model=$1 name=$2 tasks=$3; shift 3   # then more eval flags
     echo "=== eval $name on $tasks"
     nm eval --model "$model" --set engine.device="$ENGINE_DEVICE" --tasks "$tasks" --samples "$SAMPLES" \
-        --results-jsonl "$OUT/evals.jsonl" 2>&1 | grep -v "it/s\]$" | tee -a "$OUT/eval_$name.log"
+        --results-jsonl "$OUT/evals.jsonl" "$@" 2>&1 | grep -v "it/s\]$" | tee -a "$OUT/eval_$name.log"
 }
 
 # train_run MODE: phase 1's run in MODE (sync | async), then its held-out pass@1
@@ -138,6 +138,9 @@ learn-run)
     "$py" -m nano_miles.cli train "${args[@]}" 2>&1 | grep --line-buffered -v "/s\]$\|s/ep\]$" >>"$OUT/learn_train.log"
     [ -d "$run/final" ] && SAMPLES="${ALFA_SAMPLES:-2}" evaluate "$run/final" learn_alfa alfa >/dev/null
     [ -d "$run/best" ] && SAMPLES="${ALFA_SAMPLES:-2}" evaluate "$run/best" learn_alfa_best alfa >/dev/null  # keep_best
+    # what the final policy does on held-out, episode by episode (TRAJ=1): token ids, rewards, turns
+    [ -d "$run/final" ] && [ "${TRAJ:-0}" = 1 ] && evaluate "$run/final" learn_heldout_traj heldout \
+        --out "$OUT/heldout_final.jsonl" >/dev/null
     touch "$OUT/done" ;;
 learn-watch)
     # wait up to WATCH seconds (or until every arm in ARMS is done), then bring their files back
@@ -149,6 +152,7 @@ learn-watch)
     for a in "${arms[@]}"; do
         b="$MG/bg${a:+-$a}" o="$OUT${a:+/$a}"; mkdir -p "$o"
         cp "$MG/learn${a:+-$a}/metrics.jsonl" "$o/learn_metrics.jsonl" 2>/dev/null; cp "$b/"*.log "$b/"*.jsonl "$o/" 2>/dev/null
+        cp "$MG/learn${a:+-$a}/best/best.json" "$o/" 2>/dev/null
         echo "=== arm ${a:-default}"; grep -h "^eval\|rror" "$b/learn_train.log" | tail -6; tail -2 "$b/learn_train.log"
         [ -f "$b/done" ] && echo "=== learn done" && tail -8 "$b/eval_learn_alfa.log" && cat "$MG/learn${a:+-$a}/best/best.json" 2>/dev/null \
             && tail -3 "$b/eval_learn_alfa_best.log" 2>/dev/null

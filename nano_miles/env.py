@@ -37,10 +37,28 @@ Each reply must do exactly one of these two things:
 <answer>VALUE</answer> gives your final answer and ends the task. Put only the requested value inside.
 Run one command per reply. Look at the output before answering."""
 
-EXAMPLE_TASK = "How many lines does greeting.txt contain? Answer with the number."
-EXAMPLE_COMMAND = "wc -l < greeting.txt"
-EXAMPLE_OUTPUT = "3\n[exit code 0]"
-EXAMPLE_ANSWER = "3"
+# The one-shot example before the task, by name (rollout.env.prompt_example). "one_step": one
+# command, then the answer. "multi_step": a command that fails, its fix, a check of the written
+# file, then the answer -- it shows a small model that errors are read and fixed, and that a task
+# may need several commands (measured: the base model then takes ~3.5 turns an episode, not ~2).
+PROMPT_EXAMPLES = {
+    "one_step": [
+        ("user", "How many lines does greeting.txt contain? Answer with the number."),
+        ("assistant", "<bash>wc -l < greeting.txt</bash>"),
+        ("tool", "3\n[exit code 0]"),
+        ("assistant", "<answer>3</answer>"),
+    ],
+    "multi_step": [
+        ("user", "Write the number of lines of notes/todo.txt into count.txt, then answer with that number."),
+        ("assistant", "<bash>wc -l < todo.txt > count.txt</bash>"),
+        ("tool", "[stderr]\n/bin/bash: line 2: todo.txt: No such file or directory\n[exit code 1]"),
+        ("assistant", "<bash>wc -l < notes/todo.txt > count.txt</bash>"),
+        ("tool", "[exit code 0]"),
+        ("assistant", "<bash>cat count.txt</bash>"),
+        ("tool", "3\n[exit code 0]"),
+        ("assistant", "<answer>3</answer>"),
+    ],
+}
 
 BASH_RE = re.compile(r"<bash>(.*?)</bash>", re.DOTALL)
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -48,16 +66,10 @@ FORMAT_ERROR = ("Format error: reply with <bash>COMMAND</bash> to run a command,
                 "finish. Both tags must be closed.")
 
 
-def prompt_messages(instruction: str) -> list[dict]:
+def prompt_messages(instruction: str, example: str = "one_step") -> list[dict]:
     """System prompt, the one-shot example exchange, then the task."""
-    return [
-        {"role": "system", "content": SYSTEM_PROMPT},
-        {"role": "user", "content": EXAMPLE_TASK},
-        {"role": "assistant", "content": f"<bash>{EXAMPLE_COMMAND}</bash>"},
-        {"role": "tool", "content": EXAMPLE_OUTPUT},
-        {"role": "assistant", "content": f"<answer>{EXAMPLE_ANSWER}</answer>"},
-        {"role": "user", "content": instruction},
-    ]
+    shots = [{"role": role, "content": text} for role, text in PROMPT_EXAMPLES[example]]
+    return [{"role": "system", "content": SYSTEM_PROMPT}, *shots, {"role": "user", "content": instruction}]
 
 
 @dataclass
@@ -71,10 +83,13 @@ class EnvConfig:
     exec_ok_cap: float = 0.2           # shaping: at most this much exec_ok_bonus per episode
     format_penalty: float = -0.1       # per turn with neither <bash> nor <answer> (or an empty or refused command)
     timeout_penalty: float = -0.1      # per command that ran past command_timeout
+    prompt_example: str = "one_step"   # the example exchange before the task: one_step | multi_step (env.py)
 
     def __post_init__(self):
         if self.max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
+        if self.prompt_example not in PROMPT_EXAMPLES:
+            raise ValueError(f"prompt_example must be one of {', '.join(PROMPT_EXAMPLES)}, got {self.prompt_example!r}")
         if self.exec_ok_cap >= self.correct_reward:
             raise ValueError("exec_ok_cap must stay below correct_reward, or shaping outpays solving the task")
 
@@ -185,7 +200,7 @@ class OpenShellEnv:
         return sandbox
 
     def messages(self) -> list[dict]:
-        return prompt_messages(self.instance.instruction)
+        return prompt_messages(self.instance.instruction, self.cfg.prompt_example)
 
     def close(self) -> None:
         with self._busy:

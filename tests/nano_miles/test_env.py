@@ -4,7 +4,7 @@ Everything runs in the real sandbox.
 """
 import pytest
 
-from nano_miles.env import FORMAT_ERROR, EnvConfig, OpenShellEnv, format_output, parse_action
+from nano_miles.env import FORMAT_ERROR, PROMPT_EXAMPLES, EnvConfig, OpenShellEnv, format_output, parse_action
 from nano_miles.tasks import get_task
 
 
@@ -127,3 +127,25 @@ def test_infra_failure_earns_nothing(make_env):
     assert step.done and step.kind == "infra_error" and env.finish_reason == "infra_error"
     assert env.components["infra_failures"] == 1
     assert env.reward == 0.0
+
+
+@pytest.mark.parametrize("example", ["one_step", "multi_step"])
+def test_the_prompt_example_is_what_the_sandbox_really_shows(make_env, example):
+    """rollout.env.prompt_example picks the exchange before the task; replayed in a real sandbox,
+    each of its commands gives exactly the observation the example shows."""
+    env = make_env(max_turns=10, prompt_example=example)
+    messages = env.messages()
+    shots = messages[1:-1]
+    assert messages[0]["role"] == "system" and messages[-1] == {"role": "user", "content": env.instance.instruction}
+    assert [m["role"] for m in shots] == [r for r, _ in PROMPT_EXAMPLES[example]]
+    assert shots[-1]["content"].startswith("<answer>")
+    # the example's files: greeting.txt and notes/todo.txt, three lines each
+    env.step("<bash>mkdir notes && printf 'a\\nb\\nc\\n' | tee greeting.txt > notes/todo.txt</bash>")
+    for said, shown in zip(shots, shots[1:]):
+        if said["role"] == "assistant" and shown["role"] == "tool":
+            assert env.step(said["content"]).observation == shown["content"]
+
+
+def test_an_unknown_prompt_example_is_one_clear_error():
+    with pytest.raises(ValueError, match="prompt_example must be one of one_step, multi_step, got 'few_shot'"):
+        EnvConfig(prompt_example="few_shot")
