@@ -23,7 +23,8 @@
 #
 # Everything a phase prints or measures goes to $OUT (logs, metrics.jsonl copies, eval JSONL).
 # Knobs: STEPS (40), LR (3e-6), MODEL (the packaged Qwen; tiny-random-qwen2 rehearses on CPU),
-# TRAINER_DEVICE/ENGINE_DEVICE (default cuda:0/cuda:1), EXTRA (more train --set pairs), SAMPLES (8).
+# TRAINER_DEVICE/ENGINE_DEVICE (default cuda:0/cuda:1), EXTRA (more train --set pairs), EVAL_EXTRA (more
+# eval --set pairs), SAMPLES (8), TRAJ=1 (learn-run: the final policy's held-out episodes as JSONL).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 phase="${1:?usage: multi_gpu.sh stage NN|prepare|checks|benches|sync|async|alfa}"
@@ -43,6 +44,7 @@ TRAINER_DEVICE="${TRAINER_DEVICE:-$([ "$gpus" -ge 1 ] && echo cuda:0 || echo cpu
 ENGINE_DEVICE="${ENGINE_DEVICE:-$([ "$gpus" -ge 2 ] && echo cuda:1 || echo "$TRAINER_DEVICE")}"
 STEPS="${STEPS:-40}" LR="${LR:-3e-6}" SAMPLES="${SAMPLES:-8}"
 read -r -a extra <<<"${EXTRA:-}"
+read -r -a eval_extra <<<"${EVAL_EXTRA:-}"   # eval --set pairs a trained policy needs (e.g. its prompt_example)
 run="$MG/learn${ARM:+-$ARM}" bg="$MG/bg${ARM:+-$ARM}"   # learn-*: one run (an arm) and its background files
 step() { local name=$1 limit=$2; shift 2; echo "=== $name (limit ${limit}s)"; timeout -k 5 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"; echo "=== $name rc=${PIPESTATUS[0]}"; }
 
@@ -51,7 +53,7 @@ evaluate() {
     local model=$1 name=$2 tasks=$3; shift 3   # then more eval flags
     echo "=== eval $name on $tasks"
     nm eval --model "$model" --set engine.device="$ENGINE_DEVICE" --tasks "$tasks" --samples "$SAMPLES" \
-        --results-jsonl "$OUT/evals.jsonl" "$@" 2>&1 | grep -v "it/s\]$" | tee -a "$OUT/eval_$name.log"
+        --results-jsonl "$OUT/evals.jsonl" "${eval_extra[@]}" "$@" 2>&1 | grep -v "it/s\]$" | tee -a "$OUT/eval_$name.log"
 }
 
 # train_run MODE: phase 1's run in MODE (sync | async), then its held-out pass@1
