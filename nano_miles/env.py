@@ -6,11 +6,13 @@ The protocol the policy is taught (system prompt + one-shot example):
 
 Reward components, all recorded on the trajectory:
     correct        1.0 when the verifier accepts the answer (and the workspace check passes)
-    exec_ok        +0.1 per *distinct* command that exits 0, capped at 0.2 per episode, so repeating
-                   `true` (or anything) never pays past the cap; forfeited by an episode that ends
-                   without an answer (turn limit, token budget), or running commands and never
-                   answering would outpay a wrong answer (a policy trained at lr 1e-5 collapsed onto
-                   exactly that: docs/benchmarks.md, headline runs)
+    exec_ok        +0.1 once the episode has run a command that exits 0 (capped at 0.1: one command's
+                   worth). With a cap of two commands' worth, policies learnt to pad every episode
+                   with a second harmless command (`echo ...; exit 0`) for the extra 0.1: 174 of 184
+                   held-out episodes of a 120-step run did (docs/benchmarks.md, 2026-12-02).
+                   Forfeited by an episode that ends without an answer (turn limit, token budget),
+                   or running commands and never answering would outpay a wrong answer (a policy
+                   trained at lr 1e-5 collapsed onto exactly that: docs/benchmarks.md, headline runs)
     format         -0.1 per turn with neither a <bash> block nor an <answer> (or an empty or refused command)
     timeout        -0.1 per command that hit its time limit
     infra_failures sandbox failures (not the policy's fault): counted, earn nothing, end the episode
@@ -80,7 +82,7 @@ class EnvConfig:
     max_observation_chars: int = 1500  # tool output past this is cut, with a marker saying how much
     correct_reward: float = 1.0        # reward for an answer the verifier accepts
     exec_ok_bonus: float = 0.1         # shaping: per distinct command that exits 0 (only when the episode answers)
-    exec_ok_cap: float = 0.2           # shaping: at most this much exec_ok_bonus per episode
+    exec_ok_cap: float = 0.1           # shaping: at most this much exec_ok_bonus per episode (more pays padding)
     format_penalty: float = -0.1       # per turn with neither <bash> nor <answer> (or an empty or refused command)
     timeout_penalty: float = -0.1      # per command that ran past command_timeout
     prompt_example: str = "one_step"   # the example exchange before the task: one_step | multi_step (env.py)

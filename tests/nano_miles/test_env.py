@@ -50,19 +50,31 @@ def test_exec_observation_and_shaping_cap(make_env):
     for _ in range(4):                                 # repeating `true` pays once
         env.step("<bash>true</bash>")
     assert env.components["exec_ok"] == pytest.approx(0.1)
-    for cmd in ("pwd", "ls", "date", "id"):            # distinct commands: capped at 0.2 per episode
-        env.step(f"<bash>{cmd}</bash>")
-    assert env.components["exec_ok"] == pytest.approx(0.2)
     step = env.step("<answer>wrong</answer>")
     assert step.done and env.components["correct"] == 0.0
-    assert env.reward == pytest.approx(0.2) and env.finish_reason == "answer"
+    assert env.reward == pytest.approx(0.1) and env.finish_reason == "answer"
     with pytest.raises(RuntimeError, match="is over"):
         env.step("<bash>ls</bash>")
+    wider = make_env(max_turns=10, exec_ok_cap=0.2)    # a wider cap: distinct commands pay up to it
+    for cmd in ("pwd", "ls", "date", "id"):
+        wider.step(f"<bash>{cmd}</bash>")
+    assert wider.components["exec_ok"] == pytest.approx(0.2)
+
+
+def test_padding_a_solved_episode_with_more_commands_earns_nothing(make_env):
+    """The exploit policies found under a two-command cap: solve, then run a harmless second command
+    for another +0.1. By default one working command is all the shaping pays."""
+    solved, padded = make_env("kernel_name"), make_env("kernel_name")
+    for env, commands in ((solved, ["uname -s"]), (padded, ["uname -s", "echo 'no more to do'; exit 0"])):
+        for cmd in commands:
+            env.step(f"<bash>{cmd}</bash>")
+        env.step(f"<answer>{env.instance.expected}</answer>")
+    assert solved.reward == padded.reward == pytest.approx(1.1)
 
 
 def test_an_episode_without_an_answer_forfeits_the_shaping(make_env):
     """Running commands until the turn limit or the token budget never pays more than answering."""
-    env = make_env(max_turns=3)
+    env = make_env(max_turns=3, exec_ok_cap=0.2)
     for cmd in ("pwd", "ls"):
         env.step(f"<bash>{cmd}</bash>")
     assert env.components["exec_ok"] == pytest.approx(0.2)

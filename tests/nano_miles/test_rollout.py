@@ -201,8 +201,8 @@ def test_garbage_turns_then_a_correct_answer(fmt):
     check_invariants(t, fmt)
     assert t.finish_reason == "answer" and t.num_turns == 8
     c = t.reward_components
-    assert (c["correct"], c["exec_ok"], c["format"], c["timeout"]) == (1.0, 0.2, -0.2, -0.1)
-    assert t.reward == pytest.approx(0.9)
+    assert (c["correct"], c["exec_ok"], c["format"], c["timeout"]) == (1.0, 0.1, -0.2, -0.1)
+    assert t.reward == pytest.approx(0.8)
     # TITO: each request's input is exactly the previous input + what the model returned + one
     # observation; the model's ids and log-probs sit in the response exactly as returned
     for k in range(1, len(policy.inputs)):
