@@ -198,7 +198,7 @@ def main_guard(fn: Callable) -> Callable:
             print(f"error: {e}", file=sys.stderr)
             # After a failed collective gloo's threads may still run; tearing the interpreter down
             # then aborts now and then ("terminate called without an active exception": exit -6
-            # instead of 1, about 1 run in 20 on a loaded 2-core machine). The error file is written
+            # instead of 1, 1 run in 25 on a loaded 2-core machine). The error file is written
             # and the line printed: leave at once, with the status the launcher expects.
             sys.stdout.flush()
             sys.stderr.flush()
