@@ -145,16 +145,18 @@ learn-run)
         --out "$OUT/heldout_final.jsonl" >/dev/null
     touch "$OUT/done" ;;
 learn-watch)
-    # wait up to WATCH seconds (or until every arm in ARMS is done), then bring their files back
+    # wait up to WATCH seconds (or until every arm in ARMS is done), then bring their files back: one
+    # $OUT/arm-NAME.tar.gz an arm (a device call returns at most 8 files; run.log, all progress bars, stays)
     read -r -a arms <<<"${ARMS:-${ARM:-}}"; [ ${#arms[@]} -eq 0 ] && arms=("")
     for _ in $(seq "${WATCH:-500}"); do
         left=0; for a in "${arms[@]}"; do [ -f "$MG/bg${a:+-$a}/done" ] || left=1; done
         [ $left -eq 0 ] && break; sleep 1
     done
     for a in "${arms[@]}"; do
-        b="$MG/bg${a:+-$a}" o="$OUT${a:+/$a}"; mkdir -p "$o"
+        b="$MG/bg${a:+-$a}" o="$MG/pack/${a:-default}"; rm -rf "$o"; mkdir -p "$o"
         cp "$MG/learn${a:+-$a}/metrics.jsonl" "$o/learn_metrics.jsonl" 2>/dev/null; cp "$b/"*.log "$b/"*.jsonl "$o/" 2>/dev/null
-        cp "$MG/learn${a:+-$a}/best/best.json" "$o/" 2>/dev/null
+        cp "$MG/learn${a:+-$a}/best/best.json" "$o/" 2>/dev/null; rm -f "$o/run.log"
+        tar -czf "$OUT/arm-${a:-default}.tar.gz" -C "$MG/pack" "${a:-default}"
         echo "=== arm ${a:-default}"; grep -h "^eval\|rror" "$b/learn_train.log" | tail -6; tail -2 "$b/learn_train.log"
         [ -f "$b/done" ] && echo "=== learn done" && tail -8 "$b/eval_learn_alfa.log" && cat "$MG/learn${a:+-$a}/best/best.json" 2>/dev/null \
             && tail -3 "$b/eval_learn_alfa_best.log" 2>/dev/null
