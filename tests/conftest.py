@@ -17,6 +17,10 @@ restore_engine_weights (function scope)
 """
 from __future__ import annotations
 
+import glob
+import os
+import tempfile
+
 import pytest
 
 # One torch thread: on CI's 2 shared cores the tiny model runs ~10x faster than with 2 (no OpenMP
@@ -67,3 +71,26 @@ def restore_engine_weights(engine_server, tiny_model_path):
     served = client.weights_checksum()["checksums"]
     assert served == checksums((n, t) for n, t in folder.items() if n in served)
     client.close()
+
+
+# A sandbox removes its workspace; one a test leaves in the temp dir is a leak. CI runs have left a
+# few nano-openshell-ws-* dirs now and then, and no test run alone does, so the run's summary names
+# the tests after which new ones appeared (a report, not a failure: it depends on timing).
+_WORKSPACES = os.path.join(tempfile.gettempdir(), "nano-openshell-ws-*")
+_LEFT_BEHIND: list[tuple[str, int]] = []
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    before = set(glob.glob(_WORKSPACES))
+    yield
+    left = set(glob.glob(_WORKSPACES)) - before
+    if left:
+        _LEFT_BEHIND.append((item.nodeid, len(left)))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _LEFT_BEHIND:
+        terminalreporter.section("sandbox workspaces left in the temp dir")
+        for nodeid, count in _LEFT_BEHIND:
+            terminalreporter.line(f"{nodeid}: {count}")
