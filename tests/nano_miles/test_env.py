@@ -141,7 +141,7 @@ def test_infra_failure_earns_nothing(make_env):
     assert env.reward == 0.0
 
 
-@pytest.mark.parametrize("example", ["one_step", "multi_step"])
+@pytest.mark.parametrize("example", list(PROMPT_EXAMPLES))
 def test_the_prompt_example_is_what_the_sandbox_really_shows(make_env, example):
     """rollout.env.prompt_example picks the exchange before the task; replayed in a real sandbox,
     each of its commands gives exactly the observation the example shows."""
