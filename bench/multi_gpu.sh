@@ -16,6 +16,7 @@
 #   learn-start / learn-watch   the same run in one background process (setsid) that outlives the
 #               device call: no restart and resume between calls; watch calls keep the machine warm.
 #               ARM=name runs one arm of several side by side (its own run and files); ARMS="a b" watches them
+#   base-start  the base model's greedy pass@1 (held-out, full ALFA) in the background: ARMS="... base"
 #   learn       issue 14's long run (STEPS, MODE, LR, EXTRA), in device calls of LIMIT seconds: the
 #               first call starts it, each later one resumes it from the checkpoint the previous one
 #               left at its time limit (SIGINT checkpoints); once final/ exists, its held-out and ALFA
@@ -24,7 +25,8 @@
 # Everything a phase prints or measures goes to $OUT (logs, metrics.jsonl copies, eval JSONL).
 # Knobs: STEPS (40), LR (3e-6), MODEL (the packaged Qwen; tiny-random-qwen2 rehearses on CPU),
 # TRAINER_DEVICE/ENGINE_DEVICE (default cuda:0/cuda:1), EXTRA (more train --set pairs), EVAL_EXTRA (more
-# eval --set pairs), SAMPLES (8), TRAJ=1 (learn-run: the final policy's held-out episodes as JSONL).
+# eval --set pairs), SAMPLES (8), TRAJ=1 (learn-run: the final policy's held-out episodes as JSONL),
+# GREEDY=1 (learn-run: the final policy's greedy pass@1 on held-out and full ALFA; `base-start` does the base model's).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 phase="${1:?usage: multi_gpu.sh stage NN|prepare|checks|benches|sync|async|alfa}"
@@ -54,6 +56,13 @@ evaluate() {
     echo "=== eval $name on $tasks"
     nm eval --model "$model" --set engine.device="$ENGINE_DEVICE" --tasks "$tasks" --samples "$SAMPLES" \
         --results-jsonl "$OUT/evals.jsonl" "${eval_extra[@]}" "$@" 2>&1 | grep -v "it/s\]$" | tee -a "$OUT/eval_$name.log"
+}
+
+# greedy_evals MODEL_OR_DIR NAME: pass@1 at temperature 0 (greedy, as the NL2SH paper's figures are) on
+# held-out (SAMPLES instances a task) and on full ALFA (one a task: the same set-up every time)
+greedy_evals() {
+    evaluate "$1" "$2_heldout_greedy" heldout --set rollout.temperature=0 >/dev/null
+    SAMPLES=1 evaluate "$1" "$2_alfa_greedy" alfa --set rollout.temperature=0 >/dev/null
 }
 
 # train_run MODE: phase 1's run in MODE (sync | async), then its held-out pass@1
@@ -139,11 +148,20 @@ learn-run)
     echo "=== learn-run: train ${args[*]}" >"$OUT/learn_train.log"
     "$py" -m nano_miles.cli train "${args[@]}" 2>&1 | grep --line-buffered -v "/s\]$\|s/ep\]$" >>"$OUT/learn_train.log"
     [ -d "$run/final" ] && SAMPLES="${ALFA_SAMPLES:-2}" evaluate "$run/final" learn_alfa alfa >/dev/null
+    [ -d "$run/final" ] && [ "${GREEDY:-0}" = 1 ] && greedy_evals "$run/final" learn
     [ -d "$run/best" ] && SAMPLES="${ALFA_SAMPLES:-2}" evaluate "$run/best" learn_alfa_best alfa >/dev/null  # keep_best
     # what the final policy does on held-out, episode by episode (TRAJ=1): token ids, rewards, turns
     [ -d "$run/final" ] && [ "${TRAJ:-0}" = 1 ] && evaluate "$run/final" learn_heldout_traj heldout \
         --out "$OUT/heldout_final.jsonl" >/dev/null
     touch "$OUT/done" ;;
+base-start)
+    # the base model's greedy pass@1 (held-out, full ALFA) in the background, beside the arms; watched
+    # as arm "base" (ARMS="a b base")
+    bg="$MG/bg-base"; rm -rf "$bg"; mkdir -p "$bg"
+    OUT="$bg" setsid nohup bash "$0" base-run </dev/null >"$bg/run.log" 2>&1 &
+    sleep "${WATCH:-1}" ;;
+base-run)
+    greedy_evals "$MODEL" base; touch "$OUT/done" ;;
 learn-watch)
     # wait up to WATCH seconds (or until every arm in ARMS is done), then bring their files back: one
     # $OUT/arm-NAME.tar.gz an arm (a device call returns at most 8 files; run.log, all progress bars, stays)
@@ -157,9 +175,9 @@ learn-watch)
         cp "$MG/learn${a:+-$a}/metrics.jsonl" "$o/learn_metrics.jsonl" 2>/dev/null; cp "$b/"*.log "$b/"*.jsonl "$o/" 2>/dev/null
         cp "$MG/learn${a:+-$a}/best/best.json" "$o/" 2>/dev/null; rm -f "$o/run.log"
         tar -czf "$OUT/arm-${a:-default}.tar.gz" -C "$MG/pack" "${a:-default}"
-        echo "=== arm ${a:-default}"; grep -h "^eval\|rror" "$b/learn_train.log" | tail -6; tail -2 "$b/learn_train.log"
-        [ -f "$b/done" ] && echo "=== learn done" && tail -8 "$b/eval_learn_alfa.log" && cat "$MG/learn${a:+-$a}/best/best.json" 2>/dev/null \
-            && tail -3 "$b/eval_learn_alfa_best.log" 2>/dev/null
+        echo "=== arm ${a:-default}"; grep -h "^eval\|rror" "$b/learn_train.log" 2>/dev/null | tail -6; tail -2 "$b/learn_train.log" 2>/dev/null
+        [ -f "$b/done" ] && echo "=== learn done" && for f in "$b"/eval_*.log; do echo "--- $f"; grep -h "^all \|three-part" "$f"; done
+        cat "$MG/learn${a:+-$a}/best/best.json" 2>/dev/null
     done ;;
 *) echo "unknown phase $phase"; exit 2 ;;
 esac
