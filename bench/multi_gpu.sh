@@ -58,7 +58,7 @@ evaluate() {
         --results-jsonl "$OUT/evals.jsonl" "${eval_extra[@]}" "$@" 2>&1 | grep -v "it/s\]$" | tee -a "$OUT/eval_$name.log"
 }
 
-# greedy_evals MODEL_OR_DIR NAME: pass@1 at temperature 0 (greedy, as the NL2SH paper's figures are) on
+# greedy_evals MODEL_OR_DIR NAME: pass@1 at temperature 0 (greedy decoding, beside the T=1 figures) on
 # held-out (SAMPLES instances a task) and on full ALFA (one a task: the same set-up every time)
 greedy_evals() {
     evaluate "$1" "$2_heldout_greedy" heldout --set rollout.temperature=0 >/dev/null
