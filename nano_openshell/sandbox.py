@@ -21,6 +21,8 @@ cgroup: memory (Limits.memory_bytes) and processes (Limits.processes) are capped
 whole (the namespaced tier's bwrap and init are moved in before its first command), and the fallback
 tier's commands are killed by cgroup.kill. Without one, a fallback command's tree is killed by
 scanning /proc for its init's descendants, and memory is bounded per process only (RLIMIT_AS).
+A process that leaves without running its atexit handlers (os._exit, a signal it dies of) calls
+close_all() first, or its sandboxes' workspaces stay in the temp dir (owned.py).
 What a Sandbox does not protect here is listed in `gaps` (ExecResult.gaps, probe's tiers[t]["gaps"]).
 Known limits: disk use in the workspace is bounded per file (RLIMIT_FSIZE), not in total; in the
 fallback tier Landlock (below ABI 9) does not cover connect() to pathname Unix sockets, and a
@@ -42,6 +44,7 @@ from . import initproc, launcher, namespaced, seccomp
 from . import workspace as workspace_mod
 from .cgroup import SandboxCgroup
 from .output import Capped as _Capped, drain as _drain  # noqa: F401 (_Capped: tests)
+from .owned import Owned, close_all  # noqa: F401 (close_all: what a leaving process calls)
 from .probe import TIERS, probe
 
 MAX_TIMEOUT = 24 * 3600.0
@@ -49,7 +52,6 @@ INLINE_SCRIPT_BYTES = 64 * 1024  # larger commands travel as a file (argv string
 SAFE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 PASSED_THROUGH = ("LANG", "LC_ALL", "TERM", "TZ")  # harmless supervisor settings the command inherits
 PROXY_URL = "http://127.0.0.1:3128"
-_REMOVE_BUDGET = 0.5  # close() removes temporary directories for this long, the rest in the background
 
 
 class SandboxError(RuntimeError):
@@ -180,7 +182,7 @@ class Sandbox:
         self._closed = False
         self._handovers = []  # workspace.Handover per root (as root): the workspace, each mount
         self._handover_lock = threading.Lock()
-        self._owned = _Owned()
+        self._owned = Owned()  # every Sandbox of the process is known to close_all() from here on
         self._fds = self._owned.fds
         self._proxy = None
         self._release = weakref.finalize(self, self._owned.release)  # runs at close() or collection
@@ -193,7 +195,7 @@ class Sandbox:
 
         if workspace is None:
             workspace = tempfile.mkdtemp(prefix="nano-openshell-ws-")
-            self._owned.dirs.append(workspace)
+            self._owned.add_dir(workspace)
         self.workspace = os.path.realpath(os.fspath(workspace))
         # as root, the command runs under this Sandbox's own unprivileged uid (see namespaced.py)
         self.uid = random.randrange(100000, 100000 + (1 << 20)) if os.geteuid() == 0 and self.tier != "none" else None
@@ -286,7 +288,7 @@ class Sandbox:
     def _make_mounts(self, mounts: dict) -> None:
         for path, source in mounts.items():
             self._mounts[path] = workspace_mod.make_mount_dir(source)
-            self._owned.dirs.append(self._mounts[path])
+            self._owned.add_dir(self._mounts[path])
 
     def path_of(self, path: str) -> str:
         """The host directory behind a path of the sandbox: /workspace or one of the Sandbox's mounts."""
@@ -306,7 +308,7 @@ class Sandbox:
         # <dir> (0700; 0711 when the sandbox has its own uid) holds the audit log; the socket sits in
         # <dir>/sock, 0700 and owned by the sandbox's uid: bwrap must reach it, no one else may
         self._supervisor_dir = tempfile.mkdtemp(prefix="nano-openshell-sup-")
-        self._owned.dirs.append(self._supervisor_dir)
+        self._owned.add_dir(self._supervisor_dir)
         sock_dir = os.path.join(self._supervisor_dir, "sock")
         os.mkdir(sock_dir, 0o700)
         if self.uid is not None:
@@ -432,56 +434,3 @@ class Sandbox:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-class _Owned:
-    """What a Sandbox gives back on close (kept apart from it so a finalizer can release it too)."""
-
-    def __init__(self):
-        self.fds: list[int] = []
-        self.proxy = None
-        self.init = None
-        self.cgroup = None
-        self.dirs: list[str] = []  # removed on release: a temporary workspace, the supervisor dir
-        self.running: set = set()  # the kill function of every command in flight (fallback tier)
-        self.lock = threading.Lock()
-        self.released = False
-
-    def track(self, kill) -> None:
-        """A command started: release() kills it; once released, it is killed at once."""
-        with self.lock:
-            if not self.released:
-                self.running.add(kill)
-                return
-        kill()
-
-    def untrack(self, kill) -> None:
-        with self.lock:
-            self.running.discard(kill)
-
-    def release(self) -> None:
-        with self.lock:
-            self.released, running = True, list(self.running)
-        for kill in running:  # no command outlives its Sandbox (its workspace is about to go)
-            kill()
-        if self.init is not None:  # EOF: the init exits, and its pid namespace with it
-            self.init.close()
-            self.init = None
-        if self.cgroup is not None:
-            self.cgroup.close()  # whatever is left, at once; then the cgroup directories go
-            self.cgroup = None
-        if self.proxy is not None:
-            self.proxy.stop()
-            self.proxy = None
-        while self.fds:
-            os.close(self.fds.pop())
-        deadline = time.monotonic() + _REMOVE_BUDGET
-        while self.dirs:  # bounded: what a command left beyond the budget goes on in the background
-            path = self.dirs.pop()
-            try:
-                gone = workspace_mod.remove(path, deadline)
-            except OSError:
-                gone = False
-            if not gone:
-                workspace_mod.remove_later(path)
-

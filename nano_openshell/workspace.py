@@ -199,7 +199,7 @@ def remove_later(path: str) -> None:
         if _REMOVER is None:
             _REMOVER = threading.Thread(target=_remove_loop, name="nano-openshell-remove", daemon=True)
             _REMOVER.start()
-            atexit.register(_finish)
+            atexit.register(finish)
     _LEFT.put(path)
 
 
@@ -214,8 +214,9 @@ def _remove_loop() -> None:
             _LEFT.task_done()
 
 
-def _finish() -> None:
-    end = time.monotonic() + _EXIT_WAIT
+def finish(timeout: float = _EXIT_WAIT) -> None:
+    """Wait, up to timeout, until the background removals are done."""
+    end = time.monotonic() + timeout
     while _LEFT.unfinished_tasks and time.monotonic() < end:
         time.sleep(0.05)
 
