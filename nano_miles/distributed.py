@@ -20,12 +20,14 @@ import threading
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from nano_openshell.sandbox import close_all as close_sandboxes
 
 
 class DistError(RuntimeError):
@@ -188,10 +190,14 @@ def describe_failures(failures: dict) -> str:
 
 def main_guard(fn: Callable) -> Callable:
     """Decorate a rank's __main__ function: a failure prints one line (naming the rank) to stderr,
-    is recorded in torchrun's error file (so the launcher's report has it) and exits with status 1."""
+    is recorded in torchrun's error file (so the launcher's report has it) and exits with status 1.
+    On SIGTERM (the launcher stopping the ranks because one failed) the rank closes its sandboxes
+    first, then dies of it."""
     recorded = record(fn)
 
     def wrapper(*args, **kwargs):
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, _die_of_sigterm)
         try:
             return recorded(*args, **kwargs)
         except DistError as e:
@@ -200,8 +206,24 @@ def main_guard(fn: Callable) -> Callable:
             # then aborts now and then ("terminate called without an active exception": exit -6
             # instead of 1, 1 run in 25 on a loaded 2-core machine). The error file is written
             # and the line printed: leave at once, with the status the launcher expects.
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(1)
+            leave(1)
 
     return wrapper
+
+
+def leave(code: int) -> NoReturn:
+    """os._exit(code) for a rank that cannot tear down in order. It runs no atexit handler and no
+    other thread's finally block, so first close the sandboxes of the episodes in flight (rank 0's
+    rollouts, set up in worker threads): their workspaces would stay in the temp dir."""
+    close_sandboxes()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _die_of_sigterm(signum, frame) -> None:
+    # Dying of the signal itself, as without this handler: the launcher tells the ranks it stopped
+    # (-SIGTERM) from the one that failed.
+    close_sandboxes()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)

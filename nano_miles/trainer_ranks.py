@@ -44,7 +44,7 @@ import torch.distributed as dist
 from nano_miles import dist_checkpoint
 from nano_miles.checkpoint import Checkpointer, load_checkpoint
 from nano_miles.config import to_toml
-from nano_miles.distributed import DistError, check_nproc, describe_failures, launch, main_guard, run_rank
+from nano_miles.distributed import DistError, check_nproc, describe_failures, launch, leave, main_guard, run_rank
 from nano_miles.reference import ReferencePolicy
 from nano_miles.sharded_trainer import ShardedTrainer
 from nano_miles.telemetry import memory_gb
@@ -176,7 +176,7 @@ class CommandChannel:
                     print(f"error: rank 0/{dist.get_world_size()}: the other trainer ranks stopped answering "
                           f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})",
                           file=sys.stderr, flush=True)
-                    os._exit(1)
+                    leave(1)  # its sandboxes closed first
                 self._last = time.monotonic()
 
     def stop_heartbeat(self) -> None:

@@ -1,6 +1,7 @@
 """The trainer's process group and launcher (nano_miles/distributed.py): bad input is one line, a
 dead or hung rank stops the run with a message naming a rank instead of a hang."""
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -90,8 +91,51 @@ def test_a_hung_rank_times_out_the_collective_and_the_launcher_names_it(tmp_path
 def test_launch_gives_the_callers_signal_handlers_back():
     """The elastic agent installs its own SIGINT/SIGTERM handlers; after launch the caller's are back,
     so a later Ctrl-C in the same process still raises KeyboardInterrupt (the train loop relies on it)."""
-    import signal
     before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     results = launch(1, os.getpid)
     assert set(results) == {0} and results[0] != os.getpid()
     assert {sig: signal.getsignal(sig) for sig in before} == before
+
+
+# Rank 0 sets its episodes up on worker threads (rollout.py); a rank that leaves through main_guard
+# (os._exit) or dies of the launcher's SIGTERM runs none of their finally blocks and no atexit handler.
+_EPISODE_IN_FLIGHT = """
+import sys, threading, time
+from nano_miles.distributed import DistError, main_guard
+from nano_openshell import Sandbox
+
+opened = threading.Event()
+
+def set_up():  # an episode's setup on a worker thread: it holds its sandbox and never closes it
+    sb = Sandbox(min_tier="none", allow_unisolated=True)
+    print(sb.workspace, flush=True)
+    opened.set()
+    time.sleep(60)
+
+@main_guard
+def rank_main(how):
+    threading.Thread(target=set_up, daemon=True).start()
+    opened.wait()
+    if how == "error":
+        raise DistError("rank 0/2: RuntimeError: Connection closed by peer")
+    time.sleep(60)  # the launcher's SIGTERM comes
+
+rank_main(sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize("how,status", [("error", 1), ("sigterm", -signal.SIGTERM)])
+def test_a_rank_that_leaves_at_once_removes_the_workspaces_of_its_episodes(how, status):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.Popen([sys.executable, "-c", _EPISODE_IN_FLIGHT, how], env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        workspace = proc.stdout.readline().strip()
+        assert workspace and os.path.isdir(workspace), proc.communicate(timeout=60)
+        if how == "sigterm":
+            proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == status, err  # still the status the launcher's report reads
+    assert not os.path.exists(workspace), "the rank left its episode's workspace in the temp dir"
