@@ -75,22 +75,26 @@ def restore_engine_weights(engine_server, tiny_model_path):
 
 # A sandbox removes its workspace; one a test leaves in the temp dir is a leak. CI runs have left a
 # few nano-openshell-ws-* dirs now and then, and no test run alone does, so the run's summary names
-# the tests after which new ones appeared (a report, not a failure: it depends on timing).
+# the tests after which new ones appeared (a report, not a failure: it depends on timing). Only those
+# still there at the end of the run count: a module-scoped fixture's sandbox (test_network.py's
+# net_sandbox) appears during the first test that uses it and goes at the fixture's teardown.
 _WORKSPACES = os.path.join(tempfile.gettempdir(), "nano-openshell-ws-*")
-_LEFT_BEHIND: list[tuple[str, int]] = []
+_APPEARED: list[tuple[str, set[str]]] = []
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     before = set(glob.glob(_WORKSPACES))
     yield
-    left = set(glob.glob(_WORKSPACES)) - before
-    if left:
-        _LEFT_BEHIND.append((item.nodeid, len(left)))
+    new = set(glob.glob(_WORKSPACES)) - before
+    if new:
+        _APPEARED.append((item.nodeid, new))
 
 
 def pytest_terminal_summary(terminalreporter):
-    if _LEFT_BEHIND:
+    left = [(nodeid, [p for p in paths if os.path.exists(p)]) for nodeid, paths in _APPEARED]
+    left = [(nodeid, paths) for nodeid, paths in left if paths]
+    if left:
         terminalreporter.section("sandbox workspaces left in the temp dir")
-        for nodeid, count in _LEFT_BEHIND:
-            terminalreporter.line(f"{nodeid}: {count}")
+        for nodeid, paths in left:
+            terminalreporter.line(f"{nodeid}: {len(paths)}")
