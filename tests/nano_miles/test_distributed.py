@@ -100,7 +100,7 @@ def test_launch_gives_the_callers_signal_handlers_back():
 # Rank 0 sets its episodes up on worker threads (rollout.py); a rank that leaves through main_guard
 # (os._exit) or dies of the launcher's SIGTERM runs none of their finally blocks and no atexit handler.
 _EPISODE_IN_FLIGHT = """
-import sys, threading, time
+import signal, sys, threading, time
 from nano_miles.distributed import DistError, main_guard
 from nano_openshell import Sandbox
 
@@ -110,6 +110,9 @@ def set_up():  # an episode's setup on a worker thread: it holds its sandbox and
     sb = Sandbox(min_tier="none", allow_unisolated=True)
     print(sb.workspace, flush=True)
     opened.set()
+    if sys.argv[1] == "sigterm-on-a-worker":  # the kernel gives the launcher's SIGTERM to this thread
+        time.sleep(1)  # once the main thread waits in its sleep, where only a signal to it would wake it
+        signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
     time.sleep(60)
 
 @main_guard
@@ -118,13 +121,14 @@ def rank_main(how):
     opened.wait()
     if how == "error":
         raise DistError("rank 0/2: RuntimeError: Connection closed by peer")
-    time.sleep(60)  # the launcher's SIGTERM comes
+    time.sleep(60)  # the launcher's SIGTERM comes: the main thread waits in C, not in Python
 
 rank_main(sys.argv[1])
 """
 
 
-@pytest.mark.parametrize("how,status", [("error", 1), ("sigterm", -signal.SIGTERM)])
+@pytest.mark.parametrize("how,status", [("error", 1), ("sigterm", -signal.SIGTERM),
+                                        ("sigterm-on-a-worker", -signal.SIGTERM)])
 def test_a_rank_that_leaves_at_once_removes_the_workspaces_of_its_episodes(how, status):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     proc = subprocess.Popen([sys.executable, "-c", _EPISODE_IN_FLIGHT, how], env=env, cwd=ROOT,
@@ -134,7 +138,10 @@ def test_a_rank_that_leaves_at_once_removes_the_workspaces_of_its_episodes(how, 
         assert workspace and os.path.isdir(workspace), proc.communicate(timeout=60)
         if how == "sigterm":
             proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
+        try:
+            _, err = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{how}: the rank still runs 20 s later (its handler waits for the main thread's sleep)")
     finally:
         proc.kill()
     assert proc.returncode == status, err  # still the status the launcher's report reads
