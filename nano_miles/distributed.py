@@ -215,13 +215,20 @@ def leave(code: int) -> NoReturn:
     """os._exit(code) for a rank that cannot tear down in order. It runs no atexit handler and no
     other thread's finally block, so first close the sandboxes of the episodes in flight (rank 0's
     rollouts, set up in worker threads): their workspaces would stay in the temp dir."""
-    close_sandboxes()
+    _close_sandboxes()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
 
 
-_CLOSING = threading.RLock()  # the watcher and the main thread's handler may both close: one at a time
+_CLOSING = threading.RLock()
+
+
+def _close_sandboxes() -> None:
+    # leave(), the SIGTERM watcher and the main thread's handler may all come here: a second caller
+    # waits until the first has removed the workspaces, rather than leaving while it removes them
+    with _CLOSING:
+        close_sandboxes()
 
 
 def _close_sandboxes_on_sigterm() -> None:
@@ -242,8 +249,7 @@ def _close_sandboxes_on_sigterm() -> None:
 def _watch_for_sigterm(read_fd: int) -> None:
     while signal.SIGTERM not in os.read(read_fd, 64):  # one byte a signal caught (SIGINT too)
         pass
-    with _CLOSING:
-        close_sandboxes()
+    _close_sandboxes()
     # a signal aimed at the main thread interrupts what it waits in, so its handler runs and the
     # process dies of SIGTERM
     signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
@@ -252,7 +258,6 @@ def _watch_for_sigterm(read_fd: int) -> None:
 def _die_of_sigterm(signum, frame) -> None:
     # Dying of the signal itself, as without this handler: the launcher tells the ranks it stopped
     # (-SIGTERM) from the one that failed.
-    with _CLOSING:
-        close_sandboxes()
+    _close_sandboxes()
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
