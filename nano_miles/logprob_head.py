@@ -16,11 +16,19 @@ import torch
 import torch.nn.functional as F
 
 
-def chunk_logprobs(hidden, targets, weight, with_entropy: bool):
-    """log p(target) in float32 for hidden [N, H], and the entropy (zeros without with_entropy)."""
+def tempered_logits(hidden, weight, temperature: float = 1.0):
+    """[N, V] float32 logits, divided by the sampling temperature after the FP32 matmul, as the
+    engine's sampler divides them (a temperature folded into bf16 hidden states would round them)."""
     # FP32 lm_head, like the engine: bf16 logits would be rounded to 8 mantissa bits, and a hidden
     # state that differs from the engine's in its last bit would then round to a different logit.
     logits = F.linear(hidden.float(), weight.float())
+    return logits if temperature == 1.0 else logits / temperature
+
+
+def chunk_logprobs(hidden, targets, weight, with_entropy: bool, temperature: float = 1.0):
+    """log p(target) in float32 for hidden [N, H], and the entropy (zeros without with_entropy), of the
+    distribution sampled at `temperature`."""
+    logits = tempered_logits(hidden, weight, temperature)
     logp_all = torch.log_softmax(logits, dim=-1)
     logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
     if not with_entropy:
@@ -28,10 +36,11 @@ def chunk_logprobs(hidden, targets, weight, with_entropy: bool):
     return logp, -(logp_all.exp() * logp_all).sum(-1)
 
 
-def chunk_logit_grads(hidden, targets, weight, grad_logp, grad_entropy):
-    """d(loss)/d(logits) [N, V] of one chunk, recomputed, given the loss's gradients with respect to
-    its log-probs and entropies (grad_entropy None: the entropy was not differentiated)."""
-    logp_all = torch.log_softmax(F.linear(hidden.float(), weight.float()), dim=-1)
+def chunk_logit_grads(hidden, targets, weight, grad_logp, grad_entropy, temperature: float = 1.0):
+    """d(loss)/d(logits) [N, V] of one chunk (the lm_head's output, before the temperature), recomputed,
+    given the loss's gradients with respect to its log-probs and entropies (grad_entropy None: the
+    entropy was not differentiated)."""
+    logp_all = torch.log_softmax(tempered_logits(hidden, weight, temperature), dim=-1)
     probs = logp_all.exp()
     # d/d(logp_all): the gather puts grad_logp at each target; entropy = -sum(p * logp) gives
     # -grad_entropy * p * (logp + 1). Then log_softmax's backward: g - p * sum(g).
@@ -39,12 +48,13 @@ def chunk_logit_grads(hidden, targets, weight, grad_logp, grad_entropy):
     if grad_entropy is not None:
         grad = (logp_all + 1.0).mul_(probs).mul_(-grad_entropy[:, None])
     grad.scatter_add_(-1, targets[:, None], grad_logp[:, None])
-    return grad.sub_(probs.mul_(grad.sum(-1, keepdim=True)))
+    grad.sub_(probs.mul_(grad.sum(-1, keepdim=True)))
+    return grad if temperature == 1.0 else grad.div_(temperature)  # logits / T: the chain rule's 1 / T
 
 
-def _chunked(hidden, targets, weight, chunk: int, with_entropy: bool):
+def _chunked(hidden, targets, weight, chunk: int, with_entropy: bool, temperature: float):
     """chunk_logprobs over [N, H] a chunk at a time: (log-probs [N], entropies [N])."""
-    parts = [chunk_logprobs(hidden[s:s + chunk], targets[s:s + chunk], weight, with_entropy)
+    parts = [chunk_logprobs(hidden[s:s + chunk], targets[s:s + chunk], weight, with_entropy, temperature)
              for s in range(0, hidden.shape[0], chunk)]
     if not parts:
         empty = hidden.new_zeros(0, dtype=torch.float32)
@@ -54,11 +64,11 @@ def _chunked(hidden, targets, weight, chunk: int, with_entropy: bool):
 
 class ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, targets, weight, chunk: int, with_entropy: bool):
+    def forward(ctx, hidden, targets, weight, chunk: int, with_entropy: bool, temperature: float):
         ctx.save_for_backward(hidden, targets, weight)
-        ctx.chunk, ctx.with_entropy = chunk, with_entropy
+        ctx.chunk, ctx.with_entropy, ctx.temperature = chunk, with_entropy, temperature
         ctx.set_materialize_grads(False)  # an output the loss does not use comes back as None
-        return _chunked(hidden, targets, weight, chunk, with_entropy)
+        return _chunked(hidden, targets, weight, chunk, with_entropy, temperature)
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
@@ -82,7 +92,8 @@ class ChunkedLogprobs(torch.autograd.Function):
         for s in range(0, hidden.shape[0], ctx.chunk):
             h = hidden[s:s + ctx.chunk]
             g = chunk_logit_grads(h, targets[s:s + ctx.chunk], w32, grad_logp[s:s + ctx.chunk].float(),
-                                  None if grad_entropy is None else grad_entropy[s:s + ctx.chunk].float())
+                                  None if grad_entropy is None else grad_entropy[s:s + ctx.chunk].float(),
+                                  ctx.temperature)
             if need_hidden:
                 grad_hidden[s:s + ctx.chunk] = (g @ w32).to(hidden.dtype)
             if need_weight:
@@ -91,12 +102,14 @@ class ChunkedLogprobs(torch.autograd.Function):
             grad_weight = None  # already in weight.grad
         elif grad_weight is not None and weight.dtype != torch.float32:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, None, grad_weight, None, None
+        return grad_hidden, None, grad_weight, None, None, None
 
 
-def head_logprobs(hidden, targets, weight, chunk: int, with_entropy: bool, need_grad: bool):
-    """(log-probs [N], entropies [N] or zeros), float32, for hidden [N, H] against lm_head `weight`."""
+def head_logprobs(hidden, targets, weight, chunk: int, with_entropy: bool, need_grad: bool,
+                  temperature: float = 1.0):
+    """(log-probs [N], entropies [N] or zeros), float32, for hidden [N, H] against lm_head `weight`,
+    of the distribution the engine samples at `temperature` (softmax of logits / T)."""
     if need_grad:
-        return ChunkedLogprobs.apply(hidden, targets, weight, chunk, with_entropy)
+        return ChunkedLogprobs.apply(hidden, targets, weight, chunk, with_entropy, temperature)
     with torch.no_grad():
-        return _chunked(hidden, targets, weight, chunk, with_entropy)
+        return _chunked(hidden, targets, weight, chunk, with_entropy, temperature)

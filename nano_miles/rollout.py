@@ -37,7 +37,7 @@ from nano_miles.task_api import SetupError, Task, TaskUnavailable
 class RolloutConfig:
     group_size: int = 4              # samples per task (a GRPO group: same files, same ground truth)
     max_new_tokens: int = 256        # tokens the model may write per turn
-    temperature: float = 1.0         # sampling temperature; RL samples at T=1, no top-p/top-k: engines agree on log-probs there
+    temperature: float = 1.0         # sampling temperature; train's log-probs are of softmax(logits / T), the distribution sampled (0 = greedy: eval only)
     top_p: float = 1.0               # nucleus sampling mass (1 = off)
     top_k: int = -1                  # sample among the k likeliest tokens (-1 = off)
     max_concurrency: int = 64        # episodes in flight at once (each holds a sandbox)

@@ -119,6 +119,9 @@ class TrainConfig(RolloutCommandConfig):
         if self.eval_every < 0 or self.eval_samples < 1 or self.eval_alfa_tasks < 0 or (self.keep_best and not self.eval_every):
             raise ValueError("eval_every and eval_alfa_tasks must be >= 0 (0 = off), eval_samples >= 1; keep_best needs eval_every")
         check_world(self, self.trainer.nproc)
+        if not self.rollout.temperature > 0:
+            raise ValueError("rollout.temperature must be > 0 to train: greedy rollouts (0) have no distribution "
+                             "to compute a policy gradient of")
         if self.true_on_policy and self.rollout.temperature != 1.0:
             raise ValueError("true_on_policy needs rollout.temperature = 1 (the engine's log-probs are of the "
                              "tempered distribution, the trainer's of the model's)")
@@ -198,7 +201,8 @@ class TrainingRun:
         cfg, echo = self.cfg, self.echo
         trainer_cfg = dataclasses.replace(
             cfg.trainer, model=self.model_path, device=self.layout.trainer_device, dtype=self.layout.dtype,
-            true_on_policy=cfg.true_on_policy, loss=cfg.loss,  # a decaying lr ends with the run unless told otherwise
+            true_on_policy=cfg.true_on_policy, loss=cfg.loss, temperature=cfg.rollout.temperature,
+            # a decaying lr ends with the run unless told otherwise
             optim=dataclasses.replace(cfg.optim, decay_steps=cfg.optim.decay_steps or cfg.optimizer_steps))
         self.trainer = self.ranks.build(trainer_cfg) if self.ranks else Trainer(trainer_cfg)
         self.reference = ReferencePolicy(self.trainer) if cfg.loss.kl_coef > 0 else None  # before any resume

@@ -91,6 +91,9 @@ class TrainerConfig:
     dist_timeout_s: float = 300.0  # seconds before any collective of the trainer ranks (or a silent rank 0) fails the run
     true_on_policy: bool = field(default=False, metadata=filled_in(
         "batch-invariant forward shared with the engine: log-probs equal bit for bit (train: true_on_policy)"))
+    temperature: float = field(default=1.0, metadata=filled_in(
+        "the rollouts' sampling temperature: log-probs are of softmax(logits / T), the distribution sampled "
+        "(train: rollout.temperature)"))
     optim: OptimConfig = field(default_factory=OptimConfig, metadata=filled_in("AdamW"))
     loss: LossConfig = field(default_factory=LossConfig, metadata=filled_in("the policy loss"))
 
@@ -103,6 +106,8 @@ class TrainerConfig:
             raise ValueError(f"trainer.nproc must be an integer >= 1, got {self.nproc!r}")
         if not self.dist_timeout_s > 0:
             raise ValueError(f"trainer.dist_timeout_s must be > 0, got {self.dist_timeout_s}")
+        if not self.temperature > 0:  # greedy rollouts (T=0) have no distribution to train
+            raise ValueError(f"the trainer's temperature must be > 0, got {self.temperature}")
 
 
 def _exact_chunk_logprobs(hidden, targets, weight, with_entropy: bool):
@@ -199,7 +204,7 @@ class Trainer:
         rows, cols = score_mask.nonzero(as_tuple=True)
         h, targets = hidden[rows, cols], tokens[:, 1:][rows, cols]
         if self.exact_model is None:
-            logp, ent = head_logprobs(h, targets, weight, chunk, with_entropy, need_grad)
+            logp, ent = head_logprobs(h, targets, weight, chunk, with_entropy, need_grad, self.cfg.temperature)
         else:  # the batch-invariant head, its logits recomputed in backward by checkpointing
             parts = [checkpoint(_exact_chunk_logprobs, h[s:s + chunk], targets[s:s + chunk], weight, with_entropy,
                                 use_reentrant=False) if need_grad else

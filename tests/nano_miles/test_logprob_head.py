@@ -6,8 +6,8 @@ import torch
 from nano_miles.logprob_head import head_logprobs
 
 
-def reference(hidden, targets, weight, with_entropy):
-    logp_all = torch.log_softmax(hidden.float() @ weight.float().t(), dim=-1)
+def reference(hidden, targets, weight, with_entropy, temperature=1.0):
+    logp_all = torch.log_softmax(hidden.float() @ weight.float().t() / temperature, dim=-1)
     logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
     ent = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else torch.zeros_like(logp)
     return logp, ent
@@ -35,6 +35,24 @@ def test_values_and_gradients_equal_autograd_over_the_whole_logits(chunk, entrop
         results.append((logp.detach(), ent.detach(), hidden.grad.clone(), weight.grad.clone()))
     for got, want in zip(results[1], results[0]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("temperature", [0.6, 1.3])
+def test_a_sampling_temperature_gives_the_tempered_distribution_and_its_gradients(temperature):
+    """Rollouts sampled at T have log-probs of softmax(logits / T) (the engine's sampler): the head
+    computes those, and backpropagates through the division."""
+    hidden, targets, weight, c1, c2 = inputs(torch.float32)
+    results = []
+    for fn in (lambda h, t, w, e: reference(h, t, w, e, temperature),
+               lambda h, t, w, e: head_logprobs(h, t, w, 8, e, need_grad=True, temperature=temperature)):
+        hidden.grad = weight.grad = None
+        logp, ent = fn(hidden, targets, weight, True)
+        ((c1 * logp).sum() + (c2 * ent).sum()).backward()
+        results.append((logp.detach(), ent.detach(), hidden.grad.clone(), weight.grad.clone()))
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    untempered, _ = head_logprobs(hidden, targets, weight, 8, False, need_grad=False)
+    assert (results[1][0] - untempered).abs().max() > 0.05  # the temperature is not a no-op
 
 
 def test_bf16_inputs_get_bf16_gradients_from_float32_arithmetic():

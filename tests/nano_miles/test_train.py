@@ -277,6 +277,7 @@ def test_bad_command_lines_are_clear_errors(tmp_path):
                           (["--set", "nope=1"], "unknown config key 'nope'"),
                           (["--set", "updates_per_step=0"], "updates_per_step must be >= 1"),
                           (["--set", "engine.attention_backend=fast"], "engine.attention_backend must be auto"),
+                          (["--set", "rollout.temperature=0"], "rollout.temperature must be > 0 to train"),
                           (["--resume", str(tmp_path)], "not a run directory")):
         proc = subprocess.run([sys.executable, "-m", "nano_miles.cli", "train", *args], cwd=REPO,
                               capture_output=True, text=True, timeout=60)

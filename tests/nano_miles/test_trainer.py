@@ -249,3 +249,36 @@ def test_a_non_finite_gradient_skips_the_update_with_a_clear_error(model_path):
     assert trainer.step == 0 and not trainer.optimizer.state  # no moment was touched
     assert all(torch.equal(a, b) for a, b in zip(before, trainer.masters))
     assert all(m.grad is None for m in trainer.masters)
+
+
+@pytest.mark.parametrize("temperature", [0.6, 1.4])
+def test_rollouts_sampled_at_a_temperature_are_scored_at_it(model_path, temperature):
+    """The engine returns log softmax(logits / T) of the tokens it sampled at T (SGLang's meaning); a
+    trainer given rollout.temperature scores the same distribution, so the PPO ratio and TIS compare
+    like with like. Scored at T=1 instead, every token would look off-policy."""
+    from nano_miles.engine.engine import Engine, EngineConfig, SamplingParams
+    engine = Engine(EngineConfig(model=model_path, dtype="float32", num_kv_blocks=256))
+    trajs = []
+    for i in range(3):
+        ids = torch.randint(3, 1000, (6 + 4 * i,), generator=torch.Generator().manual_seed(i)).tolist()
+        engine.add_request(f"r{i}", ids, SamplingParams(max_new_tokens=12, temperature=temperature,
+                                                        ignore_eos=True, sampling_seed=i))
+        out = None
+        while engine.has_unfinished():
+            out = engine.step() or out
+        trajs.append(Trajectory(prompt_ids=ids, response_ids=out[0].output_ids, response_logprobs=out[0].output_logprobs,
+                                response_mask=[True] * 12, reward=float(i % 2), group_id="g"))
+    batch = build_rollout_batch(trajs)
+    mask = batch.loss_mask
+    tempered = make_trainer(model_path, temperature=temperature).logprobs(batch)
+    assert (tempered[mask] - batch.rollout_logprobs[mask]).abs().max() < 1e-4
+    plain = make_trainer(model_path).logprobs(batch)
+    assert (plain[mask] - batch.rollout_logprobs[mask]).abs().max() > 1e-2
+    m = make_trainer(model_path, temperature=temperature).train_step(
+        batch, torch.tensor([1.0, -1.0, 1.0]), old_logprobs=batch.rollout_logprobs)
+    assert m["logprob_diff_max"] < 1e-4 and abs(m["ratio_max"] - 1.0) < 1e-3
+
+
+def test_a_trainer_without_a_distribution_to_score_is_refused(model_path):
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        TrainerConfig(model=model_path, temperature=0.0)
