@@ -2,10 +2,14 @@
 
 A Sandbox's release runs at close(), when it is collected, or at interpreter exit. A process that
 leaves without any of those -- os._exit after a fatal error, a signal it handles by dying -- would
-leave its sandboxes' temporary directories in the temp dir, so it calls close_all() first.
+leave its sandboxes' temporary directories in the temp dir, so it calls close_all() first. A process
+that cannot (SIGKILL, the OOM killer) leaves them; their names say whose they are (temp_dir), and the
+first Sandbox of a later process removes those whose process is gone.
 """
 
 import os
+import re
+import tempfile
 import threading
 import time
 
@@ -105,6 +109,57 @@ def close_all(budget: float = _CLOSE_ALL_BUDGET) -> None:
     for owned in held:
         owned.release(max(0.0, deadline - time.monotonic()))
     workspace_mod.finish(max(0.0, deadline - time.monotonic()))
+
+
+_KINDS = ("ws", "mnt", "sup", "tmp")  # workspace, a mount's directory, the supervisor's, a command's /tmp
+_NAME = re.compile(r"nano-openshell-(?:%s)-(\d+)\.(\d+)-" % "|".join(_KINDS))
+_SANDBOX_UIDS = range(100000, 100000 + (1 << 20))  # as root, a workspace belongs to its sandbox's uid (sandbox.py)
+_SWEPT = {"pid": None}
+_SWEEP_LOCK = threading.Lock()
+
+
+def temp_dir(kind: str) -> str:
+    """A new directory for a Sandbox in the temp dir, named nano-openshell-<kind>-<pid>.<start time>-...
+    (the pid alone could be reused). The first one a process makes removes, in the background, those
+    of processes that are gone (killed before they could remove theirs). Processes in other pid
+    namespaces sharing this temp dir would look gone: like cgroup.py and namespaced.py, this assumes
+    they do not."""
+    if kind not in _KINDS:
+        raise ValueError(f"temp_dir kind must be one of {_KINDS}, got {kind!r}")
+    pid = os.getpid()
+    with _SWEEP_LOCK:
+        if _SWEPT["pid"] != pid:  # once per process (a forked child sweeps again: cheap)
+            _SWEPT["pid"] = pid
+            _sweep(tempfile.gettempdir())
+    return tempfile.mkdtemp(prefix=f"nano-openshell-{kind}-{pid}.{_start_time(pid)}-")
+
+
+def _sweep(parent: str) -> None:
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    for name in names:
+        match = _NAME.match(name)
+        if not match or _start_time(int(match[1])) == int(match[2]):
+            continue  # not ours, or its process is alive
+        path = os.path.join(parent, name)
+        try:
+            owner = os.lstat(path).st_uid
+        except OSError:
+            continue
+        mine = owner == os.geteuid() or (os.geteuid() == 0 and owner in _SANDBOX_UIDS)
+        if mine:
+            workspace_mod.remove_later(path)
+
+
+def _start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (/proc/PID/stat field 22), None when gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _closed(why: str) -> Exception:

@@ -34,7 +34,6 @@ import concurrent.futures
 import math
 import os
 import random
-import tempfile
 import threading
 import time
 import weakref
@@ -44,7 +43,7 @@ from . import initproc, launcher, namespaced, seccomp
 from . import workspace as workspace_mod
 from .cgroup import SandboxCgroup
 from .output import Capped as _Capped, drain as _drain  # noqa: F401 (_Capped: tests)
-from .owned import Owned, close_all  # noqa: F401 (close_all: what a leaving process calls)
+from .owned import Owned, close_all, temp_dir  # noqa: F401 (close_all: what a leaving process calls)
 from .probe import TIERS, probe
 
 MAX_TIMEOUT = 24 * 3600.0
@@ -194,7 +193,7 @@ class Sandbox:
         self._processes_in_cgroup = False  # does every command of this tier start inside self.cgroup
 
         if workspace is None:
-            workspace = tempfile.mkdtemp(prefix="nano-openshell-ws-")
+            workspace = temp_dir("ws")
             self._owned.add_dir(workspace)
         self.workspace = os.path.realpath(os.fspath(workspace))
         # as root, the command runs under this Sandbox's own unprivileged uid (see namespaced.py)
@@ -307,7 +306,7 @@ class Sandbox:
 
         # <dir> (0700; 0711 when the sandbox has its own uid) holds the audit log; the socket sits in
         # <dir>/sock, 0700 and owned by the sandbox's uid: bwrap must reach it, no one else may
-        self._supervisor_dir = tempfile.mkdtemp(prefix="nano-openshell-sup-")
+        self._supervisor_dir = temp_dir("sup")
         self._owned.add_dir(self._supervisor_dir)
         sock_dir = os.path.join(self._supervisor_dir, "sock")
         os.mkdir(sock_dir, 0o700)
@@ -392,7 +391,7 @@ class Sandbox:
             raise SandboxError(f"the sandbox could not start the command: {e}") from None
 
     def _exec_init(self, command: str, deadline: float):
-        tmpdir = tempfile.mkdtemp(prefix="nano-openshell-tmp-")
+        tmpdir = temp_dir("tmp")
         try:
             if self.uid is not None:
                 os.chown(tmpdir, self.uid, self.uid)

@@ -23,7 +23,6 @@ import queue
 import shutil
 import stat
 import sys
-import tempfile
 import threading
 import time
 
@@ -52,7 +51,9 @@ def check_mounts(mounts) -> dict:
 
 def make_mount_dir(source) -> str:
     """A Sandbox's own directory behind a mount: empty, or a copy of a host directory (links as links)."""
-    host = tempfile.mkdtemp(prefix="nano-openshell-mnt-")
+    from .owned import temp_dir  # owned.py imports this module
+
+    host = temp_dir("mnt")
     if source is not None:
         shutil.copytree(os.fspath(source), host, symlinks=True, dirs_exist_ok=True)
     return host
