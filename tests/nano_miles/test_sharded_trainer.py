@@ -128,3 +128,17 @@ def test_groups_go_whole_to_the_least_loaded_rank():
     assert assign_groups(ids, lengths, 3) == [[0, 1], [5, 6], [2, 3, 4]]
     assert assign_groups(ids, lengths, 1) == [list(range(7))]
     assert assign_groups(["a", "a"], [5, 5], 3) == [[0, 1], [], []]  # more ranks than groups
+
+
+def test_a_sharded_rank_scores_at_the_rollout_temperature_like_one_process(world_of_one, tiny_model_path):
+    """train hands rollout.temperature to the ranks' TrainerConfig: their log-probs are of softmax(logits / T)."""
+    from nano_miles.batch import build_rollout_batch
+    from nano_miles.trainer import TrainerConfig
+    batch = build_rollout_batch(sharded_ranks.make_trajs((2, 2)))
+    cfg = TrainerConfig(model=str(tiny_model_path), micro_batch_size=1, temperature=0.7)
+    sharded = ShardedTrainer(cfg, world_of_one).logprobs(batch)
+    one = Trainer(cfg).logprobs(batch)
+    plain = Trainer(TrainerConfig(model=str(tiny_model_path), micro_batch_size=1)).logprobs(batch)
+    mask = batch.loss_mask
+    assert (sharded[mask] - one[mask]).abs().max() <= 1e-5
+    assert (plain[mask] - one[mask]).abs().max() > 1e-2
