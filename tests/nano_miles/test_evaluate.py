@@ -1,14 +1,18 @@
 """Evaluation inside a training run (`eval_every`, nano_miles/evaluate.py's RunEvaluation): a real run
 (tiny-random-qwen2, real engine, real sandbox) writes eval columns into metrics.jsonl, TensorBoard
-and the PNG curves, and the evaluations never move the training data position."""
+and the PNG curves, and the evaluations never move the training data position.
+
+Task instances (one group_id each): a task's pass@1 averages over all its samples, its pass@k over
+the per-instance estimators."""
 import json
 import sys
 
 import pytest
 from safetensors import safe_open
 
+from nano_miles.batch import Trajectory
 from nano_miles.config import ConfigError, load_config, parse_set
-from nano_miles.evaluate import RunEvaluation, alfa_subset
+from nano_miles.evaluate import RunEvaluation, alfa_subset, pass_at_k, per_family
 from nano_miles.producer import TaskStream
 from nano_miles.tasks import select_tasks
 from nano_miles.telemetry import read_metrics
@@ -105,3 +109,26 @@ def test_the_alfa_subset_is_the_same_in_every_run_and_the_schedule_ends_with_the
     evaluation = RunEvaluation(_config("steps=5", "eval_every=2", "eval_alfa_tasks=0"))
     assert [s for s in range(1, 6) if evaluation.due(s)] == [2, 4, 5]
     assert not any(RunEvaluation(_config("steps=5")).due(s) for s in range(1, 6))  # eval_every = 0: off
+
+
+# ---- task instances ------------------------------------------------------------------------------
+
+def _sample(task_id, instance, correct):
+    return Trajectory([1], [2], [-1.0], [True], reward_components={"correct": float(correct)}, task_id=task_id,
+                      group_id=f"{task_id}-s{instance}")
+
+
+def test_pass_at_1_averages_all_samples_and_pass_at_k_the_instances_estimators():
+    tasks = select_tasks("kernel_name,md5_file")  # families system and hashing
+    trajs = [_sample("kernel_name", 0, c) for c in (1, 1)] + [_sample("kernel_name", 1, c) for c in (0, 0)] + \
+            [_sample("md5_file", 2, c) for c in (1, 0)] + [_sample("md5_file", 3, c) for c in (0, 0)]
+    table = per_family(trajs, tasks, 2)
+    # kernel_name: 2 of 4 samples, pass@2 1 on its first instance and 0 on its second (pooled it would be 5/6);
+    # md5_file: 1 of 4 samples, pass@2 1 and 0 again
+    assert table == {"hashing": {"tasks": 1, "pass@1": 0.25, "pass@2": 0.5},
+                     "system": {"tasks": 1, "pass@1": 0.5, "pass@2": 0.5},
+                     "all": {"tasks": 2, "pass@1": 0.375, "pass@2": 0.5}}
+    # one instance a task: the figures are the estimator's on the task's samples, as before instances
+    one = [_sample("kernel_name", 0, c) for c in (1, 0, 0)] + [_sample("md5_file", 1, c) for c in (1, 1, 0)]
+    assert per_family(one, tasks, 2)["all"] == {"tasks": 2, "pass@1": (pass_at_k(3, 1, 1) + pass_at_k(3, 2, 1)) / 2,
+                                                "pass@2": (pass_at_k(3, 1, 2) + pass_at_k(3, 2, 2)) / 2}
