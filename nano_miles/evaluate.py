@@ -2,10 +2,11 @@
 
     nano-miles eval --model qwen2.5-coder-0.5b-instruct --tasks heldout --samples 8
 
-K samples per task (one group each, same files and ground truth); a sample passes when the verifier
-accepts its answer. pass@k uses the unbiased estimator 1 - C(n-c, k) / C(n, k) per task (n samples,
-c correct), averaged over the tasks of a family. The keys are rollout's (docs/config.md); K is
-`rollout.group_size` (`--samples`).
+A task runs on `--instances` instances (seeded draws of its files and ground truth, one group each),
+K samples on each; a sample passes when the verifier accepts its answer. A task's pass@1 is the mean
+over all its samples; its pass@k the unbiased estimator 1 - C(n-c, k) / C(n, k) on each instance
+(n samples, c correct), averaged over its instances. Both are averaged over the tasks of a family.
+The keys are rollout's (docs/config.md); K is `rollout.group_size` (`--samples`).
 
 Inside a training run (`eval_every`), RunEvaluation measures the policy the run's engines serve at
 that moment the same way, on `eval_tasks` and a fixed ALFA subset, into the step's metrics.
@@ -36,6 +37,12 @@ from nano_miles.tasks import select_tasks
 @dataclass
 class EvalConfig(RolloutCommandConfig):
     tasks: str = "heldout"            # seed | train | heldout | all | a family (alfa: per set-up) | comma-separated task ids
+    instances: int = 1                # task instances per task (seeded draws of its files and ground truth), each with --samples samples: pass@1 averages over them all
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.instances < 1:
+            raise ValueError(f"instances must be >= 1, got {self.instances}")
 
 
 CONFIG = EvalConfig
@@ -47,6 +54,11 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if n - c < k:
         return 1.0
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def instances_of(tasks: list, n: int) -> list:
+    """Each task `n` times in a row: rollout_groups gives every copy a task seed (an instance) of its own."""
+    return [t for t in tasks for _ in range(n)]
 
 
 def solved_by_task(trajs) -> dict[str, list[bool]]:
@@ -185,7 +197,7 @@ def _show(value) -> str:
 
 
 def add_arguments(p) -> None:
-    add_common_arguments(p, EvalConfig, {"--samples": "rollout.group_size"})
+    add_common_arguments(p, EvalConfig, {"--samples": "rollout.group_size", "--instances": "instances"})
     p.add_argument("--json", action="store_true", help="print the table as JSON")
     p.add_argument("--out", default=None, help="also write the trajectories here (JSONL)")
 
@@ -196,20 +208,23 @@ def run(args) -> int:
         print(to_toml(cfg), end="")
         return 0
     tasks = selected_tasks("eval", cfg.tasks, cfg.tasks_module)
-    trajs, secs, setup_failures = collect(cfg, tasks, desc="eval")
+    trajs, secs, setup_failures = collect(cfg, instances_of(tasks, cfg.instances), desc="eval")
     if args.out:
         with open(args.out, "w") as f:
             f.writelines(t.to_json() + "\n" for t in trajs)
     k = cfg.rollout.group_size
     table = per_family(trajs, tasks, k)
     s = summarize(trajs, setup_failures)
+    # what the figures were measured on: which instances (seed) and at which temperature
+    measured = {"instances": cfg.instances, "seed": cfg.seed, "temperature": cfg.rollout.temperature}
     alfa = three_part_summary(trajs)  # ALFA episodes: the benchmark's own score too
     if alfa:
         s["alfa_three_part"] = alfa
     if args.json:
-        print(json.dumps({"per_family": table, **s}))
+        print(json.dumps({"per_family": table, **measured, **s}))
     else:
-        print(f"{cfg.model} on {cfg.tasks}: {len(tasks)} tasks x {k} samples in {secs:.1f}s")
+        print(f"{cfg.model} on {cfg.tasks}: {len(tasks)} tasks x {cfg.instances} instances x {k} samples in {secs:.1f}s "
+              f"(seed {cfg.seed}, temperature {cfg.rollout.temperature})")
         print(f"{'family':<12} {'tasks':>5} {'pass@1':>8} {f'pass@{k}':>8}")
         for fam, row in table.items():
             print(f"{fam:<12} {row['tasks']:>5} {row['pass@1']:>8.3f} {row[f'pass@{k}']:>8.3f}")
@@ -221,6 +236,6 @@ def run(args) -> int:
                   f"({alfa['answered']} answered)")
     if args.results_jsonl:
         append_result(args.results_jsonl, {"kind": "eval", "model": cfg.model, "tasks": cfg.tasks, "samples": k,
-                                           "max_turns": cfg.rollout.env.max_turns, "seconds": round(secs, 1),
-                                           "per_family": table, **s})
+                                           **measured, "max_turns": cfg.rollout.env.max_turns,
+                                           "seconds": round(secs, 1), "per_family": table, **s})
     return 0

@@ -2,14 +2,15 @@
 (tiny-random-qwen2, real engine, real sandbox) writes eval columns into metrics.jsonl, TensorBoard
 and the PNG curves, and the evaluations never move the training data position.
 
-Task instances (one group_id each): a task's pass@1 averages over all its samples, its pass@k over
-the per-instance estimators."""
+Task instances (`nano-miles eval --instances`): each task runs on several seeded draws of its files
+and ground truth; pass@1 averages over all of them, pass@k over the per-instance estimators."""
 import json
 import sys
 
 import pytest
 from safetensors import safe_open
 
+from nano_miles import cli
 from nano_miles.batch import Trajectory
 from nano_miles.config import ConfigError, load_config, parse_set
 from nano_miles.evaluate import RunEvaluation, alfa_subset, pass_at_k, per_family
@@ -132,3 +133,31 @@ def test_pass_at_1_averages_all_samples_and_pass_at_k_the_instances_estimators()
     one = [_sample("kernel_name", 0, c) for c in (1, 0, 0)] + [_sample("md5_file", 1, c) for c in (1, 1, 0)]
     assert per_family(one, tasks, 2)["all"] == {"tasks": 2, "pass@1": (pass_at_k(3, 1, 1) + pass_at_k(3, 2, 1)) / 2,
                                                 "pass@2": (pass_at_k(3, 1, 2) + pass_at_k(3, 2, 2)) / 2}
+
+
+def test_eval_runs_every_task_on_its_instances_and_says_on_what(engine_server, tiny_model_path, tmp_path, capsys):
+    out, results = tmp_path / "e.jsonl", tmp_path / "results.jsonl"
+    assert cli.main(["eval", "--model", str(tiny_model_path), "--engine-url", engine_server.url, "--tasks",
+                     "kernel_name,md5_file", "--instances", "2", "--samples", "2", "--seed", "3", "--max-turns", "1",
+                     "--max-new-tokens", "8", "--temperature", "0.7", "--out", str(out),
+                     "--results-jsonl", str(results)]) == 0
+    printed = capsys.readouterr().out
+    assert f"{tiny_model_path} on kernel_name,md5_file: 2 tasks x 2 instances x 2 samples in " in printed
+    assert "(seed 3, temperature 0.7)" in printed
+    trajs = [Trajectory.from_dict(json.loads(line)) for line in out.read_text().splitlines()]
+    groups = {}
+    for t in trajs:
+        groups.setdefault(t.task_id, {}).setdefault(t.group_id, []).append(t)
+    # each copy of a task in the list is an instance with a task seed of its own: seed * 100_003 + its position
+    assert {task: sorted(g) for task, g in groups.items()} == {
+        "kernel_name": ["kernel_name-s300009", "kernel_name-s300010"], "md5_file": ["md5_file-s300011", "md5_file-s300012"]}
+    assert all(len(samples) == 2 for g in groups.values() for samples in g.values())
+    row = json.loads(results.read_text())
+    assert (row["kind"], row["instances"], row["samples"], row["seed"], row["temperature"]) == ("eval", 2, 2, 3, 0.7)
+    assert row["episodes"] == 8 and row["per_family"] == per_family(trajs, select_tasks("kernel_name,md5_file"), 2)
+
+
+def test_instances_below_one_are_one_line_and_exit_2(capsys):
+    assert cli.main(["eval", "--instances", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err == "nano-miles eval: instances must be >= 1, got 0\n"
