@@ -106,17 +106,17 @@ def alfa_subset(n: int, echo=print) -> list:
 class RunEvaluation:
     """Evaluation inside a training run: before the first step (the base policy, logged as step 0),
     every `eval_every` steps and after the last one, pass@1 of the policy the run's engines serve (the
-    weights just synced) on `eval_tasks` and on the ALFA subset, with `eval_samples` samples a task at
-    the run's rollout settings. Its task instances are seeded by the run seed alone, the same at every
-    evaluation, so the curve moves with the policy only; it never touches the training task stream
-    (a resumed run sees the same training tasks).
+    weights just synced) on `eval_tasks` (`eval_instances` instances of each) and on the ALFA subset (one
+    each: its set-ups are fixed), with `eval_samples` samples an instance at the run's rollout settings.
+    Its task instances are seeded by the run seed alone, the same at every evaluation, so the curve moves
+    with the policy only; it never touches the training task stream (a resumed run sees the same training tasks).
 
     keep_best: new_best() says when a trained policy beats every earlier one on eval_tasks (the run
     then exports it to best/; ALFA never picks it: that would be choosing on the benchmark)."""
 
     def __init__(self, cfg, echo=print):
         self.every, self.last_step, self.seed, self.echo = cfg.eval_every, cfg.steps, cfg.seed, echo
-        self.keep_best, self.best = cfg.keep_best, None
+        self.keep_best, self.best, self.instances = cfg.keep_best, None, cfg.eval_instances
         self.rollout = dataclasses.replace(cfg.rollout, group_size=cfg.eval_samples, dynamic_sampling=False)
         try:
             self.tasks = selected_tasks("train", cfg.eval_tasks) if self.every else []
@@ -131,14 +131,9 @@ class RunEvaluation:
         """The eval_* metrics of `step` ({} when no evaluation is due)."""
         if not self.due(step):
             return {}
-        tasks = self.tasks + self.alfa
         stats, t0 = {}, time.perf_counter()
         try:
-            with tqdm(total=len(tasks) * self.rollout.group_size, desc=f"eval {_when(step)}", unit="ep", leave=False,
-                      dynamic_ncols=True) as bar:
-                trajs = asyncio.run(rollout_groups(engines, tokenizer, tasks, self.rollout, seed=self.seed,
-                                                   sandbox_factory=sandbox_factory, stats=stats,
-                                                   on_episode_done=lambda: bar.update(1)))
+            trajs = self.episodes(engines, tokenizer, sandbox_factory, f"eval {_when(step)}", stats)
         except EngineUnavailable as e:  # the next step's rollout restarts the engine; this measurement is lost
             self.echo(f"eval {_when(step)} left out: engine unavailable ({e})")
             return {"eval_seconds": time.perf_counter() - t0, "eval_error": str(e)}
@@ -151,8 +146,8 @@ class RunEvaluation:
                "eval_task_count": heldout.get("tasks", 0),
                # which tasks moved between evaluations (metrics.jsonl only: not a scalar)
                "eval_by_task": {task_id: sum(r) / len(r) for task_id, r in sorted(solved_by_task(trajs).items())}}
-        line = (f"eval {_when(step)}: {self.rollout.group_size} sample(s) a task, {out['eval_task_count']} tasks "
-                f"pass@1 {_show(out['eval_pass_at_1'])}")
+        line = (f"eval {_when(step)}: {self.instances} instance(s) x {self.rollout.group_size} sample(s) a task, "
+                f"{out['eval_task_count']} tasks pass@1 {_show(out['eval_pass_at_1'])}")
         if self.alfa:
             scored = per_family(theirs, self.alfa, 1).get("all", {})
             unavailable = sum(task_id in alfa_ids for task_id in stats.get("unavailable", {}))
@@ -164,6 +159,15 @@ class RunEvaluation:
         self.echo(f"{line}, in {seconds:.1f}s")
         return out
 
+    def episodes(self, engines, tokenizer, sandbox_factory=None, desc: str = "eval", stats: dict | None = None) -> list:
+        """One evaluation's trajectories, with a progress bar: every eval task on its instances, then
+        the ALFA subset (one instance each)."""
+        tasks = instances_of(self.tasks, self.instances) + self.alfa
+        with tqdm(total=len(tasks) * self.rollout.group_size, desc=desc, unit="ep", leave=False,
+                  dynamic_ncols=True) as bar:
+            return asyncio.run(rollout_groups(engines, tokenizer, tasks, self.rollout, seed=self.seed,
+                                              sandbox_factory=sandbox_factory, stats=stats,
+                                              on_episode_done=lambda: bar.update(1)))
 
     def new_best(self, step: int, evaluated: dict, best_dir: Path) -> bool:
         """keep_best: is the policy after `step` (trained: step > 0) better on eval_tasks than any before,

@@ -2,8 +2,9 @@
 (tiny-random-qwen2, real engine, real sandbox) writes eval columns into metrics.jsonl, TensorBoard
 and the PNG curves, and the evaluations never move the training data position.
 
-Task instances (`nano-miles eval --instances`): each task runs on several seeded draws of its files
-and ground truth; pass@1 averages over all of them, pass@k over the per-instance estimators."""
+Task instances (`nano-miles eval --instances`, train's `eval_instances`): each task runs on several
+seeded draws of its files and ground truth; pass@1 averages over all of them, pass@k over the
+per-instance estimators."""
 import json
 import sys
 
@@ -14,6 +15,7 @@ from nano_miles import cli
 from nano_miles.batch import Trajectory
 from nano_miles.config import ConfigError, load_config, parse_set
 from nano_miles.evaluate import RunEvaluation, alfa_subset, pass_at_k, per_family
+from nano_miles.models import load_tokenizer
 from nano_miles.producer import TaskStream
 from nano_miles.tasks import select_tasks
 from nano_miles.telemetry import read_metrics
@@ -52,7 +54,7 @@ def test_eval_every_measures_the_policy_and_leaves_the_training_stream_alone(tmp
         assert r["eval_alfa_task_count"] + r["eval_alfa_unavailable"] == 2
         assert r["eval_alfa_pass_at_1"] is None or 0.0 <= r["eval_alfa_pass_at_1"] <= 1.0
     lines = [line for line in printed if line.startswith("eval ")]
-    assert lines[0].startswith("eval of the base policy (step 0): 1 sample(s) a task, 2 tasks pass@1 ")
+    assert lines[0].startswith("eval of the base policy (step 0): 1 instance(s) x 1 sample(s) a task, 2 tasks pass@1 ")
     assert lines[1].startswith("eval after step 2: ") and len(lines) == 3
     assert [s for s, _ in tensorboard_scalars(run_dir)["eval_pass_at_1"]] == [0, 2, 3]
     assert (run_dir / "eval_pass_at_1.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -161,3 +163,20 @@ def test_instances_below_one_are_one_line_and_exit_2(capsys):
     assert cli.main(["eval", "--instances", "0"]) == 2
     err = capsys.readouterr().err
     assert err == "nano-miles eval: instances must be >= 1, got 0\n"
+    with pytest.raises(ValueError, match="eval_samples and eval_instances >= 1"):
+        _config("eval_instances=0")
+
+
+def test_the_run_evaluates_each_eval_task_on_eval_instances_instances(engine_server, tiny_model_path):
+    printed = []
+    evaluation = RunEvaluation(_config("eval_every=1", "eval_tasks=kernel_name,md5_file", "eval_instances=2",
+                                       "eval_alfa_tasks=0"), echo=printed.append)
+    tok = load_tokenizer(tiny_model_path)
+    trajs = evaluation.episodes([engine_server.url], tok)
+    assert sorted((t.task_id, t.group_id) for t in trajs) == [  # eval_samples = 1 on each of 2 instances
+        ("kernel_name", "kernel_name-s0"), ("kernel_name", "kernel_name-s1"),
+        ("md5_file", "md5_file-s2"), ("md5_file", "md5_file-s3")]
+    evaluated = evaluation.after_step(1, [engine_server.url], tok)
+    assert evaluated["eval_task_count"] == 2 and set(evaluated["eval_by_task"]) == {"kernel_name", "md5_file"}
+    assert all(v in (0.0, 0.5, 1.0) for v in evaluated["eval_by_task"].values())  # the mean of 2 instances' samples
+    assert printed[0].startswith("eval after step 1: 2 instance(s) x 1 sample(s) a task, 2 tasks pass@1 ")
