@@ -25,7 +25,8 @@
 # Everything a phase prints or measures goes to $OUT (logs, metrics.jsonl copies, eval JSONL).
 # Knobs: STEPS (40), LR (3e-6), MODEL (the packaged Qwen; tiny-random-qwen2 rehearses on CPU),
 # TRAINER_DEVICE/ENGINE_DEVICE (default cuda:0/cuda:1), EXTRA (more train --set pairs), EVAL_EXTRA (more
-# eval --set pairs), SAMPLES (8), TRAJ=1 (learn-run: the final policy's held-out episodes as JSONL),
+# eval --set pairs), SAMPLES (8), INSTANCES (1: instances a held-out task, SAMPLES on each; ALFA set-ups are
+# fixed, so its evals stay at one), TRAJ=1 (learn-run: the final policy's held-out episodes as JSONL),
 # GREEDY=1 (learn-run: the final policy's greedy pass@1 on held-out and full ALFA; `base-start` does the base model's).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -44,22 +45,24 @@ nm() { "$py" -m nano_miles.cli "$@"; }
 gpus=$("$py" -c 'import torch; print(torch.cuda.device_count())')
 TRAINER_DEVICE="${TRAINER_DEVICE:-$([ "$gpus" -ge 1 ] && echo cuda:0 || echo cpu)}"
 ENGINE_DEVICE="${ENGINE_DEVICE:-$([ "$gpus" -ge 2 ] && echo cuda:1 || echo "$TRAINER_DEVICE")}"
-STEPS="${STEPS:-40}" LR="${LR:-3e-6}" SAMPLES="${SAMPLES:-8}"
+STEPS="${STEPS:-40}" LR="${LR:-3e-6}" SAMPLES="${SAMPLES:-8}" INSTANCES="${INSTANCES:-1}"
 read -r -a extra <<<"${EXTRA:-}"
 read -r -a eval_extra <<<"${EVAL_EXTRA:-}"   # eval --set pairs a trained policy needs (e.g. its prompt_example)
 run="$MG/learn${ARM:+-$ARM}" bg="$MG/bg${ARM:+-$ARM}"   # learn-*: one run (an arm) and its background files
 step() { local name=$1 limit=$2; shift 2; echo "=== $name (limit ${limit}s)"; timeout -k 5 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"; echo "=== $name rc=${PIPESTATUS[0]}"; }
 
 # evaluate MODEL_OR_DIR NAME TASKS: pass@1 on one split, with an engine of its own on $ENGINE_DEVICE
+# (held-out: INSTANCES instances a task; ALFA: one, its set-ups are fixed)
 evaluate() {
     local model=$1 name=$2 tasks=$3; shift 3   # then more eval flags
+    local instances=(); [ "$tasks" = heldout ] && instances=(--instances "$INSTANCES")
     echo "=== eval $name on $tasks"
-    nm eval --model "$model" --set engine.device="$ENGINE_DEVICE" --tasks "$tasks" --samples "$SAMPLES" \
+    nm eval --model "$model" --set engine.device="$ENGINE_DEVICE" --tasks "$tasks" --samples "$SAMPLES" "${instances[@]}" \
         --results-jsonl "$OUT/evals.jsonl" "${eval_extra[@]}" "$@" 2>&1 | grep -v "it/s\]$" | tee -a "$OUT/eval_$name.log"
 }
 
 # greedy_evals MODEL_OR_DIR NAME: pass@1 at temperature 0 (greedy decoding, beside the T=1 figures) on
-# held-out (SAMPLES instances a task) and on full ALFA (one a task: the same set-up every time)
+# held-out (INSTANCES instances a task, SAMPLES samples on each) and on full ALFA (one a task: the same set-up every time)
 greedy_evals() {
     evaluate "$1" "$2_heldout_greedy" heldout --set rollout.temperature=0 >/dev/null
     SAMPLES=1 evaluate "$1" "$2_alfa_greedy" alfa --set rollout.temperature=0 >/dev/null

@@ -2,10 +2,11 @@
 
     nano-miles eval --model qwen2.5-coder-0.5b-instruct --tasks heldout --samples 8
 
-K samples per task (one group each, same files and ground truth); a sample passes when the verifier
-accepts its answer. pass@k uses the unbiased estimator 1 - C(n-c, k) / C(n, k) per task (n samples,
-c correct), averaged over the tasks of a family. The keys are rollout's (docs/config.md); K is
-`rollout.group_size` (`--samples`).
+A task runs on `--instances` instances (seeded draws of its files and ground truth, one group each),
+K samples on each; a sample passes when the verifier accepts its answer. A task's pass@1 is the mean
+over all its samples; its pass@k the unbiased estimator 1 - C(n-c, k) / C(n, k) on each instance
+(n samples, c correct), averaged over its instances. Both are averaged over the tasks of a family.
+The keys are rollout's (docs/config.md); K is `rollout.group_size` (`--samples`).
 
 Inside a training run (`eval_every`), RunEvaluation measures the policy the run's engines serve at
 that moment the same way, on `eval_tasks` and a fixed ALFA subset, into the step's metrics.
@@ -36,6 +37,12 @@ from nano_miles.tasks import select_tasks
 @dataclass
 class EvalConfig(RolloutCommandConfig):
     tasks: str = "heldout"            # seed | train | heldout | all | a family (alfa: per set-up) | comma-separated task ids
+    instances: int = 1                # task instances per task (seeded draws of its files and ground truth), each with --samples samples: pass@1 averages over them all
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.instances < 1:
+            raise ValueError(f"instances must be >= 1, got {self.instances}")
 
 
 CONFIG = EvalConfig
@@ -49,6 +56,11 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
+def instances_of(tasks: list, n: int) -> list:
+    """Each task `n` times in a row: rollout_groups gives every copy a task seed (an instance) of its own."""
+    return [t for t in tasks for _ in range(n)]
+
+
 def solved_by_task(trajs) -> dict[str, list[bool]]:
     """{task id: whether each of its samples was solved}, in the order the tasks first appear."""
     by_task: dict[str, list[bool]] = {}
@@ -58,12 +70,18 @@ def solved_by_task(trajs) -> dict[str, list[bool]]:
 
 
 def per_family(trajs, tasks, k: int) -> dict[str, dict]:
-    """{family: {tasks, pass@1, pass@k}} plus "all"."""
+    """{family: {tasks, pass@1, pass@k}} plus "all". A task's pass@1 is the mean over all its samples,
+    whatever instance they ran on; its pass@k the mean over its instances (group_id: one per instance)
+    of the estimator on that instance's samples (k samples of one instance share its files and answer)."""
     family = {t.id: t.family for t in tasks}
+    instances: dict[str, dict[str, list[bool]]] = {}
+    for t in trajs:
+        instances.setdefault(t.task_id, {}).setdefault(t.group_id, []).append(solved(t))
     rows: dict[str, list[tuple[float, float]]] = {}
-    for task_id, results in solved_by_task(trajs).items():
-        n, c = len(results), sum(results)
-        scores = (pass_at_k(n, c, 1), pass_at_k(n, c, min(k, n)))
+    for task_id, groups in instances.items():
+        results = [r for group in groups.values() for r in group]
+        at_k = [pass_at_k(len(g), sum(g), min(k, len(g))) for g in groups.values()]
+        scores = (pass_at_k(len(results), sum(results), 1), sum(at_k) / len(at_k))
         rows.setdefault(family[task_id], []).append(scores)
         rows.setdefault("all", []).append(scores)
     return {fam: {"tasks": len(v), "pass@1": sum(a for a, _ in v) / len(v), f"pass@{k}": sum(b for _, b in v) / len(v)}
@@ -88,17 +106,17 @@ def alfa_subset(n: int, echo=print) -> list:
 class RunEvaluation:
     """Evaluation inside a training run: before the first step (the base policy, logged as step 0),
     every `eval_every` steps and after the last one, pass@1 of the policy the run's engines serve (the
-    weights just synced) on `eval_tasks` and on the ALFA subset, with `eval_samples` samples a task at
-    the run's rollout settings. Its task instances are seeded by the run seed alone, the same at every
-    evaluation, so the curve moves with the policy only; it never touches the training task stream
-    (a resumed run sees the same training tasks).
+    weights just synced) on `eval_tasks` (`eval_instances` instances of each) and on the ALFA subset (one
+    each: its set-ups are fixed), with `eval_samples` samples an instance at the run's rollout settings.
+    Its task instances are seeded by the run seed alone, the same at every evaluation, so the curve moves
+    with the policy only; it never touches the training task stream (a resumed run sees the same training tasks).
 
     keep_best: new_best() says when a trained policy beats every earlier one on eval_tasks (the run
     then exports it to best/; ALFA never picks it: that would be choosing on the benchmark)."""
 
     def __init__(self, cfg, echo=print):
         self.every, self.last_step, self.seed, self.echo = cfg.eval_every, cfg.steps, cfg.seed, echo
-        self.keep_best, self.best = cfg.keep_best, None
+        self.keep_best, self.best, self.instances = cfg.keep_best, None, cfg.eval_instances
         self.rollout = dataclasses.replace(cfg.rollout, group_size=cfg.eval_samples, dynamic_sampling=False)
         try:
             self.tasks = selected_tasks("train", cfg.eval_tasks) if self.every else []
@@ -113,14 +131,9 @@ class RunEvaluation:
         """The eval_* metrics of `step` ({} when no evaluation is due)."""
         if not self.due(step):
             return {}
-        tasks = self.tasks + self.alfa
         stats, t0 = {}, time.perf_counter()
         try:
-            with tqdm(total=len(tasks) * self.rollout.group_size, desc=f"eval {_when(step)}", unit="ep", leave=False,
-                      dynamic_ncols=True) as bar:
-                trajs = asyncio.run(rollout_groups(engines, tokenizer, tasks, self.rollout, seed=self.seed,
-                                                   sandbox_factory=sandbox_factory, stats=stats,
-                                                   on_episode_done=lambda: bar.update(1)))
+            trajs = self.episodes(engines, tokenizer, sandbox_factory, f"eval {_when(step)}", stats)
         except EngineUnavailable as e:  # the next step's rollout restarts the engine; this measurement is lost
             self.echo(f"eval {_when(step)} left out: engine unavailable ({e})")
             return {"eval_seconds": time.perf_counter() - t0, "eval_error": str(e)}
@@ -133,8 +146,8 @@ class RunEvaluation:
                "eval_task_count": heldout.get("tasks", 0),
                # which tasks moved between evaluations (metrics.jsonl only: not a scalar)
                "eval_by_task": {task_id: sum(r) / len(r) for task_id, r in sorted(solved_by_task(trajs).items())}}
-        line = (f"eval {_when(step)}: {self.rollout.group_size} sample(s) a task, {out['eval_task_count']} tasks "
-                f"pass@1 {_show(out['eval_pass_at_1'])}")
+        line = (f"eval {_when(step)}: {self.instances} instance(s) x {self.rollout.group_size} sample(s) a task, "
+                f"{out['eval_task_count']} tasks pass@1 {_show(out['eval_pass_at_1'])}")
         if self.alfa:
             scored = per_family(theirs, self.alfa, 1).get("all", {})
             unavailable = sum(task_id in alfa_ids for task_id in stats.get("unavailable", {}))
@@ -146,6 +159,15 @@ class RunEvaluation:
         self.echo(f"{line}, in {seconds:.1f}s")
         return out
 
+    def episodes(self, engines, tokenizer, sandbox_factory=None, desc: str = "eval", stats: dict | None = None) -> list:
+        """One evaluation's trajectories, with a progress bar: every eval task on its instances, then
+        the ALFA subset (one instance each)."""
+        tasks = instances_of(self.tasks, self.instances) + self.alfa
+        with tqdm(total=len(tasks) * self.rollout.group_size, desc=desc, unit="ep", leave=False,
+                  dynamic_ncols=True) as bar:
+            return asyncio.run(rollout_groups(engines, tokenizer, tasks, self.rollout, seed=self.seed,
+                                              sandbox_factory=sandbox_factory, stats=stats,
+                                              on_episode_done=lambda: bar.update(1)))
 
     def new_best(self, step: int, evaluated: dict, best_dir: Path) -> bool:
         """keep_best: is the policy after `step` (trained: step > 0) better on eval_tasks than any before,
@@ -179,7 +201,7 @@ def _show(value) -> str:
 
 
 def add_arguments(p) -> None:
-    add_common_arguments(p, EvalConfig, {"--samples": "rollout.group_size"})
+    add_common_arguments(p, EvalConfig, {"--samples": "rollout.group_size", "--instances": "instances"})
     p.add_argument("--json", action="store_true", help="print the table as JSON")
     p.add_argument("--out", default=None, help="also write the trajectories here (JSONL)")
 
@@ -190,20 +212,23 @@ def run(args) -> int:
         print(to_toml(cfg), end="")
         return 0
     tasks = selected_tasks("eval", cfg.tasks, cfg.tasks_module)
-    trajs, secs, setup_failures = collect(cfg, tasks, desc="eval")
+    trajs, secs, setup_failures = collect(cfg, instances_of(tasks, cfg.instances), desc="eval")
     if args.out:
         with open(args.out, "w") as f:
             f.writelines(t.to_json() + "\n" for t in trajs)
     k = cfg.rollout.group_size
     table = per_family(trajs, tasks, k)
     s = summarize(trajs, setup_failures)
+    # what the figures were measured on: which instances (seed) and at which temperature
+    measured = {"instances": cfg.instances, "seed": cfg.seed, "temperature": cfg.rollout.temperature}
     alfa = three_part_summary(trajs)  # ALFA episodes: the benchmark's own score too
     if alfa:
         s["alfa_three_part"] = alfa
     if args.json:
-        print(json.dumps({"per_family": table, **s}))
+        print(json.dumps({"per_family": table, **measured, **s}))
     else:
-        print(f"{cfg.model} on {cfg.tasks}: {len(tasks)} tasks x {k} samples in {secs:.1f}s")
+        print(f"{cfg.model} on {cfg.tasks}: {len(tasks)} tasks x {cfg.instances} instances x {k} samples in {secs:.1f}s "
+              f"(seed {cfg.seed}, temperature {cfg.rollout.temperature})")
         print(f"{'family':<12} {'tasks':>5} {'pass@1':>8} {f'pass@{k}':>8}")
         for fam, row in table.items():
             print(f"{fam:<12} {row['tasks']:>5} {row['pass@1']:>8.3f} {row[f'pass@{k}']:>8.3f}")
@@ -215,6 +240,6 @@ def run(args) -> int:
                   f"({alfa['answered']} answered)")
     if args.results_jsonl:
         append_result(args.results_jsonl, {"kind": "eval", "model": cfg.model, "tasks": cfg.tasks, "samples": k,
-                                           "max_turns": cfg.rollout.env.max_turns, "seconds": round(secs, 1),
-                                           "per_family": table, **s})
+                                           **measured, "max_turns": cfg.rollout.env.max_turns,
+                                           "seconds": round(secs, 1), "per_family": table, **s})
     return 0

@@ -230,8 +230,8 @@ async def rollout_groups(engines: list[str] | EnginePool, tokenizer, tasks: list
         if stats is not None:
             stats["unavailable"] = unavailable
         if unavailable:
-            print(f"rollout: {len(unavailable)} of {len(tasks)} task(s) cannot run here and are left out of every "
-                  "score:\n" + "\n".join(f"  {why}" for why in unavailable.values()), file=sys.stderr)
+            print(f"rollout: {len(unavailable)} of {len({t.id for t in tasks})} task(s) cannot run here and are left "
+                  "out of every score:\n" + "\n".join(f"  {why}" for why in unavailable.values()), file=sys.stderr)
         return [t for t in results if t.prompt_ids]
     finally:
         pool_threads.shutdown(wait=False)  # queued closes still run; the threads finish before the process exits

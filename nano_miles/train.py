@@ -92,7 +92,8 @@ class TrainConfig(RolloutCommandConfig):
     report_to: str = "tensorboard"    # besides metrics.jsonl, comma-separated: tensorboard, wandb (needs wandb), none
     eval_every: int = 0               # pass@1 of the current policy before step 1 (a step 0 row), every this many steps and after the last, into the metrics (eval_*); 0 = off
     eval_tasks: str = "heldout"       # eval_every: the tasks evaluated besides ALFA (a selection, as `nano-miles eval --tasks`)
-    eval_samples: int = 1             # eval_every: samples per task (pass@1 is their mean), at rollout.temperature like `nano-miles eval`
+    eval_samples: int = 1             # eval_every: samples per task instance (pass@1 is their mean), at rollout.temperature like `nano-miles eval`
+    eval_instances: int = 1           # eval_every: instances per eval task (seeded draws of its files and ground truth), eval_samples on each; the ALFA subset stays at one instance: its set-ups are fixed
     eval_alfa_tasks: int = 20         # eval_every: also this many ALFA tasks, the same fixed subset in every run (needs icalfa); 0 = none
     keep_best: bool = False           # eval_every: also export the policy with the best pass@1 on eval_tasks so far to best/ (with best.json)
     rollout: TrainRolloutConfig = field(default_factory=TrainRolloutConfig)
@@ -116,8 +117,10 @@ class TrainConfig(RolloutCommandConfig):
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.max_staleness < 0 or self.max_engine_restarts < 0:
             raise ValueError("max_staleness and max_engine_restarts must be >= 0")
-        if self.eval_every < 0 or self.eval_samples < 1 or self.eval_alfa_tasks < 0 or (self.keep_best and not self.eval_every):
-            raise ValueError("eval_every and eval_alfa_tasks must be >= 0 (0 = off), eval_samples >= 1; keep_best needs eval_every")
+        if (self.eval_every < 0 or min(self.eval_samples, self.eval_instances) < 1 or self.eval_alfa_tasks < 0
+                or (self.keep_best and not self.eval_every)):
+            raise ValueError("eval_every and eval_alfa_tasks must be >= 0 (0 = off), eval_samples and eval_instances "
+                             ">= 1; keep_best needs eval_every")
         check_world(self, self.trainer.nproc)
         if not self.rollout.temperature > 0:
             raise ValueError("rollout.temperature must be > 0 to train: greedy rollouts (0) have no distribution "

@@ -1,14 +1,21 @@
 """Evaluation inside a training run (`eval_every`, nano_miles/evaluate.py's RunEvaluation): a real run
 (tiny-random-qwen2, real engine, real sandbox) writes eval columns into metrics.jsonl, TensorBoard
-and the PNG curves, and the evaluations never move the training data position."""
+and the PNG curves, and the evaluations never move the training data position.
+
+Task instances (`nano-miles eval --instances`, train's `eval_instances`): each task runs on several
+seeded draws of its files and ground truth; pass@1 averages over all of them, pass@k over the
+per-instance estimators."""
 import json
 import sys
 
 import pytest
 from safetensors import safe_open
 
+from nano_miles import cli
+from nano_miles.batch import Trajectory
 from nano_miles.config import ConfigError, load_config, parse_set
-from nano_miles.evaluate import RunEvaluation, alfa_subset
+from nano_miles.evaluate import RunEvaluation, alfa_subset, pass_at_k, per_family
+from nano_miles.models import load_tokenizer
 from nano_miles.producer import TaskStream
 from nano_miles.tasks import select_tasks
 from nano_miles.telemetry import read_metrics
@@ -47,7 +54,7 @@ def test_eval_every_measures_the_policy_and_leaves_the_training_stream_alone(tmp
         assert r["eval_alfa_task_count"] + r["eval_alfa_unavailable"] == 2
         assert r["eval_alfa_pass_at_1"] is None or 0.0 <= r["eval_alfa_pass_at_1"] <= 1.0
     lines = [line for line in printed if line.startswith("eval ")]
-    assert lines[0].startswith("eval of the base policy (step 0): 1 sample(s) a task, 2 tasks pass@1 ")
+    assert lines[0].startswith("eval of the base policy (step 0): 1 instance(s) x 1 sample(s) a task, 2 tasks pass@1 ")
     assert lines[1].startswith("eval after step 2: ") and len(lines) == 3
     assert [s for s, _ in tensorboard_scalars(run_dir)["eval_pass_at_1"]] == [0, 2, 3]
     assert (run_dir / "eval_pass_at_1.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -105,3 +112,71 @@ def test_the_alfa_subset_is_the_same_in_every_run_and_the_schedule_ends_with_the
     evaluation = RunEvaluation(_config("steps=5", "eval_every=2", "eval_alfa_tasks=0"))
     assert [s for s in range(1, 6) if evaluation.due(s)] == [2, 4, 5]
     assert not any(RunEvaluation(_config("steps=5")).due(s) for s in range(1, 6))  # eval_every = 0: off
+
+
+# ---- task instances ------------------------------------------------------------------------------
+
+def _sample(task_id, instance, correct):
+    return Trajectory([1], [2], [-1.0], [True], reward_components={"correct": float(correct)}, task_id=task_id,
+                      group_id=f"{task_id}-s{instance}")
+
+
+def test_pass_at_1_averages_all_samples_and_pass_at_k_the_instances_estimators():
+    tasks = select_tasks("kernel_name,md5_file")  # families system and hashing
+    trajs = [_sample("kernel_name", 0, c) for c in (1, 1)] + [_sample("kernel_name", 1, c) for c in (0, 0)] + \
+            [_sample("md5_file", 2, c) for c in (1, 0)] + [_sample("md5_file", 3, c) for c in (0, 0)]
+    table = per_family(trajs, tasks, 2)
+    # kernel_name: 2 of 4 samples, pass@2 1 on its first instance and 0 on its second (pooled it would be 5/6);
+    # md5_file: 1 of 4 samples, pass@2 1 and 0 again
+    assert table == {"hashing": {"tasks": 1, "pass@1": 0.25, "pass@2": 0.5},
+                     "system": {"tasks": 1, "pass@1": 0.5, "pass@2": 0.5},
+                     "all": {"tasks": 2, "pass@1": 0.375, "pass@2": 0.5}}
+    # one instance a task: the figures are the estimator's on the task's samples, as before instances
+    one = [_sample("kernel_name", 0, c) for c in (1, 0, 0)] + [_sample("md5_file", 1, c) for c in (1, 1, 0)]
+    assert per_family(one, tasks, 2)["all"] == {"tasks": 2, "pass@1": (pass_at_k(3, 1, 1) + pass_at_k(3, 2, 1)) / 2,
+                                                "pass@2": (pass_at_k(3, 1, 2) + pass_at_k(3, 2, 2)) / 2}
+
+
+def test_eval_runs_every_task_on_its_instances_and_says_on_what(engine_server, tiny_model_path, tmp_path, capsys):
+    out, results = tmp_path / "e.jsonl", tmp_path / "results.jsonl"
+    assert cli.main(["eval", "--model", str(tiny_model_path), "--engine-url", engine_server.url, "--tasks",
+                     "kernel_name,md5_file", "--instances", "2", "--samples", "2", "--seed", "3", "--max-turns", "1",
+                     "--max-new-tokens", "8", "--temperature", "0.7", "--out", str(out),
+                     "--results-jsonl", str(results)]) == 0
+    printed = capsys.readouterr().out
+    assert f"{tiny_model_path} on kernel_name,md5_file: 2 tasks x 2 instances x 2 samples in " in printed
+    assert "(seed 3, temperature 0.7)" in printed
+    trajs = [Trajectory.from_dict(json.loads(line)) for line in out.read_text().splitlines()]
+    groups = {}
+    for t in trajs:
+        groups.setdefault(t.task_id, {}).setdefault(t.group_id, []).append(t)
+    # each copy of a task in the list is an instance with a task seed of its own: seed * 100_003 + its position
+    assert {task: sorted(g) for task, g in groups.items()} == {
+        "kernel_name": ["kernel_name-s300009", "kernel_name-s300010"], "md5_file": ["md5_file-s300011", "md5_file-s300012"]}
+    assert all(len(samples) == 2 for g in groups.values() for samples in g.values())
+    row = json.loads(results.read_text())
+    assert (row["kind"], row["instances"], row["samples"], row["seed"], row["temperature"]) == ("eval", 2, 2, 3, 0.7)
+    assert row["episodes"] == 8 and row["per_family"] == per_family(trajs, select_tasks("kernel_name,md5_file"), 2)
+
+
+def test_instances_below_one_are_one_line_and_exit_2(capsys):
+    assert cli.main(["eval", "--instances", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err == "nano-miles eval: instances must be >= 1, got 0\n"
+    with pytest.raises(ValueError, match="eval_samples and eval_instances >= 1"):
+        _config("eval_instances=0")
+
+
+def test_the_run_evaluates_each_eval_task_on_eval_instances_instances(engine_server, tiny_model_path):
+    printed = []
+    evaluation = RunEvaluation(_config("eval_every=1", "eval_tasks=kernel_name,md5_file", "eval_instances=2",
+                                       "eval_alfa_tasks=0"), echo=printed.append)
+    tok = load_tokenizer(tiny_model_path)
+    trajs = evaluation.episodes([engine_server.url], tok)
+    assert sorted((t.task_id, t.group_id) for t in trajs) == [  # eval_samples = 1 on each of 2 instances
+        ("kernel_name", "kernel_name-s0"), ("kernel_name", "kernel_name-s1"),
+        ("md5_file", "md5_file-s2"), ("md5_file", "md5_file-s3")]
+    evaluated = evaluation.after_step(1, [engine_server.url], tok)
+    assert evaluated["eval_task_count"] == 2 and set(evaluated["eval_by_task"]) == {"kernel_name", "md5_file"}
+    assert all(v in (0.0, 0.5, 1.0) for v in evaluated["eval_by_task"].values())  # the mean of 2 instances' samples
+    assert printed[0].startswith("eval after step 1: 2 instance(s) x 1 sample(s) a task, 2 tasks pass@1 ")
