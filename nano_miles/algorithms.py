@@ -44,6 +44,9 @@ class LossConfig:
     kl_coef: float = 0.0          # k3 KL to the initial policy (a frozen copy on the trainer's device); 0 = off, no copy
     entropy_coef: float = 0.0     # subtracted from the loss; 0 = entropy is only reported
     tis_cap: float | None = 2.0   # truncated importance sampling weight min(pi_old / pi_rollout, cap); None = off
+    clip_cov_ratio: float = 0.0   # Clip-Cov (Cui et al. 2025; verl's loss_mode clip_cov, 2e-4 there): this share of a micro-batch's tokens, drawn among those whose covariance term lies in [clip_cov_lb, clip_cov_ub], gets no gradient; 0 = off
+    clip_cov_lb: float = 1.0      # Clip-Cov: lower bound of (A - mean A) * (logp - mean logp) for a token to be drawn
+    clip_cov_ub: float = 5.0      # Clip-Cov: upper bound of it (a larger one is an outlier, left alone)
 
     def __post_init__(self):
         if not (0 <= self.eps_low < 1 and self.eps_high >= 0):
@@ -58,6 +61,9 @@ class LossConfig:
             raise ValueError("kl_coef and entropy_coef must be >= 0")
         if self.tis_cap is not None and self.tis_cap <= 0:
             raise ValueError(f"tis_cap must be > 0 (or None), got {self.tis_cap}")
+        if not 0 <= self.clip_cov_ratio < 1 or not self.clip_cov_lb < self.clip_cov_ub:
+            raise ValueError(f"need 0 <= clip_cov_ratio < 1 and clip_cov_lb < clip_cov_ub, got {self.clip_cov_ratio}, "
+                             f"{self.clip_cov_lb}, {self.clip_cov_ub}")
 
 
 # ---------------------------------------------------------------------------------- advantages
@@ -121,9 +127,28 @@ def _masked_mean(values, mask):
     return (values * mask).sum() / mask.sum().clamp(min=1)
 
 
+def clip_cov_mask(logprobs, adv, loss_mask, clipped, cfg: LossConfig):
+    """Clip-Cov's tokens (bool [B, T]): entropy falls where a token's log-prob and its advantage
+    co-vary most (a likely token pushed up, an unlikely one pushed down). A random clip_cov_ratio of the
+    tokens whose centred product lies in [lb, ub], among those the PPO clip left alone, is chosen;
+    their gradient is dropped. With one update a step the ratio is 1 and clip-higher never acts; this
+    still does. Means are over this call's (micro-batch's) tokens, as in verl."""
+    mask = loss_mask.to(torch.float32)
+    logp = logprobs.detach().float()
+    cov = (adv - _masked_mean(adv, mask)) * (logp - _masked_mean(logp, mask))
+    eligible = loss_mask & ~clipped & (cov > cfg.clip_cov_lb) & (cov < cfg.clip_cov_ub)
+    chosen = torch.zeros_like(loss_mask)
+    candidates = eligible.nonzero()
+    if len(candidates):
+        n = max(int(cfg.clip_cov_ratio * int(loss_mask.sum())), 1)
+        pick = candidates[torch.randperm(len(candidates), device=candidates.device)[:n]]
+        chosen[pick[:, 0], pick[:, 1]] = True
+    return chosen
+
+
 def policy_loss(logprobs, old_logprobs, advantages, loss_mask, cfg: LossConfig | None = None, *,
                 normalizer: float | None = None, rollout_logprobs=None, ref_logprobs=None, entropy=None):
-    """Dual-clip PPO loss with clip-higher, optional TIS, k3 KL and entropy bonus.
+    """Dual-clip PPO loss with clip-higher, optional TIS, k3 KL, entropy bonus and Clip-Cov.
 
     logprobs [B, T] (with grad), old_logprobs [B, T] (the trainer's, before the update),
     advantages [B] or [B, T], loss_mask [B, T] bool. rollout_logprobs (the engine's) turn on TIS
@@ -160,6 +185,10 @@ def policy_loss(logprobs, old_logprobs, advantages, loss_mask, cfg: LossConfig |
         dual = torch.zeros_like(clipped)
 
     metrics = {}
+    if cfg.clip_cov_ratio > 0:
+        detached = clip_cov_mask(logprobs, adv, loss_mask, clipped, cfg)
+        pg = torch.where(detached, pg.detach(), pg)  # the token still counts in the loss value, not its gradient
+        metrics["clip_cov_frac"] = _masked_mean(detached.float(), mask).item()
     if rollout_logprobs is not None and cfg.tis_cap is not None:
         # Truncated importance sampling: the samples came from the engine's policy, not ours.
         tis_log = torch.where(loss_mask, old - rollout_logprobs.float(), torch.zeros_like(old)).clamp(max=20.0)

@@ -189,3 +189,51 @@ def test_loss_config_validation_and_shape_errors():
         LossConfig(eps_low=1.5)
     with pytest.raises(ValueError, match="shape mismatch"):
         policy_loss(torch.zeros(2, 3), torch.zeros(2, 4), ADV, MASK)
+
+
+# ------------------------------------------------------------------------------------ Clip-Cov
+
+def _on_policy(logp_values, adv, mask, cfg):
+    """One on-policy update (old = logp: ratio 1, so clip-higher never acts): the loss and d loss / d logp."""
+    logprobs = torch.tensor(logp_values, requires_grad=True)
+    loss, m = policy_loss(logprobs, logprobs.detach(), torch.tensor(adv), mask, cfg)
+    loss.backward()
+    return logprobs.grad, loss, m
+
+
+def test_clip_cov_drops_the_gradient_of_tokens_whose_logp_and_advantage_covary_within_the_bounds():
+    """Row 0 (A=+1) has a likely token (-0.1) and an unlikely one (-6.0); row 1 (A=-1) the same. The
+    centred product (A - mean A)(logp - mean logp) is +2.93 for the likely token of the good row, +2.97
+    for the unlikely token of the bad row, about -2.95 for the other two and +-0.03 for the middle ones:
+    only two lie in [1, 5], and a ratio that asks for more than them still takes those two alone."""
+    logp = [[-0.1, -3.0, -6.0], [-0.1, -3.0, -6.0]]
+    adv, mask = [1.0, -1.0], torch.ones(2, 3, dtype=torch.bool)
+    plain, plain_loss, _ = _on_policy(logp, adv, mask, LossConfig(tis_cap=None))
+    grad, loss, m = _on_policy(logp, adv, mask, LossConfig(tis_cap=None, clip_cov_ratio=0.5))
+    assert grad[0, 0] == 0 and grad[1, 2] == 0          # the entropy-collapsing pair: no gradient
+    assert plain[0, 0] != 0 and plain[1, 2] != 0
+    keep = torch.ones(2, 3, dtype=torch.bool)
+    keep[0, 0] = keep[1, 2] = False
+    assert torch.equal(grad[keep], plain[keep])          # every other token's gradient is unchanged
+    assert close(loss.item(), plain_loss.item())         # the loss value is unchanged: only gradients go
+    assert close(m["clip_cov_frac"], 2 / 6)
+
+
+def test_clip_cov_takes_its_share_of_the_tokens_and_only_unmasked_ones():
+    torch.manual_seed(0)
+    logp = torch.linspace(-8.0, -0.01, 400).reshape(4, 100)
+    adv, mask = [-2.0, -2.0, 2.0, 2.0], torch.ones(4, 100, dtype=torch.bool)
+    mask[:, 90:] = False
+    grad, _, m = _on_policy(logp.tolist(), adv, mask, LossConfig(tis_cap=None, clip_cov_ratio=0.01))
+    dropped = (grad == 0) & mask
+    assert int(dropped.sum()) == 3 and close(m["clip_cov_frac"], 3 / 360)  # int(0.01 * 360) tokens
+    assert m["tokens"] == 360
+    _, _, off = _on_policy(logp.tolist(), adv, mask, LossConfig(tis_cap=None))
+    assert "clip_cov_frac" not in off
+
+
+def test_clip_cov_config_is_validated():
+    with pytest.raises(ValueError, match="clip_cov_ratio"):
+        LossConfig(clip_cov_ratio=1.0)
+    with pytest.raises(ValueError, match="clip_cov_lb < clip_cov_ub"):
+        LossConfig(clip_cov_ratio=1e-3, clip_cov_lb=5.0, clip_cov_ub=1.0)

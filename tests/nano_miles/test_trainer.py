@@ -282,3 +282,16 @@ def test_rollouts_sampled_at_a_temperature_are_scored_at_it(model_path, temperat
 def test_a_trainer_without_a_distribution_to_score_is_refused(model_path):
     with pytest.raises(ValueError, match="temperature must be > 0"):
         TrainerConfig(model=model_path, temperature=0.0)
+
+
+def test_clip_cov_reaches_the_update_and_its_metrics(model_path):
+    """loss.clip_cov_ratio acts inside the trainer's micro-batches (one on-policy update: ratio 1, so the
+    PPO clip never would), and the step says on how many tokens."""
+    batch = make_batch(n=4)
+    adv = torch.tensor([1.5, -1.5, 1.5, -1.5])
+    torch.manual_seed(0)
+    m = make_trainer(model_path, loss=LossConfig(clip_cov_ratio=0.05, clip_cov_lb=0.1),
+                     micro_batch_size=4).train_step(batch, adv)
+    assert 0 < m["clip_cov_frac"] <= 0.1 and m["clip_frac"] == 0
+    plain = make_trainer(model_path, micro_batch_size=4).train_step(batch, adv)
+    assert "clip_cov_frac" not in plain and m["grad_norm"] != plain["grad_norm"]
