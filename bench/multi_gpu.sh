@@ -62,9 +62,10 @@ evaluate() {
 }
 
 # greedy_evals MODEL_OR_DIR NAME: pass@1 at temperature 0 (greedy decoding, beside the T=1 figures) on
-# held-out (INSTANCES instances a task, SAMPLES samples on each) and on full ALFA (one a task: the same set-up every time)
+# held-out and on full ALFA (one a task: the same set-up every time). Greedy samples of one instance
+# are the same answer, so held-out spends its INSTANCES x SAMPLES episodes on that many instances of one sample.
 greedy_evals() {
-    evaluate "$1" "$2_heldout_greedy" heldout --set rollout.temperature=0 >/dev/null
+    INSTANCES=$((INSTANCES * SAMPLES)) SAMPLES=1 evaluate "$1" "$2_heldout_greedy" heldout --set rollout.temperature=0 >/dev/null
     SAMPLES=1 evaluate "$1" "$2_alfa_greedy" alfa --set rollout.temperature=0 >/dev/null
 }
 
