@@ -228,6 +228,17 @@ def test_several_updates_per_step_reach_the_engine_with_the_kl_penalty(tmp_path)
     assert row["update_skipped"] is None and row["kl_ref"] >= 0.0  # computed against the reference
 
 
+def test_rollouts_below_t1_and_clip_cov_train_end_to_end(tmp_path):
+    """rollout.temperature reaches the trainer (its log-probs of the sampled tokens match the engine's
+    tempered ones: parity stays at float32 rounding) and loss.clip_cov_ratio its loss and metrics."""
+    run_dir = tmp_path / "run"
+    _finish(_train(["--set", "steps=1", "--set", "rollout.temperature=0.7", "--set", "loss.clip_cov_ratio=0.01",
+                    "--set", f"run_dir={run_dir}"]))
+    (row,) = read_metrics(run_dir / "metrics.jsonl")
+    assert row["update_skipped"] is None and row["parity_max"] <= 1e-4, row["parity_max"]
+    assert isinstance(row["clip_cov_frac"], float) and 0.0 <= row["clip_cov_frac"] <= 0.01 + 1e-9
+
+
 def test_layout_follows_the_hardware_and_config_overrides():
     cfg = TrainConfig()
     layout = plan_layout(cfg.dtype, cfg.engine, cfg.trainer_device)  # this machine's GPUs
