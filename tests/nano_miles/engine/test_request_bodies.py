@@ -1,6 +1,8 @@
 """Request bodies against the real server (the session's `nano-miles serve`): a body nested too deeply
 is a 400; a body over the cap is refused before it is read (413), except on the weight routes; a large
-body is parsed away from the event loop, so /health answers within 100 ms while one is sent/parsed."""
+body is parsed away from the event loop, so /health answers within 100 ms while one is sent (and within
+half the time a blocking parse would take while one is parsed)."""
+import json
 import socket
 import threading
 import time
@@ -113,7 +115,15 @@ def test_a_large_body_under_the_cap_is_parsed_off_the_event_loop(engine_server):
     r = box["r"]
     assert r.status_code == 400 and "context" in r.json()["error"]["message"]  # parsed, then refused: too long
     assert len(probe.latencies) > 20 and not probe.failures, probe.failures
-    assert max(probe.latencies) < 0.1, f"/health took {max(probe.latencies) * 1000:.0f} ms during the parse"
+    # What a parse ON the event loop would stall /health for, on this machine now: json.loads alone.
+    # A fixed 0.1 s failed once in CI (250 ms) on the loaded 2-core VM, where the parsing child, the
+    # token walk and pytest share two cores; half of the blocking parse still catches the regression.
+    t = time.monotonic()
+    json.loads(body)
+    blocking = time.monotonic() - t
+    bound = max(0.1, blocking / 2)
+    assert max(probe.latencies) < bound, (f"/health took {max(probe.latencies) * 1000:.0f} ms during the parse "
+                                          f"(a blocking parse takes {blocking * 1000:.0f} ms here)")
 
 
 def test_only_the_weight_routes_take_bodies_over_the_cap(engine_server):
