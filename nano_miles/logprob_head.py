@@ -22,7 +22,7 @@ def tempered_logits(hidden, weight, temperature: float = 1.0):
     # FP32 lm_head, like the engine: bf16 logits would be rounded to 8 mantissa bits, and a hidden
     # state that differs from the engine's in its last bit would then round to a different logit.
     logits = F.linear(hidden.float(), weight.float())
-    return logits if temperature == 1.0 else logits / temperature
+    return logits if temperature == 1.0 else logits.div_(temperature)  # in place: no second [N, V] buffer
 
 
 def chunk_logprobs(hidden, targets, weight, with_entropy: bool, temperature: float = 1.0):

@@ -28,6 +28,8 @@ import secrets
 import signal
 import time
 
+from .namespaced import start_time
+
 _counter = itertools.count()
 _layout = None  # (v2 parent, v2 caps?, {v1 controller: parent}): where this process makes its cgroups
 _EMPTY_WAIT = 2.0  # after a kill, how long we wait for the kernel to tear processes down
@@ -95,20 +97,12 @@ def _v2_parent(base: str) -> tuple[str, bool]:
     return base, False
 
 
-def _start_time(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rsplit(b")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def _owner_gone(name: str) -> bool:
     """nano-openshell-<pid>-<start time>-...: is that process gone (or its pid reused)?"""
     parts = name.split("-")
     if len(parts) < 5 or not (parts[2].isdigit() and parts[3].isdigit()):
         return False
-    return _start_time(int(parts[2])) != int(parts[3])
+    return start_time(int(parts[2])) != int(parts[3])
 
 
 def _sweep(parents: list[str]) -> None:
@@ -209,7 +203,7 @@ class SandboxCgroup:
     def create(cls, memory_bytes: int, processes: int) -> "tuple[SandboxCgroup | None, str]":
         """A new cgroup with these caps, or (None, why not)."""
         global _layout
-        name = f"nano-openshell-{os.getpid()}-{_start_time(os.getpid())}-{next(_counter)}-{secrets.token_hex(3)}"
+        name = f"nano-openshell-{os.getpid()}-{start_time(os.getpid())}-{next(_counter)}-{secrets.token_hex(3)}"
         made = []
         try:
             if _layout is None:  # once per process (a supervisor does not change cgroups under us)

@@ -150,7 +150,7 @@ def view_dir() -> str:
             # not tempfile's current directory: a caller may point that at a directory it removes
             parent = "/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir()
             _sweep_views(parent)
-            path = tempfile.mkdtemp(prefix=f"{_VIEW_PREFIX}{os.getpid()}-{_start_time(os.getpid())}-", dir=parent)
+            path = tempfile.mkdtemp(prefix=f"{_VIEW_PREFIX}{os.getpid()}-{start_time(os.getpid())}-", dir=parent)
             os.chmod(path, 0o755)
             os.mkdir(os.path.join(path, "empty"), 0o555)
             etc = os.path.join(path, "etc")
@@ -166,7 +166,9 @@ def view_dir() -> str:
 _VIEW_PREFIX = "nano-openshell-view-"
 
 
-def _start_time(pid: int) -> int | None:
+def start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (/proc/PID/stat field 22), None when gone:
+    with the pid, it names a process that a reused pid cannot impersonate (view dirs, cgroups, temp dirs)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             return int(f.read().rsplit(b")", 1)[1].split()[19])
@@ -188,7 +190,7 @@ def _sweep_views(parent: str) -> None:
                 continue
         except OSError:
             continue
-        if _start_time(int(pid)) != int(start):
+        if start_time(int(pid)) != int(start):
             shutil.rmtree(path, ignore_errors=True)
 
 

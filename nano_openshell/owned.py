@@ -14,6 +14,7 @@ import threading
 import time
 
 from . import workspace as workspace_mod
+from .namespaced import start_time
 
 _REMOVE_BUDGET = 0.5  # release() removes temporary directories for this long, the rest in the background
 _CLOSE_ALL_BUDGET = 2.0  # close_all() removes them all itself, for up to this long (the process is leaving)
@@ -113,8 +114,8 @@ def close_all(budget: float = _CLOSE_ALL_BUDGET) -> None:
 
 _KINDS = ("ws", "mnt", "sup", "tmp")  # workspace, a mount's directory, the supervisor's, a command's /tmp
 _NAME = re.compile(r"nano-openshell-(?:%s)-(\d+)\.(\d+)-" % "|".join(_KINDS))
-_SANDBOX_UIDS = range(100000, 100000 + (1 << 20))  # as root, a workspace belongs to its sandbox's uid (sandbox.py)
-_SWEPT = {"pid": None}
+SANDBOX_UIDS = range(100000, 100000 + (1 << 20))  # as root, each Sandbox runs as one of these, and owns its workspace
+_ME = {"pid": None, "tag": ""}  # this process's "<pid>.<start time>", and whose it is (a forked child remakes it)
 _SWEEP_LOCK = threading.Lock()
 
 
@@ -127,11 +128,13 @@ def temp_dir(kind: str) -> str:
     if kind not in _KINDS:
         raise ValueError(f"temp_dir kind must be one of {_KINDS}, got {kind!r}")
     pid = os.getpid()
-    with _SWEEP_LOCK:
-        if _SWEPT["pid"] != pid:  # once per process (a forked child sweeps again: cheap)
-            _SWEPT["pid"] = pid
-            _sweep(tempfile.gettempdir())
-    return tempfile.mkdtemp(prefix=f"nano-openshell-{kind}-{pid}.{_start_time(pid)}-")
+    if _ME["pid"] != pid:  # once per process (a forked child sweeps again: cheap); not per command
+        with _SWEEP_LOCK:
+            if _ME["pid"] != pid:
+                _sweep(tempfile.gettempdir())
+                _ME["tag"] = f"{pid}.{start_time(pid)}"
+                _ME["pid"] = pid  # last: a thread that sees our pid also sees our tag
+    return tempfile.mkdtemp(prefix=f"nano-openshell-{kind}-{_ME['tag']}-")
 
 
 def _sweep(parent: str) -> None:
@@ -141,25 +144,16 @@ def _sweep(parent: str) -> None:
         return
     for name in names:
         match = _NAME.match(name)
-        if not match or _start_time(int(match[1])) == int(match[2]):
+        if not match or start_time(int(match[1])) == int(match[2]):
             continue  # not ours, or its process is alive
         path = os.path.join(parent, name)
         try:
             owner = os.lstat(path).st_uid
         except OSError:
             continue
-        mine = owner == os.geteuid() or (os.geteuid() == 0 and owner in _SANDBOX_UIDS)
+        mine = owner == os.geteuid() or (os.geteuid() == 0 and owner in SANDBOX_UIDS)
         if mine:
             workspace_mod.remove_later(path)
-
-
-def _start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (/proc/PID/stat field 22), None when gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rsplit(b")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def _closed(why: str) -> Exception:

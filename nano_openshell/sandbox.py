@@ -43,7 +43,7 @@ from . import initproc, launcher, namespaced, seccomp
 from . import workspace as workspace_mod
 from .cgroup import SandboxCgroup
 from .output import Capped as _Capped, drain as _drain  # noqa: F401 (_Capped: tests)
-from .owned import Owned, close_all, temp_dir  # noqa: F401 (close_all: what a leaving process calls)
+from .owned import SANDBOX_UIDS, Owned, close_all, temp_dir  # noqa: F401 (close_all: what a leaving process calls)
 from .probe import TIERS, probe
 
 MAX_TIMEOUT = 24 * 3600.0
@@ -197,7 +197,8 @@ class Sandbox:
             self._owned.add_dir(workspace)
         self.workspace = os.path.realpath(os.fspath(workspace))
         # as root, the command runs under this Sandbox's own unprivileged uid (see namespaced.py)
-        self.uid = random.randrange(100000, 100000 + (1 << 20)) if os.geteuid() == 0 and self.tier != "none" else None
+        isolated_as_root = os.geteuid() == 0 and self.tier != "none"
+        self.uid = random.randrange(SANDBOX_UIDS.start, SANDBOX_UIDS.stop) if isolated_as_root else None
         try:
             if not os.path.isdir(self.workspace):
                 raise ValueError(f"workspace {self.workspace!r} does not exist or is not a directory")

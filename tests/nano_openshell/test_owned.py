@@ -94,7 +94,7 @@ def test_temp_dir_names_carry_their_owner_and_only_sandbox_kinds_exist():
     path = owned_mod.temp_dir("ws")
     try:
         pid, start = os.path.basename(path).split("-")[3].split(".")
-        assert int(pid) == os.getpid() and int(start) == owned_mod._start_time(os.getpid())
+        assert int(pid) == os.getpid() and int(start) == owned_mod.start_time(os.getpid())
     finally:
         os.rmdir(path)
     with pytest.raises(ValueError, match="kind must be one of"):
