@@ -248,8 +248,11 @@ def test_parts_of_installed_packages_are_found(tmp_path, monkeypatch):
 
 
 INTERRUPTED = """
-import sys
+import signal, sys
 from nano_miles import models
+# Ctrl-C's default, even when the test runner was started in the background by a shell without job
+# control: such a shell starts it with SIGINT ignored, and every child inherits that.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 spec = models.GGUFModel("fake-interrupt", (models.Part("fake-part0", "1.0", "fake_part0/data/part0.bin"),), "0" * 64)
 try:
     models.prepare(spec, cache_dir=sys.argv[1], parts_dir=sys.argv[2])

@@ -173,6 +173,7 @@ def test_ctrl_c_during_an_update_finishes_that_step_and_checkpoints_it(tmp_path)
                                                                  f"run_dir={run_dir}"]))
     run = TrainingRun(cfg, echo=lambda *a: None)
     update = run.trainer.train_step
+    handler_before = signal.getsignal(signal.SIGINT)  # default_int_handler, or SIG_IGN under a background shell
 
     def interrupted_update(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGINT)  # handled in this (main) thread, inside the update
@@ -184,7 +185,7 @@ def test_ctrl_c_during_an_update_finishes_that_step_and_checkpoints_it(tmp_path)
     assert json.loads((run_dir / "checkpoint" / "state.json").read_text())["step"] == 1
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [(r["step"], r["weight_version"], r["update_skipped"]) for r in rows] == [(1, "1", None)]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is handler_before  # the run put the caller's handler back
 
 
 def test_a_dead_engine_is_restarted_resynced_and_the_step_retried(tmp_path):
