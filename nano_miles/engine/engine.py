@@ -72,7 +72,7 @@ class FinishedRequest:
     rid: str
     output_ids: list
     output_logprobs: list | None
-    finish_reason: dict                 # {"type": "stop", "matched": id} | {"type": "length", "length": n} | {"type": "abort", "message": s}
+    finish_reason: dict                 # {"type": "stop", "matched": id or stop string} | {"type": "length", "length": n} | {"type": "abort", "message": s}
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
@@ -95,6 +95,7 @@ class Engine:
         self.max_model_len = min(config.max_model_len or 32768, mc.max_position_embeddings)
         self.weight_version = "default"
         self.tokenizer = self._load_tokenizer(config.model)
+        self._token_texts: dict[int, str] = {}  # token id -> its text alone (stop strings)
 
         with torch.device(self.device):
             self.model = CausalLM(mc).to(self.dtype)
@@ -172,6 +173,7 @@ class Engine:
         assert params.max_new_tokens >= 1 and params.temperature >= 0 and 0 < params.top_p <= 1, params
         assert (params.top_k == -1 or params.top_k >= 0) and 0 <= params.min_new_tokens <= params.max_new_tokens, params
         assert all(0 <= t < self.vocab_size for t in params.stop_token_ids), "stop_token_ids outside the vocabulary"
+        assert not params.stop or self.tokenizer is not None, "stop strings need the model folder's tokenizer"
         total = len(input_ids) + params.max_new_tokens
         assert total <= self.max_model_len, f"{total} tokens exceed the context length {self.max_model_len}"
         if self.blocks.blocks_needed(total) > self.num_kv_blocks:
@@ -323,8 +325,28 @@ class Engine:
             return {"type": "length", "length": p.max_new_tokens}
         if not p.ignore_eos and (tok in (p.stop_token_ids or ()) or tok in self.eos_token_ids):
             return {"type": "stop", "matched": tok}
+        if p.stop and n_out >= p.min_new_tokens:
+            matched = self._completed_stop_string(seq, tok)
+            if matched is not None:
+                return {"type": "stop", "matched": matched}
         if len(seq.token_ids) >= self.max_model_len:
             return {"type": "length", "length": n_out}
+        return None
+
+    def _completed_stop_string(self, seq, tok) -> str | None:
+        """The stop string the newest token completes (SGLang's rule: it is in the decoded tail of the
+        output), else None. Checked after every token, so a match must end inside the newest token's
+        text: the tail is decoded only when that text holds the string's last character."""
+        piece = self._token_texts.get(tok)
+        if piece is None:
+            piece = self._token_texts[tok] = self.tokenizer.decode([tok])
+        for s in seq.params.stop:
+            # a non-ASCII character may span several byte tokens; a lone token's text may drop its spaces
+            if s[-1] in piece or not s[-1].isascii() or s[-1].isspace():
+                # a character of the match takes at most 4 byte-level tokens
+                start = max(seq.num_prompt_tokens, len(seq.token_ids) - 4 * len(s) - 1)
+                if s in self.tokenizer.decode(seq.token_ids[start:]):
+                    return s
         return None
 
     def _finish(self, seq, reason) -> FinishedRequest:

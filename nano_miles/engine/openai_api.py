@@ -106,18 +106,12 @@ class OpenAIRoutes:
         except Exception as e:  # no template, or one that refuses this chat (e.g. roles out of order)
             raise RequestError(f"the model's chat template cannot render these messages: {e}") from None
 
-    def _stop_ids(self, stop: list[str]) -> list[int]:
-        """The stop strings that are one token: generation ends on them at once. Longer ones end the
-        text afterwards (the model generates on, to max_tokens or an end-of-turn token)."""
-        ids = [self.engine.tokenizer.encode(s, add_special_tokens=False) for s in stop]
-        return sorted({i[0] for i in ids if len(i) == 1})
-
     async def chat_completions(self, request):
         body = await json_body(request)
         n, stop, stream = _check_request(body)
         prompt = await asyncio.to_thread(self._prompt, _messages(body.get("messages")))
         sampling = {"temperature": body.get("temperature"), "top_p": body.get("top_p"),
-                    "stop_token_ids": self._stop_ids(stop) if stop else []}
+                    "stop": stop}  # the engine ends generation at the token that completes one
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         sampling["max_new_tokens"] = max_tokens  # none: up to the context length, as OpenAI's API does
         seed = body.get("seed")
@@ -144,8 +138,8 @@ class OpenAIRoutes:
 
     def _choice(self, index: int, fin, stop: list[str]) -> dict:
         ids, reason = fin.output_ids, fin.finish_reason.get("type")
-        if reason == "stop" and ids:
-            ids = ids[:-1]  # the end-of-turn or stop token is not part of the text
+        if reason == "stop" and isinstance(fin.finish_reason.get("matched"), int) and ids:
+            ids = ids[:-1]  # the end-of-turn token is not part of the text (a stop string is cut below)
         text = self.engine.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
         text, stopped = _cut_at_stop(text, stop)
         return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,

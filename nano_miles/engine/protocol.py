@@ -6,7 +6,7 @@ matching SGLang where it defines them (io_struct.py GenerateReqInput, sampling_p
   (rid, sampling_params, return_logprob, logprob_start_len) are then a single value or a list.
 - unknown top-level keys are ignored (as SGLang does); unknown sampling_params keys are refused.
 - SGLang's other sampling keys are accepted only at their no-op default value (n=1, min_p=0, no
-  penalties, no grammar, no stop strings...): anything else would silently change the distribution.
+  penalties, no grammar, no stop regex...): anything else would silently change the distribution.
 """
 from __future__ import annotations
 
@@ -34,12 +34,13 @@ _NOOP_DEFAULTS = {
     "custom_params": None,
     "stop_regex": None,
 }
-_EMPTY_OK = ("stop", "logit_bias", "stop_regex")  # "", [], {} mean "none" too
+_EMPTY_OK = ("logit_bias", "stop_regex")  # "", [], {} mean "none" too
 _IGNORED = ("stream_interval",)  # only shapes streamed chunks; we do not stream
 _SUPPORTED = (
     "max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "ignore_eos", "sampling_seed",
-    "min_new_tokens", "no_stop_trim", "skip_special_tokens", "spaces_between_special_tokens",
+    "min_new_tokens", "no_stop_trim", "skip_special_tokens", "spaces_between_special_tokens", "stop",
 )
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
 # Top-level keys that ask for something we do not do: refused unless absent/false/empty.
 _UNSUPPORTED_TOP = ("text", "input_embeds", "image_data", "video_data", "audio_data", "return_hidden_states",
                     "top_logprobs_num", "token_ids_logprob", "lora_path", "lora_id", "session_params")
@@ -108,7 +109,7 @@ def parse_sampling_params(sp, prompt_len: int, vocab_size: int, max_model_len: i
         raise RequestError(f"{where}sampling_params.{key}={value!r} is not supported by this engine (only {noop!r})")
     for key in _EMPTY_OK:
         if key not in _NOOP_DEFAULTS and sp.get(key) not in (None, "", [], {}):
-            raise RequestError(f"{where}sampling_params.{key} is not supported by this engine; use stop_token_ids")
+            raise RequestError(f"{where}sampling_params.{key} is not supported by this engine; use stop or stop_token_ids")
 
     temperature = sp.get("temperature")
     temperature = 1.0 if temperature is None else temperature
@@ -151,6 +152,12 @@ def parse_sampling_params(sp, prompt_len: int, vocab_size: int, max_model_len: i
     bad = [t for t in stop_ids if not 0 <= t < vocab_size]
     if bad:
         raise RequestError(f"{where}stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+    stop = sp.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not (isinstance(stop, list) and len(stop) <= MAX_STOP_STRINGS
+            and all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop)):
+        raise RequestError(f"{where}stop must be a string or a list of at most {MAX_STOP_STRINGS} non-empty strings "
+                           f"of at most {MAX_STOP_CHARS} characters, got {str(stop)[:100]}")
     seed = sp.get("sampling_seed")
     if seed is not None and not _is_int(seed):
         raise RequestError(f"{where}sampling_seed must be an integer or null, got {seed!r}")
@@ -164,6 +171,7 @@ def parse_sampling_params(sp, prompt_len: int, vocab_size: int, max_model_len: i
         ignore_eos=_bool(sp, "ignore_eos", False, where),
         sampling_seed=seed,
         min_new_tokens=min_new,
+        stop=tuple(dict.fromkeys(stop)),
     )
 
 

@@ -25,6 +25,7 @@ class SamplingParams:
     ignore_eos: bool = False           # as in SGLang: also disables stop_token_ids
     sampling_seed: int | None = None   # per-request reproducible sampling
     min_new_tokens: int = 0            # stop tokens are masked out until this many were generated
+    stop: tuple = ()                   # stop strings (SGLang's "stop"): generation ends at the token that completes one
 
 
 def sample(logits: torch.Tensor, temperatures: list, top_ps: list, top_ks: list, generators: list,

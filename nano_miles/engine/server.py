@@ -175,6 +175,8 @@ class Server:
         args = (body, self.engine.vocab_size, self.engine.max_model_len)
         # A large body's checks walk every token id: in a thread, so the event loop keeps answering.
         items, batched = await asyncio.to_thread(parse_generate, *args) if is_large(request) else parse_generate(*args)
+        if self.engine.tokenizer is None and any(it.sampling.stop for it in items):
+            raise RequestError("stop strings need a tokenizer and this model folder has none: use stop_token_ids")
         futs = self.worker.add(items)
         try:
             results = await asyncio.gather(*futs)
@@ -188,7 +190,8 @@ class Server:
     def _response(self, item, fin, version, oldest_version) -> dict:
         ids = fin.output_ids
         text_ids = ids
-        if fin.finish_reason.get("type") == "stop" and not item.no_stop_trim and ids:
+        matched = fin.finish_reason.get("matched") if fin.finish_reason.get("type") == "stop" else None
+        if isinstance(matched, int) and not item.no_stop_trim and ids:
             text_ids = ids[:-1]  # SGLang trims the matched stop token from text only
         tok = self.engine.tokenizer
         text = ""
@@ -198,6 +201,8 @@ class Server:
                                   spaces_between_special_tokens=item.spaces_between_special_tokens)
             except TypeError:  # a tokenizer class without that option
                 text = tok.decode(text_ids, skip_special_tokens=item.skip_special_tokens)
+        if isinstance(matched, str) and not item.no_stop_trim and matched in text:
+            text = text[:text.index(matched)]  # a stop string is cut from the text with what follows it
         meta = {
             "id": fin.rid,
             "finish_reason": fin.finish_reason,

@@ -173,6 +173,38 @@ def test_stop_tokens_eos_and_ignore_eos(tiny_llama):
     assert run_all(eng)["eos"].finish_reason == {"type": "stop", "matched": free[2]}
 
 
+def first_completion(tok, ids, stop: str) -> int:
+    """The number of tokens after which `stop` first appears in the decoded text (the ground truth)."""
+    return next(j for j in range(1, len(ids) + 1) if stop in tok.decode(ids[:j]))
+
+
+def test_stop_strings_end_at_the_token_that_completes_them(tiny):
+    """SGLang's "stop": generation ends at the token whose text completes a stop string, also when the
+    string spans several tokens; that token stays in output_ids (only the server's text is cut)."""
+    eng = make_engine(tiny)
+    tok = eng.tokenizer
+    p = prompts(1, eng.vocab_size, seed=5)[0]
+    eng.add_request("free", p, SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True))
+    free = run_all(eng)["free"].output_ids
+    # a printable stretch of three tokens, so the stop string spans token boundaries
+    k = next(i for i in range(2, 20) if (t := tok.decode(free[i:i + 3])).isprintable() and len(t) >= 3
+             and tok.decode(free[i + 2:i + 3]) and "\ufffd" not in t)
+    text = tok.decode(free[k:k + 3])
+    for stop in (text, text[1:], text[:-1]):  # ends at a token's end, or inside the last token
+        n = first_completion(tok, free, stop)
+        eng.add_request("s", p, SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True,
+                                               stop=("no such text", stop)))
+        r = run_all(eng)["s"]
+        assert r.finish_reason == {"type": "stop", "matched": stop}, stop
+        assert r.output_ids == free[:n] and len(r.output_logprobs) == n, stop
+    # min_new_tokens holds a stop string back too
+    n = first_completion(tok, free, text)
+    eng.add_request("late", p, SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True, stop=(text,),
+                                              min_new_tokens=n + 1))
+    late = run_all(eng)["late"]
+    assert len(late.output_ids) > n and late.output_ids == free[:len(late.output_ids)]
+
+
 def test_min_new_tokens_masks_stops(tiny_llama):
     eng = make_engine(tiny_llama)
     p = prompts(1, 300, seed=5)[0]

@@ -60,6 +60,8 @@ def test_the_text_ends_before_a_stop_string(engine_server):
     cut = client.chat.completions.create(model="any", messages=CHAT, temperature=0, max_tokens=24, stop=[stop])
     assert cut.choices[0].message.content == text[:text.find(stop)]
     assert cut.choices[0].finish_reason == "stop"
+    # the engine stopped there, not at max_tokens with the text cut afterwards
+    assert cut.usage.completion_tokens < free.usage.completion_tokens
 
 
 def test_stream_gives_the_same_text_as_server_sent_events(engine_server):

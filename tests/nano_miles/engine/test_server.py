@@ -111,6 +111,22 @@ def test_stop_token_ends_generation_and_is_trimmed_from_text_only(engine_client)
     assert len(greedy(engine_client, PROMPT, 12, stop_token_ids=[stop], ignore_eos=True)["output_ids"]) == 12
 
 
+def test_stop_string_ends_generation_and_is_cut_from_text_only(engine_client):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(engine_client.model_info()["tokenizer_path"])
+    free = greedy(engine_client, PROMPT, 16, ignore_eos=True)["output_ids"]
+    text = tok.decode(free)
+    stop = next(text[i:i + 4] for i in range(2, len(text) - 4) if text[i:i + 4].isprintable())
+    n = next(j for j in range(1, len(free) + 1) if stop in tok.decode(free[:j]))
+    cut = greedy(engine_client, PROMPT, 16, ignore_eos=True, stop=stop)  # one string, or a list
+    assert cut["output_ids"] == free[:n]  # the ids run to the token that completed the string
+    assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert cut["text"] == text[:text.index(stop)]
+    kept = greedy(engine_client, PROMPT, 16, ignore_eos=True, stop=[stop], no_stop_trim=True)
+    assert kept["text"] == tok.decode(free[:n]) and stop in kept["text"]
+
+
 def test_logprob_contract_matches_teacher_forced_hf_forward(engine_client, tiny_model_path):
     out = engine_client.generate(PROMPT, {"max_new_tokens": 16, "temperature": 1.0, "ignore_eos": True,
                                           "sampling_seed": 1234})
@@ -239,6 +255,10 @@ BAD_GENERATE = [
     ({"input_ids": [1, 2], "sampling_params": {"top_k": 0}}, "top_k"),
     ({"input_ids": [1, 2], "sampling_params": {"n": 4}}, "not supported"),
     ({"input_ids": [1, 2], "sampling_params": {"stop_token_ids": [99999]}}, "vocabulary"),
+    ({"input_ids": [1, 2], "sampling_params": {"stop": [""]}}, "stop must be"),
+    ({"input_ids": [1, 2], "sampling_params": {"stop": 7}}, "stop must be"),
+    ({"input_ids": [1, 2], "sampling_params": {"stop": ["x" * 257]}}, "stop must be"),
+    ({"input_ids": [1, 2], "sampling_params": {"stop_regex": "a+"}}, "not supported"),
     ({"input_ids": [1, 2], "stream": True}, "stream"),
     ({"input_ids": [1, 2], "logprob_start_len": 0}, "logprob_start_len"),
     ({"text": "hello"}, "input_ids"),
