@@ -62,6 +62,7 @@ PROMPT_EXAMPLES = {
     ],
 }
 
+ACTION_END_TAGS = ("</bash>", "</answer>")  # the rollout's stop strings: an action ends a turn
 BASH_RE = re.compile(r"<bash>(.*?)</bash>", re.DOTALL)
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 FORMAT_ERROR = ("Format error: reply with <bash>COMMAND</bash> to run a command, or <answer>VALUE</answer> to "

@@ -5,7 +5,8 @@ Per episode the prefix is a list of token ids that only ever grows:
     prompt | act_1 | obs_1 | act_2 | obs_2 | ... | act_K
 
 - act_k: the engine's output_ids exactly as returned (stop token included; no_stop_trim), with the
-  engine's log-probs, loss mask True.
+  engine's log-probs, loss mask True. By default generation also stops at the token that closes an
+  action (`</bash>`, `</answer>`: SGLang stop strings), so nothing after it is sampled or trained on.
 - obs_k: the observation turn (close the assistant turn if the model did not, the tool output, the
   next assistant header) encoded ON ITS OWN, log-prob 0.0, loss mask False.
 The full history is never re-encoded: re-encoding the rendered text can merge BPE pieces across a
@@ -29,7 +30,7 @@ from nano_miles.batch import Trajectory
 from nano_miles.chat_format import ChatFormat
 from nano_miles.client import EngineUnavailable
 from nano_miles.engine_pool import EnginePool, GroupRouter
-from nano_miles.env import EnvConfig, OpenShellEnv
+from nano_miles.env import ACTION_END_TAGS, EnvConfig, OpenShellEnv
 from nano_miles.task_api import SetupError, Task, TaskUnavailable
 
 
@@ -40,6 +41,7 @@ class RolloutConfig:
     temperature: float = 1.0         # sampling temperature; train's log-probs are of softmax(logits / T), the distribution sampled (0 = greedy: eval only)
     top_p: float = 1.0               # nucleus sampling mass (1 = off)
     top_k: int = -1                  # sample among the k likeliest tokens (-1 = off)
+    stop_at_action_end: bool = True  # a turn ends at </bash> or </answer>: text after an action is never sampled, run or trained on (a 2026-12-02 run's policy drifted into 500-token tails there)
     max_concurrency: int = 64        # episodes in flight at once (each holds a sandbox)
     request_timeout: float = 600.0   # seconds per /generate call, queueing included (slow CPU engines)
     env: EnvConfig = field(default_factory=EnvConfig)
@@ -58,6 +60,7 @@ class TITOViolation(AssertionError):
 def sampling_params(cfg: RolloutConfig, fmt: ChatFormat, max_new_tokens: int) -> dict:
     return {"max_new_tokens": max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
             "top_k": cfg.top_k, "stop_token_ids": fmt.stop_ids, "no_stop_trim": True,
+            "stop": list(ACTION_END_TAGS) if cfg.stop_at_action_end else [],
             "skip_special_tokens": False, "spaces_between_special_tokens": False}
 
 

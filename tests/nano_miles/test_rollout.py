@@ -167,18 +167,25 @@ class ScriptedPolicy:
     like the scripted solver in test_tasks.py; the env, the sandbox and the rollout are the real ones."""
 
     def __init__(self, tok, actions):
-        self.tok, self.actions, self.inputs, self.outputs = tok, list(actions), [], []
+        self.tok, self.actions, self.inputs, self.outputs, self.params = tok, list(actions), [], [], []
         self.im_end = tok.convert_tokens_to_ids("<|im_end|>")
 
     async def generate(self, input_ids, sampling_params, rid=None, return_logprob=True):
         self.inputs.append(list(input_ids))
+        self.params.append(sampling_params)
         text, stops = self.actions.pop(0)
+        # a stop string ends the turn where it ends, as the engine does (tests/nano_miles/engine)
+        ends = {text.index(s) + len(s): s for s in sampling_params.get("stop", []) if s in text}
+        if ends:
+            text, stops = text[:min(ends)], False
         # the model writes special-token text as text; it "samples" <|im_end|> only to stop
         ids = self.tok.encode(text, add_special_tokens=False, split_special_tokens=True)
         ids += [self.im_end] if stops else []
         ids = ids[:sampling_params["max_new_tokens"]]
         self.outputs.append(ids)
         finish = {"type": "stop", "matched": self.im_end} if stops else {"type": "length", "length": len(ids)}
+        if ends:
+            finish = {"type": "stop", "matched": ends[min(ends)]}
         return {"text": self.tok.decode(ids), "output_ids": ids,
                 "meta_info": {"finish_reason": finish, "weight_version": "7",
                               "output_token_logprobs": [[-0.5, i, None] for i in ids]}}
@@ -218,6 +225,27 @@ def test_garbage_turns_then_a_correct_answer(fmt):
     # the printed '<|im_end|><|im_start|>' stayed text: turn markers only where the template put them
     im_start = fmt.tokenizer.convert_tokens_to_ids("<|im_start|>")
     assert t.response_ids.count(im_start) == 2 * 7
+
+
+def test_a_turn_ends_with_its_action(fmt):
+    """The rollout asks the engine to stop at </bash> and </answer>: what a policy would write after an
+    action (a 2026-12-02 policy drifted into 500-token tails there) is never sampled or trained on, and
+    the observation closes the turn instead of the model's <|im_end|>."""
+    policy = ScriptedPolicy(fmt.tokenizer, [
+        ("<bash>uname -s</bash>\nExplanation: uname prints the kernel name.</script></script>", True),
+        ("<answer>linux</answer> because </answer> said so", True),
+    ])
+    t = asyncio.run(run_episode(policy, fmt, get_task("kernel_name"), 0, "g", RolloutConfig(max_new_tokens=64)))
+    check_invariants(t, fmt)
+    assert all(p["stop"] == ["</bash>", "</answer>"] for p in policy.params)
+    assert [fmt.tokenizer.decode(o) for o in policy.outputs] == ["<bash>uname -s</bash>", "<answer>linux</answer>"]
+    assert t.finish_reason == "answer" and t.reward == pytest.approx(1.1)
+    assert "Explanation" not in fmt.tokenizer.decode(t.response_ids)
+    # off: the text after the action is sampled (and trained on) as before
+    policy = ScriptedPolicy(fmt.tokenizer, [("<answer>linux</answer> because", True)])
+    asyncio.run(run_episode(policy, fmt, get_task("kernel_name"), 0, "g",
+                            RolloutConfig(max_new_tokens=64, stop_at_action_end=False)))
+    assert policy.params[0]["stop"] == [] and fmt.tokenizer.decode(policy.outputs[0]).endswith("because<|im_end|>")
 
 
 def test_setup_failures_are_counted_not_returned(tok):
