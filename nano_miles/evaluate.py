@@ -70,18 +70,19 @@ def solved_by_task(trajs) -> dict[str, list[bool]]:
 
 
 def per_family(trajs, tasks, k: int) -> dict[str, dict]:
-    """{family: {tasks, pass@1, pass@k}} plus "all". A task's pass@1 is the mean over all its samples,
-    whatever instance they ran on; its pass@k the mean over its instances (group_id: one per instance)
-    of the estimator on that instance's samples (k samples of one instance share its files and answer)."""
+    """{family: {tasks, pass@1, pass@k}} plus "all". A task's pass@1 and pass@k are means over its
+    instances (group_id: one per instance) of the estimator on that instance's samples (k samples of one
+    instance share its files and answer). Each instance weighs the same, also when a setup failure left
+    it fewer samples; with equal samples pass@1 is the mean over all of them."""
     family = {t.id: t.family for t in tasks}
     instances: dict[str, dict[str, list[bool]]] = {}
     for t in trajs:
         instances.setdefault(t.task_id, {}).setdefault(t.group_id, []).append(solved(t))
     rows: dict[str, list[tuple[float, float]]] = {}
     for task_id, groups in instances.items():
-        results = [r for group in groups.values() for r in group]
+        at_1 = [pass_at_k(len(g), sum(g), 1) for g in groups.values()]
         at_k = [pass_at_k(len(g), sum(g), min(k, len(g))) for g in groups.values()]
-        scores = (pass_at_k(len(results), sum(results), 1), sum(at_k) / len(at_k))
+        scores = (sum(at_1) / len(at_1), sum(at_k) / len(at_k))
         rows.setdefault(family[task_id], []).append(scores)
         rows.setdefault("all", []).append(scores)
     return {fam: {"tasks": len(v), "pass@1": sum(a for a, _ in v) / len(v), f"pass@{k}": sum(b for _, b in v) / len(v)}

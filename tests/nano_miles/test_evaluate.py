@@ -131,6 +131,10 @@ def test_pass_at_1_averages_all_samples_and_pass_at_k_the_instances_estimators()
     assert table == {"hashing": {"tasks": 1, "pass@1": 0.25, "pass@2": 0.5},
                      "system": {"tasks": 1, "pass@1": 0.5, "pass@2": 0.5},
                      "all": {"tasks": 2, "pass@1": 0.375, "pass@2": 0.5}}
+    # an instance that lost a sample to a setup failure weighs as much as the others: kernel_name's
+    # instances score 1/1 and 0/2, so 0.5 (pooled over samples it would be 1/3)
+    short = [_sample("kernel_name", 0, 1)] + [_sample("kernel_name", 1, c) for c in (0, 0)]
+    assert per_family(short, tasks, 2)["system"] == {"tasks": 1, "pass@1": 0.5, "pass@2": 0.5}
     # one instance a task: the figures are the estimator's on the task's samples, as before instances
     one = [_sample("kernel_name", 0, c) for c in (1, 0, 0)] + [_sample("md5_file", 1, c) for c in (1, 1, 0)]
     assert per_family(one, tasks, 2)["all"] == {"tasks": 2, "pass@1": (pass_at_k(3, 1, 1) + pass_at_k(3, 2, 1)) / 2,
