@@ -239,6 +239,28 @@ def test_health_and_info_routes(engine_server, engine_client):
     assert server["internal_states"][0]["paused"] is False and server["max_total_num_tokens"] > 0
 
 
+def test_stop_strings_without_a_tokenizer_are_one_400_line(tiny_model_path, tmp_path):
+    """A model folder without tokenizer files cannot decode text to match: the request is refused in
+    one line, and the server keeps serving requests without stop strings."""
+    import shutil
+
+    from nano_miles.client import start_engine_process
+    from tests.conftest import ENGINE_ARGS
+
+    bare = tmp_path / "no-tokenizer"
+    bare.mkdir()
+    for f in tiny_model_path.iterdir():
+        if not f.name.startswith(("tokenizer", "chat_template")):
+            shutil.copy(f, bare)
+    with start_engine_process(str(bare), device="cpu", dtype="float32", extra_args=ENGINE_ARGS,
+                              ready_timeout=180) as proc:
+        r = post(proc, "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, "stop": "x"}})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"] == ("stop strings need a tokenizer and this model folder has none: "
+                                                "use stop_token_ids")
+        assert post(proc, "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}).ok
+
+
 BAD_GENERATE = [
     ({"input_ids": []}, "input_ids"),
     ({"input_ids": [[1, 2], []]}, "input_ids"),
