@@ -17,6 +17,7 @@
 #               device call: no restart and resume between calls; watch calls keep the machine warm.
 #               ARM=name runs one arm of several side by side (its own run and files); ARMS="a b" watches them
 #   base-start  the base model's greedy pass@1 (held-out, full ALFA) in the background: ARMS="... base"
+#               (SAMPLED=1: also its pass@1 at EVAL_EXTRA's temperature, held-out and full ALFA)
 #   learn       issue 14's long run (STEPS, MODE, LR, EXTRA), in device calls of LIMIT seconds: the
 #               first call starts it, each later one resumes it from the checkpoint the previous one
 #               left at its time limit (SIGINT checkpoints); once final/ exists, its held-out and ALFA
@@ -160,11 +161,17 @@ learn-run)
     touch "$OUT/done" ;;
 base-start)
     # the base model's greedy pass@1 (held-out, full ALFA) in the background, beside the arms; watched
-    # as arm "base" (ARMS="a b base")
+    # as arm "base" (ARMS="a b base"); SAMPLED=1 adds its sampled pass@1 (base-run)
     bg="$MG/bg-base"; rm -rf "$bg"; mkdir -p "$bg"
     OUT="$bg" setsid nohup bash "$0" base-run </dev/null >"$bg/run.log" 2>&1 &
     sleep "${WATCH:-1}" ;;
 base-run)
+    # SAMPLED=1: first at the arms' sampling settings (EVAL_EXTRA): held-out INSTANCES x SAMPLES, full ALFA
+    # ALFA_SAMPLES a task, the figures a trained policy's learn-run gives
+    if [ "${SAMPLED:-0}" = 1 ]; then
+        evaluate "$MODEL" base_heldout heldout >/dev/null
+        SAMPLES="${ALFA_SAMPLES:-2}" evaluate "$MODEL" base_alfa alfa >/dev/null
+    fi
     greedy_evals "$MODEL" base; touch "$OUT/done" ;;
 learn-watch)
     # wait up to WATCH seconds (or until every arm in ARMS is done), then bring their files back: one
