@@ -310,10 +310,15 @@ class OpenShellEnv:
         return StepResult(observation, False, kind)
 
     def _infra_failure(self, e: Exception) -> StepResult:
+        self.infra_failed(f"{type(e).__name__}: {e}")
+        return StepResult(None, True, "infra_error")
+
+    def infra_failed(self, why: str) -> None:
+        """End the episode as an infrastructure failure (the sandbox or the engine broke, not the
+        policy): it earns nothing and is counted, never trained on or scored."""
         self.components["infra_failures"] += 1
         self.done, self.finish_reason = True, "infra_error"
-        self.infra_error = f"{type(e).__name__}: {e}"
-        return StepResult(None, True, "infra_error")
+        self.infra_error = why
 
 
 def default_sandbox(mounts: dict | None = None):

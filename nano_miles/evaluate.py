@@ -18,6 +18,7 @@ import dataclasses
 import json
 import math
 import random
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,17 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
+def lost(trajs) -> str:
+    """'' when every episode was scored, else one line: how many episodes an infrastructure failure
+    (sandbox, engine) took out of the scores, and the first reasons."""
+    failed = [t for t in trajs if t.finish_reason == "infra_error"]
+    if not failed:
+        return ""
+    why = list(dict.fromkeys(str(t.reward_components.get("error", "?"))[:160] for t in failed))
+    return (f"{len(failed)} of {len(trajs)} episodes broke on the sandbox or the engine and are left out of "
+            f"every score: {'; '.join(why[:2])}{' ...' if len(why) > 2 else ''}")
+
+
 def instances_of(tasks: list, n: int) -> list:
     """Each task `n` times in a row: rollout_groups gives every copy a task seed (an instance) of its own."""
     return [t for t in tasks for _ in range(n)]
@@ -73,10 +85,13 @@ def per_family(trajs, tasks, k: int) -> dict[str, dict]:
     """{family: {tasks, pass@1, pass@k}} plus "all". A task's pass@1 and pass@k are means over its
     instances (group_id: one per instance) of the estimator on that instance's samples (k samples of one
     instance share its files and answer). Each instance weighs the same, also when a setup failure left
-    it fewer samples; with equal samples pass@1 is the mean over all of them."""
+    it fewer samples; with equal samples pass@1 is the mean over all of them. Episodes the sandbox or
+    the engine broke (finish_reason "infra_error") say nothing about the model: left out (see lost())."""
     family = {t.id: t.family for t in tasks}
     instances: dict[str, dict[str, list[bool]]] = {}
     for t in trajs:
+        if t.finish_reason == "infra_error":
+            continue
         instances.setdefault(t.task_id, {}).setdefault(t.group_id, []).append(solved(t))
     rows: dict[str, list[tuple[float, float]]] = {}
     for task_id, groups in instances.items():
@@ -147,6 +162,7 @@ class RunEvaluation:
                "eval_task_count": heldout.get("tasks", 0),
                # which tasks moved between evaluations (metrics.jsonl only: not a scalar)
                "eval_by_task": {task_id: sum(r) / len(r) for task_id, r in sorted(solved_by_task(trajs).items())}}
+        out["eval_infra_failures"] = sum(t.finish_reason == "infra_error" for t in trajs)
         line = (f"eval {_when(step)}: {self.instances} instance(s) x {self.rollout.group_size} sample(s) a task, "
                 f"{out['eval_task_count']} tasks pass@1 {_show(out['eval_pass_at_1'])}")
         if self.alfa:
@@ -158,6 +174,8 @@ class RunEvaluation:
             line += (f", ALFA {out['eval_alfa_task_count']} tasks pass@1 {_show(out['eval_alfa_pass_at_1'])} "
                      f"({unavailable} of {len(self.alfa)} cannot run here, left out)")
         self.echo(f"{line}, in {seconds:.1f}s")
+        if lost(trajs):
+            self.echo(f"eval {_when(step)}: {lost(trajs)}")
         return out
 
     def episodes(self, engines, tokenizer, sandbox_factory=None, desc: str = "eval", stats: dict | None = None) -> list:
@@ -225,6 +243,8 @@ def run(args) -> int:
     alfa = three_part_summary(trajs)  # ALFA episodes: the benchmark's own score too
     if alfa:
         s["alfa_three_part"] = alfa
+    if lost(trajs):
+        print(f"nano-miles eval: {lost(trajs)}", file=sys.stderr)
     if args.json:
         print(json.dumps({"per_family": table, **measured, **s}))
     else:

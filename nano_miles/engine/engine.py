@@ -72,7 +72,7 @@ class FinishedRequest:
     rid: str
     output_ids: list
     output_logprobs: list | None
-    finish_reason: dict                 # {"type": "stop", "matched": id or stop string} | {"type": "length", "length": n} | {"type": "abort", "message": s}
+    finish_reason: dict                 # {"type": "stop", "matched": id or stop string} | {"type": "length", "length": n} | {"type": "abort", "message": s, "status_code": None or 500}
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
@@ -188,18 +188,20 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.pending) or self.scheduler.has_unfinished()
 
-    def abort_request(self, rid: str, message: str = "aborted by request") -> bool:
+    def abort_request(self, rid: str, message: str = "aborted by request", status_code: int | None = None) -> bool:
+        """status_code (SGLang's field): None when asked for, 500 when the engine failed (the caller's
+        episode was lost to the engine, not decided by the model)."""
         seq = self.seqs.get(rid)
         if seq is None:
             return False
         self.scheduler.finish(seq)
-        self.pending.append(self._finish(seq, {"type": "abort", "message": message}))
+        self.pending.append(self._finish(seq, {"type": "abort", "message": message, "status_code": status_code}))
         return True
 
-    def abort_all(self, message: str = "aborted by request") -> int:
+    def abort_all(self, message: str = "aborted by request", status_code: int | None = None) -> int:
         rids = list(self.seqs)
         for rid in rids:
-            self.abort_request(rid, message)
+            self.abort_request(rid, message, status_code)
         return len(rids)
 
     # ---- weights ---------------------------------------------------------------------------------

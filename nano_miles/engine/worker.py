@@ -115,7 +115,7 @@ class EngineWorker:
                     self._deliver(self.engine.step())
                 except Exception as e:  # a bug or OOM in a step must not take the server down
                     traceback.print_exc()
-                    self.engine.abort_all(f"engine error: {type(e).__name__}: {e}")
+                    self.engine.abort_all(f"engine error: {type(e).__name__}: {e}", status_code=500)
                     self._deliver(self._take_aborted())
 
     def _update_ready(self) -> bool:

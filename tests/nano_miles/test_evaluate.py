@@ -14,7 +14,7 @@ from safetensors import safe_open
 from nano_miles import cli
 from nano_miles.batch import Trajectory
 from nano_miles.config import ConfigError, load_config, parse_set
-from nano_miles.evaluate import RunEvaluation, alfa_subset, pass_at_k, per_family
+from nano_miles.evaluate import RunEvaluation, alfa_subset, lost, pass_at_k, per_family
 from nano_miles.models import load_tokenizer
 from nano_miles.producer import TaskStream
 from nano_miles.tasks import select_tasks
@@ -139,6 +139,21 @@ def test_pass_at_1_averages_all_samples_and_pass_at_k_the_instances_estimators()
     one = [_sample("kernel_name", 0, c) for c in (1, 0, 0)] + [_sample("md5_file", 1, c) for c in (1, 1, 0)]
     assert per_family(one, tasks, 2)["all"] == {"tasks": 2, "pass@1": (pass_at_k(3, 1, 1) + pass_at_k(3, 2, 1)) / 2,
                                                 "pass@2": (pass_at_k(3, 1, 2) + pass_at_k(3, 2, 2)) / 2}
+
+
+def test_episodes_the_sandbox_or_engine_broke_are_left_out_and_said():
+    """An engine that ran out of memory on the device aborted 323 of 736 held-out episodes
+    (2026-12-02); scored as failures they took the base model from 0.144 to 0.094. Such episodes say
+    nothing about the model: they are left out of pass@k and counted in one line."""
+    tasks = select_tasks("kernel_name,md5_file")
+    broken = Trajectory([1], [2], [-1.0], [True], reward_components={"infra_failures": 1, "error": "engine error: "
+                        "OutOfMemoryError: CUDA out of memory"}, finish_reason="infra_error", task_id="kernel_name",
+                        group_id="kernel_name-s0")
+    trajs = [_sample("kernel_name", 0, 1), broken, broken, _sample("md5_file", 1, 0)]
+    assert per_family(trajs, tasks, 1)["all"] == {"tasks": 2, "pass@1": 0.5}
+    assert lost(trajs).startswith("2 of 4 episodes broke on the sandbox or the engine and are left out of every "
+                                  "score: engine error: OutOfMemoryError: CUDA out of memory")
+    assert "kernel_name" not in per_family([broken], tasks, 1) and lost(trajs[:1]) == ""
 
 
 def test_eval_runs_every_task_on_its_instances_and_says_on_what(engine_server, tiny_model_path, tmp_path, capsys):
