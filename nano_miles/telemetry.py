@@ -86,7 +86,8 @@ def step_metrics(step: int, rollout, staleness: list[int], max_staleness: int, t
     how stale it was, what the update did (`train`: the trainer's metrics, {} if `skipped`), and
     the weight sync; `extra` (timings, memory, restarts) is added as is. Reward, accuracy and
     throughput are of every trajectory rolled out, those dynamic sampling dropped included (the
-    policy's, not the filtered batch's); `trajectories` and `task_ids` are what was trained on."""
+    policy's, not the filtered batch's); `trajectories` and `task_ids` are what was trained on.
+    response_tokens counts every rolled-out trajectory's response (model and observation tokens)."""
     trajs = rollout.generated
     response_tokens = sum(len(t.response_ids) for t in trajs)
     return {
@@ -106,7 +107,10 @@ def step_metrics(step: int, rollout, staleness: list[int], max_staleness: int, t
         "update_skipped": skipped, "updates": train.get("updates", 1) if train else 0,
         "sync_ms": sync["ms"], "sync_transport": sync["transport"], "sync_verified": sync["verified"],
         "weight_version": sync["weight_version"],
+        # a trajectory's length is response_tokens_mean, never response_tokens / trajectories (the
+        # kept ones): dynamic sampling rolls out more than it keeps
         "rollout_s": rollout.seconds, "response_tokens": response_tokens,
+        "response_tokens_mean": response_tokens / len(trajs) if trajs else None,
         "tokens_per_s": response_tokens / max(rollout.seconds, 1e-9),
         **(rollout.sampling.metrics() if rollout.sampling else {}),
         **extra,

@@ -247,6 +247,8 @@ def test_a_run_whose_groups_never_disagree_skips_its_updates_and_says_so(tmp_pat
     assert row["dropped_group_share"] == 1.0 and row["trajectories"] == 0
     assert row["update_skipped"] == row["sampling_note"] and "update skipped" in row["update_skipped"]
     assert row["reward_mean"] == pytest.approx(-0.1)  # measured on every episode rolled out, dropped ones included
+    # so is a trajectory's length: 8 episodes were rolled out, none kept
+    assert row["response_tokens"] > 0 and row["response_tokens_mean"] == pytest.approx(row["response_tokens"] / 8)
 
 
 def test_the_memory_plan_holds_an_oversampled_round(tiny_model_path):
