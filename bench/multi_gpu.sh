@@ -147,6 +147,9 @@ learn-start)
     OUT="$bg" setsid nohup bash "$0" learn-run </dev/null >"$bg/run.log" 2>&1 &
     sleep "${WATCH:-60}"; tail -5 "$bg/learn_train.log" ;;
 learn-run)
+    # Arms share one GPU: without expandable segments the caching allocator of one arm's trainer held
+    # 78 GB for a 51 GB peak and the next arm ran out of memory (2026-12-02, sixth round)
+    export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
     args=(--set model="$MODEL" --set mode="${MODE:-async}" --set tasks=train --set steps="$STEPS"
           --set tasks_per_step=8 --set rollout.group_size=8 --set optim.lr="$LR" --set checkpoint_every=1000
           --set run_dir="$run" --set trainer_device="$TRAINER_DEVICE" --set engine.device="$ENGINE_DEVICE" "${extra[@]}")
@@ -162,10 +165,12 @@ learn-run)
 base-start)
     # the base model's greedy pass@1 (held-out, full ALFA) in the background, beside the arms; watched
     # as arm "base" (ARMS="a b base"); SAMPLED=1 adds its sampled pass@1 (base-run)
+    export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
     bg="$MG/bg-base"; rm -rf "$bg"; mkdir -p "$bg"
     OUT="$bg" setsid nohup bash "$0" base-run </dev/null >"$bg/run.log" 2>&1 &
     sleep "${WATCH:-1}" ;;
 base-run)
+    export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
     # SAMPLED=1: first at the arms' sampling settings (EVAL_EXTRA): held-out INSTANCES x SAMPLES, full ALFA
     # ALFA_SAMPLES a task, the figures a trained policy's learn-run gives
     if [ "${SAMPLED:-0}" = 1 ]; then
