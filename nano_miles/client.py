@@ -14,8 +14,9 @@ engine this process started at that URL (start_engine_process generates one; so 
 sync, which pass only URLs around, reach the engines a command started), else $NANO_MILES_API_KEY.
 
 Errors: HTTP 400 raises EngineRequestError carrying the server's message (the server keeps serving);
-other HTTP errors raise EngineError; a refused or dropped connection raises EngineUnavailable, which
-is how rollouts and training notice a dead engine.
+other HTTP errors raise EngineError (a 500 from /generate: the engine failed in a step, dropped the
+request and serves on); a refused or dropped connection raises EngineUnavailable, which is how
+rollouts and training notice a dead engine.
 """
 from __future__ import annotations
 
@@ -76,6 +77,8 @@ def _message(body, text: str) -> str:
             return str(body["error"]["message"])
         if "message" in body:
             return str(body["message"])
+        if "detail" in body:  # FastAPI's HTTPException (a real SGLang server)
+            return str(body["detail"])
     return text.strip() or "(empty body)"
 
 

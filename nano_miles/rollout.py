@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from nano_miles.batch import Trajectory
 from nano_miles.chat_format import ChatFormat
-from nano_miles.client import EngineUnavailable
+from nano_miles.client import EngineError, EngineUnavailable
 from nano_miles.engine_pool import EnginePool, GroupRouter
 from nano_miles.env import ACTION_END_TAGS, EnvConfig, OpenShellEnv
 from nano_miles.task_api import SetupError, Task, TaskUnavailable
@@ -64,9 +64,8 @@ def sampling_params(cfg: RolloutConfig, fmt: ChatFormat, max_new_tokens: int) ->
             "skip_special_tokens": False, "spaces_between_special_tokens": False}
 
 
-def parse_generate_response(resp: dict) -> tuple[list[int], list[float], dict, str]:
-    """output ids, their log-probs, the finish reason ({"type": ..., ...}) and the weight version
-    from a /generate reply."""
+def parse_generate_response(resp: dict) -> tuple[list[int], list[float], str, str]:
+    """output ids, their log-probs, the finish type and the weight version from a /generate reply."""
     try:
         meta = resp["meta_info"]
         ids = [int(i) for i in resp["output_ids"]]
@@ -77,11 +76,10 @@ def parse_generate_response(resp: dict) -> tuple[list[int], list[float], dict, s
     except (KeyError, TypeError, IndexError, ValueError) as e:
         raise ValueError(f"malformed /generate response ({e}): {str(resp)[:300]}") from e
     fr = meta.get("finish_reason") or {}
-    fr = fr if isinstance(fr, dict) else {"type": str(fr)}
     # Staleness is measured on a turn's oldest tokens: our engine reports their weights when an update
     # landed mid-request (oldest_weight_version); SGLang reports only the version it finished with.
     version = meta.get("oldest_weight_version", meta.get("weight_version", ""))
-    return ids, lps, {**fr, "type": fr.get("type", "")}, str(version)
+    return ids, lps, (fr.get("type", "") if isinstance(fr, dict) else str(fr)), str(version)
 
 
 async def run_episode(client, fmt: ChatFormat, task: Task, seed: int, group_id: str,
@@ -107,16 +105,20 @@ async def run_episode(client, fmt: ChatFormat, task: Task, seed: int, group_id: 
             if budget <= 0:
                 env.end("token_budget")
                 break
-            out = await client.generate(input_ids=ids, sampling_params=sampling_params(
-                cfg, fmt, min(cfg.max_new_tokens, budget)), return_logprob=True,
-                rid=f"{group_id}-{seed}-t{env.turns}-{uuid.uuid4().hex[:8]}")
+            try:
+                out = await client.generate(input_ids=ids, sampling_params=sampling_params(
+                    cfg, fmt, min(cfg.max_new_tokens, budget)), return_logprob=True,
+                    rid=f"{group_id}-{seed}-t{env.turns}-{uuid.uuid4().hex[:8]}")
+            except EngineError as e:
+                if isinstance(e, EngineUnavailable) or (e.status or 0) < 500:
+                    raise
+                # HTTP 500: the engine failed in a step (an OOM, a bug) and dropped the request. An
+                # infrastructure failure, like a sandbox's: never trained on, left out of scores
+                env.infra_failed(f"engine: {e}")
+                break
             out_ids, out_lps, finish, version = parse_generate_response(out)
             versions.append(version)
-            if finish["type"] == "abort" and isinstance(finish.get("status_code"), int) and finish["status_code"] >= 500:
-                # the engine failed in a step (an OOM, a bug) and dropped every request: an
-                # infrastructure failure, like a sandbox's, never trained on or scored
-                env.infra_failed(str(finish.get("message", "")))
-            elif finish["type"] == "abort":
+            if finish == "abort":
                 env.end("abort")  # the engine was asked to drop the request (a pause, a shutdown)
             before = list(ids)
             ids += out_ids
@@ -174,8 +176,8 @@ async def rollout_groups(engines: list[str] | EnginePool, tokenizer, tasks: list
     of the result and counted in stats["setup_failures"] (with the first errors in stats["setup_errors"]).
     Tasks that cannot run on this machine (TaskUnavailable) are left out too, listed with their reason
     on stderr and in stats["unavailable"] ({task id: reason}), and counted nowhere else.
-    Sandbox failures later in an episode, and engine failures (an abort with status_code 500: the
-    engine broke in a step), stay in, with finish_reason "infra_error" and reward 0: training and
+    Sandbox failures later in an episode, and engine failures (HTTP 500 from /generate: the engine
+    broke in a step), stay in, with finish_reason "infra_error" and reward 0: training and
     evaluation leave them out and count them.
     """
     pool = engines if isinstance(engines, EnginePool) else EnginePool.of(list(engines))

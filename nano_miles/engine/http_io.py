@@ -34,6 +34,17 @@ def error(message: str, status: int = 400) -> web.Response:
     return web.json_response({"error": {"message": message}}, status=status)
 
 
+def engine_failed(finished) -> web.Response | None:
+    """HTTP 500 with the reason when the engine failed in a step while it held one of these requests
+    (worker.py aborts them with status_code 500), as SGLang answers a non-streaming request its
+    scheduler aborted; None when none was."""
+    for fin in finished:
+        status = fin.finish_reason.get("status_code")
+        if fin.finish_reason["type"] == "abort" and isinstance(status, int) and status >= 500:
+            return error(fin.finish_reason.get("message") or "engine error", status)
+    return None
+
+
 def weight_answer(success: bool, message: str) -> web.Response:
     return web.json_response({"success": success, "message": message}, status=200 if success else 400)
 

@@ -20,7 +20,7 @@ import uuid
 
 from aiohttp import web
 
-from nano_miles.engine.http_io import json_body
+from nano_miles.engine.http_io import engine_failed, json_body
 from nano_miles.engine.protocol import GenerateItem, RequestError, parse_sampling_params
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -129,6 +129,9 @@ class OpenAIRoutes:
             for it in items:
                 self.worker.abort(it.rid, "client disconnected")
             raise
+        failed = engine_failed(fin for fin, *_versions in results)
+        if failed is not None:
+            return failed
         choices = [self._choice(i, fin, stop) for i, (fin, *_versions) in enumerate(results)]
         usage = {"prompt_tokens": len(prompt), "completion_tokens": sum(fin.completion_tokens for fin, *_versions in results)}
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]

@@ -30,7 +30,8 @@ from aiohttp import web
 from nano_miles.config import add_config_arguments, config_from_args, to_dict, to_toml
 from nano_miles.dtypes import dtype_name
 from nano_miles.engine.engine import Engine, EngineConfig
-from nano_miles.engine.http_io import MiB, BodyParser, check_length, error, is_large, json_body, release
+from nano_miles.engine.http_io import (MiB, BodyParser, check_length, engine_failed, error, is_large, json_body,
+                                      release)
 from nano_miles.engine.openai_api import OpenAIRoutes
 from nano_miles.engine.protocol import API_KEY_ENV, RequestError, parse_generate
 from nano_miles.engine.weight_receiver import LARGE_BODY_ROUTES, WeightReceiver
@@ -184,6 +185,9 @@ class Server:
             for it in items:
                 self.worker.abort(it.rid, "client disconnected")
             raise
+        failed = engine_failed(fin for fin, *_versions in results)
+        if failed is not None:
+            return failed
         out = [self._response(it, fin, version, oldest) for it, (fin, version, oldest) in zip(items, results)]
         return web.json_response(out if batched else out[0])
 

@@ -174,9 +174,6 @@ class ScriptedPolicy:
         self.inputs.append(list(input_ids))
         self.params.append(sampling_params)
         text, stops = self.actions.pop(0)
-        if isinstance(text, dict):  # the engine's side instead: it dropped the request (finish_reason `text`)
-            return {"text": "", "output_ids": [], "meta_info": {"finish_reason": text, "weight_version": "7",
-                                                                "output_token_logprobs": []}}
         # a stop string ends the turn where it ends, as the engine does (tests/nano_miles/engine)
         ends = {text.index(s) + len(s): s for s in sampling_params.get("stop", []) if s in text}
         if ends:
@@ -251,20 +248,28 @@ def test_a_turn_ends_with_its_action(fmt):
     assert policy.params[0]["stop"] == [] and fmt.tokenizer.decode(policy.outputs[0]).endswith("because<|im_end|>")
 
 
-def test_an_engine_that_fails_mid_episode_is_an_infrastructure_failure(fmt):
-    """An engine that breaks in a step (an OOM) aborts every request with status_code 500
-    (tests/nano_miles/engine/test_worker.py): the episode is an infra failure, as a broken sandbox's,
-    which training never trains on and evaluation leaves out, not a reward-0 episode of the policy's.
-    An abort the engine was asked for (a pause, a shutdown) stays an ordinary "abort"."""
-    oom = {"type": "abort", "message": "engine error: OutOfMemoryError: CUDA out of memory", "status_code": 500}
-    policy = ScriptedPolicy(fmt.tokenizer, [("<bash>uname -s</bash>", True), (oom, False)])
-    t = asyncio.run(run_episode(policy, fmt, get_task("kernel_name"), 0, "g", RolloutConfig(max_new_tokens=64)))
-    assert t.finish_reason == "infra_error" and t.reward == 0.0 and t.num_turns == 2
-    assert t.reward_components["infra_failures"] == 1 and "OutOfMemoryError" in t.reward_components["error"]
-    asked = {"type": "abort", "message": "aborted by pause_generation", "status_code": None}
-    policy = ScriptedPolicy(fmt.tokenizer, [(asked, False)])
-    t = asyncio.run(run_episode(policy, fmt, get_task("kernel_name"), 0, "g", RolloutConfig(max_new_tokens=64)))
-    assert t.finish_reason == "abort" and t.reward_components["infra_failures"] == 0
+def test_an_engine_that_fails_is_an_infrastructure_failure_never_the_policys(fmt, tiny_model_path):
+    """An engine that breaks in a step (an OOM) answers /generate with HTTP 500
+    (tests/nano_miles/engine/test_worker.py). The episode is an infra failure, like a broken sandbox's:
+    training never trains on it and evaluation leaves it out, where a reward-0 episode would count as
+    the policy's wrong answer."""
+    from nano_miles.client import AsyncEngineClient
+    from nano_miles.evaluate import lost, per_family
+    from tests.nano_miles.engine.test_worker import OOM, fail_next_step, serving
+
+    async def scenario():
+        async with serving(tiny_model_path) as (url, server):
+            client = AsyncEngineClient(url)
+            try:
+                fail_next_step(server.engine)
+                return await run_episode(client, fmt, get_task("kernel_name"), 0, "g", RolloutConfig(max_new_tokens=8))
+            finally:
+                await client.close()
+
+    t = asyncio.run(scenario())
+    assert t.finish_reason == "infra_error" and t.reward == 0.0 and t.reward_components["infra_failures"] == 1
+    assert t.reward_components["error"] == f"engine: /generate: HTTP 500: engine error: OutOfMemoryError: {OOM}"
+    assert per_family([t], [get_task("kernel_name")], 1) == {} and lost([t]).startswith("1 of 1 episodes broke")
 
 
 def test_setup_failures_are_counted_not_returned(tok):
