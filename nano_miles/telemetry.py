@@ -90,6 +90,14 @@ def step_metrics(step: int, rollout, staleness: list[int], max_staleness: int, t
     response_tokens counts every rolled-out trajectory's response (model and observation tokens)."""
     trajs = rollout.generated
     response_tokens = sum(len(t.response_ids) for t in trajs)
+    # which training tasks the policy solves, always fails or splits on (metrics.jsonl only: not a
+    # scalar); a task whose samples all agree gives dynamic sampling nothing to keep
+    by_task: dict[str, list[int]] = {}
+    for t in trajs:
+        if t.finish_reason != "infra_error":
+            solved_samples = by_task.setdefault(t.task_id, [0, 0])
+            solved_samples[0] += t.reward_components.get("correct", 0) > 0
+            solved_samples[1] += 1
     return {
         "step": step, "trajectories": len(rollout.trajectories), "task_ids": [t.task_id for t in rollout.trajectories],
         "infra_failures": sum(t.finish_reason == "infra_error" for t in trajs),
@@ -100,6 +108,7 @@ def step_metrics(step: int, rollout, staleness: list[int], max_staleness: int, t
         "staleness_trained_max": max((s for s in staleness if s <= max_staleness), default=0),
         "reward_mean": _mean(t.reward for t in trajs),
         "acc": _mean(1.0 if t.reward_components.get("correct", 0) > 0 else 0.0 for t in trajs),
+        "train_by_task": {task_id: by_task[task_id] for task_id in sorted(by_task)},  # [solved, samples]
         "turns_mean": _mean(t.num_turns for t in trajs),
         **{key: train.get(key) for key in ("pg_loss", "clip_frac", "clip_cov_frac", "approx_kl", "kl_ref", "entropy",
                                           "grad_norm", "lr")},
@@ -298,6 +307,24 @@ def write_curves(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
     return written
 
 
+def task_split(rows: list[dict], last: int = 10) -> str | None:
+    """One summary line: over the last `last` steps, how many training tasks the policy always
+    solved, never solved, or split on. Only the split ones still teach it anything."""
+    rows = rows[-last:]
+    counts: dict[str, list[int]] = {}
+    for row in rows:
+        for task_id, (solved, samples) in (row.get("train_by_task") or {}).items():
+            total = counts.setdefault(task_id, [0, 0])
+            total[0] += solved
+            total[1] += samples
+    if not counts:
+        return None
+    always = sum(solved == samples for solved, samples in counts.values())
+    never = sum(solved == 0 for solved, _ in counts.values())
+    return (f"  tasks     steps {rows[0]['step']}-{rows[-1]['step']}: of {len(counts)} training tasks rolled out, "
+            f"{always} always solved, {never} never, {len(counts) - always - never} sometimes")
+
+
 def run_summary(rows: list[dict], wall_s: float, run_dir: Path) -> list[str]:
     """The lines a run ends with: first vs last reward and accuracy, the wall time, where the files are."""
     run_dir = Path(run_dir)
@@ -324,6 +351,9 @@ def run_summary(rows: list[dict], wall_s: float, run_dir: Path) -> list[str]:
             a, b = evaluated[0], evaluated[-1]
             lines.append(f"  eval      pass@1 on {label}: {a[key]:.3f} (step {a['step']}) -> {b[key]:.3f} "
                          f"(step {b['step']})")
+    split = task_split(rows)
+    if split:
+        lines.append(split)
     lines.append(f"  files     {run_dir}/: {', '.join(files)}")
     if (run_dir / "final").is_dir():
         lines.append(f"  policy    nano-miles eval --model {run_dir / 'final'}   "

@@ -249,6 +249,10 @@ def test_a_run_whose_groups_never_disagree_skips_its_updates_and_says_so(tmp_pat
     assert row["reward_mean"] == pytest.approx(-0.1)  # measured on every episode rolled out, dropped ones included
     # so is a trajectory's length: 8 episodes were rolled out, none kept
     assert row["response_tokens"] > 0 and row["response_tokens_mean"] == pytest.approx(row["response_tokens"] / 8)
+    # and which tasks it solved: none, of the 8 samples of the 4 groups
+    by_task = row["train_by_task"]
+    assert sum(n for _, n in by_task.values()) == 8 and all(solved == 0 for solved, _ in by_task.values())
+    assert set(by_task) <= {t.id for t in select_tasks("train")}
 
 
 def test_the_memory_plan_holds_an_oversampled_round(tiny_model_path):
