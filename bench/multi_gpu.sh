@@ -28,7 +28,9 @@
 # TRAINER_DEVICE/ENGINE_DEVICE (default cuda:0/cuda:1), EXTRA (more train --set pairs), EVAL_EXTRA (more
 # eval --set pairs), SAMPLES (8), INSTANCES (1: instances a held-out task, SAMPLES on each; ALFA set-ups are
 # fixed, so its evals stay at one), TRAJ=1 (learn-run: the final policy's held-out episodes as JSONL),
-# GREEDY=1 (learn-run: the final policy's greedy pass@1 on held-out and full ALFA; `base-start` does the base model's).
+# GREEDY=1 (learn-run: the final policy's greedy pass@1 on held-out and full ALFA; `base-start` does the base model's),
+# ALFA_TASKS (alfa: the ALFA tasks the final policy and the base model are scored on; tests/bench/test_multi_gpu.py
+# rehearses with two).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 phase="${1:?usage: multi_gpu.sh stage NN|prepare|checks|benches|sync|async|alfa}"
@@ -46,7 +48,7 @@ nm() { "$py" -m nano_miles.cli "$@"; }
 gpus=$("$py" -c 'import torch; print(torch.cuda.device_count())')
 TRAINER_DEVICE="${TRAINER_DEVICE:-$([ "$gpus" -ge 1 ] && echo cuda:0 || echo cpu)}"
 ENGINE_DEVICE="${ENGINE_DEVICE:-$([ "$gpus" -ge 2 ] && echo cuda:1 || echo "$TRAINER_DEVICE")}"
-STEPS="${STEPS:-40}" LR="${LR:-3e-6}" SAMPLES="${SAMPLES:-8}" INSTANCES="${INSTANCES:-1}"
+STEPS="${STEPS:-40}" LR="${LR:-3e-6}" SAMPLES="${SAMPLES:-8}" INSTANCES="${INSTANCES:-1}" ALFA_TASKS="${ALFA_TASKS:-alfa}"
 read -r -a extra <<<"${EXTRA:-}"
 read -r -a eval_extra <<<"${EVAL_EXTRA:-}"   # eval --set pairs a trained policy needs (e.g. its prompt_example)
 run="$MG/learn${ARM:+-$ARM}" bg="$MG/bg${ARM:+-$ARM}"   # learn-*: one run (an arm) and its background files
@@ -67,7 +69,7 @@ evaluate() {
 # are the same answer, so held-out spends its INSTANCES x SAMPLES episodes on that many instances of one sample.
 greedy_evals() {
     INSTANCES=$((INSTANCES * SAMPLES)) SAMPLES=1 evaluate "$1" "$2_heldout_greedy" heldout --set rollout.temperature=0 >/dev/null
-    SAMPLES=1 evaluate "$1" "$2_alfa_greedy" alfa --set rollout.temperature=0 >/dev/null
+    SAMPLES=1 evaluate "$1" "$2_alfa_greedy" "$ALFA_TASKS" --set rollout.temperature=0 >/dev/null
 }
 
 # train_run MODE: phase 1's run in MODE (sync | async), then its held-out pass@1
@@ -155,9 +157,9 @@ learn-run)
           --set run_dir="$run" --set trainer_device="$TRAINER_DEVICE" --set engine.device="$ENGINE_DEVICE" "${extra[@]}")
     echo "=== learn-run: train ${args[*]}" >"$OUT/learn_train.log"
     "$py" -m nano_miles.cli train "${args[@]}" 2>&1 | grep --line-buffered -v "/s\]$\|s/ep\]$" >>"$OUT/learn_train.log"
-    [ -d "$run/final" ] && SAMPLES="${ALFA_SAMPLES:-2}" evaluate "$run/final" learn_alfa alfa >/dev/null
+    [ -d "$run/final" ] && SAMPLES="${ALFA_SAMPLES:-2}" evaluate "$run/final" learn_alfa "$ALFA_TASKS" >/dev/null
     [ -d "$run/final" ] && [ "${GREEDY:-0}" = 1 ] && greedy_evals "$run/final" learn
-    [ -d "$run/best" ] && SAMPLES="${ALFA_SAMPLES:-2}" evaluate "$run/best" learn_alfa_best alfa >/dev/null  # keep_best
+    [ -d "$run/best" ] && SAMPLES="${ALFA_SAMPLES:-2}" evaluate "$run/best" learn_alfa_best "$ALFA_TASKS" >/dev/null  # keep_best
     # what the final policy does on held-out, episode by episode (TRAJ=1): token ids, rewards, turns
     [ -d "$run/final" ] && [ "${TRAJ:-0}" = 1 ] && evaluate "$run/final" learn_heldout_traj heldout \
         --out "$OUT/heldout_final.jsonl" >/dev/null
@@ -175,7 +177,7 @@ base-run)
     # ALFA_SAMPLES a task, the figures a trained policy's learn-run gives
     if [ "${SAMPLED:-0}" = 1 ]; then
         evaluate "$MODEL" base_heldout heldout >/dev/null
-        SAMPLES="${ALFA_SAMPLES:-2}" evaluate "$MODEL" base_alfa alfa >/dev/null
+        SAMPLES="${ALFA_SAMPLES:-2}" evaluate "$MODEL" base_alfa "$ALFA_TASKS" >/dev/null
     fi
     greedy_evals "$MODEL" base; touch "$OUT/done" ;;
 learn-watch)
