@@ -74,9 +74,12 @@ def instances_of(tasks: list, n: int) -> list:
 
 
 def solved_by_task(trajs) -> dict[str, list[bool]]:
-    """{task id: whether each of its samples was solved}, in the order the tasks first appear."""
+    """{task id: whether each of its samples was solved}, in the order the tasks first appear
+    (infrastructure failures left out, as in per_family)."""
     by_task: dict[str, list[bool]] = {}
     for t in trajs:
+        if t.finish_reason == "infra_error":
+            continue
         by_task.setdefault(t.task_id, []).append(solved(t))
     return by_task
 

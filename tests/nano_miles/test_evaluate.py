@@ -14,7 +14,7 @@ from safetensors import safe_open
 from nano_miles import cli
 from nano_miles.batch import Trajectory
 from nano_miles.config import ConfigError, load_config, parse_set
-from nano_miles.evaluate import RunEvaluation, alfa_subset, lost, pass_at_k, per_family
+from nano_miles.evaluate import RunEvaluation, alfa_subset, lost, pass_at_k, per_family, solved_by_task
 from nano_miles.models import load_tokenizer
 from nano_miles.producer import TaskStream
 from nano_miles.tasks import select_tasks
@@ -154,6 +154,7 @@ def test_episodes_the_sandbox_or_engine_broke_are_left_out_and_said():
     assert lost(trajs).startswith("2 of 4 episodes broke on the sandbox or the engine and are left out of every "
                                   "score: engine error: OutOfMemoryError: CUDA out of memory")
     assert "kernel_name" not in per_family([broken], tasks, 1) and lost(trajs[:1]) == ""
+    assert solved_by_task(trajs) == {"kernel_name": [True], "md5_file": [False]}  # the in-run eval_by_task
 
 
 def test_eval_runs_every_task_on_its_instances_and_says_on_what(engine_server, tiny_model_path, tmp_path, capsys):
