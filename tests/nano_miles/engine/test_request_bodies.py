@@ -115,13 +115,15 @@ def test_a_large_body_under_the_cap_is_parsed_off_the_event_loop(engine_server):
     r = box["r"]
     assert r.status_code == 400 and "context" in r.json()["error"]["message"]  # parsed, then refused: too long
     assert len(probe.latencies) > 20 and not probe.failures, probe.failures
-    # What a parse ON the event loop would stall /health for, on this machine now: json.loads alone.
-    # A fixed 0.1 s failed once in CI (250 ms) on the loaded 2-core VM, where the parsing child, the
-    # token walk and pytest share two cores; half of the blocking parse still catches the regression.
+    # What a parse ON the event loop would stall /health for, on this machine now: json.loads alone
+    # (the token walk would add to it). On the loaded 2-core VM, where the parsing child, the token
+    # walk and pytest share two cores, a fixed 0.1 s failed once in CI (250 ms) and half the blocking
+    # parse once too (464 ms against 650). A stall below 0.8 of json.loads alone is scheduling, not a
+    # parse on the loop.
     t = time.monotonic()
     json.loads(body)
     blocking = time.monotonic() - t
-    bound = max(0.1, blocking / 2)
+    bound = max(0.1, 0.8 * blocking)
     assert max(probe.latencies) < bound, (f"/health took {max(probe.latencies) * 1000:.0f} ms during the parse "
                                           f"(a blocking parse takes {blocking * 1000:.0f} ms here)")
 
