@@ -38,6 +38,18 @@ def test_bad_input_is_one_line_exit_2_and_leaves_nothing_behind(argv, message, c
     assert list(tmp_path.iterdir()) == []  # no stray runs/<ts>/config.json, no model built
 
 
+def test_cuda_memory_is_allocated_in_expandable_segments_unless_the_user_chose(monkeypatch, capsys):
+    """Every command (and the ranks and engines it starts, which inherit the environment) runs the CUDA
+    caching allocator with expandable segments: the default held 78 GB for a trainer's 51 GB peak."""
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "to be restored")
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    assert cli.main(["tasks", "list", "--split", "seed"]) == 0
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    assert cli.main(["tasks", "list", "--split", "seed"]) == 0
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
+    assert "kernel_name" in capsys.readouterr().out
+
 
 def _start(argv: list[str], tmp: Path, cwd: Path) -> subprocess.Popen:
     """`nano-miles ARGV` in a process of its own, its temporary files (sandbox workspaces) under tmp."""
