@@ -193,7 +193,8 @@ learn-watch)
         cp "$MG/learn${a:+-$a}/metrics.jsonl" "$o/learn_metrics.jsonl" 2>/dev/null; cp "$b/"*.log "$b/"*.jsonl "$o/" 2>/dev/null
         cp "$MG/learn${a:+-$a}/best/best.json" "$o/" 2>/dev/null; rm -f "$o/run.log"
         tar -czf "$OUT/arm-${a:-default}.tar.gz" -C "$MG/pack" "${a:-default}"
-        echo "=== arm ${a:-default}"; grep -h "^eval\|rror" "$b/learn_train.log" 2>/dev/null | tail -6; tail -2 "$b/learn_train.log" 2>/dev/null
+        echo "=== arm ${a:-default}"; tr '\r' '\n' <"$b/learn_train.log" 2>/dev/null | grep -a "^eval.*pass@1\|rror" | tail -6  # lines behind progress bars too
+        tail -2 "$b/learn_train.log" 2>/dev/null
         [ -f "$b/done" ] && echo "=== learn done" && for f in "$b"/eval_*.log; do echo "--- $f"; grep -h "^all \|three-part" "$f"; done
         cat "$MG/learn${a:+-$a}/best/best.json" 2>/dev/null
     done ;;

@@ -40,6 +40,7 @@ def test_an_arm_and_the_base_model_run_in_the_background_and_come_back_packed(tm
     multi_gpu("base-start", tmp_path, SAMPLED="1")
     watched = multi_gpu("learn-watch", tmp_path, ARMS="a base", WATCH="240")
     assert watched.count("=== learn done") == 2, watched
+    assert "eval after step 2: 1 instance(s) x 1 sample(s) a task, 1 tasks pass@1" in watched  # the in-run evaluation
 
     arm = unpacked(tmp_path, "a")
     steps = [json.loads(line)["step"] for line in (arm / "learn_metrics.jsonl").read_text().splitlines()]
