@@ -16,15 +16,16 @@ OOM = "CUDA out of memory. Tried to allocate 40.00 MiB"
 
 
 def fail_next_step(engine):
-    """The engine's next step raises torch.OutOfMemoryError; the steps after it run as before."""
-    step, failed = engine.step, []
+    """The engine's next step raises torch.OutOfMemoryError in the model's forward, where a GPU runs
+    out (the step has scheduled its batch and allocated its KV blocks); later forwards run as before."""
+    forward, failed = engine.model.forward, []
 
-    def step_once_out_of_memory():
+    def forward_once_out_of_memory(*args, **kwargs):
         if not failed:
             failed.append(True)
             raise torch.OutOfMemoryError(OOM)
-        return step()
-    engine.step = step_once_out_of_memory
+        return forward(*args, **kwargs)
+    engine.model.forward = forward_once_out_of_memory
 
 
 @contextlib.asynccontextmanager
@@ -62,9 +63,11 @@ def test_a_step_that_fails_aborts_its_requests_with_status_500_and_the_engine_se
         lost = await asyncio.gather(*worker.add([Item(f"r{i}", [5, 6, 7], params) for i in range(3)]))
         served = await asyncio.gather(*worker.add([Item("after", [5, 6, 7], params)]))
         worker.stop()
-        return [fin for fin, *_ in lost], served[0][0]
+        await asyncio.to_thread(worker.thread.join, 30)
+        return [fin for fin, *_ in lost], served[0][0], worker.engine
 
-    lost, after = asyncio.run(scenario())
+    lost, after, engine = asyncio.run(scenario())
+    assert engine.blocks.num_free == engine.num_kv_blocks and not engine.has_unfinished()  # nothing leaked
     assert [f.finish_reason["type"] for f in lost] == ["abort"] * 3
     assert all(f.finish_reason["status_code"] == 500 for f in lost)
     assert lost[0].finish_reason["message"] == f"engine error: OutOfMemoryError: {OOM}"
