@@ -57,6 +57,12 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
+def scored(trajs) -> list:
+    """The episodes that say something about the model: those the sandbox or the engine broke
+    (finish_reason "infra_error") are left out of every score, and counted by lost()."""
+    return [t for t in trajs if t.finish_reason != "infra_error"]
+
+
 def lost(trajs) -> str:
     """'' when every episode was scored, else one line: how many episodes an infrastructure failure
     (sandbox, engine) took out of the scores, and the first reasons."""
@@ -77,9 +83,7 @@ def solved_by_task(trajs) -> dict[str, list[bool]]:
     """{task id: whether each of its samples was solved}, in the order the tasks first appear
     (infrastructure failures left out, as in per_family)."""
     by_task: dict[str, list[bool]] = {}
-    for t in trajs:
-        if t.finish_reason == "infra_error":
-            continue
+    for t in scored(trajs):
         by_task.setdefault(t.task_id, []).append(solved(t))
     return by_task
 
@@ -88,13 +92,10 @@ def per_family(trajs, tasks, k: int) -> dict[str, dict]:
     """{family: {tasks, pass@1, pass@k}} plus "all". A task's pass@1 and pass@k are means over its
     instances (group_id: one per instance) of the estimator on that instance's samples (k samples of one
     instance share its files and answer). Each instance weighs the same, also when a setup failure left
-    it fewer samples; with equal samples pass@1 is the mean over all of them. Episodes the sandbox or
-    the engine broke (finish_reason "infra_error") say nothing about the model: left out (see lost())."""
+    it fewer samples; with equal samples pass@1 is the mean over all of them. Only scored() episodes count."""
     family = {t.id: t.family for t in tasks}
     instances: dict[str, dict[str, list[bool]]] = {}
-    for t in trajs:
-        if t.finish_reason == "infra_error":
-            continue
+    for t in scored(trajs):
         instances.setdefault(t.task_id, {}).setdefault(t.group_id, []).append(solved(t))
     rows: dict[str, list[tuple[float, float]]] = {}
     for task_id, groups in instances.items():
@@ -165,20 +166,20 @@ class RunEvaluation:
                "eval_task_count": heldout.get("tasks", 0),
                # which tasks moved between evaluations (metrics.jsonl only: not a scalar)
                "eval_by_task": {task_id: sum(r) / len(r) for task_id, r in sorted(solved_by_task(trajs).items())}}
-        out["eval_infra_failures"] = sum(t.finish_reason == "infra_error" for t in trajs)
+        out["eval_infra_failures"] = len(trajs) - len(scored(trajs))
         line = (f"eval {_when(step)}: {self.instances} instance(s) x {self.rollout.group_size} sample(s) a task, "
                 f"{out['eval_task_count']} tasks pass@1 {_show(out['eval_pass_at_1'])}")
         if self.alfa:
-            scored = per_family(theirs, self.alfa, 1).get("all", {})
+            alfa_all = per_family(theirs, self.alfa, 1).get("all", {})
             unavailable = sum(task_id in alfa_ids for task_id in stats.get("unavailable", {}))
-            out.update({"eval_alfa_pass_at_1": scored.get("pass@1"), "eval_alfa_task_count": scored.get("tasks", 0),
+            out.update({"eval_alfa_pass_at_1": alfa_all.get("pass@1"), "eval_alfa_task_count": alfa_all.get("tasks", 0),
                         "eval_alfa_unavailable": unavailable,
                         "eval_alfa_score": (three_part_summary(theirs) or {}).get("score")})
             line += (f", ALFA {out['eval_alfa_task_count']} tasks pass@1 {_show(out['eval_alfa_pass_at_1'])} "
                      f"({unavailable} of {len(self.alfa)} cannot run here, left out)")
         self.echo(f"{line}, in {seconds:.1f}s")
-        if lost(trajs):
-            self.echo(f"eval {_when(step)}: {lost(trajs)}")
+        if why := lost(trajs):
+            self.echo(f"eval {_when(step)}: {why}")
         return out
 
     def episodes(self, engines, tokenizer, sandbox_factory=None, desc: str = "eval", stats: dict | None = None) -> list:
@@ -246,8 +247,8 @@ def run(args) -> int:
     alfa = three_part_summary(trajs)  # ALFA episodes: the benchmark's own score too
     if alfa:
         s["alfa_three_part"] = alfa
-    if lost(trajs):
-        print(f"nano-miles eval: {lost(trajs)}", file=sys.stderr)
+    if why := lost(trajs):
+        print(f"nano-miles eval: {why}", file=sys.stderr)
     if args.json:
         print(json.dumps({"per_family": table, **measured, **s}))
     else:
