@@ -33,6 +33,7 @@ class Trajectory:
     task_id: str = ""
     group_id: str = ""
     weight_versions: list[str] = field(default_factory=list)  # one per model turn
+    scripted: bool = False  # played from the task's scripted solution (rollout.guide_unsolved), not sampled
 
     def validate(self) -> None:
         if not self.prompt_ids:
@@ -84,6 +85,7 @@ class RolloutBatch:
     prompt_lens: list[int]
     response_lens: list[int]
     weight_versions: list[list[str]]
+    scripted: torch.Tensor          # [B] bool: a scripted sample (no sampling log-probs; left out of parity)
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -96,7 +98,7 @@ class RolloutBatch:
             rollout_logprobs=self.rollout_logprobs[idx], rewards=self.rewards[idx],
             group_ids=[self.group_ids[i] for i in rows], task_ids=[self.task_ids[i] for i in rows],
             prompt_lens=[self.prompt_lens[i] for i in rows], response_lens=[self.response_lens[i] for i in rows],
-            weight_versions=[self.weight_versions[i] for i in rows],
+            weight_versions=[self.weight_versions[i] for i in rows], scripted=self.scripted[idx],
         )
 
 
@@ -134,4 +136,5 @@ def build_rollout_batch(trajectories: list, pad_id: int = 0) -> RolloutBatch:
         prompt_lens=[len(t.prompt_ids) for t in trajs],
         response_lens=[len(t.response_ids) for t in trajs],
         weight_versions=[list(t.weight_versions) for t in trajs],
+        scripted=torch.tensor([bool(t.scripted) for t in trajs], dtype=torch.bool),
     )

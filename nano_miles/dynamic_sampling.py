@@ -26,6 +26,7 @@ class TrainRolloutConfig(RolloutConfig):
     max_sampling_rounds: int = 3     # dynamic sampling: rollout rounds per step at most (the first included); then it trains on the groups it has
     oversample: float = 1.0          # dynamic sampling: each round rolls out this many times the groups still missing (verl's gen_batch_size / train_batch_size)
     pass_over_saturated: int = 0     # a task whose last group had equal rewards (all solved, or none) is passed over at its next N appearances in the task stream; 0 = off
+    guide_unsolved: bool = False     # a group no sample solved gets the task's scripted solution as one of its samples (nano_miles/guidance.py)
 
     def __post_init__(self):
         super().__post_init__()
@@ -70,6 +71,7 @@ class SamplingTally:
     rounds: int = 0
     max_rounds: int = 1
     passed_over: int = 0        # task appearances the stream passed over (rollout.pass_over_saturated)
+    guided: int = 0             # groups given a scripted sample (rollout.guide_unsolved)
 
     @property
     def dropped(self) -> int:
@@ -89,4 +91,5 @@ class SamplingTally:
         share = self.generated and 1 / self.generated
         return {"groups_generated": self.generated, "groups_kept": self.kept, "groups_dropped": self.dropped,
                 "dropped_group_share": self.dropped * share, "zero_variance_share": self.without_signal * share,
-                "sampling_rounds": self.rounds, "sampling_note": self.note, "tasks_passed_over": self.passed_over}
+                "sampling_rounds": self.rounds, "sampling_note": self.note, "tasks_passed_over": self.passed_over,
+                "groups_guided": self.guided}

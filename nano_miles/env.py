@@ -149,6 +149,7 @@ class OpenShellEnv:
         self._ok_commands: set[str] = set()
         self.last_command: str | None = None   # the last command run and its output (scoring by execution)
         self.last_output: str | None = None
+        self.last_observation: str | None = None  # the last tool turn's text (a scripted policy answers from it)
         # reset/step run in worker threads that a cancelled caller cannot stop; close() takes the same
         # lock, so it waits for the one in flight and no setup can create a sandbox after close.
         self._busy = threading.Lock()
@@ -307,6 +308,7 @@ class OpenShellEnv:
         if self.turns >= self.cfg.max_turns:
             self._cut_off("max_turns")
             return StepResult(None, True, "max_turns")
+        self.last_observation = observation
         return StepResult(observation, False, kind)
 
     def _infra_failure(self, e: Exception) -> StepResult:

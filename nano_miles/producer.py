@@ -19,6 +19,7 @@ from itertools import zip_longest
 from tqdm import tqdm
 
 from nano_miles.dynamic_sampling import SamplingTally, TrainRolloutConfig, has_signal, split_groups
+from nano_miles.guidance import guide_unsolved
 from nano_miles.rollout import rollout_groups
 
 
@@ -90,8 +91,9 @@ class StepRollout:
 
     @property
     def generated(self) -> list:
-        """Every trajectory the step rolled out (what its reward and accuracy are measured on)."""
-        return self.trajectories + self.dropped
+        """Every trajectory the step sampled (what its reward and accuracy are measured on); scripted
+        samples (rollout.guide_unsolved) are trained on but are not the policy's."""
+        return [t for t in self.trajectories + self.dropped if not t.scripted]
 
     @property
     def episodes(self) -> int:
@@ -162,11 +164,15 @@ def roll_out_step(step: int, stream: TaskStream, tasks_per_step: int, engines, t
             tally.passed_over += stream.position - start - len(tasks)
             stats = {}
             label = desc if tally.rounds == 0 else f"{desc} (round {tally.rounds + 1}, refill)"
+            seed = round_seed(run_seed, step, tally.rounds)
             with tqdm(total=len(tasks) * cfg.group_size, desc=label, unit="ep", leave=False, dynamic_ncols=True) as bar:
-                trajs = asyncio.run(rollout_groups(engines, tokenizer, tasks, cfg,
-                                                   seed=round_seed(run_seed, step, tally.rounds),
+                trajs = asyncio.run(rollout_groups(engines, tokenizer, tasks, cfg, seed=seed,
                                                    sandbox_factory=sandbox_factory, stats=stats,
                                                    on_episode_done=lambda: bar.update(1)))
+            if cfg.guide_unsolved:  # before the signal split: a guided group has one
+                trajs, replaced = guide_unsolved(trajs, tasks, seed, tokenizer, cfg, sandbox_factory)
+                tally.guided += len(replaced)
+                dropped += replaced
             tally.rounds += 1
             tally.generated += len(tasks)
             setup_failures += stats.get("setup_failures", 0)

@@ -82,10 +82,19 @@ def parse_generate_response(resp: dict) -> tuple[list[int], list[float], str, st
     return ids, lps, (fr.get("type", "") if isinstance(fr, dict) else str(fr)), str(version)
 
 
+def group_key(task: Task, seed: int, index: int) -> tuple[int, str]:
+    """The task seed and group id of the index-th group of a rollout call: the G samples of a group
+    share the seed (same files, same ground truth), and GRPO compares them by group id."""
+    task_seed = seed * 100_003 + index
+    return task_seed, f"{task.id}-s{task_seed}"
+
+
 async def run_episode(client, fmt: ChatFormat, task: Task, seed: int, group_id: str,
-                      cfg: RolloutConfig, sandbox_factory=None, executor=None) -> Trajectory:
+                      cfg: RolloutConfig, sandbox_factory=None, executor=None, scripted: bool = False) -> Trajectory:
     """Play one episode against one engine; the returned trajectory is complete and self-consistent.
-    Sandbox work (setup, commands, verification) runs on `executor` (None: asyncio's default)."""
+    Sandbox work (setup, commands, verification) runs on `executor` (None: asyncio's default).
+    scripted: no engine (client is None); the turns are the task's scripted solution, through the same
+    environment and token path (nano_miles/guidance.py)."""
     env = OpenShellEnv(task, seed, cfg.env, sandbox_factory)
     loop = asyncio.get_running_loop()
     try:
@@ -97,6 +106,9 @@ async def run_episode(client, fmt: ChatFormat, task: Task, seed: int, group_id: 
         except SetupError as e:
             return Trajectory([], [], [], [], reward=0.0, reward_components={"infra_failures": 1, "error": str(e)},
                               num_turns=0, finish_reason="infra_error", task_id=task.id, group_id=group_id)
+        if scripted:
+            from nano_miles.guidance import ScriptedPolicy  # (guidance builds on this module)
+            client = ScriptedPolicy(fmt, env)
         prompt = fmt.prompt_ids(messages)
         ids = list(prompt)                               # the growing prefix
         resp_ids, resp_lps, resp_mask, versions = [], [], [], []
@@ -146,7 +158,8 @@ async def run_episode(client, fmt: ChatFormat, task: Task, seed: int, group_id: 
         return Trajectory(
             prompt_ids=prompt, response_ids=resp_ids, response_logprobs=resp_lps, response_mask=resp_mask,
             reward=env.reward, reward_components=components, num_turns=len(versions),
-            finish_reason=env.finish_reason, task_id=task.id, group_id=group_id, weight_versions=versions)
+            finish_reason=env.finish_reason, task_id=task.id, group_id=group_id,
+            weight_versions=[] if scripted else versions, scripted=scripted)
     finally:
         # In a worker thread, after whatever setup or command is in flight (env.close waits for it).
         # A cancel that lands while we wait for it (rollout_groups cancels the rest on a first error)
@@ -211,8 +224,7 @@ async def rollout_groups(engines: list[str] | EnginePool, tokenizer, tasks: list
     try:
         jobs = []
         for g, task in enumerate(tasks):
-            task_seed = seed * 100_003 + g
-            group_id = f"{task.id}-s{task_seed}"
+            task_seed, group_id = group_key(task, seed, g)
             for _ in range(cfg.group_size):
                 jobs.append(asyncio.ensure_future(one(task, task_seed, group_id)))
         if not jobs:

@@ -287,7 +287,7 @@ class ShardedTrainer(Trainer):
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
-        sums, tokens, pg_loss, ratio_max, diff_sum, diff_max = {}, 0, 0.0, 1.0, 0.0, 0.0
+        sums, tokens, pg_loss, ratio_max, diff_sum, diff_max, diff_n = {}, 0, 0.0, 1.0, 0.0, 0.0, 0
         mine, n_micro, lengths = self._plan(batch)
         if self.one_rank:
             self._refresh_gathered()
@@ -314,9 +314,9 @@ class ShardedTrainer(Trainer):
                 loss, m = policy_loss(logp, old, adv.to(self.device), mask, cfg, normalizer=normalizer,
                                       rollout_logprobs=rollout, ref_logprobs=ref, entropy=entropy)
                 loss.backward()
-                diff = (logp.detach() - rollout).abs()[mask]
+                diff = (logp.detach() - rollout).abs()[mask & ~batch.scripted[idx, None].to(self.device)]  # sampled tokens only
                 if diff.numel():
-                    diff_sum += float(diff.double().sum())
+                    diff_sum, diff_n = diff_sum + float(diff.double().sum()), diff_n + diff.numel()
                     diff_max = max(diff_max, float(diff.max()))
                 pg_loss += m.pop("pg_loss")
                 ratio_max = max(ratio_max, m.pop("ratio_max"))
@@ -331,7 +331,7 @@ class ShardedTrainer(Trainer):
         if self.device.type == "cpu":
             heap.release_free_heap()
         peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
-        mine = (sums, tokens, pg_loss, ratio_max, diff_sum, diff_max, peak)
+        mine = (sums, tokens, pg_loss, ratio_max, diff_sum, diff_max, peak, diff_n)
         parts = [mine]
         if not self.one_rank:  # (collectives of one rank still cost a launch and, here, a pickle)
             parts = [None] * self.env.world_size
@@ -344,7 +344,7 @@ class ShardedTrainer(Trainer):
         metrics.update(
             step=self.step, pg_loss=sum(p[2] for p in parts), ratio_max=max(p[3] for p in parts),
             grad_norm=grad_norm, lr=self.optimizer.param_groups[0]["lr"], response_tokens=tokens,
-            logprob_diff_mean=sum(p[4] for p in parts) / max(tokens, 1), logprob_diff_max=max(p[5] for p in parts),
+            logprob_diff_mean=sum(p[4] for p in parts) / max(sum(p[7] for p in parts), 1), logprob_diff_max=max(p[5] for p in parts),
             step_ms=(time.perf_counter() - t0) * 1000.0, world_size=self.env.world_size,
         )
         if peak is not None:

@@ -264,7 +264,7 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(self.device)
 
         sums, tokens, pg_loss, ratio_max = {}, 0, 0.0, 1.0
-        diff_sum, diff_max = 0.0, 0.0
+        diff_sum, diff_n, diff_max = 0.0, 0, 0.0
         groups, lengths = self._micro_batches(batch)
         for done, idx in enumerate(groups, 1):
             n = int(lengths[idx].max())
@@ -282,9 +282,9 @@ class Trainer:
             self._accumulate_master_grads()
 
             # Train/inference parity, before the update: |trainer - engine| over response tokens.
-            diff = (logp.detach() - rollout).abs()[mask]
+            diff = (logp.detach() - rollout).abs()[mask & ~batch.scripted[idx, None].to(self.device)]  # sampled tokens only
             if diff.numel():
-                diff_sum += float(diff.double().sum())
+                diff_sum, diff_n = diff_sum + float(diff.double().sum()), diff_n + diff.numel()
                 diff_max = max(diff_max, float(diff.max()))
             pg_loss += m.pop("pg_loss")
             ratio_max = max(ratio_max, m.pop("ratio_max"))
@@ -302,7 +302,7 @@ class Trainer:
         metrics.update(
             step=self.step, pg_loss=pg_loss, ratio_max=ratio_max, grad_norm=grad_norm,
             lr=self.optimizer.param_groups[0]["lr"], response_tokens=tokens,
-            logprob_diff_mean=diff_sum / max(tokens, 1), logprob_diff_max=diff_max,
+            logprob_diff_mean=diff_sum / max(diff_n, 1), logprob_diff_max=diff_max,
             step_ms=(time.perf_counter() - t0) * 1000.0,
         )
         if self.device.type == "cuda":

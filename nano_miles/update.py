@@ -30,6 +30,11 @@ def policy_update(trainer, trajs, advantage_cfg: AdvantageConfig, pad_id: int, e
             return {}, "every group had equal rewards (filtered)"
         batch = build_rollout_batch([trajs[i] for i in rows], pad_id=pad_id)
         advantages = advantages[torch.tensor(rows)]
+    if bool(batch.scripted.any()):
+        # A scripted sample (rollout.guide_unsolved) was never sampled, so it has no sampling log-probs:
+        # it takes the trainer's own, which makes its TIS weight 1 (trained on as if sampled now).
+        rows = batch.scripted.nonzero().flatten()
+        batch.rollout_logprobs[rows] = trainer.logprobs(batch.select(rows.tolist())) * batch.loss_mask[rows]
     minibatches = _minibatches(batch.group_ids, updates)
     old = trainer.logprobs(batch) if len(minibatches) > 1 else None
     ref = reference.logprobs(batch) if reference is not None else None
@@ -53,7 +58,7 @@ def policy_update(trainer, trajs, advantage_cfg: AdvantageConfig, pad_id: int, e
         return results[0], None
     merged = _merge_update_metrics(results)
     # Parity is a property of the sampling policy: from the log-probs taken before the first step.
-    diff = (old - batch.rollout_logprobs).abs()[batch.loss_mask]
+    diff = (old - batch.rollout_logprobs).abs()[batch.loss_mask & ~batch.scripted[:, None]]
     merged["logprob_diff_mean"] = float(diff.double().mean()) if diff.numel() else 0.0
     merged["logprob_diff_max"] = float(diff.max()) if diff.numel() else 0.0
     return merged, None

@@ -88,7 +88,7 @@ def test_accepts_jsonl_dicts_and_roundtrips(tmp_path):
     rec = json.loads(t.to_json())
     assert set(rec) == {"prompt_ids", "response_ids", "response_logprobs", "response_mask", "reward",
                         "reward_components", "num_turns", "finish_reason", "task_id", "group_id",
-                        "weight_versions"}
+                        "weight_versions", "scripted"}
     b = build_rollout_batch([rec])
     assert b.loss_mask.tolist() == [[F, T, F]]  # P=2: predictions at [1, 3)
 

@@ -51,7 +51,8 @@ def check_invariants(t: Trajectory, fmt: ChatFormat):
     segments = runs(t.response_mask)
     assert [m for m, _, _ in segments] == [i % 2 == 0 for i in range(len(segments))], "turns must alternate"
     assert segments[-1][0], "a trajectory ends with a model turn, never with an observation"
-    assert len(t.weight_versions) == t.num_turns == sum(m for m, _, _ in segments)
+    assert t.num_turns == sum(m for m, _, _ in segments)
+    assert len(t.weight_versions) == (0 if t.scripted else t.num_turns)  # a scripted sample has no weights
     assert all(isinstance(v, str) and v for v in t.weight_versions)
     for is_model, a, b in segments:
         lps = t.response_logprobs[a:b]
@@ -68,7 +69,7 @@ def check_invariants(t: Trajectory, fmt: ChatFormat):
     rec = json.loads(t.to_json())
     assert set(rec) == {"prompt_ids", "response_ids", "response_logprobs", "response_mask", "reward",
                         "reward_components", "num_turns", "finish_reason", "task_id", "group_id",
-                        "weight_versions"}
+                        "weight_versions", "scripted"}
     assert Trajectory.from_dict(rec) == t
 
 
