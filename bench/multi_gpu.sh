@@ -157,7 +157,9 @@ learn-run)
           --set run_dir="$run" --set trainer_device="$TRAINER_DEVICE" --set engine.device="$ENGINE_DEVICE" "${extra[@]}")
     echo "=== learn-run: train ${args[*]}" >"$OUT/learn_train.log"
     "$py" -m nano_miles.cli train "${args[@]}" 2>&1 | grep --line-buffered -v "/s\]$\|s/ep\]$" >>"$OUT/learn_train.log"
-    [ -d "$run/final" ] && SAMPLES="${ALFA_SAMPLES:-2}" evaluate "$run/final" learn_alfa "$ALFA_TASKS" >/dev/null
+    # (its episodes come back too: what the policy ran on ALFA, decoded by bench/episodes.py)
+    [ -d "$run/final" ] && SAMPLES="${ALFA_SAMPLES:-2}" evaluate "$run/final" learn_alfa "$ALFA_TASKS" \
+        --out "$OUT/alfa_final.jsonl" >/dev/null
     [ -d "$run/final" ] && [ "${GREEDY:-0}" = 1 ] && greedy_evals "$run/final" learn
     [ -d "$run/best" ] && SAMPLES="${ALFA_SAMPLES:-2}" evaluate "$run/best" learn_alfa_best "$ALFA_TASKS" >/dev/null  # keep_best
     # what the final policy does on held-out, episode by episode (TRAJ=1): token ids, rewards, turns

@@ -36,7 +36,7 @@ def evals(folder: Path) -> list[tuple]:
 
 def test_an_arm_and_the_base_model_run_in_the_background_and_come_back_packed(tmp_path):
     multi_gpu("learn-start", tmp_path, ARM="a", EXTRA=f"{SHORT} --set tasks_per_step=2 --set rollout.group_size=2 "
-              "--set eval_every=1 --set eval_alfa_tasks=0 --set eval_tasks=nth_line")
+              "--set eval_every=1 --set eval_alfa_tasks=0 --set eval_tasks=nth_line --set rollout.guide_unsolved=true")
     multi_gpu("base-start", tmp_path, SAMPLED="1")
     watched = multi_gpu("learn-watch", tmp_path, ARMS="a base", WATCH="240")
     assert watched.count("=== learn done") == 2, watched
@@ -51,6 +51,7 @@ def test_an_arm_and_the_base_model_run_in_the_background_and_come_back_packed(tm
     assert evals(arm) == [(alfa, 1, 1, 0.0, 2), (alfa, 1, 1, 0.7, 2), ("heldout", 1, 2, 0.7, 46),
                           ("heldout", 2, 1, 0.0, 46)]
     assert len((arm / "heldout_final.jsonl").read_text().splitlines()) == 46
+    assert len((arm / "alfa_final.jsonl").read_text().splitlines()) == 2  # what the policy ran on ALFA
     assert {"learn_train.log", "eval_learn_alfa.log", "eval_learn_alfa_greedy.log", "eval_learn_heldout_greedy.log",
             "eval_learn_heldout_traj.log"} <= {p.name for p in arm.iterdir()}
     # the base model (SAMPLED=1): the same four evaluations
