@@ -21,7 +21,8 @@ from nano_miles.rollout import RolloutConfig
 
 @dataclass
 class TrainRolloutConfig(RolloutConfig):
-    """rollout.* of `nano-miles train`: the rollout keys of every command, and dynamic sampling."""
+    """rollout.* of `nano-miles train`: the rollout keys of every command, and how training picks and
+    fills its groups (dynamic sampling, passing over saturated tasks, guidance)."""
     dynamic_sampling: bool = False   # DAPO: drop groups whose rewards are all equal (no signal) and refill the step's batch from the task stream
     max_sampling_rounds: int = 3     # dynamic sampling: rollout rounds per step at most (the first included); then it trains on the groups it has
     oversample: float = 1.0          # dynamic sampling: each round rolls out this many times the groups still missing (verl's gen_batch_size / train_batch_size)
