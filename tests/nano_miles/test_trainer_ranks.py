@@ -91,13 +91,16 @@ def test_a_single_process_run_resumes_on_two_ranks_at_the_same_data_position(tmp
     assert [r["weight_version"] for r in rows] == ["1", "2", "3"]
 
 
-def test_two_ranks_train_with_the_kl_penalty_to_a_sharded_reference(tmp_path):
+def test_two_ranks_train_with_the_kl_penalty_to_a_sharded_reference_and_guided_groups(tmp_path):
+    """Both need the ranks' log-probs before the update: the reference's, and the trainer's own for the
+    scripted samples of guided groups (the random model solves nothing, so every group is guided)."""
     proc = _train("--set", "steps=1", "--set", "trainer.nproc=2", "--set", "loss.kl_coef=0.1",
-                  "--set", f"run_dir={tmp_path / 'run'}")
+                  "--set", "rollout.guide_unsolved=true", "--set", f"run_dir={tmp_path / 'run'}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (row,) = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert row["world_size"] == 2 and row["update_skipped"] is None
     assert row["kl_ref"] == 0.0  # one update from the initial policy: the reference is the policy
+    assert row["groups_guided"] == 2 and row["acc"] == 0.0  # the scripted samples are not the policy's
 
 
 def _rank_pid(launcher: int, rank: int) -> int | None:
