@@ -30,13 +30,14 @@ def policy_update(trainer, trajs, advantage_cfg: AdvantageConfig, pad_id: int, e
             return {}, "every group had equal rewards (filtered)"
         batch = build_rollout_batch([trajs[i] for i in rows], pad_id=pad_id)
         advantages = advantages[torch.tensor(rows)]
+    minibatches = _minibatches(batch.group_ids, updates)
+    old = trainer.logprobs(batch) if len(minibatches) > 1 else None
     if bool(batch.scripted.any()):
         # A scripted sample (rollout.guide_unsolved) was never sampled, so it has no sampling log-probs:
         # it takes the trainer's own, which makes its TIS weight 1 (trained on as if sampled now).
         rows = batch.scripted.nonzero().flatten()
-        batch.rollout_logprobs[rows] = trainer.logprobs(batch.select(rows.tolist())) * batch.loss_mask[rows]
-    minibatches = _minibatches(batch.group_ids, updates)
-    old = trainer.logprobs(batch) if len(minibatches) > 1 else None
+        own = old[rows] if old is not None else trainer.logprobs(batch.select(rows.tolist()))
+        batch.rollout_logprobs[rows] = own * batch.loss_mask[rows]
     ref = reference.logprobs(batch) if reference is not None else None
     results = []
     with tqdm(total=len(batch), desc="update", unit="seq", leave=False, dynamic_ncols=True) as bar:

@@ -3,6 +3,7 @@ task's scripted solution as one of its samples, played through the real environm
 tokenized as a sampled episode; the update takes the trainer's own log-probs for it and leaves it
 out of parity; the step's reward and accuracy stay the policy's."""
 import asyncio
+import json
 
 import pytest
 import torch
@@ -124,7 +125,7 @@ def test_the_update_gives_a_scripted_sample_the_trainers_log_probs_and_leaves_it
     assert metrics["logprob_diff_mean"] == pytest.approx(float(parity.mean()), abs=1e-5)
     # Its TIS weight is 1: a weight exp(old - 0) < 1 would shrink the demo's gradient; a ratio of 1 keeps it.
     assert metrics["ratio_max"] == 1.0
-    assert Trajectory.from_dict(__import__("json").loads(demo.to_json())).scripted
+    assert Trajectory.from_dict(json.loads(demo.to_json())).scripted
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -141,3 +142,19 @@ def test_train_with_guide_unsolved_records_the_guided_groups(mode, tmp_path):
         assert row["groups_guided"] >= 1 and not row["update_skipped"]
         assert row["trajectories"] == 2 * row["groups_kept"] and row["acc"] == 0.0
         assert torch.isfinite(torch.tensor(row["parity_mean"]))
+
+
+def test_with_several_updates_the_scripted_rows_take_the_log_probs_taken_before_the_first():
+    """updates=2: the trainer's log-probs before the first step are computed once for the ratio; the
+    scripted rows take theirs from there, and parity stays that of the sampled rows."""
+    trainer = Trainer(TrainerConfig(model=str(resolve_model("tiny-random-qwen2"))))
+    trajs = []
+    for g in ("a", "b"):
+        trajs.append(Trajectory([1, 2, 3], [4, 5, 6], [-1.0] * 3, [True] * 3, reward=0.0, group_id=g))
+        trajs.append(Trajectory([1, 2, 3], [7, 8, 9], [0.0] * 3, [True] * 3, reward=1.0, group_id=g, scripted=True))
+    batch = build_rollout_batch(trajs)
+    parity = (trainer.logprobs(batch) - batch.rollout_logprobs).abs()[batch.loss_mask & ~batch.scripted[:, None]]
+    metrics, skipped = policy_update(trainer, trajs, AdvantageConfig(), pad_id=0, updates=2)
+    assert skipped is None and trainer.step == 2 and metrics["updates"] == 2
+    assert metrics["logprob_diff_max"] == pytest.approx(float(parity.max()), abs=1e-5)
+    assert metrics["logprob_diff_mean"] == pytest.approx(float(parity.mean()), abs=1e-5)
