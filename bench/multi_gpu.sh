@@ -160,11 +160,15 @@ learn-run)
     # (its episodes come back too: what the policy ran on ALFA, decoded by bench/episodes.py)
     [ -d "$run/final" ] && SAMPLES="${ALFA_SAMPLES:-2}" evaluate "$run/final" learn_alfa "$ALFA_TASKS" \
         --out "$OUT/alfa_final.jsonl" >/dev/null
-    [ -d "$run/final" ] && [ "${GREEDY:-0}" = 1 ] && greedy_evals "$run/final" learn
-    [ -d "$run/best" ] && SAMPLES="${ALFA_SAMPLES:-2}" evaluate "$run/best" learn_alfa_best "$ALFA_TASKS" >/dev/null  # keep_best
     # what the final policy does on held-out, episode by episode (TRAJ=1): token ids, rewards, turns
     [ -d "$run/final" ] && [ "${TRAJ:-0}" = 1 ] && evaluate "$run/final" learn_heldout_traj heldout \
         --out "$OUT/heldout_final.jsonl" >/dev/null
+    # keep_best: the policy picked by the in-run held-out evaluations, scored on full ALFA and on held-out
+    # (held-out at the final protocol: instances drawn with seed 0, the pick used the run's seed)
+    [ -d "$run/best" ] && SAMPLES="${ALFA_SAMPLES:-2}" evaluate "$run/best" learn_alfa_best "$ALFA_TASKS" >/dev/null
+    [ -d "$run/best" ] && evaluate "$run/best" learn_heldout_best heldout >/dev/null
+    # greedy last: the figures above come back first when device time runs short
+    [ -d "$run/final" ] && [ "${GREEDY:-0}" = 1 ] && greedy_evals "$run/final" learn
     touch "$OUT/done" ;;
 base-start)
     # the base model's greedy pass@1 (held-out, full ALFA) in the background, beside the arms; watched
