@@ -73,6 +73,7 @@ class SamplingTally:
     max_rounds: int = 1
     passed_over: int = 0        # task appearances the stream passed over (rollout.pass_over_saturated)
     guided: int = 0             # groups given a scripted sample (rollout.guide_unsolved)
+    guide_rejected: int = 0     # unsolved groups left unguided: their scripted episode was not judged correct
 
     @property
     def dropped(self) -> int:
@@ -93,4 +94,4 @@ class SamplingTally:
         return {"groups_generated": self.generated, "groups_kept": self.kept, "groups_dropped": self.dropped,
                 "dropped_group_share": self.dropped * share, "zero_variance_share": self.without_signal * share,
                 "sampling_rounds": self.rounds, "sampling_note": self.note, "tasks_passed_over": self.passed_over,
-                "groups_guided": self.guided}
+                "groups_guided": self.guided, "groups_guide_rejected": self.guide_rejected}

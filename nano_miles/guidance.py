@@ -11,7 +11,8 @@ read back from the last observation. It is tokenized and rewarded exactly as a s
 it gets a positive advantage against the failed samples beside it, and the update raises its
 likelihood: off-policy guidance in the spirit of LUFFY (Yan et al., 2025), without its policy
 shaping. A scripted episode the verifier does not accept is thrown away, and the group stays as
-it was (so a task without a scripted solution is never guided).
+it was: a task without a scripted solution, or with one that fails here, is never guided. Such a
+task is named on stderr the first time (once a process) and counted in `groups_guide_rejected`.
 
 A scripted sample has no sampling log-probs: the update takes the trainer's own for it (its TIS
 weight is then 1) and leaves it out of the train/inference parity metrics; the step's reward,
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import sys
 
 from nano_miles.batch import Trajectory
 from nano_miles.chat_format import ChatFormat
@@ -29,6 +31,7 @@ from nano_miles.rollout import RolloutConfig, group_key, run_episode
 from nano_miles.task_check import answer_from
 
 SCRIPTED_VERSION = "scripted"  # the weight version its turns report (the rollout clears them after)
+_named_rejected: set[str] = set()  # tasks whose scripted episode failed, already named on stderr
 
 
 class ScriptedPolicy:
@@ -60,24 +63,35 @@ def unsolved(group: list[Trajectory]) -> bool:
 
 
 async def play_scripted(tasks_and_keys: list, fmt: ChatFormat, cfg: RolloutConfig,
-                        sandbox_factory=None) -> list[Trajectory | None]:
-    """The scripted episode of each (task, task_seed, group_id), concurrently; None where it was not
-    judged correct (a solution that fails here, a sandbox failure)."""
+                        sandbox_factory=None) -> list[Trajectory]:
+    """The scripted episode of each (task, task_seed, group_id), concurrently."""
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(cfg.max_concurrency, len(tasks_and_keys))),
                                                  thread_name_prefix="scripted")
     try:
-        episodes = await asyncio.gather(*(run_episode(None, fmt, task, task_seed, group_id, cfg, sandbox_factory,
-                                                      pool, scripted=True)
-                                          for task, task_seed, group_id in tasks_and_keys))
+        return await asyncio.gather(*(run_episode(None, fmt, task, task_seed, group_id, cfg, sandbox_factory,
+                                                  pool, scripted=True)
+                                      for task, task_seed, group_id in tasks_and_keys))
     finally:
         pool.shutdown(wait=False)
-    return [t if t.reward_components.get("correct", 0) > 0 else None for t in episodes]
+
+
+def name_rejected(demo: Trajectory) -> None:
+    """Say once a process that a task's scripted episode was not judged correct, and why if known."""
+    if demo.task_id in _named_rejected:
+        return
+    _named_rejected.add(demo.task_id)
+    why = (f"the sandbox lost it: {demo.reward_components.get('error', 'no message')}"
+           if demo.finish_reason == "infra_error" else
+           "it has no scripted commands" if demo.num_turns <= 1 else "its scripted solution fails here")
+    print(f"guidance: task {demo.task_id}'s scripted episode was not judged correct ({why}); "
+          "its unsolved groups stay unguided", file=sys.stderr)
 
 
 def guide_unsolved(trajs: list[Trajectory], tasks: list, seed: int, tokenizer, cfg: RolloutConfig,
-                   sandbox_factory=None) -> tuple[list[Trajectory], list[Trajectory]]:
+                   sandbox_factory=None) -> tuple[list[Trajectory], list[Trajectory], int]:
     """`trajs` (rollout_groups' output for `tasks` and `seed`) with one sample of every unsolved group
-    replaced by its scripted episode; returns (trajectories, the samples replaced)."""
+    replaced by its scripted episode; returns (trajectories, the samples replaced, the scripted
+    episodes rejected)."""
     groups: dict[str, list[Trajectory]] = {}
     for t in trajs:
         groups.setdefault(t.group_id, []).append(t)
@@ -87,14 +101,17 @@ def guide_unsolved(trajs: list[Trajectory], tasks: list, seed: int, tokenizer, c
         if group_id in groups and unsolved(groups[group_id]):
             wanted.append((task, task_seed, group_id))
     if not wanted:
-        return trajs, []
+        return trajs, [], 0
     fmt = tokenizer if isinstance(tokenizer, ChatFormat) else ChatFormat(tokenizer)
     scripted = asyncio.run(play_scripted(wanted, fmt, cfg, sandbox_factory))
-    replaced = []
+    replaced, rejected = [], 0
     for (_, _, group_id), demo in zip(wanted, scripted):
-        if demo is not None:
+        if demo.reward_components.get("correct", 0) <= 0:
+            rejected += 1
+            name_rejected(demo)
+        else:
             group = groups[group_id]
             i = next((i for i, t in enumerate(group) if t.finish_reason == "infra_error"), len(group) - 1)
             replaced.append(group[i])
             group[i] = demo
-    return [t for g in groups.values() for t in g], replaced
+    return [t for g in groups.values() for t in g], replaced, rejected

@@ -170,8 +170,9 @@ def roll_out_step(step: int, stream: TaskStream, tasks_per_step: int, engines, t
                                                    sandbox_factory=sandbox_factory, stats=stats,
                                                    on_episode_done=lambda: bar.update(1)))
             if cfg.guide_unsolved:  # before the signal split: a guided group has one
-                trajs, replaced = guide_unsolved(trajs, tasks, seed, tokenizer, cfg, sandbox_factory)
+                trajs, replaced, rejected = guide_unsolved(trajs, tasks, seed, tokenizer, cfg, sandbox_factory)
                 tally.guided += len(replaced)
+                tally.guide_rejected += rejected
                 dropped += replaced
             tally.rounds += 1
             tally.generated += len(tasks)

@@ -80,14 +80,45 @@ def test_every_unsolved_group_gets_one_scripted_sample(tok, engine_server):
     cfg = _cfg()
     trajs = asyncio.run(rollout_groups([engine_server.url], tok, tasks, cfg, seed=5))
     assert not any(t.reward_components.get("correct") for t in trajs)
-    guided, replaced = guide_unsolved(trajs, tasks, 5, tok, cfg)
-    assert len(guided) == len(trajs) and len(replaced) == len(tasks)
+    guided, replaced, rejected = guide_unsolved(trajs, tasks, 5, tok, cfg)
+    assert len(guided) == len(trajs) and len(replaced) == len(tasks) and rejected == 0
     for index, task in enumerate(tasks):
         _, group_id = group_key(task, 5, index)
         group = [t for t in guided if t.group_id == group_id]
         assert [t.scripted for t in group] == [False, True] and group[1].task_id == task.id
         assert group[1].reward > group[0].reward and group[1].reward_components["correct"] == 1.0
     assert all(r in trajs and not r.scripted for r in replaced)
+
+
+def test_a_task_whose_scripted_episode_fails_stays_unguided_and_is_named_once(tok, engine_server, capsys):
+    """No scripted solution, or one that answers wrong: the scripted episode is thrown away, the group
+    keeps its sampled episodes, the rejection is counted, and stderr names the task once, with why."""
+    from nano_miles import guidance
+    from nano_miles.rollout import rollout_groups
+    from nano_miles.task_api import Task, TaskInstance
+
+    def bare(ws, rng):
+        return TaskInstance("How many lines does f.txt have?", "3", "int")  # no solution
+
+    def wrong(ws, rng):
+        ws.write("f.txt", "a\nb\nc\n")
+        return TaskInstance("How many lines does f.txt have?", ws.run("wc -l < f.txt"), "int", solution=["echo 7"])
+
+    tasks = [Task("guide_bare", "text", "train", "no solution", bare),
+             Task("guide_wrong", "text", "train", "a wrong solution", wrong)]
+    guidance._named_rejected.difference_update({"guide_bare", "guide_wrong"})
+    cfg = _cfg()
+    for _ in range(2):  # named the first time only
+        trajs = asyncio.run(rollout_groups([engine_server.url], tok, tasks, cfg, seed=5))
+        guided, replaced, rejected = guide_unsolved(trajs, tasks, 5, tok, cfg)
+        assert guided == trajs and replaced == [] and rejected == 2
+        assert not any(t.scripted for t in guided)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("guidance:")]
+    assert lines == [
+        "guidance: task guide_bare's scripted episode was not judged correct (it has no scripted commands); "
+        "its unsolved groups stay unguided",
+        "guidance: task guide_wrong's scripted episode was not judged correct (its scripted solution fails "
+        "here); its unsolved groups stay unguided"]
 
 
 def test_a_step_trains_on_guided_groups_and_measures_only_sampled_episodes(tok):
@@ -106,6 +137,7 @@ def test_a_step_trains_on_guided_groups_and_measures_only_sampled_episodes(tok):
         engine.close()
     m = on.sampling.metrics()
     assert m["groups_guided"] == 2 and m["groups_kept"] == 2 and on.sampling.rounds == 1
+    assert m["groups_guide_rejected"] == 0
     assert [t.scripted for t in on.trajectories] == [False, True, False, True]
     assert len(on.generated) == 4 and not any(t.scripted for t in on.generated)  # 2 trained on, 2 replaced
     assert all(t.reward_components["correct"] == 0 for t in on.generated)
