@@ -76,13 +76,12 @@ async def play_scripted(tasks_and_keys: list, fmt: ChatFormat, cfg: RolloutConfi
 
 
 def name_rejected(demo: Trajectory) -> None:
-    """Say once a process that a task's scripted episode was not judged correct, and why if known."""
-    if demo.task_id in _named_rejected:
+    """Say once a process that a task's scripted episode was not judged correct, and why. One the
+    sandbox lost says nothing of the task (the next may pass): it is counted, not named."""
+    if demo.task_id in _named_rejected or demo.finish_reason == "infra_error":
         return
     _named_rejected.add(demo.task_id)
-    why = (f"the sandbox lost it: {demo.reward_components.get('error', 'no message')}"
-           if demo.finish_reason == "infra_error" else
-           "it has no scripted commands" if demo.num_turns <= 1 else "its scripted solution fails here")
+    why = "it has no scripted commands" if demo.num_turns <= 1 else "its scripted solution fails here"
     print(f"guidance: task {demo.task_id}'s scripted episode was not judged correct ({why}); "
           "its unsolved groups stay unguided", file=sys.stderr)
 
