@@ -81,7 +81,12 @@ def name_rejected(demo: Trajectory) -> None:
     if demo.task_id in _named_rejected or demo.finish_reason == "infra_error":
         return
     _named_rejected.add(demo.task_id)
-    why = "it has no scripted commands" if demo.num_turns <= 1 else "its scripted solution fails here"
+    if demo.num_turns <= 1:  # the one turn was the answer
+        why = "it has no scripted commands"
+    elif demo.finish_reason == "max_turns":
+        why = f"its scripted solution takes more than the {demo.num_turns} turns env.max_turns allows"
+    else:
+        why = "its scripted solution fails here"
     print(f"guidance: task {demo.task_id}'s scripted episode was not judged correct ({why}); "
           "its unsolved groups stay unguided", file=sys.stderr)
 

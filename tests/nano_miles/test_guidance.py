@@ -91,8 +91,9 @@ def test_every_unsolved_group_gets_one_scripted_sample(tok, engine_server):
 
 
 def test_a_task_whose_scripted_episode_fails_stays_unguided_and_is_named_once(tok, engine_server, capsys):
-    """No scripted solution, or one that answers wrong: the scripted episode is thrown away, the group
-    keeps its sampled episodes, the rejection is counted, and stderr names the task once, with why."""
+    """No scripted solution, one that answers wrong, or one longer than max_turns: the scripted episode
+    is thrown away, the group keeps its sampled episodes, the rejection is counted, and stderr names
+    the task once, with why."""
     from nano_miles import guidance
     from nano_miles.rollout import rollout_groups
     from nano_miles.task_api import Task, TaskInstance
@@ -104,21 +105,27 @@ def test_a_task_whose_scripted_episode_fails_stays_unguided_and_is_named_once(to
         ws.write("f.txt", "a\nb\nc\n")
         return TaskInstance("How many lines does f.txt have?", ws.run("wc -l < f.txt"), "int", solution=["echo 7"])
 
+    def long(ws, rng):  # right, but 5 commands and the answer do not fit in max_turns=4
+        return TaskInstance("Print 5.", "5", "int", solution=["true"] * 4 + ["echo 5"])
+
     tasks = [Task("guide_bare", "text", "train", "no solution", bare),
-             Task("guide_wrong", "text", "train", "a wrong solution", wrong)]
-    guidance._named_rejected.difference_update({"guide_bare", "guide_wrong"})
+             Task("guide_wrong", "text", "train", "a wrong solution", wrong),
+             Task("guide_long", "text", "train", "a solution longer than max_turns", long)]
+    guidance._named_rejected.difference_update({"guide_bare", "guide_wrong", "guide_long"})
     cfg = _cfg()
     for _ in range(2):  # named the first time only
         trajs = asyncio.run(rollout_groups([engine_server.url], tok, tasks, cfg, seed=5))
         guided, replaced, rejected = guide_unsolved(trajs, tasks, 5, tok, cfg)
-        assert guided == trajs and replaced == [] and rejected == 2
+        assert guided == trajs and replaced == [] and rejected == 3
         assert not any(t.scripted for t in guided)
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("guidance:")]
     assert lines == [
         "guidance: task guide_bare's scripted episode was not judged correct (it has no scripted commands); "
         "its unsolved groups stay unguided",
         "guidance: task guide_wrong's scripted episode was not judged correct (its scripted solution fails "
-        "here); its unsolved groups stay unguided"]
+        "here); its unsolved groups stay unguided",
+        "guidance: task guide_long's scripted episode was not judged correct (its scripted solution takes more "
+        "than the 4 turns env.max_turns allows); its unsolved groups stay unguided"]
 
 
 def test_a_step_trains_on_guided_groups_and_measures_only_sampled_episodes(tok):
