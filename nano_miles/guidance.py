@@ -11,8 +11,9 @@ read back from the last observation. It is tokenized and rewarded exactly as a s
 it gets a positive advantage against the failed samples beside it, and the update raises its
 likelihood: off-policy guidance in the spirit of LUFFY (Yan et al., 2025), without its policy
 shaping. A scripted episode the verifier does not accept is thrown away, and the group stays as
-it was: a task without a scripted solution, or with one that fails here, is never guided. Such a
-task is named on stderr the first time (once a process) and counted in `groups_guide_rejected`.
+it was: a task without a scripted solution, with one that fails here, or with one longer than
+`env.max_turns`, is never guided. Such a task is named on stderr the first time (once a process,
+with which of the three) and counted in `groups_guide_rejected`.
 
 A scripted sample has no sampling log-probs: the update takes the trainer's own for it (its TIS
 weight is then 1) and leaves it out of the train/inference parity metrics; the step's reward,
