@@ -167,7 +167,7 @@ def _empty(fd: int, deadline: float, count: list[int]) -> bool:
             return False
         if is_dir:
             try:
-                sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+                sub = _open_dir(name, fd)
             except OSError:
                 continue
             try:
@@ -179,6 +179,20 @@ def _empty(fd: int, deadline: float, count: list[int]) -> bool:
         else:
             _quietly(os.unlink, name, dir_fd=fd)
     return True
+
+
+def _open_dir(name: str, dir_fd: int) -> int:
+    """Open a subdirectory to empty it; one its command closed to everyone (mode 000), which a non-root
+    supervisor may not read, is given u+rwx first, through an O_PATH handle on it (no link followed)."""
+    try:
+        return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
+    except PermissionError:
+        handle = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
+        try:
+            os.chmod(f"/proc/self/fd/{handle}", 0o700)
+            return os.open(f"/proc/self/fd/{handle}", os.O_RDONLY | os.O_DIRECTORY)
+        finally:
+            os.close(handle)
 
 
 def _quietly(func, *args, **kw) -> None:

@@ -55,6 +55,13 @@ def test_given_workspace_is_kept_and_temporary_one_removed(make_sandbox, tmp_pat
     temp.exec("mkdir -p a/b && chmod 0500 a/b a", timeout=10)
     temp.close()
     assert not os.path.exists(path)
+    # closed to everyone, its owner included: a non-root supervisor (CI leg 3) cannot even list it
+    temp = make_sandbox()
+    path = temp.workspace
+    r = temp.exec("mkdir -p c/d && touch c/d/f && chmod 000 c/d c && echo closed", timeout=10)
+    assert r.stdout == "closed\n", r
+    temp.close()
+    assert not os.path.exists(path)
 
 
 def test_a_forgotten_sandbox_gives_its_resources_back(tier):
