@@ -434,7 +434,7 @@ class Command:
             self._init.kill(self._cid)
 
 
-def run(start_init, script: str, env: dict[str, str], deadline: float, output_bytes: int):
+def run(start_init, script: str, env: dict[str, str], deadline: float, output_bytes: int, disk=None):
     """One command: `bash -c script` in the init that start_init() returns (live, or a new one), its
     stdout/stderr drained until EOF or the deadline (output.drain). A script too long for argv
     (strings are capped at 128 KiB) travels as a memfd, read as /dev/fd/3."""
@@ -460,7 +460,7 @@ def run(start_init, script: str, env: dict[str, str], deadline: float, output_by
             if fd is not None:
                 os.close(fd)
     proc.stdout, proc.stderr = open(out_r, "rb", buffering=0), open(err_r, "rb", buffering=0)
-    return drain(proc, deadline, output_bytes, proc.kill)
+    return drain(proc, deadline, output_bytes, proc.kill, disk=disk)
 
 
 def _write_all(fd: int, data: bytes) -> None:

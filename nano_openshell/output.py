@@ -47,28 +47,50 @@ class Capped:
                 + tail.decode("utf-8", errors="replace"))
 
 
-def drain(proc: subprocess.Popen, deadline: float, cap: int, kill, owned=None) -> tuple[int, Capped, Capped, bool]:
+def drain(proc: subprocess.Popen, deadline: float, cap: int, kill, owned=None,
+          disk=None) -> tuple[int, Capped, Capped, bool]:
     """Read stdout/stderr until EOF or the deadline; at the deadline kill, then give the pipes a short
     grace to reach EOF (they do once the tree is dead) and stop reading regardless. owned: the
-    Sandbox's (track/untrack), so that close() kills the command meanwhile."""
+    Sandbox's (track/untrack), so that close() kills the command meanwhile. disk: a disk.DiskCheck,
+    run when due while the command lives (over the limit: killed as at the deadline, not timed out)
+    and once at its end; what it says goes to stderr."""
     out, err = Capped(cap), Capped(cap)
     sinks = {proc.stdout.fileno(): out, proc.stderr.fileno(): err}
     poller = select.poll()  # not selectors: no epoll instance to make and close per command
     for fd in sinks:
         os.set_blocking(fd, False)
         poller.register(fd, select.POLLIN)
-    live, timed_out, give_up = set(sinks), False, None
+    live, timed_out, killed, give_up = set(sinks), False, False, None
+
+    def stop(now: float) -> None:
+        nonlocal killed, give_up
+        killed, give_up = True, now + KILL_GRACE
+        kill()
+
+    def check_disk(now: float) -> float:
+        """Kill when the files are over the limit; the time to wake up next."""
+        if disk is None or killed:
+            return math.inf
+        if now >= disk.next_at:
+            reason = disk.over()
+            if reason is not None:
+                err.add(reason.encode())
+                stop(now)
+                return math.inf
+        return disk.next_at
+
     try:
         if owned is not None:
             owned.track(kill)
         while live:
             now = time.monotonic()
-            if not timed_out and now >= deadline:
-                timed_out, give_up = True, now + KILL_GRACE
-                kill()
+            if not killed and now >= deadline:
+                timed_out = True
+                stop(now)
             if give_up is not None and now >= give_up:
                 break
-            for fd, _ in poller.poll(math.ceil(max(0.0, (give_up or deadline) - now) * 1000)):
+            wake = min(give_up or deadline, check_disk(now))
+            for fd, _ in poller.poll(math.ceil(max(0.0, wake - time.monotonic()) * 1000)):
                 try:
                     data = os.read(fd, 1 << 16)
                 except BlockingIOError:
@@ -78,13 +100,21 @@ def drain(proc: subprocess.Popen, deadline: float, cap: int, kill, owned=None) -
                 else:
                     poller.unregister(fd)
                     live.discard(fd)
-        if not timed_out:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+        while not killed:  # the pipes are closed; the command may still run (it closed them itself)
+            now = time.monotonic()
+            if now >= deadline:
                 timed_out = True
-                kill()
+                stop(now)
+                break
+            try:
+                proc.wait(timeout=max(0.0, min(deadline, check_disk(now)) - now))
+                break
+            except subprocess.TimeoutExpired:
+                pass
         proc.wait()
+        line = disk.finish() if disk is not None else None
+        if line is not None:
+            err.add(line.encode())
     finally:
         if owned is not None:
             owned.untrack(kill)

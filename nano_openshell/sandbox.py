@@ -24,9 +24,10 @@ scanning /proc for its init's descendants, and memory is bounded per process onl
 A process that leaves without running its atexit handlers (os._exit, a signal it dies of) calls
 close_all() first, or its sandboxes' workspaces stay in the temp dir (owned.py).
 What a Sandbox does not protect here is listed in `gaps` (ExecResult.gaps, probe's tiers[t]["gaps"]).
-Known limits: disk use in the workspace is bounded per file (RLIMIT_FSIZE), not in total; in the
-fallback tier Landlock (below ABI 9) does not cover connect() to pathname Unix sockets, and a
-non-root supervisor's sandboxes share its uid, so they can read (not write) each other's workspaces.
+Disk: one file is capped by RLIMIT_FSIZE, all of a sandbox's files on the host by Limits.disk_bytes
+(disk.py: a command taking them past it is killed). Known limits: in the fallback tier Landlock
+(below ABI 9) does not cover connect() to pathname Unix sockets, and a non-root supervisor's
+sandboxes share its uid, so they can read (not write) each other's workspaces.
 """
 
 import asyncio
@@ -42,6 +43,7 @@ from dataclasses import asdict, dataclass, field
 from . import initproc, launcher, namespaced, seccomp
 from . import workspace as workspace_mod
 from .cgroup import SandboxCgroup
+from .disk import DiskCheck
 from .output import Capped as _Capped, drain as _drain  # noqa: F401 (_Capped: tests)
 from .owned import SANDBOX_UIDS, Owned, close_all, temp_dir  # noqa: F401 (close_all: what a leaving process calls)
 from .probe import TIERS, probe
@@ -68,6 +70,7 @@ class Limits:
     tmp_bytes: int = 256 << 20      # size of the private /tmp (namespaced tier)
     command_bytes: int = 4 << 20    # the longest command accepted
     memory_bytes: int = 4 << 30     # all the sandbox's processes together (its cgroup's memory.max)
+    disk_bytes: int = 1 << 30       # what its files may take on the host's disk, all together (disk.py)
     proxy_requests_per_second: int = 50  # egress requests refused (429) beyond this rate...
     proxy_request_burst: int = 200       # ...once a burst of this many is spent (a token bucket)
     audit_log_bytes: int = 4 << 20  # the proxy's audit log rotates at this size (one old file kept)
@@ -94,9 +97,10 @@ class Limits:
 @dataclass
 class ExecResult:
     """exit_code: the command's status; 128+N when a signal N killed it inside the sandbox (as bash
-    reports it, in every tier); negative (-9) when the supervisor killed the sandbox, which it does
-    only at the timeout: timed_out is the authority. stdout/stderr: UTF-8 with errors replaced,
-    head and tail kept when longer than Limits.output_bytes (truncated=True, the cut is marked).
+    reports it, in every tier); negative (-9) when the supervisor killed the sandbox: at the timeout
+    (timed_out), when the sandbox's files passed Limits.disk_bytes (stderr says so), or at close().
+    stdout/stderr: UTF-8 with errors replaced, head and tail kept when longer than
+    Limits.output_bytes (truncated=True, the cut is marked).
     gaps: what this sandbox does not protect on this host (Sandbox.gaps), one sentence each."""
     exit_code: int
     stdout: str
@@ -179,6 +183,7 @@ class Sandbox:
         self.probe = probe()
         self.tier = self._choose_tier(min_tier, tier, allow_unisolated)
         self._closed = False
+        self._disk_used = None  # what the files took at the last command's end (disk.py), None = not known
         self._handovers = []  # workspace.Handover per root (as root): the workspace, each mount
         self._handover_lock = threading.Lock()
         self._owned = Owned()  # every Sandbox of the process is known to close_all() from here on
@@ -363,8 +368,10 @@ class Sandbox:
                               f"command's timeout ({seen} entries looked at); the command did not run\n", True,
                               False, round((time.monotonic() - start) * 1000, 3), self.tier, list(self.gaps))
         if self.tier == "namespaced":
-            code, out, err, timed_out = self._exec_namespaced(command, start + timeout)
-        else:
+            disk = self._disk_check([])
+            code, out, err, timed_out = self._exec_namespaced(command, start + timeout, disk)
+            self._disk_used = disk.used  # the next command's starting point: no walk before it
+        else:  # its TMPDIR, counted while it runs, goes with it: the next command measures afresh
             code, out, err, timed_out = self._exec_init(command, start + timeout)
         return ExecResult(code, out.text(), err.text(), timed_out, out.truncated or err.truncated,
                           round((time.monotonic() - start) * 1000, 3), self.tier, list(self.gaps))
@@ -372,7 +379,13 @@ class Sandbox:
     async def aexec(self, command, timeout: float = 30.0) -> ExecResult:
         return await asyncio.get_running_loop().run_in_executor(_executor(), self.exec, command, timeout)
 
-    def _exec_namespaced(self, command: str, deadline: float):
+    def _disk_check(self, extra_roots: list[str]) -> DiskCheck:
+        """The check of Limits.disk_bytes over the host directories this command can write to: the
+        workspace, the mounts and (tiers without namespaces) its TMPDIR."""
+        return DiskCheck([self.workspace, *self._mounts.values(), *extra_roots], self.limits.disk_bytes,
+                         self._disk_used)
+
+    def _exec_namespaced(self, command: str, deadline: float, disk: DiskCheck):
         """One command through the Sandbox's init (launcher.py, nsinit.c): a posix_spawn of bash in
         namespaces that already exist. A dead init is replaced for the next command."""
         script = self.limits.ulimit_line()
@@ -382,7 +395,7 @@ class Sandbox:
             script += sandbox_prelude(namespaced.PROXY_SOCKET, python=self._python) + "\n"
         try:
             return launcher.run(self._namespaces.get, script + command, self._env(namespaced.WORKDIR, "/tmp"),
-                                deadline, self.limits.output_bytes)
+                                deadline, self.limits.output_bytes, disk)
         except launcher.InitDied as e:
             if self._closed:
                 raise SandboxError("the sandbox is closed") from None
@@ -411,7 +424,8 @@ class Sandbox:
                    "argv": argv, "env": self._env(self.workspace, tmpdir)}
             init = initproc.Init(cfg, self.cgroup.leaf() if self.cgroup is not None else None, SAFE_PATH)
             try:
-                return _drain(init.proc, deadline, self.limits.output_bytes, init.stop, self._owned)
+                return _drain(init.proc, deadline, self.limits.output_bytes, init.stop, self._owned,
+                              self._disk_check([tmpdir]))
             finally:
                 init.close()
         finally:

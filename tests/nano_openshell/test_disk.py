@@ -1,0 +1,141 @@
+"""A sandbox's files together cannot fill the host's disk: Limits.disk_bytes holds in every tier.
+
+RLIMIT_FSIZE caps one file only; these attacks write many files, close their output first, hide
+their files in an unreadable directory, write to TMPDIR or to a mount, or make empty files by the
+thousand. Each is stopped at the limit (the command killed, stderr saying why) instead of writing
+until its timeout.
+"""
+import os
+import stat
+
+import pytest
+
+from nano_openshell import Limits
+from nano_openshell.disk import MIN_ENTRY_BYTES, usage
+
+from .conftest import MARK, started
+
+MIB = 1 << 20
+LIMIT = 32 * MIB
+FILES = 32  # of 8 MiB each: 256 MiB, eight times the limit
+
+
+def write_files(where: str) -> str:
+    """Write FILES files of 8 MiB under `where`, printing the count after each one."""
+    return (f"echo {MARK}; mkdir -p {where} && for i in $(seq {FILES}); do head -c 8M /dev/zero > {where}/f$i "
+            "|| break; echo $i; done; echo finished")
+
+
+def written(r) -> int:
+    return sum(1 for line in r.stdout.splitlines() if line.isdigit())
+
+
+def assert_killed_at_the_limit(r):
+    assert r.exit_code == -9 and not r.timed_out, r
+    assert f"over Limits.disk_bytes={LIMIT}" in r.stderr, r.stderr[-300:]
+    assert "finished" not in r.stdout and written(r) < FILES, r.stdout[-200:]
+
+
+def test_many_files_together_are_stopped_at_the_limit(make_sandbox):
+    sb = make_sandbox(limits=Limits(disk_bytes=LIMIT))
+    r = started(sb.exec(write_files("many"), timeout=60))
+    assert_killed_at_the_limit(r)
+    # what is left is the limit plus what was written between two checks, far from the 256 MiB asked
+    assert usage([sb.workspace]) < LIMIT + 64 * MIB
+
+
+def test_a_command_that_closes_its_output_is_still_checked(make_sandbox):
+    """With stdout and stderr closed the pipes reach EOF at once; the command runs on unread."""
+    sb = make_sandbox(limits=Limits(disk_bytes=LIMIT))
+    r = sb.exec(f"exec >/dev/null 2>&1; {write_files('quiet')}", timeout=60)
+    assert r.exit_code == -9 and not r.timed_out, r
+    assert f"over Limits.disk_bytes={LIMIT}" in r.stderr
+    assert len(os.listdir(os.path.join(sb.workspace, "quiet"))) < FILES
+
+
+def test_files_in_a_directory_closed_to_its_owner_are_counted(make_sandbox):
+    """24 MiB behind a mode-000 directory, then 16 MiB beside it: over the limit only if the hidden
+    files count."""
+    sb = make_sandbox(limits=Limits(disk_bytes=LIMIT))
+    r = started(sb.exec(f"echo {MARK}; mkdir hidden && for i in 1 2 3; do head -c 8M /dev/zero > hidden/f$i; done "
+                        "&& chmod 000 hidden && head -c 8M /dev/zero > a && head -c 8M /dev/zero > b && sleep 5; "
+                        "echo slept", timeout=60))
+    assert r.exit_code == -9 and f"over Limits.disk_bytes={LIMIT}" in r.stderr and "slept" not in r.stdout, r
+    hidden = os.path.join(sb.workspace, "hidden")
+    assert stat.S_IMODE(os.lstat(hidden).st_mode) == 0  # the walk gave the directory its mode back
+
+
+def test_tmpdir_is_bounded_too(make_sandbox):
+    """The namespaced tier's TMPDIR is its own tmpfs of Limits.tmp_bytes (the write fails there); the
+    other tiers' is on the host, and counted against disk_bytes (the command is killed)."""
+    sb = make_sandbox(limits=Limits(disk_bytes=LIMIT, tmp_bytes=LIMIT))
+    r = started(sb.exec(write_files('"$TMPDIR/t"'), timeout=60))
+    assert written(r) < FILES, r.stdout[-200:]
+    if sb.tier == "namespaced":
+        assert "No space left on device" in r.stderr and r.exit_code == 0, r
+    else:
+        assert_killed_at_the_limit(r)
+
+
+def test_a_sandbox_left_over_the_limit_is_killed_for_what_it_adds(make_sandbox):
+    """Empty files count a block each: 2,000 of them are over a 4 MiB limit. Whether that command is
+    killed or ends first, the sandbox is left over the limit; from then on a command is killed when it
+    adds to what is there, and runs (told on stderr) when it does not."""
+    sb = make_sandbox(limits=Limits(disk_bytes=4 * MIB))
+    r = started(sb.exec(f"echo {MARK}; mkdir e && cd e && seq 1 2000 | xargs touch; echo made", timeout=60))
+    assert "over Limits.disk_bytes=4194304" in r.stderr, r
+    r = started(sb.exec(f"echo {MARK}; head -c 1M /dev/zero > more; sleep 5; echo slept", timeout=60))
+    assert r.exit_code == -9 and "slept" not in r.stdout and "killed" in r.stderr, r
+    r = started(sb.exec(f"echo {MARK}; sleep 0.3; echo slept", timeout=60))
+    assert r.exit_code == 0 and "slept" in r.stdout, r
+    assert "over Limits.disk_bytes=4194304: a command that adds to them is killed" in r.stderr
+    r = started(sb.exec(f"echo {MARK}; rm -rf e more; sleep 0.3; echo freed", timeout=60))
+    assert r.exit_code == 0 and "freed" in r.stdout and r.stderr == "", r
+    r = started(sb.exec(f"echo {MARK}; head -c 3M /dev/zero > new; sleep 0.3; echo room", timeout=60))
+    assert r.exit_code == 0 and "room" in r.stdout and r.stderr == "", r  # the limit is 4 MiB again
+
+
+def test_a_mount_counts_with_the_workspace(make_sandbox, tier):
+    if tier != "namespaced":
+        pytest.skip("mounts exist only in the namespaced tier (the fallback tier refuses them: test_mounts.py)")
+    sb = make_sandbox(limits=Limits(disk_bytes=LIMIT), mounts={"/testbed": None})
+    r = started(sb.exec(write_files("/testbed/m"), timeout=60))
+    assert_killed_at_the_limit(r)
+
+
+def test_usage_counts_blocks_held_links_once_and_a_block_per_entry(tmp_path):
+    with open(tmp_path / "data", "wb") as f:
+        f.write(b"x" * MIB)
+    for i in range(5):
+        os.link(tmp_path / "data", tmp_path / f"link{i}")
+    with open(tmp_path / "sparse", "wb") as f:
+        f.truncate(1 << 30)  # a 1 GiB file that holds nothing
+    os.mkdir(tmp_path / "d")
+    for i in range(10):
+        (tmp_path / "d" / f"empty{i}").touch()
+    os.symlink("/usr", tmp_path / "d" / "usr")  # not followed
+    used = usage([str(tmp_path)])
+    # the data once, the sparse file and 11 empty entries (10 files, the link) a block each, the dir
+    assert MIB <= used <= MIB + 20 * MIN_ENTRY_BYTES, used
+
+
+def test_a_directory_swapped_for_a_link_while_walked_is_not_followed(tmp_path):
+    """The walk lists ws/x/y, then a command replaces x (or y) with a link to a big host tree: what
+    the walk opens next is not the directory it listed, and is not walked."""
+    from nano_openshell import disk
+
+    host = tmp_path / "host"
+    (host / "y").mkdir(parents=True)
+    (host / "y" / "big").write_bytes(b"x" * MIB)
+    ws = tmp_path / "ws"
+    (ws / "x" / "y").mkdir(parents=True)
+    y_listed = os.lstat(ws / "x" / "y")
+    x_listed = os.lstat(ws / "x")
+    (ws / "x" / "y").rmdir()
+    (ws / "x").rmdir()
+    os.symlink(host, ws / "x")  # ws/x/y now leads to host/y
+    with pytest.raises(disk._Changed):
+        disk._scan(str(ws / "x" / "y"), (y_listed.st_dev, y_listed.st_ino))
+    with pytest.raises(NotADirectoryError):  # O_NOFOLLOW | O_DIRECTORY on a link
+        disk._scan(str(ws / "x"), (x_listed.st_dev, x_listed.st_ino))
+    assert usage([str(ws)]) == MIN_ENTRY_BYTES  # the link itself, not the host's megabyte
