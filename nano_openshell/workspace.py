@@ -22,7 +22,6 @@ import os
 import queue
 import shutil
 import stat
-import sys
 import threading
 import time
 
@@ -155,30 +154,71 @@ def remove(path: str, deadline: float) -> bool:
 
 
 def _empty(fd: int, deadline: float, count: list[int]) -> bool:
+    """Empty the directory open at fd (left open), depth first, with one more fd at a time: a
+    subdirectory is entered by name and left by "..", checked to be the directory it was entered
+    from, so a tree of any depth (a command can nest thousands) needs no recursion and no fd a level."""
+    cur = fd
+    levels = [(_ident(fd), _opened_up_listing(fd, count, deadline))]  # per depth: (dev, ino), subdirs left
+    names: list[str] = []  # the path from fd down to cur
+    try:
+        while True:
+            ident, pending = levels[-1]
+            if pending is None:
+                return False  # the deadline came while listing
+            if pending:
+                name = pending.pop()
+                try:
+                    sub = _open_dir(name, cur)
+                except OSError:
+                    continue  # gone, or no longer a directory
+                if cur != fd:
+                    os.close(cur)
+                cur = sub
+                names.append(name)
+                levels.append((_ident(cur), _opened_up_listing(cur, count, deadline)))
+                continue
+            if not names:
+                return True
+            up = os.open("..", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=cur)
+            if _ident(up) != levels[-2][0]:  # moved meanwhile: never follow it out of the tree
+                os.close(up)
+                return False
+            if cur != fd:
+                os.close(cur)
+            cur = up
+            levels.pop()
+            try:
+                os.rmdir(names.pop(), dir_fd=cur)
+            except OSError:
+                pass  # not empty (a subdirectory that could not be opened): left for rmdir's caller to see
+    finally:
+        if cur != fd:
+            os.close(cur)
+
+
+def _ident(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
+
+
+def _opened_up_listing(fd: int, count: list[int], deadline: float) -> list[str] | None:
+    """Give the directory u+rwx, unlink its files; its subdirectories' names (None: past the deadline)."""
     try:
         os.fchmod(fd, 0o700)
     except OSError:
         pass
     with os.scandir(fd) as it:
         entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+    subdirs = []
     for name, is_dir in entries:
         count[0] += 1
         if count[0] % _CHECK_EVERY == 0 and time.monotonic() > deadline:
-            return False
+            return None
         if is_dir:
-            try:
-                sub = _open_dir(name, fd)
-            except OSError:
-                continue
-            try:
-                if not _empty(sub, deadline, count):
-                    return False
-            finally:
-                os.close(sub)
-            _quietly(os.rmdir, name, dir_fd=fd)
+            subdirs.append(name)
         else:
             _quietly(os.unlink, name, dir_fd=fd)
-    return True
+    return subdirs
 
 
 def _open_dir(name: str, dir_fd: int) -> int:
@@ -242,17 +282,8 @@ def pending() -> int:
 
 
 def rmtree(path: str) -> None:
-    """shutil.rmtree, through whatever read-only directories a command left behind."""
-    def retry(func, p, _exc):  # the command may have left read-only directories behind
-        try:
-            os.chmod(os.path.dirname(p), 0o700)
-            func(p)
-        except OSError:
-            pass
-
-    if sys.version_info >= (3, 12):  # onerror is deprecated there; the handler fits both
-        shutil.rmtree(path, onexc=retry)
-    else:
-        shutil.rmtree(path, onerror=retry)
-    if os.path.exists(path):
-        shutil.rmtree(path, ignore_errors=True)
+    """rm -rf path now, through whatever read-only, closed or deeply nested directories a command left."""
+    try:
+        remove(path, float("inf"))
+    except OSError:
+        pass

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from nano_openshell import ExecResult, Sandbox, SandboxError, probe
+from nano_openshell import workspace as workspace_mod
 
 from .conftest import ISOLATED, MARK, started
 
@@ -61,6 +62,20 @@ def test_given_workspace_is_kept_and_temporary_one_removed(make_sandbox, tmp_pat
     r = temp.exec("mkdir -p c/d && touch c/d/f && chmod 000 c/d c && echo closed", timeout=10)
     assert r.stdout == "closed\n", r
     temp.close()
+    assert not os.path.exists(path)
+
+
+def test_trees_nested_deeper_than_pythons_recursion_go_at_close(make_sandbox):
+    """A command can nest directories thousands deep (in the workspace, and in TMPDIR, which the tiers
+    without namespaces keep on the host and remove after every command): both still go."""
+    sb = make_sandbox()
+    path = sb.workspace
+    nest = "mkdir -p $(printf 'a/%.0s' $(seq 1200)) && touch $(printf 'a/%.0s' $(seq 1200))f"  # 2,400 of PATH_MAX's 4,096
+    r = sb.exec(f"{nest} && cd \"$TMPDIR\" && {nest} && echo nested", timeout=60)
+    assert r.stdout == "nested\n", r
+    assert sb.exec("echo next", timeout=10).stdout == "next\n"
+    sb.close()
+    workspace_mod.finish(30)
     assert not os.path.exists(path)
 
 
