@@ -30,69 +30,79 @@ WALK_SHARE = 0.1        # at most this share of the time goes into walking, for 
 
 def usage(roots: list[str]) -> int:
     """Bytes the trees under roots take on disk, by the rules above. A command may change its files
-    while they are walked: the walk follows no symlink, and enters only the directories it listed
-    (same device and inode once opened), so a directory swapped for a link to the host's / is not
-    walked. A directory we may not read (a command sharing our uid took our access away) is opened for
-    the walk and given its mode back."""
+    while they are walked: every directory is opened relative to its parent's fd, follows no link,
+    and must be the one its parent listed (same device and inode), so neither a directory swapped for
+    a link to the host's / nor a path longer than PATH_MAX leads the walk astray. A directory we may not
+    read (a command sharing our uid took our access away) is opened for the walk and given its mode back
+    after it; one that is not ours is not entered (only the host can put such a thing there). OSError
+    (EMFILE: a tree deeper than our open files) when it cannot be measured."""
     seen: set[tuple[int, int]] = set()
     total = 0
-    stack = [(root, None) for root in roots]  # (path, its (st_dev, st_ino) as its parent listed it)
-    while stack:
-        path, ident = stack.pop()
+    for root in roots:
         try:
-            entries = _scan(path, ident)
-        except (FileNotFoundError, NotADirectoryError, _Changed):
-            continue  # gone or replaced since it was listed: the next walk sees what is there then
-        except OSError as e:
-            if e.errno != errno.ELOOP:  # a link now, where the listing had a directory (ENOTDIR here)
-                raise
+            top = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except (FileNotFoundError, NotADirectoryError):
             continue
-        for name, st in entries:
-            if st.st_nlink > 1 and not stat.S_ISDIR(st.st_mode):
-                if (st.st_dev, st.st_ino) in seen:
-                    continue
-                seen.add((st.st_dev, st.st_ino))
-            total += max(st.st_blocks * 512, MIN_ENTRY_BYTES)
-            if stat.S_ISDIR(st.st_mode):
-                stack.append((os.path.join(path, name), (st.st_dev, st.st_ino)))
+        stack = [(top, None, None)]  # depth first: (fd, subdirectories left to enter, mode to give back)
+        try:
+            while stack:
+                fd, pending, restore = stack[-1]
+                if pending is None:
+                    pending = []
+                    for name, st in _list(fd):
+                        if st.st_nlink > 1 and not stat.S_ISDIR(st.st_mode):
+                            if (st.st_dev, st.st_ino) in seen:
+                                continue
+                            seen.add((st.st_dev, st.st_ino))
+                        total += max(st.st_blocks * 512, MIN_ENTRY_BYTES)
+                        if stat.S_ISDIR(st.st_mode):
+                            pending.append((name, (st.st_dev, st.st_ino)))
+                    stack[-1] = (fd, pending, restore)
+                if pending:
+                    name, ident = pending.pop()
+                    try:
+                        stack.append(_enter(name, fd, ident))
+                    except (FileNotFoundError, NotADirectoryError, PermissionError, _Changed):
+                        continue  # gone, replaced since it was listed, or not ours
+                    except OSError as e:
+                        if e.errno != errno.ELOOP:  # a link now, where the listing had a directory
+                            raise
+                else:
+                    stack.pop()
+                    _leave(fd, restore)
+        finally:
+            for fd, _, restore in stack:
+                _leave(fd, restore)
     return total
 
 
 class _Changed(Exception):
-    """The directory at a path is not the one its parent listed."""
+    """The directory at a name is not the one its parent listed."""
 
 
-def _scan(path: str, ident: tuple[int, int] | None) -> list:
+def _enter(name: str, dir_fd: int, ident: tuple[int, int]):
+    """(fd, None, restore) of the subdirectory `name` of dir_fd; restore = (O_PATH handle, mode) when
+    it had to be opened up for us."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
     except PermissionError:
-        return _scan_closed(path, ident)
+        handle = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        try:
+            st = os.fstat(handle)
+            _check(st, ident)
+            mode = stat.S_IMODE(st.st_mode)
+            os.chmod(f"/proc/self/fd/{handle}", mode | stat.S_IRWXU)  # PermissionError: not ours
+            fd = os.open(f"/proc/self/fd/{handle}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except BaseException:
+            os.close(handle)
+            raise
+        return fd, None, (handle, mode)
     try:
         _check(os.fstat(fd), ident)
-        return _list(fd)
-    finally:
+    except BaseException:
         os.close(fd)
-
-
-def _scan_closed(path: str, ident: tuple[int, int] | None) -> list:
-    """A directory without read access for us: through an O_PATH handle on that very directory (no
-    link followed), give it u+rwx, list it, give it its mode back. PermissionError when not ours."""
-    handle = os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        st = os.fstat(handle)
-        _check(st, ident)
-        mode, where = stat.S_IMODE(st.st_mode), f"/proc/self/fd/{handle}"
-        os.chmod(where, mode | stat.S_IRWXU)
-        try:
-            fd = os.open(where, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            try:
-                return _list(fd)
-            finally:
-                os.close(fd)
-        finally:
-            os.chmod(where, mode)
-    finally:
-        os.close(handle)
+        raise
+    return fd, None, None
 
 
 def _list(fd: int) -> list[tuple[str, os.stat_result]]:
@@ -108,8 +118,18 @@ def _list(fd: int) -> list[tuple[str, os.stat_result]]:
 
 
 def _check(st, ident) -> None:
-    if ident is not None and (st.st_dev, st.st_ino) != ident:
+    if (st.st_dev, st.st_ino) != ident:
         raise _Changed(ident)
+
+
+def _leave(fd: int, restore) -> None:
+    os.close(fd)
+    if restore is not None:
+        handle, mode = restore
+        try:
+            os.chmod(f"/proc/self/fd/{handle}", mode)
+        finally:
+            os.close(handle)
 
 
 class DiskCheck:
@@ -122,7 +142,11 @@ class DiskCheck:
 
     def __init__(self, roots: list[str], limit: int, baseline: int | None = None):
         self.roots, self.limit = roots, limit
-        self.used = usage(roots) if baseline is None else baseline
+        self.used = 0
+        if baseline is None:
+            self._measure()  # cannot measure: 0, and the first check kills
+        else:
+            self.used = baseline
         self.allowed = max(limit, self.used)
         self.next_at = time.monotonic() + FIRST_CHECK_S
         self.killed = False
@@ -131,9 +155,9 @@ class DiskCheck:
         t0 = time.monotonic()
         try:
             self.used = usage(self.roots)
-        except PermissionError as e:  # a directory we can neither read nor open: as good as over
+        except OSError as e:  # EMFILE: nested deeper than our open files; as good as over
             self.next_at = time.monotonic() + MIN_INTERVAL_S
-            return f"the sandbox's files cannot be measured ({e.strerror}: {e.filename})"
+            return f"the sandbox's files cannot be measured ({e.strerror})"
         self.next_at = time.monotonic() + max(MIN_INTERVAL_S, (time.monotonic() - t0) / WALK_SHARE)
         return None
 
@@ -142,8 +166,8 @@ class DiskCheck:
         if why is None and self.used <= self.allowed:
             return None
         self.killed = True
-        return (f"nano-openshell: killed: {why or f'the sandbox files take {self.used} bytes on disk'}, over "
-                f"Limits.disk_bytes={self.limit}\n")
+        why = why or f"the sandbox's files take {self.used} bytes on disk"
+        return f"nano-openshell: killed: {why}, over Limits.disk_bytes={self.limit}\n"
 
     def finish(self) -> str | None:
         """At the command's end: a line for its stderr when the files are over the limit."""

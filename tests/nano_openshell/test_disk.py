@@ -119,9 +119,9 @@ def test_usage_counts_blocks_held_links_once_and_a_block_per_entry(tmp_path):
     assert MIB <= used <= MIB + 20 * MIN_ENTRY_BYTES, used
 
 
-def test_a_directory_swapped_for_a_link_while_walked_is_not_followed(tmp_path):
-    """The walk lists ws/x/y, then a command replaces x (or y) with a link to a big host tree: what
-    the walk opens next is not the directory it listed, and is not walked."""
+def test_a_directory_replaced_after_it_was_listed_is_not_entered(tmp_path):
+    """The walk lists ws/x/y, then a command replaces y with a host directory or a link to one: what
+    the walk would enter is not the directory it listed, and is not walked."""
     from nano_openshell import disk
 
     host = tmp_path / "host"
@@ -129,13 +129,32 @@ def test_a_directory_swapped_for_a_link_while_walked_is_not_followed(tmp_path):
     (host / "y" / "big").write_bytes(b"x" * MIB)
     ws = tmp_path / "ws"
     (ws / "x" / "y").mkdir(parents=True)
-    y_listed = os.lstat(ws / "x" / "y")
-    x_listed = os.lstat(ws / "x")
-    (ws / "x" / "y").rmdir()
-    (ws / "x").rmdir()
-    os.symlink(host, ws / "x")  # ws/x/y now leads to host/y
-    with pytest.raises(disk._Changed):
-        disk._scan(str(ws / "x" / "y"), (y_listed.st_dev, y_listed.st_ino))
-    with pytest.raises(NotADirectoryError):  # O_NOFOLLOW | O_DIRECTORY on a link
-        disk._scan(str(ws / "x"), (x_listed.st_dev, x_listed.st_ino))
-    assert usage([str(ws)]) == MIN_ENTRY_BYTES  # the link itself, not the host's megabyte
+    listed = os.lstat(ws / "x" / "y")
+    x_fd = os.open(ws / "x", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        (ws / "x" / "y").rmdir()
+        os.rename(host / "y", ws / "x" / "y")  # another directory under the listed name
+        with pytest.raises(disk._Changed):
+            disk._enter("y", x_fd, (listed.st_dev, listed.st_ino))
+        os.rename(ws / "x" / "y", host / "y")
+        os.symlink(host / "y", ws / "x" / "y")  # a link under the listed name
+        with pytest.raises(NotADirectoryError):  # O_NOFOLLOW | O_DIRECTORY on a link
+            disk._enter("y", x_fd, (listed.st_dev, listed.st_ino))
+    finally:
+        os.close(x_fd)
+    assert usage([str(ws)]) == 2 * MIN_ENTRY_BYTES  # x and the link, not the host's megabyte
+
+
+def test_a_tree_deeper_than_path_max_is_measured(tmp_path):
+    """25 levels of 200-character names: 5,000 characters of path, past PATH_MAX (4,096)."""
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    for _ in range(25):
+        os.mkdir("d" * 200, dir_fd=fd)
+        sub = os.open("d" * 200, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = sub
+    big = os.open("big", os.O_WRONLY | os.O_CREAT, dir_fd=fd)
+    os.write(big, b"x" * MIB)
+    os.close(big)
+    os.close(fd)
+    assert MIB <= usage([str(tmp_path)]) <= MIB + 30 * MIN_ENTRY_BYTES
