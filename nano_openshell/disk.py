@@ -32,77 +32,104 @@ def usage(roots: list[str]) -> int:
     """Bytes the trees under roots take on disk, by the rules above. A command may change its files
     while they are walked: every directory is opened relative to its parent's fd, follows no link,
     and must be the one its parent listed (same device and inode), so neither a directory swapped for
-    a link to the host's / nor a path longer than PATH_MAX leads the walk astray. A directory we may not
-    read (a command sharing our uid took our access away) is opened for the walk and given its mode back
-    after it; one that is not ours is not entered (only the host can put such a thing there). OSError
-    (EMFILE: a tree deeper than our open files) when it cannot be measured."""
-    seen: set[tuple[int, int]] = set()
+    a link to the host's / nor a path longer than PATH_MAX leads the walk astray. The walk goes down by
+    name and back up by "..", with one directory open at a time, so no depth exhausts our fds. A
+    directory we may not read (a command sharing our uid took our access away) is opened for the walk
+    and given its mode back on the way up; one that is not ours is not entered (only the host can put
+    such a thing there). OSError when directories keep moving under the walk."""
+    for _ in range(3):
+        try:
+            seen: set[tuple[int, int]] = set()  # hard links across roots count once too
+            return sum(_tree_usage(root, seen) for root in roots)
+        except _Moved:
+            continue  # a directory moved to another parent while we were in it: walk again
+    raise OSError(errno.ESTALE, "the sandbox's directories kept moving while they were measured")
+
+
+class _Moved(Exception):
+    """The directory we are in is no longer under the one we came from."""
+
+
+def _tree_usage(root: str, seen: set) -> int:
+    try:
+        cur = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        return 0
     total = 0
-    for root in roots:
-        try:
-            top = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except (FileNotFoundError, NotADirectoryError):
-            continue
-        stack = [(top, None, None)]  # depth first: (fd, subdirectories left to enter, mode to give back)
-        try:
-            while stack:
-                fd, pending, restore = stack[-1]
-                if pending is None:
-                    pending = []
-                    for name, st in _list(fd):
-                        if st.st_nlink > 1 and not stat.S_ISDIR(st.st_mode):
-                            if (st.st_dev, st.st_ino) in seen:
-                                continue
-                            seen.add((st.st_dev, st.st_ino))
-                        total += max(st.st_blocks * 512, MIN_ENTRY_BYTES)
-                        if stat.S_ISDIR(st.st_mode):
-                            pending.append((name, (st.st_dev, st.st_ino)))
-                    stack[-1] = (fd, pending, restore)
-                if pending:
-                    name, ident = pending.pop()
-                    try:
-                        stack.append(_enter(name, fd, ident))
-                    except (FileNotFoundError, NotADirectoryError, PermissionError, _Changed):
-                        continue  # gone, replaced since it was listed, or not ours
-                    except OSError as e:
-                        if e.errno != errno.ELOOP:  # a link now, where the listing had a directory
-                            raise
-                else:
-                    stack.pop()
-                    _leave(fd, restore)
-        finally:
-            for fd, _, restore in stack:
-                _leave(fd, restore)
-    return total
+    levels = [[_ident(cur), None, None]]  # from root down to cur: [(dev, ino), subdirs left, mode to give back]
+    try:
+        while True:
+            level = levels[-1]
+            if level[1] is None:
+                level[1] = []
+                for name, st in _list(cur):
+                    if st.st_nlink > 1 and not stat.S_ISDIR(st.st_mode):
+                        if (st.st_dev, st.st_ino) in seen:
+                            continue
+                        seen.add((st.st_dev, st.st_ino))
+                    total += max(st.st_blocks * 512, MIN_ENTRY_BYTES)
+                    if stat.S_ISDIR(st.st_mode):
+                        level[1].append((name, (st.st_dev, st.st_ino)))
+            if level[1]:
+                name, ident = level[1].pop()
+                try:
+                    sub, mode = _enter(name, cur, ident)
+                except (FileNotFoundError, NotADirectoryError, PermissionError, _Changed):
+                    continue  # gone, replaced since it was listed, or not ours
+                except OSError as e:
+                    if e.errno != errno.ELOOP:  # a link now, where the listing had a directory
+                        raise
+                    continue
+                os.close(cur)
+                cur = sub
+                levels.append([ident, None, mode])
+                continue
+            if len(levels) == 1:
+                return total
+            up = os.open("..", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=cur)
+            if _ident(up) != levels[-2][0]:
+                os.close(up)
+                raise _Moved()
+            if level[2] is not None:
+                os.fchmod(cur, level[2])
+            os.close(cur)
+            cur = up
+            levels.pop()
+    finally:
+        os.close(cur)
 
 
 class _Changed(Exception):
     """The directory at a name is not the one its parent listed."""
 
 
-def _enter(name: str, dir_fd: int, ident: tuple[int, int]):
-    """(fd, None, restore) of the subdirectory `name` of dir_fd; restore = (O_PATH handle, mode) when
-    it had to be opened up for us."""
+def _enter(name: str, dir_fd: int, ident: tuple[int, int]) -> tuple[int, int | None]:
+    """(fd, mode to give back or None) of the subdirectory `name` of dir_fd, checked to be the one
+    listed; one closed to us is given u+rwx through an O_PATH handle on it (PermissionError: not ours)."""
     try:
         fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        mode = None
     except PermissionError:
         handle = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
         try:
             st = os.fstat(handle)
             _check(st, ident)
             mode = stat.S_IMODE(st.st_mode)
-            os.chmod(f"/proc/self/fd/{handle}", mode | stat.S_IRWXU)  # PermissionError: not ours
+            os.chmod(f"/proc/self/fd/{handle}", mode | stat.S_IRWXU)
             fd = os.open(f"/proc/self/fd/{handle}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except BaseException:
+        finally:
             os.close(handle)
-            raise
-        return fd, None, (handle, mode)
     try:
         _check(os.fstat(fd), ident)
     except BaseException:
         os.close(fd)
         raise
-    return fd, None, None
+    return fd, mode
+
+
+def _ident(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
 
 
 def _list(fd: int) -> list[tuple[str, os.stat_result]]:
@@ -120,16 +147,6 @@ def _list(fd: int) -> list[tuple[str, os.stat_result]]:
 def _check(st, ident) -> None:
     if (st.st_dev, st.st_ino) != ident:
         raise _Changed(ident)
-
-
-def _leave(fd: int, restore) -> None:
-    os.close(fd)
-    if restore is not None:
-        handle, mode = restore
-        try:
-            os.chmod(f"/proc/self/fd/{handle}", mode)
-        finally:
-            os.close(handle)
 
 
 class DiskCheck:

@@ -158,3 +158,23 @@ def test_a_tree_deeper_than_path_max_is_measured(tmp_path):
     os.close(big)
     os.close(fd)
     assert MIB <= usage([str(tmp_path)]) <= MIB + 30 * MIN_ENTRY_BYTES
+
+
+def test_a_tree_deeper_than_our_open_files_is_measured(tmp_path):
+    """One directory is open at a time: 300 levels under a limit of 128 open files."""
+    import resource
+
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    for _ in range(300):
+        os.mkdir("d", dir_fd=fd)
+        sub = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = sub
+    os.close(fd)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (128, hard))
+    try:
+        used = usage([str(tmp_path)])
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert 300 * MIN_ENTRY_BYTES <= used <= 300 * 4 * MIN_ENTRY_BYTES  # every level counted, a block or so each
