@@ -89,7 +89,8 @@ def drain(proc: subprocess.Popen, deadline: float, cap: int, kill, owned=None,
                 stop(now)
             if give_up is not None and now >= give_up:
                 break
-            wake = min(give_up or deadline, check_disk(now))
+            next_check = check_disk(now)  # first: a kill here sets give_up
+            wake = min(give_up or deadline, next_check)
             for fd, _ in poller.poll(math.ceil(max(0.0, wake - time.monotonic()) * 1000)):
                 try:
                     data = os.read(fd, 1 << 16)
