@@ -22,6 +22,8 @@ import os
 import stat
 import time
 
+from .workspace import Replaced, dir_ident, open_subdir
+
 MIN_ENTRY_BYTES = 4096  # an entry costs at least an inode and a block
 FIRST_CHECK_S = 0.05    # commands shorter than this are checked once, at their end
 MIN_INTERVAL_S = 0.1
@@ -56,7 +58,7 @@ def _tree_usage(root: str, seen: set) -> int:
     except (FileNotFoundError, NotADirectoryError):
         return 0
     total = 0
-    levels = [[_ident(cur), None, None]]  # from root down to cur: [(dev, ino), subdirs left, mode to give back]
+    levels = [[dir_ident(cur), None, None]]  # from root down to cur: [(dev, ino), subdirs left, mode to give back]
     try:
         while True:
             level = levels[-1]
@@ -73,8 +75,8 @@ def _tree_usage(root: str, seen: set) -> int:
             if level[1]:
                 name, ident = level[1].pop()
                 try:
-                    sub, mode = _enter(name, cur, ident)
-                except (FileNotFoundError, NotADirectoryError, PermissionError, _Changed):
+                    sub, mode = open_subdir(name, cur, expect=ident)
+                except (FileNotFoundError, NotADirectoryError, PermissionError, Replaced):
                     continue  # gone, replaced since it was listed, or not ours
                 except OSError as e:
                     if e.errno != errno.ELOOP:  # a link now, where the listing had a directory
@@ -87,7 +89,7 @@ def _tree_usage(root: str, seen: set) -> int:
             if len(levels) == 1:
                 return total
             up = os.open("..", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=cur)
-            if _ident(up) != levels[-2][0]:
+            if dir_ident(up) != levels[-2][0]:
                 os.close(up)
                 raise _Moved()
             if level[2] is not None:
@@ -97,39 +99,6 @@ def _tree_usage(root: str, seen: set) -> int:
             levels.pop()
     finally:
         os.close(cur)
-
-
-class _Changed(Exception):
-    """The directory at a name is not the one its parent listed."""
-
-
-def _enter(name: str, dir_fd: int, ident: tuple[int, int]) -> tuple[int, int | None]:
-    """(fd, mode to give back or None) of the subdirectory `name` of dir_fd, checked to be the one
-    listed; one closed to us is given u+rwx through an O_PATH handle on it (PermissionError: not ours)."""
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-        mode = None
-    except PermissionError:
-        handle = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-        try:
-            st = os.fstat(handle)
-            _check(st, ident)
-            mode = stat.S_IMODE(st.st_mode)
-            os.chmod(f"/proc/self/fd/{handle}", mode | stat.S_IRWXU)
-            fd = os.open(f"/proc/self/fd/{handle}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        finally:
-            os.close(handle)
-    try:
-        _check(os.fstat(fd), ident)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, mode
-
-
-def _ident(fd: int) -> tuple[int, int]:
-    st = os.fstat(fd)
-    return st.st_dev, st.st_ino
 
 
 def _list(fd: int) -> list[tuple[str, os.stat_result]]:
@@ -142,11 +111,6 @@ def _list(fd: int) -> list[tuple[str, os.stat_result]]:
             except FileNotFoundError:
                 continue
     return out
-
-
-def _check(st, ident) -> None:
-    if (st.st_dev, st.st_ino) != ident:
-        raise _Changed(ident)
 
 
 class DiskCheck:

@@ -158,7 +158,7 @@ def _empty(fd: int, deadline: float, count: list[int]) -> bool:
     subdirectory is entered by name and left by "..", checked to be the directory it was entered
     from, so a tree of any depth (a command can nest thousands) needs no recursion and no fd a level."""
     cur = fd
-    levels = [(_ident(fd), _opened_up_listing(fd, count, deadline))]  # per depth: (dev, ino), subdirs left
+    levels = [(dir_ident(fd), _opened_up_listing(fd, count, deadline))]  # per depth: (dev, ino), subdirs left
     names: list[str] = []  # the path from fd down to cur
     try:
         while True:
@@ -168,19 +168,19 @@ def _empty(fd: int, deadline: float, count: list[int]) -> bool:
             if pending:
                 name = pending.pop()
                 try:
-                    sub = _open_dir(name, cur)
+                    sub = open_subdir(name, cur)[0]
                 except OSError:
                     continue  # gone, or no longer a directory
                 if cur != fd:
                     os.close(cur)
                 cur = sub
                 names.append(name)
-                levels.append((_ident(cur), _opened_up_listing(cur, count, deadline)))
+                levels.append((dir_ident(cur), _opened_up_listing(cur, count, deadline)))
                 continue
             if not names:
                 return True
             up = os.open("..", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=cur)
-            if _ident(up) != levels[-2][0]:  # moved meanwhile: never follow it out of the tree
+            if dir_ident(up) != levels[-2][0]:  # moved meanwhile: never follow it out of the tree
                 os.close(up)
                 return False
             if cur != fd:
@@ -196,7 +196,8 @@ def _empty(fd: int, deadline: float, count: list[int]) -> bool:
             os.close(cur)
 
 
-def _ident(fd: int) -> tuple[int, int]:
+def dir_ident(fd: int) -> tuple[int, int]:
+    """(st_dev, st_ino) of an open directory: which directory it is, whatever its name now."""
     st = os.fstat(fd)
     return st.st_dev, st.st_ino
 
@@ -221,18 +222,31 @@ def _opened_up_listing(fd: int, count: list[int], deadline: float) -> list[str] 
     return subdirs
 
 
-def _open_dir(name: str, dir_fd: int) -> int:
-    """Open a subdirectory to empty it; one its command closed to everyone (mode 000), which a non-root
-    supervisor may not read, is given u+rwx first, through an O_PATH handle on it (no link followed)."""
+class Replaced(Exception):
+    """The directory at a name is not the one expected (a command replaced it since it was listed)."""
+
+
+def open_subdir(name: str, dir_fd: int, expect: tuple[int, int] | None = None) -> tuple[int, int | None]:
+    """(fd, mode it had or None) of the subdirectory `name` of dir_fd, no link followed; Replaced when
+    expect (its dir_ident as listed) does not match, checked before anything is changed. One its command
+    closed to everyone (mode 000), which a non-root supervisor may not read, is given u+rwx first,
+    through an O_PATH handle on it (PermissionError when it is not ours); the caller may give the mode back."""
     try:
-        return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
     except PermissionError:
-        handle = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
+        handle = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
         try:
-            os.chmod(f"/proc/self/fd/{handle}", 0o700)
-            return os.open(f"/proc/self/fd/{handle}", os.O_RDONLY | os.O_DIRECTORY)
+            if expect is not None and dir_ident(handle) != expect:
+                raise Replaced(expect) from None
+            mode = stat.S_IMODE(os.fstat(handle).st_mode)
+            os.chmod(f"/proc/self/fd/{handle}", mode | stat.S_IRWXU)
+            return os.open(f"/proc/self/fd/{handle}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), mode
         finally:
             os.close(handle)
+    if expect is not None and dir_ident(fd) != expect:
+        os.close(fd)
+        raise Replaced(expect)
+    return fd, None
 
 
 def _quietly(func, *args, **kw) -> None:

@@ -136,12 +136,12 @@ def test_a_directory_replaced_after_it_was_listed_is_not_entered(tmp_path):
     try:
         (ws / "x" / "y").rmdir()
         os.rename(host / "y", ws / "x" / "y")  # another directory under the listed name
-        with pytest.raises(disk._Changed):
-            disk._enter("y", x_fd, (listed.st_dev, listed.st_ino))
+        with pytest.raises(disk.Replaced):
+            disk.open_subdir("y", x_fd, expect=(listed.st_dev, listed.st_ino))
         os.rename(ws / "x" / "y", host / "y")
         os.symlink(host / "y", ws / "x" / "y")  # a link under the listed name
         with pytest.raises(NotADirectoryError):  # O_NOFOLLOW | O_DIRECTORY on a link
-            disk._enter("y", x_fd, (listed.st_dev, listed.st_ino))
+            disk.open_subdir("y", x_fd, expect=(listed.st_dev, listed.st_ino))
     finally:
         os.close(x_fd)
     assert usage([str(ws)]) == 2 * MIN_ENTRY_BYTES  # x and the link, not the host's megabyte

@@ -84,6 +84,6 @@ def test_invalid_limits_are_refused():
     import pytest
 
     for bad in (dict(processes=0), dict(cpu_seconds=-1), dict(output_bytes=10), dict(file_size_bytes=1.5),
-                dict(address_space_bytes=True)):
+                dict(address_space_bytes=True), dict(disk_bytes=0)):
         with pytest.raises(ValueError):
             Limits(**bad)
