@@ -22,7 +22,7 @@ import os
 import stat
 import time
 
-from .workspace import Replaced, dir_ident, open_subdir
+from .workspace import Moved, Replaced, open_subdir, walk
 
 MIN_ENTRY_BYTES = 4096  # an entry costs at least an inode and a block
 FIRST_CHECK_S = 0.05    # commands shorter than this are checked once, at their end
@@ -43,62 +43,50 @@ def usage(roots: list[str]) -> int:
         try:
             seen: set[tuple[int, int]] = set()  # hard links across roots count once too
             return sum(_tree_usage(root, seen) for root in roots)
-        except _Moved:
+        except Moved:
             continue  # a directory moved to another parent while we were in it: walk again
     raise OSError(errno.ESTALE, "the sandbox's directories kept moving while they were measured")
 
 
-class _Moved(Exception):
-    """The directory we are in is no longer under the one we came from."""
-
-
 def _tree_usage(root: str, seen: set) -> int:
     try:
-        cur = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except (FileNotFoundError, NotADirectoryError):
         return 0
     total = 0
-    levels = [[dir_ident(cur), None, None]]  # from root down to cur: [(dev, ino), subdirs left, mode to give back]
-    try:
-        while True:
-            level = levels[-1]
-            if level[1] is None:
-                level[1] = []
-                for name, st in _list(cur):
-                    if st.st_nlink > 1 and not stat.S_ISDIR(st.st_mode):
-                        if (st.st_dev, st.st_ino) in seen:
-                            continue
-                        seen.add((st.st_dev, st.st_ino))
-                    total += max(st.st_blocks * 512, MIN_ENTRY_BYTES)
-                    if stat.S_ISDIR(st.st_mode):
-                        level[1].append((name, (st.st_dev, st.st_ino)))
-            if level[1]:
-                name, ident = level[1].pop()
-                try:
-                    sub, mode = open_subdir(name, cur, expect=ident)
-                except (FileNotFoundError, NotADirectoryError, PermissionError, Replaced):
-                    continue  # gone, replaced since it was listed, or not ours
-                except OSError as e:
-                    if e.errno != errno.ELOOP:  # a link now, where the listing had a directory
-                        raise
+
+    def listing(d: int) -> list:
+        nonlocal total
+        subdirs = []
+        for name, st in _list(d):
+            if st.st_nlink > 1 and not stat.S_ISDIR(st.st_mode):
+                if (st.st_dev, st.st_ino) in seen:
                     continue
-                os.close(cur)
-                cur = sub
-                levels.append([ident, None, mode])
-                continue
-            if len(levels) == 1:
-                return total
-            up = os.open("..", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=cur)
-            if dir_ident(up) != levels[-2][0]:
-                os.close(up)
-                raise _Moved()
-            if level[2] is not None:
-                os.fchmod(cur, level[2])
-            os.close(cur)
-            cur = up
-            levels.pop()
+                seen.add((st.st_dev, st.st_ino))
+            total += max(st.st_blocks * 512, MIN_ENTRY_BYTES)
+            if stat.S_ISDIR(st.st_mode):
+                subdirs.append((name, (st.st_dev, st.st_ino)))
+        return subdirs
+
+    def enter(name: str, ident, parent: int):
+        try:
+            return open_subdir(name, parent, expect=ident)
+        except (FileNotFoundError, NotADirectoryError, PermissionError, Replaced):
+            return None  # gone, replaced since it was listed, or not ours
+        except OSError as e:
+            if e.errno != errno.ELOOP:  # a link now, where the listing had a directory
+                raise
+            return None
+
+    def leave(_parent: int, _name: str, d: int, mode) -> None:
+        if mode is not None:  # opened up for the walk: its mode back
+            os.fchmod(d, mode)
+
+    try:
+        walk(fd, listing, enter, leave)
     finally:
-        os.close(cur)
+        os.close(fd)
+    return total
 
 
 def _list(fd: int) -> list[tuple[str, os.stat_result]]:

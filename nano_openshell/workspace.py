@@ -154,45 +154,72 @@ def remove(path: str, deadline: float) -> bool:
 
 
 def _empty(fd: int, deadline: float, count: list[int]) -> bool:
-    """Empty the directory open at fd (left open), depth first, with one more fd at a time: a
-    subdirectory is entered by name and left by "..", checked to be the directory it was entered
-    from, so a tree of any depth (a command can nest thousands) needs no recursion and no fd a level."""
-    cur = fd
-    levels = [(dir_ident(fd), _opened_up_listing(fd, count, deadline))]  # per depth: (dev, ino), subdirs left
-    names: list[str] = []  # the path from fd down to cur
+    """Empty the directory open at fd (left open), until the deadline: files are unlinked as each
+    directory is listed, directories removed on the way back up (one that could not be opened stays,
+    for rmdir's caller to see). False when cut short, or when a directory moved out from under us."""
+    def listing(d: int):
+        names = _opened_up_listing(d, count, deadline)
+        return None if names is None else [(name, None) for name in names]
+
+    def enter(name: str, _ident, parent: int):
+        try:
+            return open_subdir(name, parent)
+        except OSError:
+            return None  # gone, or no longer a directory
+
+    def leave(parent: int, name: str, _fd: int, _mode) -> None:
+        try:
+            os.rmdir(name, dir_fd=parent)
+        except OSError:
+            pass  # not empty: a subdirectory that could not be opened
+
+    try:
+        return walk(fd, listing, enter, leave)
+    except Moved:
+        return False  # never follow it out of the tree: the background remover tries again
+
+
+class Moved(Exception):
+    """The directory a walk is in is no longer under the one it came from."""
+
+
+def walk(root: int, listing, enter, leave) -> bool:
+    """Depth first under the directory open at root (left open), with one more fd at a time: a
+    subdirectory is entered by name and left by "..", which must be the directory it was entered from
+    (Moved otherwise), so a tree of any depth (a command can nest thousands) needs no recursion, no fd
+    a level and no path (none longer than PATH_MAX). listing(fd) does a directory's own work and gives
+    its subdirectories as [(name, (dev, ino) as listed or None)], or None to stop (False is returned);
+    enter(name, ident, parent_fd) opens one, (fd, state) or None to pass it over; leave(parent_fd,
+    name, fd, state) runs on the way back up, before fd is closed. True when the whole tree was done."""
+    cur = root
+    levels = [(dir_ident(root), listing(root), None, None)]  # per depth: (dev, ino), subdirs left, name, state
     try:
         while True:
-            ident, pending = levels[-1]
-            if pending is None:
-                return False  # the deadline came while listing
-            if pending:
-                name = pending.pop()
-                try:
-                    sub = open_subdir(name, cur)[0]
-                except OSError:
-                    continue  # gone, or no longer a directory
-                if cur != fd:
-                    os.close(cur)
-                cur = sub
-                names.append(name)
-                levels.append((dir_ident(cur), _opened_up_listing(cur, count, deadline)))
-                continue
-            if not names:
-                return True
-            up = os.open("..", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=cur)
-            if dir_ident(up) != levels[-2][0]:  # moved meanwhile: never follow it out of the tree
-                os.close(up)
+            ident, subdirs, name, state = levels[-1]
+            if subdirs is None:
                 return False
-            if cur != fd:
-                os.close(cur)
+            if subdirs:
+                sub_name, sub_ident = subdirs.pop()
+                opened = enter(sub_name, sub_ident, cur)
+                if opened is None:
+                    continue
+                if cur != root:
+                    os.close(cur)
+                cur = opened[0]
+                levels.append((dir_ident(cur), listing(cur), sub_name, opened[1]))
+                continue
+            if len(levels) == 1:
+                return True
+            up = os.open("..", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=cur)
+            if dir_ident(up) != levels[-2][0]:
+                os.close(up)
+                raise Moved()
+            leave(up, name, cur, state)
+            os.close(cur)
             cur = up
             levels.pop()
-            try:
-                os.rmdir(names.pop(), dir_fd=cur)
-            except OSError:
-                pass  # not empty (a subdirectory that could not be opened): left for rmdir's caller to see
     finally:
-        if cur != fd:
+        if cur != root:
             os.close(cur)
 
 
