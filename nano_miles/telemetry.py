@@ -264,6 +264,35 @@ def read_metrics(path: str | Path) -> list[dict]:
 EVAL_CURVES = (("eval_pass_at_1", "eval_tasks"), ("eval_alfa_pass_at_1", "ALFA subset"))
 
 
+def _plot(out_dir: str | Path, name: str, title: str, series: dict[str, list[tuple]], log: bool = False) -> Path:
+    """One PNG, out_dir/name.png: a line a series of (step, value) points (None: a gap)."""
+    import matplotlib  # slow import, and the Agg backend must be chosen before pyplot loads
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for label, points in series.items():
+        ax.plot([s for s, _ in points], [float("nan") if v is None else v for _, v in points], marker="o",
+                markersize=3 if len(points) > 30 else 6, label=label)
+    if log:
+        ax.set_yscale("log")
+    if len(series) > 1:
+        ax.legend()
+    ax.set_xlabel("step")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = Path(out_dir) / f"{name}.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+TRAIN_CURVES = (("reward_mean", "mean reward"), ("acc", "accuracy"), ("entropy", "policy entropy (nats a token)"),
+                ("parity_mean", "log-prob parity (mean |diff|)"))
+
+
 def write_curves(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
     """PNG curves of reward, accuracy, policy entropy and parity over steps, and of the evaluations
     (eval_every), if any. Entropy is drawn because its collapse is what ends learning in GRPO runs:
@@ -271,39 +300,33 @@ def write_curves(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
     rows = read_metrics(metrics_path)
     if not rows:
         return []
-    import matplotlib  # slow import, and the Agg backend must be chosen before pyplot loads
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    def plot(name: str, title: str, series: dict[str, list[tuple]], log: bool = False) -> Path:
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        for label, points in series.items():
-            ax.plot([s for s, _ in points], [float("nan") if v is None else v for _, v in points], marker="o",
-                    label=label)
-        if log:
-            ax.set_yscale("log")
-        if len(series) > 1:
-            ax.legend()
-        ax.set_xlabel("step")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        path = Path(out_dir) / f"{name}.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        return path
-
     written = []
-    for key, title in (("reward_mean", "mean reward"), ("acc", "accuracy"), ("entropy", "policy entropy (nats a token)"),
-                       ("parity_mean", "log-prob parity (mean |diff|)")):
+    for key, title in TRAIN_CURVES:
         points = [(r["step"], r.get(key)) for r in rows if "reward_mean" in r]  # training steps (not step 0's eval)
         log = key == "parity_mean" and any(v is not None and v > 0 for _, v in points)  # true on-policy: all 0.0
-        written.append(plot(key, title, {key: points}, log))
+        written.append(_plot(out_dir, key, title, {key: points}, log))
     evals = {label: [(r["step"], r[key]) for r in rows if r.get(key) is not None] for key, label in EVAL_CURVES}
     evals = {label: points for label, points in evals.items() if points}
     if evals:  # only the steps that evaluated
-        written.append(plot("eval_pass_at_1", "pass@1 during training (eval_every)", evals))
+        written.append(_plot(out_dir, "eval_pass_at_1", "pass@1 during training (eval_every)", evals))
+    return written
+
+
+def compare_curves(runs: dict[str, str | Path], out_dir: str | Path) -> list[Path]:
+    """Several runs on one set of axes, a line a run (its label): compare_<key>.png for each training
+    curve and each evaluation (eval_every) that any run has. Runs that differ in one setting (a seed,
+    a learning-rate schedule) read best side by side."""
+    rows = {label: read_metrics(path) for label, path in runs.items()}
+    written = []
+    for key, title in TRAIN_CURVES + EVAL_CURVES:
+        train = key not in dict(EVAL_CURVES)
+        series = {label: [(r["step"], r.get(key)) for r in run_rows
+                          if ("reward_mean" in r if train else r.get(key) is not None)]
+                  for label, run_rows in rows.items()}
+        series = {label: points for label, points in series.items() if any(v is not None for _, v in points)}
+        if series:
+            title = title if train else f"{title} pass@1 during training"
+            written.append(_plot(out_dir, f"compare_{key}", title, series))
     return written
 
 
