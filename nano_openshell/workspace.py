@@ -14,7 +14,8 @@ goes on from there.
 
 Removal: close() removes a Sandbox's temporary directories, but a command can fill one with
 hundreds of thousands of files; remove() works until its deadline and leaves the rest to one
-background thread (finished at interpreter exit, up to _EXIT_WAIT).
+background thread (finished at interpreter exit, up to _EXIT_WAIT). Its traversal, walk(), is also
+disk.py's: fd-relative, no link followed, back up by ".." only to the directory it came from.
 """
 
 import atexit
