@@ -302,10 +302,10 @@ def write_curves(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
         return []
     written = []
     for key, title in TRAIN_CURVES:
-        points = [(r["step"], r.get(key)) for r in rows if "reward_mean" in r]  # training steps (not step 0's eval)
+        points = _points(rows, key)
         log = key == "parity_mean" and any(v is not None and v > 0 for _, v in points)  # true on-policy: all 0.0
         written.append(_plot(out_dir, key, title, {key: points}, log))
-    evals = {label: [(r["step"], r[key]) for r in rows if r.get(key) is not None] for key, label in EVAL_CURVES}
+    evals = {label: _points(rows, key) for key, label in EVAL_CURVES}
     evals = {label: points for label, points in evals.items() if points}
     if evals:  # only the steps that evaluated
         written.append(_plot(out_dir, "eval_pass_at_1", "pass@1 during training (eval_every)", evals))
@@ -317,17 +317,22 @@ def compare_curves(runs: dict[str, str | Path], out_dir: str | Path) -> list[Pat
     curve and each evaluation (eval_every) that any run has. Runs that differ in one setting (a seed,
     a learning-rate schedule) read best side by side."""
     rows = {label: read_metrics(path) for label, path in runs.items()}
+    titles = TRAIN_CURVES + tuple((key, f"{label} pass@1 during training") for key, label in EVAL_CURVES)
     written = []
-    for key, title in TRAIN_CURVES + EVAL_CURVES:
-        train = key not in dict(EVAL_CURVES)
-        series = {label: [(r["step"], r.get(key)) for r in run_rows
-                          if ("reward_mean" in r if train else r.get(key) is not None)]
-                  for label, run_rows in rows.items()}
+    for key, title in titles:
+        series = {label: _points(run_rows, key) for label, run_rows in rows.items()}
         series = {label: points for label, points in series.items() if any(v is not None for _, v in points)}
         if series:
-            title = title if train else f"{title} pass@1 during training"
             written.append(_plot(out_dir, f"compare_{key}", title, series))
     return written
+
+
+def _points(rows: list[dict], key: str) -> list[tuple]:
+    """(step, value) of one curve: every training step for a training curve (None where it has no value;
+    step 0's row is an evaluation, not a step), only the steps that evaluated for an evaluation."""
+    if key in dict(EVAL_CURVES):
+        return [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+    return [(r["step"], r.get(key)) for r in rows if "reward_mean" in r]
 
 
 def task_split(rows: list[dict], last: int = 10) -> str | None:
