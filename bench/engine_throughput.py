@@ -7,7 +7,7 @@ forward of the same weights (in the run's dtype). Prints a table, appends one JS
 the table and the JSON line to $OUT when that is set.
 
 --true-on-policy runs the same requests a second time through an engine in true on-policy mode
-(batch-invariant kernels, nano_miles/batch_invariant.py) in the same process, reports its slowdown
+(batch-invariant kernels, nano_miles/engine/batch_invariant.py) in the same process, reports its slowdown
 against the normal mode, and checks its log-probs against the true on-policy trainer's forward of the
 same weights (must be exactly 0).
 
@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench.results import git_commit, save, utc_now  # noqa: E402
-from nano_miles import batch_invariant  # noqa: E402
+from nano_miles.engine import batch_invariant# noqa: E402
 from nano_miles.engine.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from nano_miles.engine.model import CausalLM  # noqa: E402
 

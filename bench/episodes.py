@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.per_task > 0:
         from transformers import AutoTokenizer
 
-        from nano_miles.models import resolve_model
+        from nano_miles.models.prepare import resolve_model
 
         tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(args.model)))
         print("\n".join(decoded(episodes, tokenizer, args.per_task, args.task)))

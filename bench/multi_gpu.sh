@@ -104,7 +104,7 @@ prepare)
     NANO_MILES_PARTS_DIR=/tmp/stage/parts step prepare 300 "$py" -m nano_miles.cli prepare-model "$MODEL" ;;
 checks)
     step gpu_tests 240 "$py" -m pytest -q --timeout 200 -p no:cacheprovider -m gpu -o addopts="" \
-        tests/nano_miles/test_true_on_policy_gpu.py tests/nano_miles/engine/test_engine_gpu.py
+        tests/nano_miles/trainer/test_true_on_policy_gpu.py tests/nano_miles/engine/test_engine_gpu.py
     step train_step_n1 100 "$py" bench/train_step.py --nproc 1 --baseline
     [ "$gpus" -ge 2 ] && step train_step_n2 90 "$py" bench/train_step.py --nproc 2 ;;
 benches)

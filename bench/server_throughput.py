@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench.results import git_commit, save, utc_now  # noqa: E402
-from nano_miles.client import AsyncEngineClient, start_engine_process  # noqa: E402
+from nano_miles.engine.client import AsyncEngineClient, start_engine_process  # noqa: E402
 from nano_miles.engine.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 
 QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -29,10 +29,10 @@ QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
 
 def model_folder(args) -> str:
     if args.model:
-        from nano_miles.models import resolve_model
+        from nano_miles.models.prepare import resolve_model
         return str(resolve_model(args.model))
     if not args.device.startswith("cuda"):
-        from nano_miles.models import resolve_model
+        from nano_miles.models.prepare import resolve_model
         return str(resolve_model("tiny-random-qwen2"))
     from transformers import Qwen2Config, Qwen2ForCausalLM
     torch.manual_seed(0)

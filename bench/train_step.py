@@ -46,10 +46,10 @@ from torch.profiler import ProfilerActivity
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from bench.results import git_commit, save, utc_now
-from nano_miles.batch import Trajectory, build_rollout_batch
-from nano_miles.distributed import DistError, check_nproc, launch, run_rank
-from nano_miles.sharded_trainer import ShardedTrainer
-from nano_miles.trainer import OptimConfig, Trainer, TrainerConfig
+from nano_miles.rollout.batch import Trajectory, build_rollout_batch
+from nano_miles.trainer.distributed import DistError, check_nproc, launch, run_rank
+from nano_miles.trainer.sharded import ShardedTrainer
+from nano_miles.trainer.trainer import OptimConfig, Trainer, TrainerConfig
 
 # From the models' HF config.json files (Qwen/Qwen2.5-*-Instruct); all use RoPE theta 1e6, RMSNorm eps 1e-6.
 SHAPES = {
@@ -198,7 +198,7 @@ def single_process(args, device, batch, adv, tokens, with_naive: bool) -> list[d
     if not with_naive:
         return rows
 
-    if args.true_on_policy:  # the same step with batch-invariant forward values (nano_miles/batch_invariant.py)
+    if args.true_on_policy:  # the same step with batch-invariant forward values (nano_miles/engine/batch_invariant.py)
         trainer = Trainer(TrainerConfig(device=args.device, dtype=args.dtype, micro_batch_size=args.micro_batch_size,
                                         logprob_chunk=args.chunk, optim=OptimConfig(lr=1e-6), true_on_policy=True),
                           model=make_model(args.shapes, device, args.layers))

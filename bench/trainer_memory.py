@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from nano_miles.batch import Trajectory, build_rollout_batch  # noqa: E402
-from nano_miles.models import resolve_model  # noqa: E402
-from nano_miles.trainer import OptimConfig, Trainer, TrainerConfig  # noqa: E402
+from nano_miles.rollout.batch import Trajectory, build_rollout_batch  # noqa: E402
+from nano_miles.models.prepare import resolve_model  # noqa: E402
+from nano_miles.trainer.trainer import OptimConfig, Trainer, TrainerConfig  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 

@@ -22,10 +22,10 @@ from nano_miles.config import ConfigError
 
 # subcommand -> (module, one-line help)
 SUBCOMMANDS = {
-    "prepare-model": ("nano_miles.models", "materialise a model into the local cache and print its path"),
+    "prepare-model": ("nano_miles.models.prepare", "materialise a model into the local cache and print its path"),
     "serve": ("nano_miles.engine.server", "start the SGLang-compatible inference engine server"),
-    "tasks": ("nano_miles.tasks", "list the shell tasks and their splits"),
-    "rollout": ("nano_miles.rollout_cli", "run multi-turn rollouts and write trajectories as JSONL"),
+    "tasks": ("nano_miles.tasks.cli", "list the shell tasks and their splits"),
+    "rollout": ("nano_miles.rollout_command", "run multi-turn rollouts and write trajectories as JSONL"),
     "eval": ("nano_miles.evaluate", "pass@1 / pass@K of a model on a task split"),
     "train": ("nano_miles.train", "GRPO training: rollout, update, weight sync, telemetry"),
 }

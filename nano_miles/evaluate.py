@@ -25,12 +25,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from nano_miles import alfa
-from nano_miles.alfa import three_part_summary
-from nano_miles.client import EngineUnavailable
+from nano_miles.tasks import alfa
+from nano_miles.tasks.alfa import three_part_summary
+from nano_miles.engine.client import EngineUnavailable
 from nano_miles.config import ConfigError, config_from_args, to_toml
-from nano_miles.rollout import rollout_groups
-from nano_miles.rollout_cli import (RolloutCommandConfig, add_common_arguments, append_result, collect, solved,
+from nano_miles.rollout.episode import rollout_groups
+from nano_miles.rollout_command import (RolloutCommandConfig, add_common_arguments, append_result, collect, solved,
                                     selected_tasks, summarize)
 from nano_miles.tasks import select_tasks
 

@@ -3,13 +3,13 @@
     nano-miles train [--config FILE.toml] [--set key=value ...] [--engine-url URL ...] [--resume RUN_DIR]
     torchrun --nproc-per-node N -m nano_miles.train [the same arguments]
 
-Where things run (nano_miles/engine_handle.py): the trainer on cuda:0 (its ranks on cuda:0..N-1 with
-trainer.nproc=N, nano_miles/trainer_ranks.py), the engine replicas (engine.replicas) on the GPUs after
+Where things run (nano_miles/engine/handle.py): the trainer on cuda:0 (its ranks on cuda:0..N-1 with
+trainer.nproc=N, nano_miles/trainer/ranks.py), the engine replicas (engine.replicas) on the GPUs after
 them, or beside them, or everything on the CPU. Engines are separate processes (`nano-miles serve`)
 that this loop starts, restarts when they die, and stops at the end; or `--engine-url` (repeatable)
-drives engines somebody else runs (ours or SGLang). Rollouts spread over them (nano_miles/engine_pool.py).
+drives engines somebody else runs (ours or SGLang). Rollouts spread over them (nano_miles/engine/pool.py).
 
-Modes (nano_miles/producer.py): `sync` (on-policy: every rollout uses the latest weights) and `async`
+Modes (nano_miles/rollout/producer.py): `sync` (on-policy: every rollout uses the latest weights) and `async`
 (rollouts for step v+1 are generated while step v trains; a trajectory whose oldest token is more
 than `max_staleness` weight versions behind the trained policy is dropped and counted, newer ones are
 corrected by truncated importance sampling against the engine's log-probs).
@@ -36,28 +36,28 @@ from typing import ClassVar
 import torch
 from transformers import AutoTokenizer
 
-from nano_miles.algorithms import AdvantageConfig, LossConfig
-from nano_miles.checkpoint import Checkpointer, disk_line, export_best, export_model
-from nano_miles.client import EngineUnavailable
+from nano_miles.trainer.loss import AdvantageConfig, LossConfig
+from nano_miles.trainer.checkpoint import Checkpointer, disk_line, export_best, export_model
+from nano_miles.engine.client import EngineUnavailable
 from nano_miles.config import ConfigError, add_config_arguments, config_from_args, to_dict, to_toml
-from nano_miles.distributed import DistError
+from nano_miles.trainer.distributed import DistError
 from nano_miles.dtypes import TRAINABLE
-from nano_miles.dynamic_sampling import TrainRolloutConfig
-from nano_miles.engine_handle import EngineHandle, train_layout
+from nano_miles.rollout.dynamic_sampling import TrainRolloutConfig
+from nano_miles.engine.handle import EngineHandle, train_layout
 from nano_miles.evaluate import RunEvaluation
 from nano_miles.memory_plan import plan_memory, uses_shared_weights
-from nano_miles.producer import AsyncProducer, StepRollout, SyncProducer, TaskStream, roll_out_step, staleness
-from nano_miles.reference import ReferencePolicy
-from nano_miles.rollout_cli import RolloutCommandConfig, model_folder, selected_tasks
-from nano_miles.sandbox_tier import check_sandbox, sandbox_factory
+from nano_miles.rollout.producer import AsyncProducer, StepRollout, SyncProducer, TaskStream, roll_out_step, staleness
+from nano_miles.trainer.reference import ReferencePolicy
+from nano_miles.rollout_command import RolloutCommandConfig, model_folder, selected_tasks
+from nano_miles.rollout.sandbox import check_sandbox, sandbox_factory
 from nano_miles.tasks import training_tasks
 from nano_miles.telemetry import (MetricsLog, check_report_to, memory_gb, parse_report_to, read_metrics, run_summary,
                                   step_metrics)
-from nano_miles.trainer import OptimConfig, Trainer, TrainerConfig
-from nano_miles.trainer_ranks import (RankCheckpointer, TrainerRanks, is_collective_failure, launch_ranks,
+from nano_miles.trainer.trainer import OptimConfig, Trainer, TrainerConfig
+from nano_miles.trainer.ranks import (RankCheckpointer, TrainerRanks, is_collective_failure, launch_ranks,
                                       load_run_checkpoint, rank_device_type, rank_env, run_as_rank)
-from nano_miles.update import policy_update
-from nano_miles.weight_sync import SyncConfig, WeightSync, WeightSyncError
+from nano_miles.trainer.update import policy_update
+from nano_miles.trainer.weight_sync import SyncConfig, WeightSync, WeightSyncError
 
 MODES = ("sync", "async")
 
@@ -163,7 +163,7 @@ class TrainingRun:
                  ranks: TrainerRanks | None = None):
         """make_sandbox: what makes an episode's sandbox (default: a Sandbox of sandbox.min_tier).
         ranks: on rank 0 of N trainer ranks, the handle that builds the sharded trainer and tells the
-        other ranks each collective call (nano_miles/trainer_ranks.py); None for one process."""
+        other ranks each collective call (nano_miles/trainer/ranks.py); None for one process."""
         self.cfg, self.echo, self.ranks = cfg, echo, ranks
         self.started = time.monotonic()
         # Everything that can refuse the run does so before a model is loaded or a directory written:

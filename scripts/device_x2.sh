@@ -18,7 +18,7 @@ nvidia-smi topo -m | head -5 >> "$OUT/gpus.txt"
 step() { local name=$1 limit=$2; shift 2; echo "=== $name (limit ${limit}s)"; timeout -k 5 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"; echo "=== $name rc=${PIPESTATUS[0]}"; }
 # Limits sum to ~350 s so that one call fits a nearly spent device budget; most important first.
 step weight_sync "${WS_LIMIT:-120}" python3 bench/weight_sync.py --watchdog-s "$(( ${WS_LIMIT:-120} - 10 ))" --repeats 4
-step gpu_tests 110 python3 -m pytest -v --timeout 60 -p no:cacheprovider -m gpu -o addopts="" tests/nano_miles/test_weight_sync.py tests/nano_miles/engine/test_weight_updates.py tests/nano_miles/engine/test_engine_gpu.py tests/nano_miles/engine/test_flat_params.py
+step gpu_tests 110 python3 -m pytest -v --timeout 60 -p no:cacheprovider -m gpu -o addopts="" tests/nano_miles/trainer/test_weight_sync.py tests/nano_miles/engine/test_weight_updates.py tests/nano_miles/engine/test_engine_gpu.py tests/nano_miles/engine/test_flat_params.py
 step train_tiny 50 python3 -m nano_miles.cli train --set model=tiny-random-qwen2 --set steps=2 --set run_dir=/tmp/run_tiny --set rollout.max_new_tokens=32 --set sync.verify=true
 step engine_throughput 70 python3 bench/engine_throughput.py --concurrency 256
 [ -n "${WITH_NOP2P:-}" ] && step weight_sync_nop2p 60 env NCCL_P2P_DISABLE=1 python3 bench/weight_sync.py --transports distributed --label nccl-no-p2p --watchdog-s 50 --repeats 3 --parity-tokens 0

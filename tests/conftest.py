@@ -30,14 +30,14 @@ ENGINE_ARGS = ("--num-kv-blocks", "2048", "--max-running-requests", "128", "--di
 
 @pytest.fixture(scope="session")
 def tiny_model_path():
-    from nano_miles.models import resolve_model
+    from nano_miles.models.prepare import resolve_model
 
     return resolve_model("tiny-random-qwen2")
 
 
 @pytest.fixture(scope="session")
 def engine_server(tiny_model_path):
-    from nano_miles.client import start_engine_process
+    from nano_miles.engine.client import start_engine_process
 
     proc = start_engine_process(str(tiny_model_path), device="cpu", dtype="float32", extra_args=ENGINE_ARGS,
                                 ready_timeout=180)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nano_miles import batch_invariant
+from nano_miles.engine import batch_invariant
 from nano_miles.dtypes import DTYPE_NAMES, resolve_dtype
 from nano_miles.engine.flat_params import FlatParameters, wait_for_copies
 from nano_miles.engine.kv_cache import BlockManager, KVCache

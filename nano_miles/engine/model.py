@@ -10,7 +10,7 @@ Padded query rows use position 0 and write into a spare "trash" block, so shapes
 graphs and no row is ever fully masked.
 
 True on-policy mode (`use_batch_invariant_ops()`): every linear, RMSNorm, SiLU, the attention and the
-FP32 logits go through nano_miles/batch_invariant.py, whose results do not depend on the batch or on
+FP32 logits go through nano_miles/engine/batch_invariant.py, whose results do not depend on the batch or on
 how a sequence was split. The trainer runs this same module over whole sequences (`forward_sequences`,
 with the trainer's own parameters bound in by `sharing_parameters`), so its log-probs equal the
 engine's bit for bit.
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from nano_miles import batch_invariant
+from nano_miles.engine import batch_invariant
 
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
 
@@ -268,7 +268,7 @@ class CausalLM(nn.Module):
         return model
 
     def use_batch_invariant_ops(self) -> "CausalLM":
-        """Switch every op to nano_miles/batch_invariant.py (true on-policy mode)."""
+        """Switch every op to nano_miles/engine/batch_invariant.py (true on-policy mode)."""
         self.batch_invariant = True
         for module in self.modules():
             if hasattr(module, "ops"):

@@ -36,7 +36,7 @@ from nano_miles.engine.openai_api import OpenAIRoutes
 from nano_miles.engine.protocol import API_KEY_ENV, RequestError, parse_generate
 from nano_miles.engine.weight_receiver import LARGE_BODY_ROUTES, WeightReceiver
 from nano_miles.engine.worker import EngineWorker
-from nano_miles.models import resolve_model
+from nano_miles.models.prepare import resolve_model
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 

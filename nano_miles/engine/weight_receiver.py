@@ -11,7 +11,7 @@ parameters is swapped in with ONE copy (flat_params.py), anything else tensor by
 the copy is complete and the trainer's buffer released before the answer, which also carries
 timings_ms per phase.
 
-/update_weights_from_shared (a CPU trainer on this machine, nano_miles/shared_weights.py): the first
+/update_weights_from_shared (a CPU trainer on this machine, nano_miles/engine/shared_weights.py): the first
 call maps the trainer's shared-memory weights read-only in place of the engine's own copy (which is
 freed); from then on the trainer's in-place updates are the engine's weights, and each call only
 flushes the KV cache and sets the version. Any other weight update first gives the engine a private

@@ -13,7 +13,7 @@ import queue
 import threading
 import traceback
 
-from nano_miles import heap
+from nano_miles.trainer import heap
 from nano_miles.engine.protocol import RequestError
 
 

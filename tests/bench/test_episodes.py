@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from nano_miles.batch import Trajectory
+from nano_miles.rollout.batch import Trajectory
 
 REPO = Path(__file__).resolve().parents[2]
 

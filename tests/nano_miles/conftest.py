@@ -8,9 +8,9 @@ import socket
 import pytest
 import torch
 
-from nano_miles.distributed import destroy_distributed, init_distributed, launch
-from nano_miles.trainer import Trainer
-from tests.nano_miles import sharded_ranks
+from nano_miles.trainer.distributed import destroy_distributed, init_distributed, launch
+from nano_miles.trainer.trainer import Trainer
+from tests.nano_miles.trainer import sharded_ranks
 
 
 @pytest.fixture(scope="session")

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from nano_miles.checkpoint import disk_line
+from nano_miles.trainer.checkpoint import disk_line
 from nano_miles.config import load_config, parse_set
-from nano_miles.engine_handle import plan_layout
+from nano_miles.engine.handle import plan_layout
 from nano_miles.memory_plan import GB, MemoryCheckError, estimate, machine_memory, plan_memory, uses_shared_weights
-from nano_miles.models import resolve_model
+from nano_miles.models.prepare import resolve_model
 from nano_miles.train import TrainConfig
-from nano_miles.trainer import Trainer, TrainerConfig
+from nano_miles.trainer.trainer import Trainer, TrainerConfig
 
 REPO = Path(__file__).resolve().parents[2]
 QWEN_05B = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 151936, "hidden_size": 896,

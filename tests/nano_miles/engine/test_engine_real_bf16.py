@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from nano_miles.engine.engine import Engine, EngineConfig, SamplingParams
-from nano_miles.models import DEFAULT_MODEL, resolve_model
+from nano_miles.models.prepare import DEFAULT_MODEL, resolve_model
 
 QUESTIONS = ["Write a shell command that counts the lines in the file notes.txt.",
              "What does `ls -la` print?",

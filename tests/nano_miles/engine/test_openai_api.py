@@ -5,7 +5,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from nano_miles.client import start_engine_process
+from nano_miles.engine.client import start_engine_process
 
 CHAT = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "List the files."}]
 
@@ -94,8 +94,8 @@ def test_the_api_key_is_required(engine_server):
 
 
 def test_a_trained_final_folder_serves_openai_clients(tiny_model_path, tmp_path):
-    from nano_miles.checkpoint import export_model
-    from nano_miles.trainer import Trainer, TrainerConfig
+    from nano_miles.trainer.checkpoint import export_model
+    from nano_miles.trainer.trainer import Trainer, TrainerConfig
 
     final = export_model(Trainer(TrainerConfig(model=str(tiny_model_path))), str(tiny_model_path), tmp_path / "final")
     with start_engine_process(str(final), dtype="float32", extra_args=("--num-kv-blocks", "64", "--threads", "1",

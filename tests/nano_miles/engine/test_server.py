@@ -73,7 +73,7 @@ def test_batch_is_a_list_in_order(engine_client):
 def test_64_concurrent_requests_match_one_at_a_time(engine_server, engine_client):
     import asyncio
 
-    from nano_miles.client import AsyncEngineClient
+    from nano_miles.engine.client import AsyncEngineClient
 
     prompts = [[(7 * i + j) % 1000 + 3 for j in range(5 + i % 7)] for i in range(8)]
     alone = [greedy(engine_client, p, 10, ignore_eos=True)["output_ids"] for p in prompts]
@@ -186,7 +186,7 @@ def test_abort_request_finishes_it_with_abort(engine_server, engine_client):
 
 
 def test_flush_cache_refused_while_requests_run(engine_server, engine_client):
-    from nano_miles.client import EngineRequestError
+    from nano_miles.engine.client import EngineRequestError
 
     box = {}
     t = _long_request(engine_server.client(), "busy", box)
@@ -244,7 +244,7 @@ def test_stop_strings_without_a_tokenizer_are_one_400_line(tiny_model_path, tmp_
     one line, and the server keeps serving requests without stop strings."""
     import shutil
 
-    from nano_miles.client import start_engine_process
+    from nano_miles.engine.client import start_engine_process
     from tests.conftest import ENGINE_ARGS
 
     bare = tmp_path / "no-tokenizer"
@@ -304,7 +304,7 @@ def test_invalid_json_is_400(engine_server, raw):
 
 
 def test_duplicate_rid_in_flight_is_refused(engine_server, engine_client):
-    from nano_miles.client import EngineRequestError
+    from nano_miles.engine.client import EngineRequestError
 
     box = {}
     t = _long_request(engine_server.client(), "dup", box)

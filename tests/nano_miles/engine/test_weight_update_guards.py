@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from nano_miles.client import EngineRequestError
+from nano_miles.engine.client import EngineRequestError
 from nano_miles.engine import weights as W
 from tests.nano_miles.engine.test_weight_updates import direct, folder_state, free_port, served_checksums, version
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from nano_miles.client import EngineRequestError
+from nano_miles.engine.client import EngineRequestError
 from nano_miles.engine import weight_group as G
 from nano_miles.engine import weights as W
 from tests.nano_miles.engine.test_server import hf_model, teacher_forced_logprobs
@@ -222,7 +222,7 @@ def test_pause_update_continue_like_slime(engine_server, engine_client, tiny_mod
 def test_async_sync_pauses_in_place_instead_of_waiting_for_a_drain(engine_server, engine_client, tiny_model_path):
     """train's async mode: a sync while a long request runs neither waits for it nor aborts it; the
     request then reports the weights its first tokens came from, so staleness is not understated."""
-    from nano_miles.weight_sync import WeightSync
+    from nano_miles.trainer.weight_sync import WeightSync
 
     before = version(engine_client)
     box = {}
@@ -289,7 +289,7 @@ def test_bucket_by_bytes_keeps_order_and_limit():
 
 CUDA_TRAINER = """
 import sys, torch
-from nano_miles.client import EngineClient
+from nano_miles.engine.client import EngineClient
 from nano_miles.engine import weight_group as G
 from nano_miles.engine import weights as W
 from safetensors.torch import load_file
@@ -310,7 +310,7 @@ def test_cuda_ipc_bucket_from_another_process_on_the_same_gpu(tiny_model_path):
     import subprocess
     import sys
 
-    from nano_miles.client import start_engine_process
+    from nano_miles.engine.client import start_engine_process
 
     with start_engine_process(str(tiny_model_path), device="cuda:0", dtype="bfloat16",
                               extra_args=("--num-kv-blocks", "256")) as engine:

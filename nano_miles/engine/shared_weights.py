@@ -1,0 +1,134 @@
+"""One copy of the weights for a CPU trainer and a CPU engine on one machine, in shared memory.
+
+Without it a CPU-only machine holds the model twice (2 GB each in FP32 for Qwen2.5-0.5B: the
+trainer's parameters and the engine's) and every sync copies it across. Here, as in slime's colocated
+mode and verl's hybrid engine, the trainer's tensors that the engine serves live in ONE anonymous
+shared-memory file (a memfd), which the engine maps read-only in place of its own copy. The trainer's
+in-place optimizer step then IS the weight update, and a "sync" is a version bump plus a KV-cache
+flush (weight_sync's `shared` transport, the engine's /update_weights_from_shared route).
+
+That is only right while the engine never generates during the trainer's writes: `mode=sync`, where
+each step's rollouts finish before its update. `mode=async` rolls out during the update and needs a
+real copy (the other transports).
+
+Both ends are here, as in engine/weights.py. The trainer side (`SharedWeights`) moves the tensors into
+the memfd (rebinding `tensor.data`, so the Parameter objects, the optimizer's references and tied
+weights stay as they are) and names it to the engine as /proc/<pid>/fd/<n>. The memfd is freed when
+the last process holding it (open or mapped) exits: a killed run leaves nothing in /dev/shm.
+The engine side (`map_shared`) validates a manifest (name, dtype, shape, byte offset of each tensor)
+against the engine's parameters and returns read-only views: an engine bug that wrote into them would
+fault instead of silently changing the trainer's weights.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import warnings
+
+import torch
+
+from nano_miles.dtypes import DTYPES, dtype_name
+from nano_miles.trainer.heap import release_free_heap  # the copies freed once weights move here
+
+ALIGN_BYTES = 64  # every tensor starts on a cache line (and any dtype's alignment)
+
+
+class SharedWeightsError(ValueError):
+    """A manifest or file that cannot be mapped as the engine's weights."""
+
+
+def _aligned(offset: int) -> int:
+    return (offset + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
+
+
+class SharedWeights:
+    """The trainer side: (name, tensor) pairs moved into one memfd-backed buffer, in place."""
+
+    def __init__(self, named_tensors):
+        named = [(n, t) for n, t in named_tensors]
+        if not named:
+            raise ValueError("nothing to share")
+        if any(t.device.type != "cpu" for _, t in named):
+            raise ValueError("shared weights are for CPU tensors (a GPU trainer syncs over CUDA IPC)")
+        self.manifest, offset = [], 0
+        for name, t in named:
+            offset = _aligned(offset)
+            self.manifest.append([name, dtype_name(t.dtype), list(t.shape), offset])
+            offset += t.numel() * t.element_size()
+        self.nbytes = offset
+        self.fd = os.memfd_create("nano-miles-weights", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, max(offset, 1))
+        self.buffer = torch.from_file(f"/proc/self/fd/{self.fd}", shared=True, size=max(offset, 1), dtype=torch.uint8)
+        with torch.no_grad():
+            for (name, t), (_, _, shape, start) in zip(named, self.manifest):
+                view = self.buffer[start:start + t.numel() * t.element_size()].view(t.dtype).view(shape)
+                view.copy_(t)
+                t.data = view  # the same tensor object, now backed by the shared buffer
+        release_free_heap()
+        self.owner_pid = os.getpid()
+
+    @property
+    def path(self) -> str:
+        """What another process opens to map the buffer (while this process lives)."""
+        return f"/proc/{self.owner_pid}/fd/{self.fd}"
+
+    def close(self) -> None:
+        """Close our descriptor; the memory lives on while tensors (or an engine) still map it."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def map_shared(path: str, manifest, expected: dict[str, tuple[tuple[int, ...], torch.dtype]],
+               skip=lambda name: False) -> dict[str, torch.Tensor]:
+    """The engine side: {name: read-only tensor view} of the file at `path`, laid out as `manifest`
+    ([name, dtype, shape, byte offset] per tensor). Every name in `expected` (name -> (shape, dtype),
+    the engine's parameters) must be there with its shape and dtype; names for which skip(name) is
+    true (what the engine derives itself: a tied lm_head) are left out; anything else is refused."""
+    if not isinstance(path, str) or not path:
+        raise SharedWeightsError("path (the trainer's shared weights file) is required")
+    if not isinstance(manifest, list) or not manifest:
+        raise SharedWeightsError("manifest must be a non-empty list of [name, dtype, shape, offset]")
+    entries, seen = [], set()
+    for entry in manifest:
+        if not (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[0], str) and isinstance(entry[1], str)
+                and isinstance(entry[2], list) and all(isinstance(d, int) and d >= 0 for d in entry[2])
+                and isinstance(entry[3], int) and not isinstance(entry[3], bool) and entry[3] >= 0):
+            raise SharedWeightsError(f"bad manifest entry {str(entry)[:120]}: need [name, dtype, shape, offset]")
+        name, dtype, shape, start = entry
+        if name in seen:
+            raise SharedWeightsError(f"{name} appears twice in the manifest")
+        seen.add(name)
+        if name not in expected and skip(name):
+            continue
+        if name not in expected:
+            raise SharedWeightsError(f"unknown parameter name {name!r}")
+        if DTYPES.get(dtype) is None:
+            raise SharedWeightsError(f"{name}: unknown dtype {dtype!r}")
+        want_shape, want_dtype = expected[name]
+        if tuple(shape) != tuple(want_shape) or DTYPES[dtype] != want_dtype:
+            raise SharedWeightsError(f"{name}: {dtype} {shape} in the manifest, the engine has "
+                                     f"{dtype_name(want_dtype)} {list(want_shape)}")
+        if start % DTYPES[dtype].itemsize:
+            raise SharedWeightsError(f"{name}: offset {start} is not aligned to its dtype")
+        entries.append((name, DTYPES[dtype], shape, start))
+    missing = sorted(set(expected) - seen)
+    if missing:
+        raise SharedWeightsError(f"the manifest lacks {len(missing)} parameters, e.g. {missing[:3]}")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        raise SharedWeightsError(f"cannot open {path}: {e.strerror} (trainer and engine must share a machine)") from None
+    try:
+        size = os.fstat(fd).st_size
+        end = max(start + torch.Size(shape).numel() * dtype.itemsize for _, dtype, shape, start in entries)
+        if size < end:
+            raise SharedWeightsError(f"{path} holds {size} bytes; the manifest needs {end}")
+        mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    with warnings.catch_warnings():  # "not writable": read-only is the point
+        warnings.simplefilter("ignore", UserWarning)
+        buffer = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive
+    return {name: buffer[start:start + torch.Size(shape).numel() * dtype.itemsize].view(dtype).view(shape)
+            for name, dtype, shape, start in entries}

@@ -1,0 +1,1 @@
+"""Models by name: the packaged GGUF model, the tiny random test model, HF folders."""

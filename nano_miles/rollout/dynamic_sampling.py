@@ -1,0 +1,97 @@
+"""DAPO's dynamic sampling: train only on groups whose samples disagree, and keep the batch full.
+
+A group whose samples all got the same reward (all solved, or none) has a GRPO advantage of exactly
+0 for every sample: it costs an update and teaches nothing. With `rollout.dynamic_sampling` a step
+rolls out its `tasks_per_step` groups, drops the groups without a signal, and takes more tasks from
+the run's task stream for the groups still missing, round after round, until the batch is full or
+`rollout.max_sampling_rounds` rounds have run (verl: algorithm.filter_groups with
+max_num_gen_batches; `rollout.oversample` is its gen_batch_size / train_batch_size). A step that
+hits the bound trains on the groups it has, or skips its update when it has none, and its metrics
+say so (`sampling_note`). Surplus groups of an oversampled round are rolled out, counted and not
+trained on, as verl does. (`advantage.filter_zero_variance` drops such groups at the update without
+refilling: the batch shrinks instead.)
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from nano_miles.rollout.episode import RolloutConfig
+
+
+@dataclass
+class TrainRolloutConfig(RolloutConfig):
+    """rollout.* of `nano-miles train`: the rollout keys of every command, and how training picks and
+    fills its groups (dynamic sampling, passing over saturated tasks, guidance)."""
+    dynamic_sampling: bool = False   # DAPO: drop groups whose rewards are all equal (no signal) and refill the step's batch from the task stream
+    max_sampling_rounds: int = 3     # dynamic sampling: rollout rounds per step at most (the first included); then it trains on the groups it has
+    oversample: float = 1.0          # dynamic sampling: each round rolls out this many times the groups still missing (verl's gen_batch_size / train_batch_size)
+    pass_over_saturated: int = 0     # a task whose last group had equal rewards (all solved, or none) is passed over at its next N appearances in the task stream; 0 = off
+    guide_unsolved: bool = False     # a group no sample solved gets the task's scripted solution as one of its samples (nano_miles/rollout/guidance.py)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.max_sampling_rounds < 1:
+            raise ValueError(f"rollout.max_sampling_rounds must be >= 1, got {self.max_sampling_rounds}")
+        if not 0 <= self.pass_over_saturated <= 100:
+            raise ValueError(f"rollout.pass_over_saturated must be in [0, 100] (0 = off), got {self.pass_over_saturated}")
+        if not self.oversample >= 1.0:
+            raise ValueError(f"rollout.oversample must be >= 1, got {self.oversample}")
+        if self.dynamic_sampling and self.group_size < 2:
+            raise ValueError("rollout.dynamic_sampling needs rollout.group_size >= 2: a group of one sample never "
+                             "has a learning signal, so every group would be dropped")
+
+    def round_size(self, missing: int) -> int:
+        """Groups to roll out when `missing` are still needed."""
+        return math.ceil(missing * self.oversample) if self.dynamic_sampling else missing
+
+
+def has_signal(group: list) -> bool:
+    """At least two samples that training would use (not lost to the sandbox) with different rewards."""
+    rewards = {t.reward for t in group if t.finish_reason != "infra_error"}
+    return len(rewards) > 1
+
+
+def split_groups(trajs: list) -> tuple[list[list], list[list]]:
+    """The groups of `trajs` (by group id, in order), as (with a signal, without one)."""
+    groups: dict[str, list] = {}
+    for t in trajs:
+        groups.setdefault(t.group_id, []).append(t)
+    with_signal = [g for g in groups.values() if has_signal(g)]
+    return with_signal, [g for g in groups.values() if not has_signal(g)]
+
+
+@dataclass
+class SamplingTally:
+    """What a step's rounds rolled out and what it kept, for its metrics."""
+    enabled: bool
+    target: int                 # tasks_per_step
+    generated: int = 0          # groups rolled out (tasks taken from the stream), every round
+    kept: int = 0               # groups handed to the update
+    without_signal: int = 0     # groups whose rewards were all equal (or lost): dropped when enabled
+    rounds: int = 0
+    max_rounds: int = 1
+    passed_over: int = 0        # task appearances the stream passed over (rollout.pass_over_saturated)
+    guided: int = 0             # groups given a scripted sample (rollout.guide_unsolved)
+    guide_rejected: int = 0     # unsolved groups left unguided: their scripted episode was not judged correct
+
+    @property
+    def dropped(self) -> int:
+        return self.without_signal if self.enabled else 0
+
+    @property
+    def note(self) -> str | None:
+        """Why the batch is not full, when dynamic sampling could not fill it."""
+        if not self.enabled or self.kept >= self.target:
+            return None
+        return (f"dynamic sampling: {self.kept} of {self.target} groups with a learning signal after "
+                f"{self.rounds} round(s) ({self.generated} groups rolled out, {self.without_signal} with equal "
+                f"rewards; rollout.max_sampling_rounds={self.max_rounds}): "
+                + ("trained on those" if self.kept else "nothing to train on, update skipped"))
+
+    def metrics(self) -> dict:
+        share = self.generated and 1 / self.generated
+        return {"groups_generated": self.generated, "groups_kept": self.kept, "groups_dropped": self.dropped,
+                "dropped_group_share": self.dropped * share, "zero_variance_share": self.without_signal * share,
+                "sampling_rounds": self.rounds, "sampling_note": self.note, "tasks_passed_over": self.passed_over,
+                "groups_guided": self.guided, "groups_guide_rejected": self.guide_rejected}

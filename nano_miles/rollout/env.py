@@ -1,0 +1,330 @@
+"""OpenShellEnv: one episode of a shell task, played through text turns in a real sandbox.
+
+The protocol the policy is taught (system prompt + one-shot example):
+    <bash>COMMAND</bash>   run one command in the episode's sandbox; the output comes back as a tool turn
+    <answer>TEXT</answer>  finish; the task's verifier decides
+
+Reward components, all recorded on the trajectory:
+    correct        1.0 when the verifier accepts the answer (and the workspace check passes)
+    exec_ok        +0.1 once the episode has run a command that exits 0 (capped at 0.1: one command's
+                   worth). With a cap of two commands' worth, policies learnt to pad every episode
+                   with a second harmless command (`echo ...; exit 0`) for the extra 0.1: 174 of 184
+                   held-out episodes of a 120-step run did (docs/benchmarks.md, 2026-12-02).
+                   Forfeited by an episode that ends without an answer (turn limit, token budget),
+                   or running commands and never answering would outpay a wrong answer (a policy
+                   trained at lr 1e-5 collapsed onto exactly that: docs/benchmarks.md, headline runs)
+    format         -0.1 per turn with neither a <bash> block nor an <answer> (or an empty or refused command)
+    timeout        -0.1 per command that hit its time limit
+    infra_failures sandbox failures (not the policy's fault): counted, earn nothing, end the episode
+
+The token-level side of the chat template (prompt ids, stop ids, observation turns) is in
+chat_format.py.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import threading
+from dataclasses import dataclass
+
+from nano_openshell.sandbox import SandboxError
+
+from nano_miles.tasks.api import (WORKDIR, Attempt, SetupError, Task, TaskInstance, TaskUnavailable, Workspace,
+                                 in_workdir, verify)
+
+SYSTEM_PROMPT = """You solve tasks by running commands in a Linux shell (bash, coreutils, python3).
+Each reply must do exactly one of these two things:
+<bash>COMMAND</bash> runs COMMAND in the task's working directory; you then see its output, stderr and exit code.
+<answer>VALUE</answer> gives your final answer and ends the task. Put only the requested value inside.
+Run one command per reply. Look at the output before answering."""
+
+# The one-shot example before the task, by name (rollout.env.prompt_example). "one_step": one
+# command, then the answer. "multi_step": a command that fails, its fix, a check of the written
+# file, then the answer -- it shows a small model that errors are read and fixed, and that a task
+# may need several commands (measured: the base model then takes ~3.5 turns an episode, not ~2).
+PROMPT_EXAMPLES = {
+    "one_step": [
+        ("user", "How many lines does greeting.txt contain? Answer with the number."),
+        ("assistant", "<bash>wc -l < greeting.txt</bash>"),
+        ("tool", "3\n[exit code 0]"),
+        ("assistant", "<answer>3</answer>"),
+    ],
+    "multi_step": [
+        ("user", "Write the number of lines of notes/todo.txt into count.txt, then answer with that number."),
+        ("assistant", "<bash>wc -l < todo.txt > count.txt</bash>"),
+        ("tool", "[stderr]\n/bin/bash: line 2: todo.txt: No such file or directory\n[exit code 1]"),
+        ("assistant", "<bash>wc -l < notes/todo.txt > count.txt</bash>"),
+        ("tool", "[exit code 0]"),
+        ("assistant", "<bash>cat count.txt</bash>"),
+        ("tool", "3\n[exit code 0]"),
+        ("assistant", "<answer>3</answer>"),
+    ],
+}
+
+ACTION_END_TAGS = ("</bash>", "</answer>")  # the rollout's stop strings: an action ends a turn
+BASH_RE = re.compile(r"<bash>(.*?)</bash>", re.DOTALL)
+ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+FORMAT_ERROR = ("Format error: reply with <bash>COMMAND</bash> to run a command, or <answer>VALUE</answer> to "
+                "finish. Both tags must be closed.")
+
+
+def prompt_messages(instruction: str, example: str = "one_step") -> list[dict]:
+    """System prompt, the one-shot example exchange, then the task."""
+    shots = [{"role": role, "content": text} for role, text in PROMPT_EXAMPLES[example]]
+    return [{"role": "system", "content": SYSTEM_PROMPT}, *shots, {"role": "user", "content": instruction}]
+
+
+@dataclass
+class EnvConfig:
+    max_turns: int = 6                 # model turns before the episode is cut off
+    max_total_tokens: int = 4096       # prompt + response token budget (enforced by the rollout)
+    command_timeout: float = 10.0      # seconds per command
+    max_observation_chars: int = 1500  # tool output past this is cut, with a marker saying how much
+    correct_reward: float = 1.0        # reward for an answer the verifier accepts
+    exec_ok_bonus: float = 0.1         # shaping: per distinct command that exits 0 (only when the episode answers)
+    exec_ok_cap: float = 0.1           # shaping: at most this much exec_ok_bonus per episode (more pays padding)
+    format_penalty: float = -0.1       # per turn with neither <bash> nor <answer> (or an empty or refused command)
+    timeout_penalty: float = -0.1      # per command that ran past command_timeout
+    prompt_example: str = "one_step"   # the example exchange before the task: one_step | multi_step (env.py)
+
+    def __post_init__(self):
+        if self.max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
+        if self.prompt_example not in PROMPT_EXAMPLES:
+            raise ValueError(f"prompt_example must be one of {', '.join(PROMPT_EXAMPLES)}, got {self.prompt_example!r}")
+        if self.exec_ok_cap >= self.correct_reward:
+            raise ValueError("exec_ok_cap must stay below correct_reward, or shaping outpays solving the task")
+
+
+@dataclass
+class StepResult:
+    observation: str | None   # tool-turn content for the next turn; None once the episode is over
+    done: bool
+    kind: str                 # exec | timeout | format_error | answer | max_turns | infra_error
+
+
+def parse_action(text: str) -> tuple[str, str] | None:
+    """('bash', cmd) or ('answer', value) from the first closed tag in the text, else None."""
+    found = [(m.start(), kind, m.group(1)) for kind, rx in (("bash", BASH_RE), ("answer", ANSWER_RE))
+             for m in [rx.search(text)] if m]
+    if not found:
+        return None
+    _, kind, body = min(found)
+    return kind, body.strip()
+
+
+def format_output(r, cfg: EnvConfig) -> str:
+    """The tool-turn text for one command: stdout, stderr, then the exit status; cut past the cap."""
+    parts = []
+    if r.stdout:
+        parts.append(r.stdout.rstrip("\n"))
+    if r.stderr:
+        parts.append("[stderr]\n" + r.stderr.rstrip("\n"))
+    body = "\n".join(parts)
+    if len(body) > cfg.max_observation_chars:
+        body = body[:cfg.max_observation_chars] + f"\n[... {len(body) - cfg.max_observation_chars} more characters cut]"
+    elif getattr(r, "truncated", False):
+        body += "\n[... output cut by the sandbox]"
+    status = (f"[timed out after {cfg.command_timeout:g}s]" if r.timed_out else f"[exit code {r.exit_code}]")
+    return (body + "\n" + status) if body else status
+
+
+class OpenShellEnv:
+    """One episode: reset() prepares the sandbox and the task; step(action_text) plays one turn."""
+
+    def __init__(self, task: Task, seed: int, config: EnvConfig | None = None, sandbox_factory=None):
+        self.task, self.seed = task, seed
+        self.cfg = config or EnvConfig()
+        self.sandbox_factory = sandbox_factory or default_sandbox
+        self.sandbox = None
+        self.workdir: str | None = None
+        self.instance: TaskInstance | None = None
+        self.turns = 0
+        self.done = False
+        self.finish_reason = ""
+        self.answer: str | None = None
+        self.infra_error: str | None = None   # what broke, when the sandbox failed mid-episode
+        self.components = {"correct": 0.0, "exec_ok": 0.0, "format": 0.0, "timeout": 0.0, "infra_failures": 0}
+        self._ok_commands: set[str] = set()
+        self.last_command: str | None = None   # the last command run and its output (scoring by execution)
+        self.last_output: str | None = None
+        self.last_observation: str | None = None  # the last tool turn's text (a scripted policy answers from it)
+        # reset/step run in worker threads that a cancelled caller cannot stop; close() takes the same
+        # lock, so it waits for the one in flight and no setup can create a sandbox after close.
+        self._busy = threading.Lock()
+        self._closed = False
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def reset(self) -> list[dict]:
+        """Create the sandbox, run the task's setup; returns the chat messages of the prompt.
+
+        Raises SetupError when the sandbox cannot run the setup (infrastructure, not the policy)."""
+        with self._busy:
+            return self._reset()
+
+    def _reset(self) -> list[dict]:
+        if self._closed:
+            raise SetupError(f"task {self.task.id}: the episode was closed before its setup ran")
+        try:
+            self.sandbox = self._new_sandbox()
+            self.workdir = self.sandbox.workspace   # a fresh directory the sandbox owns and removes
+            self.instance = self.task.setup(self._workspace(), random.Random(self.seed))
+        except SetupError as e:
+            self._close()
+            raise type(e)(f"{self._name()}: {e}") from e
+        except Exception as e:  # the sandbox could not start or exec: an infrastructure failure
+            self._close()
+            raise SetupError(f"{self._name()}: sandbox failed during setup: {type(e).__name__}: {e}") from e
+        return self.messages()
+
+    def _name(self) -> str:
+        """The task as error lines name it: its file or module, then its id."""
+        return f"{self.task.source}: task {self.task.id!r}" if self.task.source else f"task {self.task.id!r}"
+
+    def _workspace(self) -> Workspace:
+        return Workspace(self.sandbox, self.workdir, new_sandbox=self._new_sandbox)
+
+    def _new_sandbox(self):
+        """A sandbox for this task: with its directories mounted at their fixed paths, if it has any."""
+        if not self.task.mounts:
+            return self.sandbox_factory()
+        paths = ", ".join(self.task.mounts)
+        try:  # the episode's workspace is at WORKDIR already: only the other paths are mounts
+            sandbox = self.sandbox_factory(mounts={m: None for m in self.task.mounts if m != WORKDIR})
+        except TypeError as e:  # a factory (or Sandbox) that takes no mounts
+            raise TaskUnavailable(f"needs directories at fixed paths ({paths}), which this sandbox cannot "
+                                  f"mount: {e}") from e
+        except SandboxError as e:  # the tier cannot mount (fallback): said in the error
+            raise TaskUnavailable(f"needs directories at fixed paths ({paths}): {e}") from e
+        if sandbox.tier != "namespaced":
+            sandbox.close()
+            raise TaskUnavailable(f"needs directories at fixed paths ({paths}): the {sandbox.tier} tier has no "
+                                  "mount namespace, so it cannot put them there")
+        return sandbox
+
+    def messages(self) -> list[dict]:
+        return prompt_messages(self.instance.instruction, self.cfg.prompt_example)
+
+    def close(self) -> None:
+        with self._busy:
+            self._closed = True
+            self._close()
+
+    def _close(self) -> None:
+        if self.sandbox is not None:
+            try:
+                self.sandbox.close()
+            finally:
+                self.sandbox = None
+        self.workdir = None
+
+    # -- turns ---------------------------------------------------------------------------------------
+    def step(self, action_text: str) -> StepResult:
+        with self._busy:
+            kind, body = self._begin_turn(action_text)
+            if kind != "bash":
+                return self._non_exec(kind, body)
+            cmd = in_workdir(body, self.task.workdir)
+            try:
+                r = self.sandbox.exec(cmd, timeout=self.cfg.command_timeout)
+            except ValueError as e:  # the sandbox refused the command itself (a NUL byte...): the policy's fault
+                return self._format_error(f"Command refused: {e}.")
+            except Exception as e:
+                return self._infra_failure(e)
+            return self._after_exec(body, r)
+
+    async def astep(self, action_text: str, executor=None) -> StepResult:
+        """step() in a worker thread (commands and verifier checks block)."""
+        return await asyncio.get_running_loop().run_in_executor(executor, self.step, action_text)
+
+    def end(self, reason: str) -> None:
+        """End the episode from outside (the rollout's token budget, an engine that stopped)."""
+        if not self.done:
+            self._cut_off(reason)
+
+    def _cut_off(self, reason: str) -> None:
+        self.done, self.finish_reason = True, reason
+        self.components["exec_ok"] = 0.0  # no answer, no shaping (see the module docstring)
+
+    @property
+    def reward(self) -> float:
+        if self.components["infra_failures"]:
+            return 0.0
+        c = self.components
+        return round(c["correct"] + c["exec_ok"] + c["format"] + c["timeout"], 6)
+
+    # -- internals -----------------------------------------------------------------------------------
+    def _begin_turn(self, action_text: str) -> tuple[str, str]:
+        if self.done:
+            raise RuntimeError(f"episode of {self.task.id} is over ({self.finish_reason}); call reset()")
+        if self.instance is None:
+            raise RuntimeError("call reset() before step()")
+        self.turns += 1
+        parsed = parse_action(action_text)
+        if parsed is None or parsed == ("bash", ""):  # an empty <bash></bash> runs nothing
+            return "format_error", ""
+        return parsed
+
+    def _after_exec(self, cmd: str, r) -> StepResult:
+        self.last_command, self.last_output = cmd, r.stdout + r.stderr
+        if r.timed_out:
+            self.components["timeout"] = round(self.components["timeout"] + self.cfg.timeout_penalty, 6)
+            kind = "timeout"
+        else:
+            kind = "exec"
+            if r.exit_code == 0 and cmd not in self._ok_commands:
+                self._ok_commands.add(cmd)
+                self.components["exec_ok"] = round(min(self.cfg.exec_ok_cap,
+                                                       self.components["exec_ok"] + self.cfg.exec_ok_bonus), 6)
+        return self._next(format_output(r, self.cfg), kind)
+
+    def _non_exec(self, kind: str, body: str) -> StepResult:
+        if kind == "answer":
+            self.answer = body
+            try:
+                ok = self._judge(body)
+            except Exception as e:
+                return self._infra_failure(e)
+            self.components["correct"] = self.cfg.correct_reward if ok else 0.0
+            self.done, self.finish_reason = True, "answer"
+            return StepResult(None, True, "answer")
+        return self._format_error(FORMAT_ERROR)
+
+    def _judge(self, answer: str) -> bool:
+        """The task's verifier; a task scored by execution (ALFA) also records its metrics."""
+        if self.instance.score is None:
+            return verify(self.instance, answer, self._workspace())
+        metrics = dict(self.instance.score(Attempt(answer, self.last_command, self.last_output, self._workspace())))
+        correct = bool(metrics.pop("correct"))
+        self.components.update({k: float(v) for k, v in metrics.items()})
+        return correct
+
+    def _format_error(self, observation: str) -> StepResult:
+        self.components["format"] = round(self.components["format"] + self.cfg.format_penalty, 6)
+        return self._next(observation, "format_error")
+
+    def _next(self, observation: str, kind: str) -> StepResult:
+        if self.turns >= self.cfg.max_turns:
+            self._cut_off("max_turns")
+            return StepResult(None, True, "max_turns")
+        self.last_observation = observation
+        return StepResult(observation, False, kind)
+
+    def _infra_failure(self, e: Exception) -> StepResult:
+        self.infra_failed(f"{type(e).__name__}: {e}")
+        return StepResult(None, True, "infra_error")
+
+    def infra_failed(self, why: str) -> None:
+        """End the episode as an infrastructure failure (the sandbox or the engine broke, not the
+        policy): it earns nothing and is counted, never trained on or scored."""
+        self.components["infra_failures"] += 1
+        self.done, self.finish_reason = True, "infra_error"
+        self.infra_error = why
+
+
+def default_sandbox(mounts: dict | None = None):
+    """One sandbox per episode, with its own fresh workspace (removed on close), no network; a task's
+    fixed paths (mounts={path: None}) are fresh directories of its own, removed with it too."""
+    from nano_openshell import Sandbox
+    return Sandbox(mounts=mounts)

@@ -1,0 +1,263 @@
+"""Token-in-token-out (TITO) multi-turn rollouts over one or many engines.
+
+Per episode the prefix is a list of token ids that only ever grows:
+
+    prompt | act_1 | obs_1 | act_2 | obs_2 | ... | act_K
+
+- act_k: the engine's output_ids exactly as returned (stop token included; no_stop_trim), with the
+  engine's log-probs, loss mask True. By default generation also stops at the token that closes an
+  action (`</bash>`, `</answer>`: SGLang stop strings), so nothing after it is sampled or trained on.
+- obs_k: the observation turn (close the assistant turn if the model did not, the tool output, the
+  next assistant header) encoded ON ITS OWN, log-prob 0.0, loss mask False.
+The full history is never re-encoded: re-encoding the rendered text can merge BPE pieces across a
+turn boundary and shift every later token away from the log-prob it was sampled with (see
+tests/nano_miles/rollout/test_tito.py for a real case). After every turn we assert the old prefix is an exact
+prefix of the new one.
+
+Engines are reached only through the SGLang /generate protocol, so a real SGLang server works too.
+Each group (the G samples of one task) goes to one engine, so its shared prompt hits the prefix cache;
+which one, and what happens when it dies, is nano_miles/engine/pool.py's GroupRouter.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import sys
+import uuid
+from dataclasses import dataclass, field
+
+from nano_miles.rollout.batch import Trajectory
+from nano_miles.rollout.chat_format import ChatFormat
+from nano_miles.engine.client import EngineError, EngineUnavailable
+from nano_miles.engine.pool import EnginePool, GroupRouter
+from nano_miles.rollout.env import ACTION_END_TAGS, EnvConfig, OpenShellEnv
+from nano_miles.tasks.api import SetupError, Task, TaskUnavailable
+
+
+@dataclass
+class RolloutConfig:
+    group_size: int = 4              # samples per task (a GRPO group: same files, same ground truth)
+    max_new_tokens: int = 256        # tokens the model may write per turn
+    temperature: float = 1.0         # sampling temperature; train's log-probs are of softmax(logits / T), the distribution sampled (0 = greedy: eval only)
+    top_p: float = 1.0               # nucleus sampling mass (1 = off)
+    top_k: int = -1                  # sample among the k likeliest tokens (-1 = off)
+    stop_at_action_end: bool = True  # a turn ends at </bash> or </answer>: text after an action is never sampled, run or trained on (a 2026-12-02 run's policy drifted into 500-token tails there)
+    max_concurrency: int = 64        # episodes in flight at once (each holds a sandbox)
+    request_timeout: float = 600.0   # seconds per /generate call, queueing included (slow CPU engines)
+    env: EnvConfig = field(default_factory=EnvConfig)
+
+    def __post_init__(self):
+        if self.group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {self.group_size}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+class TITOViolation(AssertionError):
+    """The prefix stopped being an exact prefix of the new sequence: a bug, never a model error."""
+
+
+def sampling_params(cfg: RolloutConfig, fmt: ChatFormat, max_new_tokens: int) -> dict:
+    return {"max_new_tokens": max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
+            "top_k": cfg.top_k, "stop_token_ids": fmt.stop_ids, "no_stop_trim": True,
+            "stop": list(ACTION_END_TAGS) if cfg.stop_at_action_end else [],
+            "skip_special_tokens": False, "spaces_between_special_tokens": False}
+
+
+def parse_generate_response(resp: dict) -> tuple[list[int], list[float], str, str]:
+    """output ids, their log-probs, the finish type and the weight version from a /generate reply."""
+    try:
+        meta = resp["meta_info"]
+        ids = [int(i) for i in resp["output_ids"]]
+        # SGLang: output_token_logprobs = [[logprob, token_id, text_or_null], ...]
+        lps = [float(e[0]) for e in meta["output_token_logprobs"]]
+        if [int(e[1]) for e in meta["output_token_logprobs"]] != ids:
+            raise ValueError("output_token_logprobs token ids differ from output_ids")
+    except (KeyError, TypeError, IndexError, ValueError) as e:
+        raise ValueError(f"malformed /generate response ({e}): {str(resp)[:300]}") from e
+    fr = meta.get("finish_reason") or {}
+    # Staleness is measured on a turn's oldest tokens: our engine reports their weights when an update
+    # landed mid-request (oldest_weight_version); SGLang reports only the version it finished with.
+    version = meta.get("oldest_weight_version", meta.get("weight_version", ""))
+    return ids, lps, (fr.get("type", "") if isinstance(fr, dict) else str(fr)), str(version)
+
+
+def group_key(task: Task, seed: int, index: int) -> tuple[int, str]:
+    """The task seed and group id of the index-th group of a rollout call: the G samples of a group
+    share the seed (same files, same ground truth), and GRPO compares them by group id."""
+    task_seed = seed * 100_003 + index
+    return task_seed, f"{task.id}-s{task_seed}"
+
+
+async def run_episode(client, fmt: ChatFormat, task: Task, seed: int, group_id: str,
+                      cfg: RolloutConfig, sandbox_factory=None, executor=None, scripted: bool = False) -> Trajectory:
+    """Play one episode against one engine; the returned trajectory is complete and self-consistent.
+    Sandbox work (setup, commands, verification) runs on `executor` (None: asyncio's default).
+    scripted: no engine (client is None); the turns are the task's scripted solution, through the same
+    environment and token path (nano_miles/rollout/guidance.py)."""
+    env = OpenShellEnv(task, seed, cfg.env, sandbox_factory)
+    loop = asyncio.get_running_loop()
+    try:
+        try:
+            messages = await loop.run_in_executor(executor, env.reset)
+        except TaskUnavailable as e:  # cannot run on this machine: skipped, with the reason
+            return Trajectory([], [], [], [], reward=0.0, reward_components={"unavailable": str(e)}, num_turns=0,
+                              finish_reason="unavailable", task_id=task.id, group_id=group_id)
+        except SetupError as e:
+            return Trajectory([], [], [], [], reward=0.0, reward_components={"infra_failures": 1, "error": str(e)},
+                              num_turns=0, finish_reason="infra_error", task_id=task.id, group_id=group_id)
+        if scripted:
+            from nano_miles.rollout.guidance import ScriptedPolicy  # (guidance builds on this module)
+            client = ScriptedPolicy(fmt, env)
+        prompt = fmt.prompt_ids(messages)
+        ids = list(prompt)                               # the growing prefix
+        resp_ids, resp_lps, resp_mask, versions = [], [], [], []
+        while not env.done:
+            budget = cfg.env.max_total_tokens - len(ids)
+            if budget <= 0:
+                env.end("token_budget")
+                break
+            try:
+                out = await client.generate(input_ids=ids, sampling_params=sampling_params(
+                    cfg, fmt, min(cfg.max_new_tokens, budget)), return_logprob=True,
+                    rid=f"{group_id}-{seed}-t{env.turns}-{uuid.uuid4().hex[:8]}")
+            except EngineError as e:
+                if isinstance(e, EngineUnavailable) or (e.status or 0) < 500:
+                    raise
+                # HTTP 500: the engine failed in a step (an OOM, a bug) and dropped the request. An
+                # infrastructure failure, like a sandbox's: never trained on, left out of scores
+                env.infra_failed(f"engine: {e}")
+                break
+            out_ids, out_lps, finish, version = parse_generate_response(out)
+            versions.append(version)
+            if finish == "abort":
+                env.end("abort")  # the engine was asked to drop the request (a pause, a shutdown)
+            before = list(ids)
+            ids += out_ids
+            resp_ids += out_ids
+            resp_lps += out_lps
+            resp_mask += [True] * len(out_ids)
+            if env.done:
+                break
+            text = fmt.tokenizer.decode(out_ids, skip_special_tokens=True)
+            step = await env.astep(text, executor)
+            if not step.done:
+                obs = fmt.observation_ids(step.observation, out_ids[-1] if out_ids else None)
+                if len(ids) + len(obs) >= cfg.env.max_total_tokens:
+                    env.end("token_budget")  # no room for the next turn: stop before the observation
+                    break
+                ids += obs
+                resp_ids += obs
+                resp_lps += [0.0] * len(obs)
+                resp_mask += [False] * len(obs)
+            if ids[:len(before)] != before or ids != prompt + resp_ids:
+                raise TITOViolation(f"{task.id}: prefix property broken at turn {env.turns}")
+        components = dict(env.components)
+        if env.infra_error:
+            components["error"] = env.infra_error
+        return Trajectory(
+            prompt_ids=prompt, response_ids=resp_ids, response_logprobs=resp_lps, response_mask=resp_mask,
+            reward=env.reward, reward_components=components, num_turns=len(versions),
+            finish_reason=env.finish_reason, task_id=task.id, group_id=group_id,
+            weight_versions=[] if scripted else versions, scripted=scripted)
+    finally:
+        # In a worker thread, after whatever setup or command is in flight (env.close waits for it).
+        # A cancel that lands while we wait for it (rollout_groups cancels the rest on a first error)
+        # must not end the episode before its sandbox is gone: shield the close and wait it out.
+        closing = loop.run_in_executor(executor, env.close)
+        try:
+            await asyncio.shield(closing)
+        except asyncio.CancelledError:
+            await closing
+            raise
+
+
+async def rollout_groups(engines: list[str] | EnginePool, tokenizer, tasks: list[Task], cfg: RolloutConfig,
+                         seed: int = 0, sandbox_factory=None, stats: dict | None = None,
+                         on_episode_done=None) -> list[Trajectory]:
+    """G samples of every task, all episodes concurrently, over `engines` (URLs, or an EnginePool
+    whose replicas come and go): each group on one engine, the least busy when it starts.
+
+    Samples in a group share the task seed (same files, same ground truth): GRPO compares them
+    against each other. Trajectories come back grouped, in task order. An episode whose engine
+    dies runs again from its start on another engine (its group moves there); when no engine is
+    left the whole call fails with EngineUnavailable (the other episodes are cancelled and their
+    sandboxes closed): the training loop decides whether to retry. on_episode_done(), if given, is
+    called as each episode ends (progress bars). stats["engine_requests"]: /generate calls per engine.
+
+    Episodes whose sandbox setup failed have no prompt and nothing to learn from: they are left out
+    of the result and counted in stats["setup_failures"] (with the first errors in stats["setup_errors"]).
+    Tasks that cannot run on this machine (TaskUnavailable) are left out too, listed with their reason
+    on stderr and in stats["unavailable"] ({task id: reason}), and counted nowhere else.
+    Sandbox failures later in an episode, and engine failures (HTTP 500 from /generate: the engine
+    broke in a step), stay in, with finish_reason "infra_error" and reward 0: training and
+    evaluation leave them out and count them.
+    """
+    pool = engines if isinstance(engines, EnginePool) else EnginePool.of(list(engines))
+    if not pool.replicas:
+        raise ValueError("rollout_groups needs at least one engine URL")
+    fmt = tokenizer if isinstance(tokenizer, ChatFormat) else ChatFormat(tokenizer)
+    router = GroupRouter(pool, cfg.request_timeout)
+    sem = asyncio.Semaphore(cfg.max_concurrency)
+    # one worker per episode in flight (+ room for closes queued behind a cancelled episode's command)
+    pool_threads = concurrent.futures.ThreadPoolExecutor(max_workers=2 * cfg.max_concurrency,
+                                                         thread_name_prefix="episode")
+
+    async def one(task, task_seed, group_id):
+        async with sem:
+            while True:
+                replica, generation = router.pick(group_id)
+                try:
+                    traj = await run_episode(router.client(replica), fmt, task, task_seed, group_id, cfg,
+                                             sandbox_factory, pool_threads)
+                    break
+                except EngineUnavailable as e:  # its sandbox is closed; run it again elsewhere, if any
+                    router.failed(replica, generation, e)
+                    if not pool.serving():
+                        raise
+                finally:
+                    router.done(replica)
+        if on_episode_done is not None:
+            on_episode_done()
+        return traj
+
+    try:
+        jobs = []
+        for g, task in enumerate(tasks):
+            task_seed, group_id = group_key(task, seed, g)
+            for _ in range(cfg.group_size):
+                jobs.append(asyncio.ensure_future(one(task, task_seed, group_id)))
+        if not jobs:
+            return []
+        # On the first error (EngineUnavailable...) or our own cancellation: cancel the rest once, let
+        # every episode close its sandbox, then raise.
+        try:
+            await asyncio.wait(jobs, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            if not all(j.done() for j in jobs):
+                for j in jobs:
+                    j.cancel()
+                await asyncio.wait(jobs)
+        errors = [j.exception() for j in jobs if not j.cancelled() and j.exception() is not None]
+        if errors:
+            raise errors[0]
+        results = [j.result() for j in jobs]
+        if stats is not None:
+            stats["engine_requests"] = router.counts()
+        failed = [t for t in results if t.finish_reason == "infra_error" and not t.prompt_ids]
+        if stats is not None:
+            stats["setup_failures"] = len(failed)
+            stats["setup_errors"] = [t.reward_components.get("error", "") for t in failed[:3]]
+        if failed:
+            print(f"rollout: {len(failed)} episode(s) lost to sandbox setup failures, e.g. "
+                  f"{failed[0].reward_components.get('error', '')}", file=sys.stderr)
+        unavailable = {t.task_id: t.reward_components["unavailable"] for t in results if t.finish_reason == "unavailable"}
+        if stats is not None:
+            stats["unavailable"] = unavailable
+        if unavailable:
+            print(f"rollout: {len(unavailable)} of {len({t.id for t in tasks})} task(s) cannot run here and are left "
+                  "out of every score:\n" + "\n".join(f"  {why}" for why in unavailable.values()), file=sys.stderr)
+        return [t for t in results if t.prompt_ids]
+    finally:
+        pool_threads.shutdown(wait=False)  # queued closes still run; the threads finish before the process exits
+        await router.close()

@@ -1,0 +1,160 @@
+"""Which tasks there are and which to run: the built-in catalog, ALFA, and the user's own tasks.
+
+A task is a setup that prepares an episode's sandbox, an instruction, and a verifier (the API is in
+task_api.py and re-exported here). Ground truth is never hard-coded: each setup runs real commands
+in the episode's sandbox and keeps their output as the expected answer, with every parameter drawn
+from a per-episode seed, so answers cannot be memorised. A task also carries a scripted solution
+(real commands; the last one prints the answer): `nano-miles tasks check` and the tests run it
+through the environment to prove the task solvable.
+
+    nano-miles tasks list  [--split SEL] [--tasks-module PATH.py|package.module|FILE.toml ...] [--json]
+    nano-miles tasks check [--tasks SEL] [--tasks-module ...] [--jobs N]
+
+A selection (SEL) is a comma-separated list of: a split (train, heldout, benchmark), seed (the four
+original tasks), all (every task but the benchmark ones), a family ("text"; "alfa" covers "alfa/fs1"
+to "alfa/fs5") or a task id. ALFA (InterCode-ALFA, from the icalfa package) is loaded when named.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import os
+import sys
+
+from nano_miles.tasks import catalog  # noqa: F401  (registers the built-in tasks)
+from nano_miles.tasks import catalog_train  # noqa: F401  (registers 20 more training tasks)
+from nano_miles.tasks import toml_file
+# the public task API, re-exported: a user's module imports it from here
+from nano_miles.tasks.api import (KINDS, SPLITS, TASKS, Attempt, SetupError, Task, TaskInstance,  # noqa: F401
+                                 TaskUnavailable, Workspace, loading, normalize, q, register, task, verify)
+
+_LOADED: dict[str, list[str]] = {}  # user modules and task files loaded -> their report (loaded once)
+
+
+def load_task_modules(specs) -> list[str]:
+    """Load the user's tasks: each spec is a Python file (my_tasks.py), an importable module
+    (my_pkg.tasks) or a TOML task file (tasks.toml). Returns one line per problem, naming the file
+    and the task ("my_tasks.py: task 'x': duplicate id ..."); what is good is loaded all the same."""
+    errors = []
+    for spec in specs:
+        errors += _load_one(spec.strip())
+    return errors
+
+
+def _load_one(spec: str) -> list[str]:
+    is_file = spec.endswith((".py", ".toml")) or os.sep in spec
+    key = os.path.realpath(spec) if is_file else spec
+    if key in _LOADED:
+        return _LOADED[key]
+    if is_file and not os.path.isfile(spec):
+        return [f"{spec}: no such file"]
+    errors: list[str] = []
+    before = set(TASKS)
+    with loading(spec, errors):
+        try:
+            if spec.endswith(".toml"):
+                toml_file.load_task_file(spec)
+            elif is_file:
+                _import_file(spec)
+            else:
+                importlib.import_module(spec)
+        except Exception as e:  # a module that fails to import registers nothing at all
+            for added in set(TASKS) - before:
+                del TASKS[added]
+            return [f"{spec}: cannot load: {one_line(e)}"]
+    _LOADED[key] = [f"{spec}: {line}" for line in errors]
+    return _LOADED[key]
+
+
+def _import_file(path: str) -> None:
+    digest = hashlib.sha1(os.path.realpath(path).encode()).hexdigest()[:8]
+    name = f"_nano_miles_user_tasks_{os.path.basename(path)[:-3]}_{digest}"  # two my_tasks.py never collide
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling look a task's module up by name
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+
+
+def one_line(e: BaseException) -> str:
+    if isinstance(e, SyntaxError):
+        return f"SyntaxError: {e.msg} (line {e.lineno})"
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+# ---- selection ----------------------------------------------------------------------------------
+
+def all_tasks() -> list[Task]:
+    """Every task registered so far (the catalog, and whatever was loaded or selected since)."""
+    return list(TASKS.values())
+
+
+def get_task(task_id: str) -> Task:
+    _load_benchmarks_for([task_id])
+    if task_id not in TASKS:
+        raise KeyError(f"unknown task {task_id!r}; known: {', '.join(sorted(TASKS)[:60])}"
+                       + (f" ... ({len(TASKS)} in all: nano-miles tasks list)" if len(TASKS) > 60 else ""))
+    return TASKS[task_id]
+
+
+def in_family(t: Task, family: str) -> bool:
+    return t.family == family or t.family.startswith(family + "/")
+
+
+def select_tasks(which: str) -> list[Task]:
+    """The tasks a selection names (see the module docstring), in registry order, each once."""
+    items = [i.strip() for i in which.split(",") if i.strip()]
+    _load_benchmarks_for(items)
+    chosen: dict[str, Task] = {}
+    for item in items:
+        tasks = list(TASKS.values())
+        if item == "seed":
+            found = [t for t in tasks if t.seed_task]
+        elif item in SPLITS:
+            found = [t for t in tasks if t.split == item]
+        elif item == "all":
+            found = [t for t in tasks if t.split != "benchmark"]
+        elif item in TASKS:
+            found = [TASKS[item]]
+        else:
+            found = [t for t in tasks if in_family(t, item)]
+            if not found:
+                get_task(item)  # raises: unknown task
+        chosen.update((t.id, t) for t in found)
+    return list(chosen.values())
+
+
+def training_tasks(which: str) -> list[Task]:
+    """select_tasks for training: benchmark tasks (ALFA) are evaluated, never trained on."""
+    tasks = select_tasks(which)
+    bench = [t.id for t in tasks if t.split == "benchmark"]
+    if bench:
+        raise KeyError(f"{len(bench)} benchmark task(s) selected for training ({', '.join(bench[:3])}"
+                       f"{' ...' if len(bench) > 3 else ''}): benchmark tasks are evaluated, never trained on")
+    return tasks
+
+
+def _load_benchmarks_for(items: list[str]) -> None:
+    """ALFA registers itself the first time a selection names it (the icalfa package must be installed)."""
+    if any(i == "alfa" or i.startswith(("alfa/", "alfa_")) for i in items):
+        from nano_miles.tasks import alfa# here, not at the top: only selections that name ALFA need icalfa
+
+        alfa.register_alfa()
+
+
+# ---- CLI ------------------------------------------------------------------------------------------
+
+def add_tasks_module_argument(p) -> None:
+    p.add_argument("--tasks-module", action="append", default=[], metavar="PATH.py|package.module|FILE.toml",
+                   help="load your own tasks from this module or TOML task file (repeatable); see docs/tasks.md")
+
+
+def report_load_errors(specs, prog: str = "nano-miles") -> None:
+    """Load the user's task modules; print one line per problem (the rest loads all the same)."""
+    for line in load_task_modules(specs):
+        print(f"{prog}: {line}", file=sys.stderr)

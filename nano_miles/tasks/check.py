@@ -1,0 +1,78 @@
+"""`nano-miles tasks check`: is each task solvable here? Its scripted solution, played as a policy would.
+
+Each solution command goes through OpenShellEnv as a <bash> turn in a real sandbox, and the answer is
+read back from the last observation, so a task that passes here is solvable through the environment.
+A task that cannot run on this machine (TaskUnavailable: a tool missing, no mount namespace) is listed
+with its reason and is neither a pass nor a failure.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+
+from nano_miles.rollout.env import EnvConfig, OpenShellEnv
+from nano_miles.tasks.api import SetupError, Task, TaskUnavailable
+
+STATUS_LINE = "\n[exit code "
+
+
+def answer_from(observation: str | None) -> str:
+    """What a policy would answer after reading the observation: the output, without the status line
+    and without stderr."""
+    text = "\n" + (observation or "")
+    text = text[:text.rfind(STATUS_LINE)] if STATUS_LINE in text else text
+    return text.split("\n[stderr]\n", 1)[0].strip()
+
+
+def play_solution(task: Task, seed: int = 7, sandbox_factory=None) -> dict:
+    """One episode with the task's scripted solution: {id, family, status, reason, setup_s, solve_s}."""
+    row = {"id": task.id, "family": task.family, "status": "solved", "reason": "", "setup_s": 0.0, "solve_s": 0.0}
+    env = OpenShellEnv(task, seed, EnvConfig(max_turns=50), sandbox_factory)
+    t0 = time.monotonic()
+    try:
+        try:
+            env.reset()
+        except TaskUnavailable as e:
+            return {**row, "status": "unavailable", "reason": str(e)}
+        except SetupError as e:
+            return {**row, "status": "failed", "reason": str(e)}
+        t1 = time.monotonic()
+        obs = None
+        for cmd in env.instance.solution:
+            step = env.step(f"<bash>{cmd}</bash>")
+            if step.done:
+                return {**row, "status": "failed", "reason": f"episode ended at {cmd!r}: {env.finish_reason}"}
+            obs = step.observation
+        answer = env.instance.solution_answer
+        env.step(f"<answer>{answer_from(obs) if answer is None else answer}</answer>")
+        row.update(setup_s=round(t1 - t0, 3), solve_s=round(time.monotonic() - t1, 3))
+        if env.components["infra_failures"]:
+            return {**row, "status": "failed", "reason": f"sandbox failure: {env.infra_error}"}
+        if env.components["correct"] <= 0:
+            return {**row, "status": "failed", "reason": "the scripted solution was judged wrong"}
+        return row
+    finally:
+        env.close()
+
+
+def check_tasks(tasks: list[Task], jobs: int = 1, as_json: bool = False, sandbox_factory=None) -> int:
+    """Play every task's solution (jobs at a time); print one line per task and a summary.
+    Exit status 1 when a task that can run here is not solved by its own solution."""
+    with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
+        rows = list(pool.map(lambda t: play_solution(t, sandbox_factory=sandbox_factory), tasks))
+    for r in rows:
+        if as_json:
+            print(json.dumps(r))
+        else:
+            print(f"{r['status'].upper() if r['status'] != 'solved' else 'solved':<12} {r['id']:<24} "
+                  + (r["reason"] if r["reason"] else f"setup {r['setup_s']:.2f}s, solution+verify {r['solve_s']:.2f}s"))
+    solved = [r for r in rows if r["status"] == "solved"]
+    n_unavailable = sum(r["status"] == "unavailable" for r in rows)
+    n_failed = sum(r["status"] == "failed" for r in rows)
+    mean = (lambda key: sum(r[key] for r in solved) / len(solved)) if solved else (lambda key: 0.0)
+    if not as_json:
+        print(f"{len(rows)} tasks: {len(solved)} solved by their scripted solution, {n_unavailable} cannot run "
+              f"here (left out), {n_failed} FAILED; mean setup {mean('setup_s'):.2f}s, "
+              f"solution+verify {mean('solve_s'):.2f}s per episode")
+    return 1 if n_failed else 0

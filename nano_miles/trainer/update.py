@@ -1,0 +1,94 @@
+"""The policy update of one training step: GRPO advantages over the batch, then one or several
+optimizer steps (PPO mini-batches of whole groups)."""
+from __future__ import annotations
+
+import torch
+from tqdm import tqdm
+
+from nano_miles.trainer.loss import AdvantageConfig, compute_advantages
+from nano_miles.rollout.batch import build_rollout_batch
+
+
+def policy_update(trainer, trajs, advantage_cfg: AdvantageConfig, pad_id: int, echo=print,
+                  updates: int = 1, reference=None) -> tuple[dict, str | None]:
+    """Advantages and `updates` optimizer steps on the batch; returns the trainer's metrics and why
+    the update was skipped. `reference` (a ReferencePolicy) gives the KL penalty's log-probs.
+
+    With updates > 1 the batch is split into that many mini-batches of whole groups, one AdamW step
+    each (PPO's mini-batch epoch, verl's ppo_mini_batch_size, slime's num_steps_per_rollout). Every
+    mini-batch's ratio is taken against the trainer's policy before this step's first update (in sync
+    mode the one that sampled), its log-probs computed once: from the second step on the ratio moves
+    away from 1 and the clipping engages. With one update the ratio is 1 by construction; TIS
+    (against the engine's own log-probs) corrects the train/inference mismatch either way."""
+    if not trajs:
+        return {}, "no trajectory within the staleness bound"
+    batch = build_rollout_batch(trajs, pad_id=pad_id)
+    advantages, keep = compute_advantages(batch.rewards, batch.group_ids, advantage_cfg)
+    if not bool(keep.all()):  # DAPO dynamic sampling dropped zero-variance groups
+        rows = [i for i, k in enumerate(keep.tolist()) if k]
+        if not rows:
+            return {}, "every group had equal rewards (filtered)"
+        batch = build_rollout_batch([trajs[i] for i in rows], pad_id=pad_id)
+        advantages = advantages[torch.tensor(rows)]
+    minibatches = _minibatches(batch.group_ids, updates)
+    old = trainer.logprobs(batch) if len(minibatches) > 1 else None
+    if bool(batch.scripted.any()):
+        # A scripted sample (rollout.guide_unsolved) was never sampled, so it has no sampling log-probs:
+        # it takes the trainer's own, which makes its TIS weight 1 (trained on as if sampled now).
+        rows = batch.scripted.nonzero().flatten()
+        own = old[rows] if old is not None else trainer.logprobs(batch.select(rows.tolist()))
+        batch.rollout_logprobs[rows] = own * batch.loss_mask[rows]
+    ref = reference.logprobs(batch) if reference is not None else None
+    results = []
+    with tqdm(total=len(batch), desc="update", unit="seq", leave=False, dynamic_ncols=True) as bar:
+        for rows in minibatches:
+            start = bar.n
+
+            def advance(done, total, start=start, rows=rows):
+                bar.update(start + round(done * len(rows) / total) - bar.n)
+
+            sub = batch if len(minibatches) == 1 else batch.select(rows)
+            try:
+                results.append(trainer.train_step(sub, advantages[torch.tensor(rows)], on_micro_batch=advance,
+                                                  old_logprobs=None if old is None else old[torch.tensor(rows)],
+                                                  ref_logprobs=None if ref is None else ref[torch.tensor(rows)]))
+            except FloatingPointError as e:  # NaN/inf loss or gradient: the trainer skipped the update
+                echo(f"update skipped: {e}")  # (earlier mini-batches' steps stand; the sync sends them)
+                return {}, str(e)
+    if len(results) == 1:
+        return results[0], None
+    merged = _merge_update_metrics(results)
+    # Parity is a property of the sampling policy: from the log-probs taken before the first step.
+    diff = (old - batch.rollout_logprobs).abs()[batch.loss_mask & ~batch.scripted[:, None]]
+    merged["logprob_diff_mean"] = float(diff.double().mean()) if diff.numel() else 0.0
+    merged["logprob_diff_max"] = float(diff.max()) if diff.numel() else 0.0
+    return merged, None
+
+
+def _minibatches(group_ids: list[str], updates: int) -> list[list[int]]:
+    """Row indices of `updates` mini-batches (fewer if there are fewer groups), whole groups each,
+    groups dealt in order so the sizes differ by at most one group."""
+    groups: dict[str, list[int]] = {}
+    for i, g in enumerate(group_ids):
+        groups.setdefault(g, []).append(i)
+    k = max(1, min(updates, len(groups)))
+    chunks = [[] for _ in range(k)]
+    for n, rows in enumerate(groups.values()):
+        chunks[n * k // len(groups)].extend(rows)
+    return chunks
+
+
+def _merge_update_metrics(results: list[dict]) -> dict:
+    merged = {}
+    for key in results[0]:
+        values = [r[key] for r in results if r.get(key) is not None]
+        if key in ("ratio_max", "peak_mem_gib", "logprob_diff_max"):
+            merged[key] = max(values)
+        elif key in ("response_tokens", "step_ms"):
+            merged[key] = sum(values)
+        elif key in ("step", "lr"):
+            merged[key] = values[-1]
+        else:
+            merged[key] = sum(values) / len(values)
+    merged["updates"] = len(results)
+    return merged

@@ -1,0 +1,210 @@
+"""Checkpoints are whole or absent, written in the background without a copy, and resume exactly.
+
+Real tiny-random-qwen2 trainers on CPU. A crash mid-write is a real one: a child process whose file
+size limit (RLIMIT_FSIZE) kills it with SIGXFSZ inside the second checkpoint's weights file.
+"""
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from nano_miles.rollout.batch import Trajectory, build_rollout_batch
+from nano_miles.trainer.checkpoint import (Checkpointer, export_model, finish_checkpoint, load_checkpoint, save_checkpoint,
+                                   write_safetensors)
+from nano_miles.models.prepare import resolve_model
+from nano_miles.trainer.trainer import OptimConfig, Trainer, TrainerConfig
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _trainer(**kw):
+    return Trainer(TrainerConfig(model=str(resolve_model("tiny-random-qwen2")), optim=OptimConfig(lr=1e-3), **kw))
+
+
+def _batch(seed):
+    g = torch.Generator().manual_seed(seed)
+    trajs = [Trajectory(prompt_ids=torch.randint(3, 1024, (6,), generator=g).tolist(),
+                        response_ids=torch.randint(3, 1024, (5 + i,), generator=g).tolist(),
+                        response_logprobs=[-1.0] * (5 + i), response_mask=[True] * (5 + i),
+                        reward=float(i % 2), group_id="g") for i in range(4)]
+    return build_rollout_batch(trajs), torch.tensor([1.0, -1.0, 0.5, -0.5])
+
+
+def _state_of(trainer):
+    """The masters and every AdamW state tensor (moments, step counts), copied."""
+    moments = {f"{i}.{key}": t.clone() for i, state in trainer.optimizer.state_dict()["state"].items()
+               for key, t in state.items()}
+    return [m.detach().clone() for m in trainer.masters], moments
+
+
+def test_roundtrip_restores_weights_step_rng_and_position(tmp_path):
+    a = _trainer()
+    with torch.no_grad():
+        next(a.model.parameters()).add_(0.5)
+    a.step = 3
+    random.seed(11)
+    torch.manual_seed(11)
+    save_checkpoint(tmp_path, a, {"step": 3, "data_position": 6})
+    expected_py, expected_torch = random.random(), torch.rand(2)
+
+    b = _trainer()
+    state = load_checkpoint(tmp_path, b)
+    assert state["step"] == 3 and state["data_position"] == 6 and b.step == 3
+    assert random.random() == expected_py and torch.equal(torch.rand(2), expected_torch)
+    for (n, p), (_, q) in zip(a.model.named_parameters(), b.model.named_parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_resume_after_a_background_checkpoint_continues_exactly(tmp_path):
+    a = _trainer(dtype="bfloat16")  # FP32 masters apart from the bf16 compute weights
+    a.train_step(*_batch(1))
+    pending = save_checkpoint(tmp_path, a, {"step": 1, "data_position": 2}, background=True)
+    # The write reads the live tensors; the next update waits for it instead of changing them under it.
+    a.train_step(*_batch(2))
+    assert pending.done()
+    masters_a, moments_a = _state_of(a)
+
+    b = _trainer(dtype="bfloat16")
+    assert load_checkpoint(tmp_path, b)["step"] == 1 and b.step == 1
+    b.train_step(*_batch(2))
+    masters_b, moments_b = _state_of(b)
+    assert all(torch.equal(x, y) for x, y in zip(masters_a, masters_b))
+    assert moments_a.keys() == moments_b.keys() and all(torch.equal(moments_a[k], moments_b[k]) for k in moments_a)
+    assert all(torch.equal(p, m.to(torch.bfloat16)) for p, m in zip(b.params, b.masters))
+
+
+CRASHING_CHILD = textwrap.dedent("""
+    import resource, signal, sys, torch
+    from nano_miles.trainer.checkpoint import save_checkpoint
+    from nano_miles.models.prepare import resolve_model
+    from nano_miles.trainer.trainer import OptimConfig, Trainer, TrainerConfig
+    run_dir, limit = sys.argv[1], int(sys.argv[2])
+    t = Trainer(TrainerConfig(model=str(resolve_model("tiny-random-qwen2")), optim=OptimConfig(lr=1e-3)))
+    save_checkpoint(run_dir, t, {"step": 1, "data_position": 2})
+    with torch.no_grad():
+        t.params[0].add_(1.0)
+    t.step = 2
+    signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # Python ignores it; the kernel's default is to kill
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))  # the next write past `limit` bytes kills us
+    save_checkpoint(run_dir, t, {"step": 2, "data_position": 4}, background=True).wait()
+    print("not killed")
+""")
+
+
+def test_a_crash_mid_write_leaves_the_previous_checkpoint_valid(tmp_path):
+    first = _trainer()
+    half = os.path.getsize(_weights_file(tmp_path / "probe", first)) // 2
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-c", CRASHING_CHILD, str(tmp_path), str(half)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGXFSZ, (proc.returncode, proc.stdout, proc.stderr)
+    tmp_weights = tmp_path / "checkpoint.tmp" / "model.safetensors"
+    assert tmp_weights.exists() and tmp_weights.stat().st_size == half  # it died inside the new weights file
+    b = _trainer()
+    state = load_checkpoint(tmp_path, b)
+    assert state["step"] == 1 and b.step == 0
+    for p, q in zip(first.params, b.params):  # step 1's weights: the initial ones
+        assert torch.equal(p, q)
+    save_checkpoint(tmp_path, b, {"step": 1, "data_position": 2})  # the next save clears the leftover
+    assert not (tmp_path / "checkpoint.tmp").exists()
+
+
+def _weights_file(folder: Path, trainer) -> Path:
+    folder.mkdir()
+    write_safetensors(folder / "model.safetensors", zip(trainer.names, trainer.masters))
+    return folder / "model.safetensors"
+
+
+def test_a_kill_between_the_two_renames_keeps_the_previous_checkpoint(tmp_path):
+    a = _trainer()
+    save_checkpoint(tmp_path, a, {"step": 1, "data_position": 2})
+    (tmp_path / "checkpoint").rename(tmp_path / "checkpoint.old")  # as if killed right after the first rename
+    (tmp_path / "checkpoint.tmp").mkdir()                         # and a half-written new one
+    state = load_checkpoint(tmp_path, _trainer())
+    assert state["step"] == 1 and (tmp_path / "checkpoint" / "model.safetensors").exists()
+
+
+def test_a_failed_background_write_stops_the_next_update_with_the_cause(tmp_path):
+    a = _trainer()
+    (tmp_path / "checkpoint.tmp").write_text("a file where the folder must go")  # rmtree cannot clear it
+    save_checkpoint(tmp_path, a, {"step": 1, "data_position": 2}, background=True)
+    with pytest.raises(RuntimeError, match="writing the checkpoint failed"):
+        a.train_step(*_batch(1))
+
+
+def test_no_checkpoint_is_none(tmp_path):
+    assert load_checkpoint(tmp_path, _trainer()) is None
+
+
+def test_the_final_policy_shares_the_checkpoints_weights_file(tmp_path):
+    a = _trainer()
+    a.train_step(*_batch(3))
+    save_checkpoint(tmp_path, a, {"step": 1, "data_position": 2}, background=True)
+    final = export_model(a, str(resolve_model("tiny-random-qwen2")), tmp_path / "final", tmp_path / "checkpoint")
+    weights = final / "model.safetensors"
+    assert weights.stat().st_ino == (tmp_path / "checkpoint" / "model.safetensors").stat().st_ino
+    hf = AutoModelForCausalLM.from_pretrained(final)  # a HF folder: transformers loads it as it is
+    for name, master in zip(a.names, a.masters):
+        assert torch.equal(dict(hf.named_parameters())[name], master), name
+    assert load_file(weights).keys() == set(a.names)
+
+    # A completed run drops AdamW's state; resuming it restarts the moments and says so.
+    finish_checkpoint(tmp_path, keep_optimizer=False)
+    assert not (tmp_path / "checkpoint" / "optimizer.pt").exists()
+    said = []
+    b = _trainer()
+    assert load_checkpoint(tmp_path, b, echo=said.append)["step"] == 1 and b.step == 1
+    assert "AdamW's moments restart from zero" in said[0] and not b.optimizer.state
+    assert all(torch.equal(x, y) for x, y in zip(a.masters, b.masters))
+    # A trainer that moved on since the checkpoint gets its own weights file, not the stale link.
+    b.train_step(*_batch(4))
+    again = export_model(b, str(resolve_model("tiny-random-qwen2")), tmp_path / "final", tmp_path / "checkpoint")
+    assert (again / "model.safetensors").stat().st_nlink == 1
+
+
+def test_checkpoints_by_time_and_by_steps(tmp_path):
+    trainer = _trainer()
+    by_steps = Checkpointer(tmp_path, trainer, every_steps=3, every_minutes=10)
+    assert [s for s in range(1, 10) if by_steps.due(s)] == [3, 6, 9]
+    by_time = Checkpointer(tmp_path, trainer, every_steps=0, every_minutes=10)
+    assert not by_time.due(1)  # 10 minutes have not passed
+    by_time.last_time -= 601
+    assert by_time.due(2)
+    by_time.save({"step": 2, "data_position": 4})
+    assert not by_time.due(3)  # the clock restarted at the save
+    trainer.wait_for_save()
+    assert "1 checkpoint(s)" in by_time.summary()
+    # A checkpoint that blocked the loop for 100 s pushes the next one to 1000 s: never over a tenth.
+    by_time.saved[-1] = (100.0, by_time.saved[-1][1])
+    by_time.last_time -= 601
+    assert not by_time.due(4)
+    by_time.last_time -= 400
+    assert by_time.due(4)
+    assert json.loads((tmp_path / "checkpoint" / "state.json").read_text())["step"] == 2
+
+
+def test_a_completed_runs_last_checkpoint_keeps_no_adamw_state_unless_asked(tmp_path):
+    trainer = _trainer()
+    trainer.train_step(*_batch(5))
+    run = Checkpointer(tmp_path / "run", trainer, every_steps=1, every_minutes=10, last_step=2, keep_optimizer=False)
+    run.save({"step": 1, "data_position": 2})
+    trainer.wait_for_save()
+    assert (tmp_path / "run" / "checkpoint" / "optimizer.pt").exists()  # mid-run: resumable exactly
+    run.save({"step": 2, "data_position": 4})
+    run.finish()
+    assert not (tmp_path / "run" / "checkpoint" / "optimizer.pt").exists()
+    assert json.loads((tmp_path / "run" / "checkpoint" / "state.json").read_text())["optimizer"] is False
+    kept = Checkpointer(tmp_path / "kept", trainer, every_steps=1, every_minutes=10, last_step=2, keep_optimizer=True)
+    kept.save({"step": 2, "data_position": 4})
+    kept.finish()
+    assert (tmp_path / "kept" / "checkpoint" / "optimizer.pt").exists()
