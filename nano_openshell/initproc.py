@@ -9,7 +9,7 @@ command's status. At the timeout or at close() the supervisor kills the tree its
 when the Sandbox has a cgroup (cgroup.py), else by the same scan, with the init frozen meanwhile.
 The command itself runs with rlimits, under another uid when we are root, with no_new_privs,
 Landlock (workspace and private tmp writable, the rest read-only, /proc hidden but for a few
-system-wide files, no TCP, signals scoped) and the AF_UNIX-only seccomp filter. The init stays
+system-wide files, no TCP, signals scoped) and the seccomp filter without sockets. The init stays
 outside the Landlock domain and, as root, under another uid: the command can neither signal it nor
 read its /proc entries.
 """

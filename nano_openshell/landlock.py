@@ -7,7 +7,8 @@ signals and abstract Unix sockets to the sandbox's own domain (ABI >= 6), so a c
 the supervisor or its init. Landlock grants, never subtracts: "read-only everywhere but /proc" is a
 rule per entry of / (each one read-only) plus listing / itself (so `ls /proc` lists pids, and every
 file in them stays unreadable). A procfs mounted somewhere else than /proc would be readable there.
-Landlock does not cover UDP: the fallback tier's seccomp filter (AF_UNIX only) does.
+Landlock does not cover UDP, nor pathname Unix sockets below ABI 9: the fallback tier's seccomp filter
+(no socket() at all, seccomp.py) does.
 """
 
 import ctypes

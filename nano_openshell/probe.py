@@ -65,8 +65,9 @@ def _gaps(caps: dict) -> dict[str, list[str]]:
     if caps["landlock_abi"] < 1:
         fallback.append("host processes' command lines (/proc/*/cmdline) are readable: no Landlock to hide /proc")
         fallback.append("files outside the workspace are writable wherever the uid may write: no Landlock")
-    if caps["landlock_abi"] < 9:
-        fallback.append("connect() to host pathname Unix sockets is not blocked (Landlock ABI < 9)")
+    if not caps["seccomp"]:  # the fallback tier's seccomp filter is what denies every socket()
+        fallback.append("host Unix sockets (docker's, an engine's) are one connect() away and UDP leaves the "
+                        "host: no seccomp to deny socket()")
     if not caps["root"]:
         fallback.append("sandboxes share the supervisor's uid: they can read each other's workspaces")
     return {"namespaced": memory, "fallback": fallback,
@@ -143,7 +144,7 @@ def _compute() -> dict:
     missing = [name for name, ok in (("Landlock", caps["landlock_abi"] > 0), ("seccomp", caps["seccomp"])) if not ok]
     fb_reason = ("subreaper init in a new session with rlimits"
                  + (", Landlock ABI %d" % caps["landlock_abi"] if caps["landlock_abi"] else "")
-                 + (", seccomp (AF_UNIX only + deny list)" if caps["seccomp"] else "")
+                 + (", seccomp (no sockets but connected socketpairs + deny list)" if caps["seccomp"] else "")
                  + (", uid drop" if caps["uid_drop"] else "")
                  + (f"; MISSING here: {', '.join(missing)}" if missing else ""))
     gaps = _gaps(caps)

@@ -25,9 +25,9 @@ A process that leaves without running its atexit handlers (os._exit, a signal it
 close_all() first, or its sandboxes' workspaces stay in the temp dir (owned.py).
 What a Sandbox does not protect here is listed in `gaps` (ExecResult.gaps, probe's tiers[t]["gaps"]).
 Disk: one file is capped by RLIMIT_FSIZE, all of a sandbox's files on the host by Limits.disk_bytes
-(disk.py: a command taking them past it is killed). Known limits: in the fallback tier Landlock
-(below ABI 9) does not cover connect() to pathname Unix sockets, and a non-root supervisor's
-sandboxes share its uid, so they can read (not write) each other's workspaces.
+(disk.py: a command taking them past it is killed). Known limits: a fallback command can create no
+socket (Landlock below ABI 9 cannot keep it off host Unix sockets: seccomp.py), and a non-root
+supervisor's sandboxes share its uid, so they can read (not write) each other's workspaces.
 """
 
 import asyncio
@@ -147,10 +147,10 @@ _EXECUTOR = None
 _EXECUTOR_LOCK = threading.Lock()
 
 
-def _seccomp_program(unix_only: bool) -> bytes:
-    if unix_only not in _SECCOMP:
-        _SECCOMP[unix_only] = seccomp.deny_list(unix_only=unix_only)
-    return _SECCOMP[unix_only]
+def _seccomp_program(no_sockets: bool) -> bytes:
+    if no_sockets not in _SECCOMP:
+        _SECCOMP[no_sockets] = seccomp.deny_list(no_sockets=no_sockets)
+    return _SECCOMP[no_sockets]
 
 
 def _executor() -> concurrent.futures.ThreadPoolExecutor:

@@ -2,7 +2,8 @@
 
 Three filters, all built from the same small assembler:
   deny_list()           the namespaced tier's filter, handed to bwrap through --seccomp FD
-  deny_list(unix_only)  the fallback tier's filter: the deny list plus socket() for AF_UNIX only
+  deny_list(no_sockets) the fallback tier's filter: the deny list, no socket() at all and only
+                        connected AF_UNIX stream socketpairs (_no_sockets says why)
   deny_namespaces()     what a rootless container does to us: no unshare/setns/clone(CLONE_NEW*);
                         used by scripts/test_legs.sh to make the fallback tier engage in CI
 
@@ -33,11 +34,12 @@ def RET_ERRNO(e: int) -> int:
     return 0x00050000 | (e & 0xFFFF)
 
 
-_LD_W_ABS, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06
+_LD_W_ABS, _JEQ, _JGE, _JSET, _RET, _AND_K = 0x20, 0x15, 0x35, 0x45, 0x06, 0x54
 
 CLONE_NEW_FLAGS = (0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000
                    | 0x40000000 | 0x00000080)  # NEWNS CGROUP UTS IPC USER PID NET TIME
 AF_UNIX = 1
+SOCK_TYPE_MASK, SOCK_STREAM, SOCK_SEQPACKET = 0xF, 1, 5  # the type without SOCK_NONBLOCK/SOCK_CLOEXEC
 
 # syscall numbers per architecture: (audit arch, numbers)
 _ARCHES = {
@@ -111,17 +113,31 @@ def _clone_without_new_namespaces() -> list[bytes]:
             _ins(_RET, RET_ERRNO(errno.EPERM)), _ins(_RET, RET_ALLOW)]
 
 
-def _only_af_unix() -> list[bytes]:
-    return [_ins(_LD_W_ABS, _arg_lo(0)), _ins(_JEQ, AF_UNIX, 0, 1), _ins(_RET, RET_ALLOW),
-            _ins(_RET, RET_ERRNO(errno.EAFNOSUPPORT))]
+def _connected_stream_pairs_only() -> list[bytes]:
+    # socketpair(AF_UNIX, SOCK_STREAM or SOCK_SEQPACKET, ...): args[0] is the domain, args[1] the type
+    refuse = RET_ERRNO(errno.EAFNOSUPPORT)
+    return [_ins(_LD_W_ABS, _arg_lo(0)), _ins(_JEQ, AF_UNIX, 0, 5),
+            _ins(_LD_W_ABS, _arg_lo(1)), _ins(_AND_K, SOCK_TYPE_MASK),
+            _ins(_JEQ, SOCK_STREAM, 1, 0), _ins(_JEQ, SOCK_SEQPACKET, 0, 1),
+            _ins(_RET, RET_ALLOW), _ins(_RET, refuse)]
 
 
-def deny_list(unix_only: bool = False, arch: str | None = None) -> bytes:
+def _no_sockets() -> list[tuple[str, list[bytes]]]:
+    """No socket() of any family, AF_UNIX included, and socketpair() only for connected AF_UNIX
+    stream and seqpacket pairs. Where the host's filesystem is in view (the fallback tier), any
+    socket that can connect() or sendto() reaches every host pathname Unix socket its uid may write
+    (docker's, an engine's): Landlock scopes only abstract ones (ABI 6), pathname ones from ABI 9,
+    and seccomp cannot read the path. A connected stream pair cannot be connected again (EISCONN)
+    nor given an address to send to; a datagram pair could do both, so it is refused too."""
+    return [("socket", _deny(errno.EAFNOSUPPORT)), ("socketpair", _connected_stream_pairs_only())]
+
+
+def deny_list(no_sockets: bool = False, arch: str | None = None) -> bytes:
     rules = [(n, _deny()) for n in DENIED]
     # clone3 passes its flags in a struct that BPF cannot read: ENOSYS makes glibc fall back to clone
     rules += [("clone", _clone_without_new_namespaces()), ("clone3", _deny(errno.ENOSYS))]
-    if unix_only:
-        rules += [("socket", _only_af_unix()), ("socketpair", _only_af_unix())]
+    if no_sockets:
+        rules += _no_sockets()
     return _compile(rules, arch)
 
 

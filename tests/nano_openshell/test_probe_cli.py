@@ -31,10 +31,10 @@ def test_probe_names_a_tier_and_says_why():
 
 
 def test_deny_list_is_well_formed_bpf():
-    for prog in (seccomp.deny_list(), seccomp.deny_list(unix_only=True), seccomp.deny_namespaces()):
+    for prog in (seccomp.deny_list(), seccomp.deny_list(no_sockets=True), seccomp.deny_namespaces()):
         assert len(prog) % 8 == 0 and 8 < len(prog) // 8 < 4096
     for arch in ("x86_64", "aarch64"):
-        assert seccomp.deny_list(arch=arch) != seccomp.deny_list(unix_only=True, arch=arch)
+        assert seccomp.deny_list(arch=arch) != seccomp.deny_list(no_sockets=True, arch=arch)
     with pytest.raises(OSError):
         seccomp.deny_list(arch="mips")
 
