@@ -154,7 +154,7 @@ def _recipe(spec: str | GGUFModel) -> str:
     and seed live there), so an entry made by other code is rebuilt instead of silently reused."""
     if isinstance(spec, GGUFModel):
         return spec.sha256
-    return hashlib.sha256(pathlib.Path(__file__).with_name("tiny_model.py").read_bytes()).hexdigest()
+    return hashlib.sha256(pathlib.Path(__file__).with_name("tiny.py").read_bytes()).hexdigest()
 
 
 def _is_current(entry: pathlib.Path, recipe: str) -> bool:
