@@ -285,7 +285,8 @@ def test_engine_keys_reach_the_engine_process():
 
 def test_bad_command_lines_are_clear_errors(tmp_path):
     """Exit 2 and one line, before a run directory is made."""
-    run_dir = tmp_path / "run"
+    broken_tasks, run_dir = tmp_path / "broken_tasks.py", tmp_path / "run"
+    broken_tasks.write_text('raise RuntimeError("the config server is down")\n')
     cases = ((["--set", "steps=zero"], "steps: expected an integer"),
              (["--set", "mode=turbo"], "mode must be one of"),
              (["--set", "nope=1"], "unknown config key 'nope'"),
@@ -293,6 +294,8 @@ def test_bad_command_lines_are_clear_errors(tmp_path):
              (["--set", "engine.attention_backend=fast"], "engine.attention_backend must be auto"),
              (["--set", "rollout.temperature=0"], "rollout.temperature must be > 0 to train"),
              (["--set", "rollout.temperature=inf"], "rollout.temperature: expected a finite number, got 'inf'"),
+             (["--set", f'tasks_module=["{broken_tasks}"]'],
+              f"{broken_tasks}: cannot load: RuntimeError: the config server is down"),
              (["--resume", str(tmp_path)], "not a run directory"))
     # all at once: each spends its ~7 s importing torch, not waiting on the others
     procs = [subprocess.Popen([sys.executable, "-m", "nano_miles.cli", "train", "--set", f"run_dir={run_dir}", *args],
