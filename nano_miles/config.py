@@ -6,7 +6,8 @@ command's value comes from, later winning:
     the dataclass defaults <- a saved config (`train --resume`) <- `--config FILE.toml`
                            <- the command's own flags (aliases of keys) <- `--set key=value`
 
-Values are coerced to the field's declared type, then every dataclass's __post_init__ validates.
+Values are coerced to the field's declared type (a float key takes finite numbers only: nan and inf
+are refused whichever source gave them), then every dataclass's __post_init__ validates.
 Anything wrong is a ConfigError with one line naming the key; an unknown key suggests the nearest
 known one. A key's one-line meaning is its field's trailing comment (or metadata["help"]); docs/config.md
 is generated from them: `python -m nano_miles.config --write-docs docs/config.md`.
@@ -107,9 +108,12 @@ def _coerce(key: str, raw, typ):
         if isinstance(raw, bool):
             raise ConfigError(f"{key}: expected a number, got {raw!r}")
         try:
-            return float(raw)
-        except (TypeError, ValueError):
+            value = float(raw)
+        except (TypeError, ValueError, OverflowError):
             raise ConfigError(f"{key}: expected a number, got {raw!r}") from None
+        if not math.isfinite(value):  # float() takes "nan" and "inf" (TOML and JSON too); no key means them
+            raise ConfigError(f"{key}: expected a finite number, got {raw!r}")
+        return value
     if typ is str:
         if isinstance(raw, (dict, list)):
             raise ConfigError(f"{key}: expected a string, got {raw!r}")
@@ -412,7 +416,8 @@ def config_docs() -> str:
            "Generated from the config dataclasses by `python -m nano_miles.config --write-docs docs/config.md`",
            "(tests/nano_miles/test_config.py fails when this file is out of date). Every subcommand below takes",
            "`--config FILE.toml` and `--set key=value`; `--print-config` prints the resolved values as TOML.",
-           "Later wins: defaults, `--config`, the command's own flags, `--set`.", ""]
+           "Later wins: defaults, `--config`, the command's own flags, `--set`. A float key takes finite numbers",
+           "only: `nan`, `inf` and `-inf` are refused.", ""]
     for command, (cls, flags) in commands().items():
         out += [f"## nano-miles {command}", "", f"`{cls.__module__}.{cls.__name__}`", "",
                 "| key | type | default | meaning |", "|---|---|---|---|"]

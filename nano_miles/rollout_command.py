@@ -100,7 +100,8 @@ def collect(cfg: RolloutCommandConfig, tasks, desc: str = "rollout"):
 
 def selected_tasks(command: str, which: str, modules=(), select=select_tasks) -> list:
     """The tasks `which` (the tasks key) selects after loading the user's task `modules` (one line
-    per bad module; the rest loads), or a ConfigError naming the unknown task (one line)."""
+    per bad task; the rest loads), or a ConfigError naming the module that cannot be loaded or the
+    unknown task (one line)."""
     report_load_errors(modules, f"nano-miles {command}")
     try:
         return select(which)

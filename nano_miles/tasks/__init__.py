@@ -25,6 +25,7 @@ import sys
 from nano_miles.tasks import catalog  # noqa: F401  (registers the built-in tasks)
 from nano_miles.tasks import catalog_train  # noqa: F401  (registers 20 more training tasks)
 from nano_miles.tasks import toml_file
+from nano_miles.config import ConfigError
 # the public task API, re-exported: a user's module imports it from here
 from nano_miles.tasks.api import (KINDS, SPLITS, TASKS, Attempt, SetupError, Task, TaskInstance,  # noqa: F401
                                  TaskUnavailable, Workspace, loading, normalize, q, register, task, verify)
@@ -34,8 +35,10 @@ _LOADED: dict[str, list[str]] = {}  # user modules and task files loaded -> thei
 
 def load_task_modules(specs) -> list[str]:
     """Load the user's tasks: each spec is a Python file (my_tasks.py), an importable module
-    (my_pkg.tasks) or a TOML task file (tasks.toml). Returns one line per problem, naming the file
-    and the task ("my_tasks.py: task 'x': duplicate id ..."); what is good is loaded all the same."""
+    (my_pkg.tasks) or a TOML task file (tasks.toml). A spec that cannot be loaded at all (missing,
+    does not import) raises ConfigError naming it: no command runs without the tasks it was given.
+    Returns one line per problem with a task, naming the file and the task ("my_tasks.py: task 'x':
+    duplicate id ..."); the file's other tasks are loaded all the same."""
     errors = []
     for spec in specs:
         errors += _load_one(spec.strip())
@@ -48,7 +51,7 @@ def _load_one(spec: str) -> list[str]:
     if key in _LOADED:
         return _LOADED[key]
     if is_file and not os.path.isfile(spec):
-        return [f"{spec}: no such file"]
+        raise ConfigError(f"{spec}: no such file")
     errors: list[str] = []
     before = set(TASKS)
     with loading(spec, errors):
@@ -59,10 +62,10 @@ def _load_one(spec: str) -> list[str]:
                 _import_file(spec)
             else:
                 importlib.import_module(spec)
-        except Exception as e:  # a module that fails to import registers nothing at all
+        except (Exception, SystemExit) as e:  # a module that fails to import (or exits) registers nothing at all
             for added in set(TASKS) - before:
                 del TASKS[added]
-            return [f"{spec}: cannot load: {one_line(e)}"]
+            raise ConfigError(f"{spec}: cannot load: {one_line(e)}") from None
     _LOADED[key] = [f"{spec}: {line}" for line in errors]
     return _LOADED[key]
 
@@ -155,6 +158,7 @@ def add_tasks_module_argument(p) -> None:
 
 
 def report_load_errors(specs, prog: str = "nano-miles") -> None:
-    """Load the user's task modules; print one line per problem (the rest loads all the same)."""
+    """Load the user's task modules; print one line per problem with a task (the module's other
+    tasks load all the same). A module that cannot be loaded raises ConfigError (exit 2)."""
     for line in load_task_modules(specs):
         print(f"{prog}: {line}", file=sys.stderr)

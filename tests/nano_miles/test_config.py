@@ -1,6 +1,8 @@
 """Dotted-key config: TOML + --set overrides, type coercion, clear errors, the command-line helper
 every subcommand uses, renamed keys, TOML out, and the generated key reference."""
 import argparse
+import importlib
+import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,6 +77,9 @@ def test_toml_then_set(tmp_path):
     (["sync.verify=maybe"], "sync.verify: expected true/false"),
     (["optim=1"], "'optim' is a section"),
     (["optim.lr=-1"], "optim.lr must be positive"),
+    (["optim.lr=nan"], "optim.lr: expected a finite number, got 'nan'"),
+    (["optim.lr=1e999"], "optim.lr: expected a finite number, got '1e999'"),  # inf once parsed
+    (["optim.betas=[0.9, -Infinity]"], "optim.betas: expected a finite number, got -inf"),
     (["steps"], "--set expects key=value"),
 ])
 def test_bad_overrides_are_clear_errors(items, message):
@@ -88,6 +93,9 @@ def test_bad_files_are_clear_errors(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("steps = = 3")
     with pytest.raises(ConfigError, match="invalid TOML"):
+        load_config(Run, bad)
+    bad.write_text("[optim]\nlr = 1" + "0" * 400)  # a TOML integer too large for a float
+    with pytest.raises(ConfigError, match="optim.lr: expected a number"):
         load_config(Run, bad)
 
 
@@ -167,3 +175,46 @@ def test_every_key_of_every_command_says_what_it_means():
     for command, (cls, _) in commands().items():
         silent = [key for key, _, _, meaning in describe(cls) if not meaning]
         assert not silent, f"{command}: keys without a comment or metadata help: {silent}"
+
+
+# ---- non-finite numbers ----------------------------------------------------------------------------
+
+def _float_keys(cls) -> list[tuple[str, str]]:
+    """(key, type) of every key of a config class that holds floats: float, float or none, list[float]."""
+    return [(key, typ) for key, typ, _, _ in describe(cls) if "float" in typ]
+
+
+def _nested(key: str, value) -> dict:
+    """{"a": {"b": value}} for "a.b": a key as config.json nests it."""
+    for part in reversed(key.split(".")):
+        value = {part: value}
+    return value
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf", "-inf"])
+def test_every_float_key_of_every_command_refuses_nan_and_inf_from_every_source(tmp_path, bad):
+    """NaN and inf pass float(); a command must refuse them by key, in one line, before it starts
+    anything, whether they come from --set, a flag, --config FILE.toml or a resumed run's config.json.
+    Every float key any command has is found from its dataclasses, so a new key is covered too."""
+    from nano_miles.cli import SUBCOMMANDS
+
+    toml_path, checked = tmp_path / "bad.toml", 0
+    for command, (cls, flags) in commands().items():
+        parser = argparse.ArgumentParser()
+        importlib.import_module(SUBCOMMANDS[command][0]).add_arguments(parser)
+        for key, typ in _float_keys(cls):
+            listed = typ.startswith("list")
+            toml_path.write_text(f"{key} = {f'[{bad}]' if listed else bad}\n")  # TOML spells them nan, inf, -inf
+            saved = json.loads(json.dumps(_nested(key, [float(bad)] if listed else float(bad))))  # NaN, Infinity
+            attempts = {"--set": lambda: config_from_args(cls, parser.parse_args(["--set", f"{key}={bad}"])),
+                        "--config": lambda: config_from_args(cls, parser.parse_args(["--config", str(toml_path)])),
+                        "config.json": lambda: config_from_args(cls, parser.parse_args([]), base=saved)}
+            for flag in [f for f, k in flags.items() if k == key]:  # serve --mem-fraction-static, eval --temperature
+                attempts[flag] = lambda flag=flag: config_from_args(cls, parser.parse_args([f"{flag}={bad}"]))
+            for source, attempt in attempts.items():
+                with pytest.raises(ConfigError) as refused:
+                    attempt()
+                message = str(refused.value)
+                assert message.startswith(f"{key}: ") and "\n" not in message, (command, source, message)
+                checked += 1
+    assert checked > 3 * 40  # the discovery found the commands' keys (train alone has more than 30)

@@ -284,19 +284,26 @@ def test_engine_keys_reach_the_engine_process():
 
 
 def test_bad_command_lines_are_clear_errors(tmp_path):
+    """Exit 2 and one line, before a run directory is made."""
+    broken_tasks, run_dir = tmp_path / "broken_tasks.py", tmp_path / "run"
+    broken_tasks.write_text('raise RuntimeError("the config server is down")\n')
     cases = ((["--set", "steps=zero"], "steps: expected an integer"),
              (["--set", "mode=turbo"], "mode must be one of"),
              (["--set", "nope=1"], "unknown config key 'nope'"),
              (["--set", "updates_per_step=0"], "updates_per_step must be >= 1"),
              (["--set", "engine.attention_backend=fast"], "engine.attention_backend must be auto"),
              (["--set", "rollout.temperature=0"], "rollout.temperature must be > 0 to train"),
+             (["--set", "rollout.temperature=inf"], "rollout.temperature: expected a finite number, got 'inf'"),
+             (["--set", f'tasks_module=["{broken_tasks}"]'],
+              f"{broken_tasks}: cannot load: RuntimeError: the config server is down"),
              (["--resume", str(tmp_path)], "not a run directory"))
     # all at once: each spends its ~7 s importing torch, not waiting on the others
-    procs = [subprocess.Popen([sys.executable, "-m", "nano_miles.cli", "train", *args], cwd=REPO, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for args, _ in cases]
+    procs = [subprocess.Popen([sys.executable, "-m", "nano_miles.cli", "train", "--set", f"run_dir={run_dir}", *args],
+                              cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for args, _ in cases]
     for (args, message), proc in zip(cases, procs):
         _, err = proc.communicate(timeout=120)
-        assert proc.returncode == 2 and message in err, (args, err)
+        assert proc.returncode == 2 and err.count("\n") == 1 and message in err, (args, err)
+    assert not run_dir.exists()
 
 
 def test_old_key_names_still_work_and_say_their_new_name(tmp_path):

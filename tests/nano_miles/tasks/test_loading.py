@@ -3,15 +3,20 @@
 They register through the same public API as the built-in catalog and run through the same
 environment in a real sandbox. Bad input (a module that does not import, a duplicate id, a malformed
 task file, a setup command that fails) gives one line naming the file and the task; the rest loads.
+A module or file that cannot be loaded at all stops every command that takes it (exit 2, one line).
 """
 import json
 import os
+import re
+import subprocess
+import sys
 import textwrap
 
 import pytest
 
 from nano_miles import cli
 from nano_miles import tasks
+from nano_miles.config import ConfigError
 from nano_miles.rollout.env import OpenShellEnv
 from nano_miles.tasks.api import TASKS, SetupError
 from nano_miles.tasks.check import play_solution
@@ -111,12 +116,14 @@ def test_a_module_by_dotted_name(tmp_path, monkeypatch):
     assert load_task_modules(["acme_tasks.shell"]) == []
     assert tasks.get_task("acme_echo").source == "acme_tasks.shell"
     assert play(tasks.get_task("acme_echo"))["status"] == "solved"
-    assert load_task_modules(["acme_tasks.nope"]) == [
-        "acme_tasks.nope: cannot load: ModuleNotFoundError: No module named 'acme_tasks.nope'"]
+    with pytest.raises(ConfigError, match=r"^acme_tasks.nope: cannot load: ModuleNotFoundError: "
+                                          r"No module named 'acme_tasks.nope'$"):
+        load_task_modules(["acme_tasks.nope"])
 
 
-def test_a_module_that_fails_to_import_gives_one_line_and_registers_nothing(tmp_path):
-    broken = write(tmp_path, "broken.py", """
+def broken_modules(tmp_path) -> dict[str, str]:
+    """Each way a task module fails to load -> the one line that names it."""
+    raises = write(tmp_path, "raises.py", """
         from nano_miles.tasks import TaskInstance, task
 
         @task("broken_first", family="broken", split="train", summary="registered before the error")
@@ -126,12 +133,54 @@ def test_a_module_that_fails_to_import_gives_one_line_and_registers_nothing(tmp_
         raise RuntimeError("the config server is down\\nsecond line")
     """)
     syntax = write(tmp_path, "syntax.py", "def oops(:\n")
-    errors = load_task_modules([broken, syntax, EXAMPLE_TOML, str(tmp_path / "missing.py")])
-    assert errors == [f"{broken}: cannot load: RuntimeError: the config server is down",
-                      f"{syntax}: cannot load: SyntaxError: invalid syntax (line 1)",
-                      f"{tmp_path / 'missing.py'}: no such file"]
+    needs = write(tmp_path, "needs.py", "import nonexistent_dependency_xyz\n")
+    exits = write(tmp_path, "exits.py", "raise SystemExit(0)\n")  # would end the command with status 0
+    missing = str(tmp_path / "missing.py")
+    return {raises: f"{raises}: cannot load: RuntimeError: the config server is down",
+            syntax: f"{syntax}: cannot load: SyntaxError: invalid syntax (line 1)",
+            needs: f"{needs}: cannot load: ModuleNotFoundError: No module named 'nonexistent_dependency_xyz'",
+            exits: f"{exits}: cannot load: SystemExit: 0",
+            missing: f"{missing}: no such file"}
+
+
+def test_a_module_that_cannot_be_loaded_is_an_error_naming_it_and_registers_nothing(tmp_path):
+    for spec, line in broken_modules(tmp_path).items():
+        with pytest.raises(ConfigError) as refused:
+            load_task_modules([EXAMPLE_TOML, spec])
+        assert str(refused.value) == line
     assert "broken_first" not in TASKS                     # a half-imported module leaves nothing behind
-    assert len(select_tasks("inventory")) == 2             # the good file loaded all the same
+
+
+def test_every_command_that_takes_task_modules_stops_on_one_that_cannot_load(tmp_path, capsys):
+    """A script must be able to tell: exit 2 and one line naming the file, before anything runs (no
+    engine, no --out, no run directory), for each way a module fails and each command that takes one."""
+    out, run_dir = tmp_path / "out.jsonl", tmp_path / "run"
+    for spec, line in broken_modules(tmp_path).items():
+        command_lines = {"tasks": [["tasks", "list", "--tasks-module", spec],
+                                   ["tasks", "check", "--tasks-module", spec, "--tasks", "inventory"]],
+                         "rollout": [["rollout", "--tasks-module", spec, "--out", str(out)]],
+                         "eval": [["eval", "--tasks-module", spec, "--out", str(out)]],
+                         "train": [["train", "--set", f'tasks_module=["{spec}"]', "--set", f"run_dir={run_dir}"]]}
+        for command, argvs in command_lines.items():
+            for argv in argvs:
+                assert cli.main(argv) == 2, argv
+                captured = capsys.readouterr()
+                assert (captured.out, captured.err) == ("", f"nano-miles {command}: {line}\n"), argv
+    assert not out.exists() and not run_dir.exists() and "broken_first" not in TASKS
+
+
+def test_a_module_that_cannot_load_is_exit_2_from_the_command_line(tmp_path):
+    """The same through real processes (train's is in test_train.py): no traceback, one line."""
+    bad = broken_modules(tmp_path)
+    syntax, needs, missing = (str(tmp_path / name) for name in ("syntax.py", "needs.py", "missing.py"))
+    cases = ((["tasks", "list", "--tasks-module", syntax], f"nano-miles tasks: {bad[syntax]}\n"),
+             (["rollout", "--tasks-module", needs], f"nano-miles rollout: {bad[needs]}\n"),
+             (["eval", "--tasks-module", missing], f"nano-miles eval: {bad[missing]}\n"))
+    # all at once: each spends its seconds importing torch, not waiting on the others
+    procs = [subprocess.Popen([sys.executable, "-m", "nano_miles.cli", *argv], cwd=ROOT, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for argv, _ in cases]
+    for (argv, err), proc in zip(cases, procs):
+        assert proc.communicate(timeout=120) == ("", err) and proc.returncode == 2, argv
 
 
 def test_duplicate_ids_name_the_file_and_the_task_and_the_rest_loads(tmp_path):
@@ -232,11 +281,14 @@ def test_malformed_task_files(tmp_path):
         answer = "echo 1"
         setpu = ["true"]
     """)
-    errors = load_task_modules([not_toml, empty, bad])
-    assert errors[0].startswith(f"{not_toml}: cannot load: ValueError: not valid TOML: ")
-    assert errors[1] == f"{empty}: cannot load: ValueError: a task file holds [[task]] tables and nothing else " \
-                        "(unknown top-level keys: title)"
-    assert errors[2:] == [
+    with pytest.raises(ConfigError, match="^" + re.escape(f"{not_toml}: cannot load: ValueError: not valid TOML: ")):
+        load_task_modules([not_toml])
+    with pytest.raises(ConfigError) as refused:
+        load_task_modules([empty])
+    assert str(refused.value) == f"{empty}: cannot load: ValueError: a task file holds [[task]] tables and " \
+                                 "nothing else (unknown top-level keys: title)"
+    errors = load_task_modules([bad])
+    assert errors == [
         f"{bad}: task 'typed_answer': the expected answer is computed by the `answer` command, never typed in",
         f"{bad}: task 'no_answer': missing key(s): answer",
         f"{bad}: task 'bad_split': split must be one of train, heldout, benchmark, not 'test'",
@@ -290,12 +342,11 @@ def test_a_failing_setup_command_names_the_file_and_the_task(tmp_path):
 
 
 def test_tasks_cli_reports_bad_input_in_one_line_each_and_lists_the_rest(tmp_path, capsys):
-    broken = write(tmp_path, "broken.py", "import nonexistent_dependency_xyz\n")
-    assert cli.main(["tasks", "list", "--json", "--tasks-module", broken, "--tasks-module", EXAMPLE_PY,
+    half = write(tmp_path, "half.toml", "[[task]]\nid = 'half'\n")
+    assert cli.main(["tasks", "list", "--json", "--tasks-module", half, "--tasks-module", EXAMPLE_PY,
                      "--tasks-module", EXAMPLE_TOML, "--split", "logs,inventory"]) == 0
     out, err = capsys.readouterr()
-    assert err == (f"nano-miles tasks: {broken}: cannot load: ModuleNotFoundError: No module named "
-                   "'nonexistent_dependency_xyz'\n")
+    assert err == f"nano-miles tasks: {half}: task 'half': missing key(s): family, split, instruction, answer\n"
     rows = [json.loads(line) for line in out.splitlines()]
     assert [r["id"] for r in rows] == ["log_errors", "log_busiest_worker", "log_rotate", "app_config_port",
                                        "inventory_total", "inventory_rename"]
