@@ -20,7 +20,7 @@ from nano_miles.engine.handle import EngineLaunchConfig, plan_layout
 from nano_miles.engine.pool import EnginePool, GroupRouter, check_engine
 from nano_miles.telemetry import read_metrics
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 FAST = ["--set", "model=tiny-random-qwen2", "--set", "rollout.max_new_tokens=24", "--set", "rollout.env.max_turns=2",
         "--set", "rollout.group_size=2", "--set", "tasks_per_step=2"]
 

@@ -16,7 +16,7 @@ import torch
 from nano_miles.models import prepare as models
 from nano_miles.models.prepare import DEFAULT_MODEL, MODEL_NAMES, TINY_MODEL, GGUFModel, ModelError, Part
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def cli(*args, env=None):

@@ -9,7 +9,7 @@ import pytest
 from nano_miles.config import ConfigError
 from nano_miles.rollout.sandbox import SandboxConfig, SandboxUnavailable, sandbox_factory
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 DENY_NAMESPACES = [sys.executable, "-c", "import sys; from nano_openshell.seccomp import main; sys.exit(main())",
                    "--deny-namespaces", "--"]
 

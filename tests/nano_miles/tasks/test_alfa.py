@@ -47,7 +47,7 @@ def test_the_300_tasks_load_from_the_installed_package_with_stable_ids():
     assert get_task("alfa_fs1_0").summary == "list files in the current directory"
     assert len(select_tasks("alfa/fs4")) == 23
     # nothing of the package is copied into the repository
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert not any("nl2bash" in name for _, _, files in os.walk(os.path.join(root, "nano_miles")) for name in files)
 
 

@@ -22,7 +22,7 @@ from nano_miles.tasks.api import TASKS, SetupError
 from nano_miles.tasks.check import play_solution
 from nano_miles.tasks import load_task_modules, select_tasks, training_tasks
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 EXAMPLE_PY = os.path.join(ROOT, "examples", "my_tasks.py")
 EXAMPLE_TOML = os.path.join(ROOT, "examples", "tasks.toml")
 

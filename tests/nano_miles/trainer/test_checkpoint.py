@@ -23,7 +23,7 @@ from nano_miles.trainer.checkpoint import (Checkpointer, export_model, finish_ch
 from nano_miles.models.prepare import resolve_model
 from nano_miles.trainer.trainer import OptimConfig, Trainer, TrainerConfig
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _trainer(**kw):

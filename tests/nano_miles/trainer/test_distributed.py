@@ -12,7 +12,7 @@ import torch
 
 from nano_miles.trainer.distributed import DistError, check_nproc, init_distributed, launch
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def rank_env(rank: int, port: int, timeout_s: int) -> dict:

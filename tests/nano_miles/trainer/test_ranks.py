@@ -18,7 +18,7 @@ from nano_miles.rollout.producer import TaskStream
 from nano_miles.tasks import select_tasks
 from nano_miles.telemetry import read_metrics
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 FAST = ["--set", "model=tiny-random-qwen2", "--set", "rollout.max_new_tokens=24", "--set", "rollout.env.max_turns=2",
         "--set", "rollout.group_size=2", "--set", "tasks_per_step=2", "--set", "trainer.dist_timeout_s=60"]
 

@@ -22,7 +22,7 @@ from nano_miles.trainer.trainer import Trainer, TrainerConfig
 from tests.nano_miles.trainer.test_true_on_policy import assert_exact, params, prompt, rollouts, serve, single_turn
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def randn(*shape, dtype=torch.float32, seed=0):
