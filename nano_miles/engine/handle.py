@@ -10,7 +10,6 @@ into `nano-miles serve` arguments. `EngineHandle` is the pool of those engines (
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
@@ -127,17 +126,3 @@ def plan_layout(dtype: str, engine: EngineLaunchConfig, trainer_device: str | No
 
 class EngineHandle(EnginePool):
     """The engines of a command: the name rollout, eval and train know the pool by."""
-
-
-def train_layout(cfg, ranks=None) -> Layout:
-    """plan_layout for a training run (cfg: its TrainConfig; ranks: its TrainerRanks when it has
-    several, which take this host's first GPUs). true_on_policy turns the engine's side on too (an
-    engine given by engine.url must have been started with `serve --true-on-policy`)."""
-    if ranks is None:
-        layout = plan_layout(cfg.dtype, cfg.engine, cfg.trainer_device)
-    else:
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world_size))
-        layout = plan_layout(cfg.dtype, cfg.engine, str(ranks.env.device), trainer_ranks=local_ranks)
-    if cfg.true_on_policy:
-        layout.engine_args.append("--true-on-policy")
-    return layout

@@ -1,24 +1,27 @@
-"""Run checkpoints (trainer state, RNG, data position) and the exported final policy.
+"""Run checkpoints (trainer state, RNG, data position) and the exported policy (final/, best/).
 
-checkpoint/ holds
+One process: checkpoint/ holds
   model.safetensors  the FP32 master weights by HF name: exactly the weights final/ exports, so the
                      final/model.safetensors of a finished run is a hard link to it (one copy on disk)
   optimizer.pt       AdamW's state (both moments, step counts): torch.save(optimizer.state_dict())
   state.json         step, data position, weight version, RNG states, the trainer's step and dtype
+N ranks: checkpoint/ is a DCP folder (dist_checkpoint.py: each rank writes its shards) with rank 0's
+state.json beside them. Either loads into any number of ranks (load_checkpoint): a run resumes with
+another N. Every function here is collective with N ranks: every rank calls it.
+
 A checkpoint is a folder written whole under checkpoint.tmp/ and renamed into place, so a run killed at
 any moment (even mid-write) leaves either the previous checkpoint or the new one, never half of one.
 
-Written in the background: save_checkpoint() takes the RNG states and the step's record at once, then a
-thread writes the trainer's LIVE tensors (no copy: a second 6 GB of FP32 masters and moments is what a
-24 GB machine cannot spare). The trainer refuses to change them until the write is done
-(Trainer.hold_until_saved: its next update, or a load, waits); in a training loop the write overlaps
-the next step's rollout, which does not touch them. `.wait()` on the returned handle joins it (the
-loop does at the end of the run, before exporting).
+Written in the background: save_checkpoint() takes the RNG states and the step's record at once; one
+process's thread then writes the trainer's LIVE tensors (no copy: a second set of FP32 masters and
+moments is what a small machine cannot spare), and the trainer refuses to change them until the write
+is done (Trainer.hold_until_saved: its next update waits); N ranks stage their shards to CPU memory
+first (DCP). In a training loop the write overlaps the next step's rollout.
 
-A completed run keeps no optimizer.pt (two thirds of a checkpoint: its last checkpoint is written
-without it, and finish_checkpoint drops an older one) unless asked to (keep_optimizer_state): the run
-directory then holds the weights once, shared by checkpoint/ and final/. Resuming such a checkpoint to
-train further restarts AdamW's moments from zero, and says so.
+A completed one-process run keeps no optimizer.pt (two thirds of a checkpoint) unless asked to
+(keep_optimizer_state): the run directory then holds the weights once, shared by checkpoint/ and
+final/. Resuming such a checkpoint restarts AdamW's moments from zero, and says so. (N ranks always
+keep AdamW's state: it is spread over their files.)
 """
 from __future__ import annotations
 
@@ -29,11 +32,15 @@ import shutil
 import struct
 import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
 from transformers import AutoTokenizer
+
+from nano_miles.trainer import dist_checkpoint
 
 FORMAT = 2  # 1: a single trainer.pt (still read)
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
@@ -86,60 +93,88 @@ def disk_line(num_params: int, run_dir: Path, keep_optimizer: bool) -> str:
 
 
 class PendingCheckpoint:
-    """A checkpoint being written by a thread; wait() joins it and re-raises its error. seconds: how
-    long the write took; waited_s: how long callers of wait() were blocked by it."""
+    """A checkpoint being written in the background; wait() finishes it (with N ranks every rank calls
+    it: the folder goes into place once all have written) and re-raises its error. seconds: how long
+    the write took; waited_s: how long callers of wait() were blocked by it."""
 
-    def __init__(self, run, started: float):
-        self.thread = threading.Thread(target=self._run, args=(run,), name="checkpoint", daemon=True)
-        self.error, self.started, self.seconds, self.waited_s = None, started, None, 0.0
-        self.thread.start()
-
-    def _run(self, run):
-        try:
-            run()
-        except BaseException as e:  # re-raised by wait() in the loop's thread
-            self.error = e
-        self.seconds = time.perf_counter() - self.started
+    def __init__(self, written: Future, finish=lambda: None):
+        self.written, self.finish = written, finish
+        self.started, self.seconds, self.waited_s = time.perf_counter(), None, 0.0
+        written.add_done_callback(lambda _: setattr(self, "seconds", time.perf_counter() - self.started))
 
     def done(self) -> bool:
-        return not self.thread.is_alive()
+        return self.written is None or self.written.done()
 
     def wait(self) -> None:
+        written, self.written = self.written, None
+        if written is None:
+            return
         t = time.perf_counter()
-        self.thread.join()
-        self.waited_s += time.perf_counter() - t
-        if self.error is not None:
-            error, self.error = self.error, None
-            raise RuntimeError(f"writing the checkpoint failed: {error}") from error
+        try:
+            if (error := written.exception()) is not None:
+                raise RuntimeError(f"writing the checkpoint failed: {error}") from error
+            self.finish()
+        finally:
+            self.waited_s += time.perf_counter() - t
+
+
+def _in_thread(write) -> Future:
+    written = Future()
+
+    def run():
+        try:
+            written.set_result(write())
+        except BaseException as e:  # re-raised by PendingCheckpoint.wait() in the loop's thread
+            written.set_exception(e)
+
+    threading.Thread(target=run, name="checkpoint", daemon=True).start()
+    return written
 
 
 def save_checkpoint(run_dir: Path, trainer, state: dict, background: bool = False,
                     with_optimizer: bool = True) -> PendingCheckpoint:
     """Write checkpoint/ (atomic: checkpoint.tmp/, then renamed over it). With background=True the
     files are written by a thread and the trainer waits for it before its next change.
-    with_optimizer=False leaves AdamW's state out (a completed run's last checkpoint)."""
+    with_optimizer=False leaves AdamW's state out (a completed one-process run's last checkpoint)."""
     trainer.wait_for_save()  # one write at a time
-    run_dir = Path(run_dir)
-    state = dict(state, format=FORMAT, trainer_step=trainer.step, dtype=trainer.cfg.dtype, optimizer=with_optimizer,
+    final, tmp = Path(run_dir) / "checkpoint", Path(run_dir) / "checkpoint.tmp"
+    state = dict(state, trainer_step=trainer.step, dtype=trainer.cfg.dtype,
                  rng={"python": random.getstate(), "torch": torch.get_rng_state().tolist()})
-    masters = list(zip(trainer.names, trainer.masters))
-    optimizer_state = trainer.optimizer.state_dict() if with_optimizer else None  # references, not copies
+    if trainer.env is not None:
+        group, main = trainer.env.cpu_group, trainer.rank == 0
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        dist.barrier(group=group)  # nobody writes into tmp before rank 0 has cleared it
+        written = dist_checkpoint.save(trainer, tmp)
+        if main:
+            (tmp / "state.json").write_text(json.dumps(dict(state, sharded=True, world_size=trainer.world_size)))
 
-    def write():
-        final, tmp = run_dir / "checkpoint", run_dir / "checkpoint.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        try:
-            write_safetensors(tmp / "model.safetensors", masters)
-            if optimizer_state is not None:
-                torch.save(optimizer_state, tmp / "optimizer.pt")
-            (tmp / "state.json").write_text(json.dumps(state))
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)  # a full disk must not keep half a checkpoint around
-            raise
-        _replace(tmp, final)
+        def finish():
+            if main:
+                _replace(tmp, final)
+            dist.barrier(group=group)  # the checkpoint is in place when any rank goes on
 
-    pending = PendingCheckpoint(write, time.perf_counter())
+        pending = PendingCheckpoint(written, finish)
+    else:
+        state = dict(state, format=FORMAT, optimizer=with_optimizer)
+        masters = list(zip(trainer.names, trainer.masters))
+        optimizer_state = trainer.optimizer.state_dict() if with_optimizer else None  # references, not copies
+
+        def write():
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            try:
+                write_safetensors(tmp / "model.safetensors", masters)
+                if optimizer_state is not None:
+                    torch.save(optimizer_state, tmp / "optimizer.pt")
+                (tmp / "state.json").write_text(json.dumps(state))
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)  # a full disk must not keep half a checkpoint around
+                raise
+            _replace(tmp, final)
+
+        pending = PendingCheckpoint(_in_thread(write))
     if background:
         trainer.hold_until_saved(pending)
     else:
@@ -184,7 +219,8 @@ class Checkpointer:
     def finish(self) -> str:
         """Join the last write, drop any AdamW state left unless kept; a line saying what checkpoints cost."""
         self.trainer.wait_for_save()
-        finish_checkpoint(self.run_dir, self.keep_optimizer)
+        if self.trainer.rank == 0:
+            finish_checkpoint(self.run_dir, self.keep_optimizer)
         return self.summary()
 
     def summary(self) -> str:
@@ -206,38 +242,65 @@ def _replace(tmp: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _checkpoint_dir(run_dir: Path) -> Path | None:
-    ckpt = run_dir / "checkpoint"
+def read_checkpoint_state(run_dir: Path) -> dict | None:
+    """run_dir/checkpoint's state.json, or None when there is no checkpoint yet; a checkpoint.old that a
+    kill between the two renames of a save left is taken back first. (With N ranks, rank 0's to call.)"""
+    ckpt, old = Path(run_dir) / "checkpoint", Path(run_dir) / "checkpoint.old"
     if not (ckpt / "state.json").exists():
-        old = run_dir / "checkpoint.old"  # killed between the two renames
         if not (old / "state.json").exists():
             return None
         old.rename(ckpt)
-    return ckpt
+    return json.loads((ckpt / "state.json").read_text())
 
 
-def load_checkpoint(run_dir: Path, trainer, echo=print) -> dict | None:
-    """Restore the trainer and the RNG from run_dir/checkpoint; returns its state.json, or None."""
-    ckpt = _checkpoint_dir(Path(run_dir))
-    if ckpt is None:
+def load_checkpoint(run_dir: Path, trainer, echo=print, state: dict | None = None) -> dict | None:
+    """Restore the trainer and the RNG from run_dir/checkpoint, whichever number of ranks wrote it;
+    returns its state.json (`state`: read already, by rank 0), or None when there is none."""
+    state = read_checkpoint_state(run_dir) if state is None else state
+    if state is None:
         return None
-    state = json.loads((ckpt / "state.json").read_text())
-    if state.get("format", 1) == 1:
-        trainer.load_state_dict(torch.load(ckpt / "trainer.pt", map_location=trainer.device, weights_only=False))
+    ckpt = Path(run_dir) / "checkpoint"
+    if (ckpt / ".metadata").exists():
+        dist_checkpoint.load(trainer, ckpt)
+    elif state.get("format", 1) == 1:
+        if trainer.env is not None:
+            raise ValueError(f"{ckpt} is a format-1 checkpoint: resume it with --set trainer.nproc=1")
+        saved = torch.load(ckpt / "trainer.pt", map_location=trainer.device, weights_only=False)
+        _load_masters(trainer, saved["masters"], saved["optimizer"], saved["step"])
     else:
-        with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:  # tensor by tensor
-            masters = {name: f.get_tensor(name) for name in f.keys()}
-        optimizer = None
-        if state.get("optimizer") and (ckpt / "optimizer.pt").exists():
-            optimizer = torch.load(ckpt / "optimizer.pt", map_location=trainer.device, weights_only=True)
-        else:
+        kept = state.get("optimizer") and (ckpt / "optimizer.pt").exists()
+        if not kept:
             echo("the checkpoint keeps no AdamW state (the run had completed; keep_optimizer_state=true keeps "
                  "it): AdamW's moments restart from zero")
-        trainer.load_state_dict({"masters": masters, "optimizer": optimizer, "step": state["trainer_step"]})
+        if trainer.env is not None:  # every rank reads its own rows
+            dist_checkpoint.load_single_process(trainer, ckpt)
+        else:
+            with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:  # tensor by tensor
+                masters = {name: f.get_tensor(name) for name in f.keys()}
+            optimizer = torch.load(ckpt / "optimizer.pt", map_location=trainer.device, weights_only=True) if kept else None
+            _load_masters(trainer, masters, optimizer, state["trainer_step"])
     py_state = state["rng"]["python"]
     random.setstate((py_state[0], tuple(py_state[1]), py_state[2]))
     torch.set_rng_state(torch.tensor(state["rng"]["torch"], dtype=torch.uint8))
     return state
+
+
+@torch.no_grad()
+def _load_masters(trainer, masters: dict, optimizer: dict | None, step: int) -> None:
+    """One process: the FP32 masters by name, AdamW's state (None: fresh moments), the step."""
+    missing = [n for n in trainer.names if n not in masters]
+    unexpected = [n for n in masters if n not in set(trainer.names)]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not fit this model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    trainer.wait_for_save()
+    for n, m in zip(trainer.names, trainer.masters):
+        if masters[n].shape != m.shape:
+            raise ValueError(f"checkpoint tensor {n}: shape {tuple(masters[n].shape)} != {tuple(m.shape)}")
+        m.copy_(masters[n])
+    if optimizer is not None:
+        trainer.optimizer.load_state_dict(optimizer)
+    trainer._copy_masters_to_model()
+    trainer.step = int(step)
 
 
 def finish_checkpoint(run_dir: Path, keep_optimizer: bool) -> None:
@@ -255,9 +318,13 @@ def finish_checkpoint(run_dir: Path, keep_optimizer: bool) -> None:
 def export_model(trainer, tokenizer_dir: str, out_dir: Path, checkpoint_dir: Path | None = None) -> Path:
     """The final policy as a HF folder (`nano-miles serve --model DIR` and `eval --model DIR` take it):
     the FP32 masters (they carry every small update; the bf16 compute copy would round them away). If
-    checkpoint_dir holds the trainer's current step, its weights file is hard-linked, not written again."""
+    checkpoint_dir holds the trainer's current step, its weights file is hard-linked, not written again.
+    N ranks gather the weights to rank 0, which writes the folder."""
     trainer.wait_for_save()  # the last checkpoint complete (its weights may be linked below)
     out_dir = Path(out_dir)
+    gathered = trainer.named_weights(torch.float32) if trainer.env is not None else None  # collective
+    if trainer.rank != 0:
+        return out_dir
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -265,8 +332,8 @@ def export_model(trainer, tokenizer_dir: str, out_dir: Path, checkpoint_dir: Pat
     config = json.loads((tmp / "config.json").read_text())
     config["dtype" if "torch_dtype" not in config else "torch_dtype"] = "float32"
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    if not _link_checkpoint_weights(trainer, checkpoint_dir, tmp / "model.safetensors"):
-        write_safetensors(tmp / "model.safetensors", trainer.named_weights(torch.float32))
+    if gathered is not None or not _link_checkpoint_weights(trainer, checkpoint_dir, tmp / "model.safetensors"):
+        write_safetensors(tmp / "model.safetensors", gathered or trainer.named_weights(torch.float32))
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp)
     gen = Path(tokenizer_dir) / "generation_config.json"
     if gen.exists():
@@ -280,7 +347,8 @@ def export_best(trainer, tokenizer_dir: str, best_dir: Path, checkpoint_dir: Pat
     """keep_best: the current policy as best/ (a HF folder, as final/), with best.json saying from which
     step and with what score; the previous best/ is replaced only once the new one is complete."""
     export_model(trainer, tokenizer_dir, best_dir, checkpoint_dir)
-    (best_dir / "best.json").write_text(json.dumps(best) + "\n")
+    if trainer.rank == 0:
+        (best_dir / "best.json").write_text(json.dumps(best) + "\n")
     return best_dir
 
 

@@ -1,32 +1,23 @@
-"""The trainer's state through torch.distributed.checkpoint (DCP): sharded, written in the background,
-loadable by any number of ranks.
+"""The trainer's state through torch.distributed.checkpoint (DCP): what N ranks checkpoint, each its own
+shards, and what loads into any number of ranks (one process included) whichever N saved it.
 
-What is saved: the FP32 masters, AdamW's state per parameter (step, exp_avg, exp_avg_sq) and the
-step count, keyed by HF parameter names. A sharded trainer's masters and moments are DTensors, so
-each rank writes only its own shards (plus DCP's metadata of where every shard lives); loading
-reads whatever slices the loading ranks own, whichever N saved it. The single-process Trainer's
-plain tensors go through the same functions, so a run saved with 2 ranks resumes in 1 and back; and a
-single-process checkpoint (nano_miles.trainer.checkpoint's files) loads into N ranks, each reading its rows.
-
-A save is atomic like nano_miles.trainer.checkpoint's: DCP writes into `<dir>.tmp` and rank 0 renames it
-over `<dir>` once every rank has written (DCP's coordinator only finishes after all of them).
-With background=True the state is first copied to CPU memory (so the next step may change the
-parameters at once) and the files are written by a thread; call `.wait()` on the returned handle
-before the next save and at the end of the run. The RNG and data position stay with the loop's
-own state.json (nano_miles.trainer.checkpoint).
+What is saved: the FP32 masters, AdamW's state per parameter (step, exp_avg, exp_avg_sq) and the step
+count, keyed by HF parameter names, plus DCP's metadata of where every shard lives. `save` stages the
+state to CPU memory (so the next step may change the parameters at once) and writes the files in a
+thread; checkpoint.py puts the folder in place and the run's state.json beside it. A single-process
+checkpoint (checkpoint.py's files) also loads into N ranks, each reading only its own rows.
 """
 from __future__ import annotations
 
 import json
-import shutil
+import warnings
 from concurrent.futures import Future
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import Shard
 
 
 def trainer_state(trainer) -> dict:
@@ -47,103 +38,49 @@ def trainer_state(trainer) -> dict:
             "trainer": {"step": trainer.step}}
 
 
-class PendingSave:
-    """A checkpoint being written in the background; wait() finishes it (every rank must call it)."""
-
-    def __init__(self, future, tmp: Path, final: Path, group):
-        self.future, self.tmp, self.final, self.group = future, tmp, final, group
-
-    def done(self) -> bool:
-        return self.future is None or self.future.done()
-
-    def wait(self) -> Path:
-        if self.future is not None:
-            self.future.result()
-            self.future = None
-            if _is_main():
-                _replace(self.tmp, self.final)
-            if dist.is_initialized():
-                dist.barrier(group=self.group)  # the checkpoint is in place when any rank returns
-        return self.final
-
-
 def _group(trainer):
-    env = getattr(trainer, "env", None)
-    return env.cpu_group if env is not None else None
+    return trainer.env.cpu_group if trainer.env is not None else None
 
 
-def _is_main() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
+def save(trainer, folder: Path) -> Future:
+    """Every rank writes its shards into `folder` in the background (collective); wait on the Future
+    (every rank) before the next save."""
+    return dcp.async_save(trainer_state(trainer), checkpoint_id=str(folder), process_group=_group(trainer),
+                          no_dist=trainer.env is None)
 
 
-def _replace(tmp: Path, final: Path) -> None:
-    old = final.with_name(final.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        final.rename(old)
-    tmp.rename(final)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def save(trainer, path, background: bool = True) -> PendingSave:
-    """Write the trainer's state to the folder `path` (collective: every rank calls it)."""
-    final = Path(path)
-    tmp = final.with_name(final.name + ".tmp")
-    group = _group(trainer)
-    if _is_main():
-        shutil.rmtree(tmp, ignore_errors=True)
-    if dist.is_initialized():
-        dist.barrier(group=group)  # nobody writes into tmp before rank 0 has cleared it
+def load(trainer, folder: Path) -> None:
+    """Load a DCP checkpoint written by any number of ranks (collective: every rank calls it)."""
     state = trainer_state(trainer)
-    single = not dist.is_initialized()
-    if background:
-        future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=group, no_dist=single)
-    else:
-        future = Future()
-        future.set_result(dcp.save(state, checkpoint_id=str(tmp), process_group=group, no_dist=single))
-    pending = PendingSave(future, tmp, final, group)
-    if not background:
-        pending.wait()
-    return pending
-
-
-def load(trainer, path) -> None:
-    """Load a checkpoint written by `save` with any number of ranks, or one written by a single process
-    (nano_miles.trainer.checkpoint: model.safetensors, optimizer.pt, state.json); collective: every rank calls it."""
-    path = Path(path)
-    if not (path / ".metadata").exists():
-        if (path / "model.safetensors").exists() and (path / "state.json").exists():
-            return load_single_process(trainer, path)
-        raise FileNotFoundError(f"{path} is not a distributed checkpoint (no .metadata)")
-    state = trainer_state(trainer)
-    dcp.load(state, checkpoint_id=str(path), process_group=_group(trainer), no_dist=not dist.is_initialized())
+    with warnings.catch_warnings():  # DCP's note that it loads in one process: that is the point there
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(folder), process_group=_group(trainer), no_dist=trainer.env is None)
     trainer.step = int(state["trainer"]["step"])
-    trainer._copy_masters_to_model()  # the single-process trainer's bf16 compute copy follows its masters
+    trainer._copy_masters_to_model()  # one process: the bf16 compute copy follows its masters
 
 
 @torch.no_grad()
-def load_single_process(trainer, path) -> None:
-    """Load a single-process checkpoint (nano_miles.trainer.checkpoint's format 2) into a trainer of any number
-    of ranks. Each rank reads only its own rows of every tensor: the masters through safetensors' slices,
-    AdamW's moments from the memory-mapped optimizer.pt (no rank holds the whole state). Without
-    optimizer.pt (a completed run's last checkpoint) AdamW's moments start from zero."""
-    path = Path(path)
-    meta = json.loads((path / "state.json").read_text())
+def load_single_process(trainer, folder: Path) -> None:
+    """Load a single-process checkpoint (checkpoint.py's format 2) into N ranks. Each rank reads only
+    its own rows of every tensor: the masters through safetensors' slices, AdamW's moments from the
+    memory-mapped optimizer.pt. Without optimizer.pt (a completed run's last checkpoint) AdamW's
+    moments start from zero."""
+    meta = json.loads((folder / "state.json").read_text())
     if meta.get("format", 1) != 2:
-        raise ValueError(f"{path} is a format-{meta.get('format', 1)} checkpoint: resume it with "
+        raise ValueError(f"{folder} is a format-{meta.get('format', 1)} checkpoint: resume it with "
                          "--set trainer.nproc=1 (only format 2 is read by ranks)")
     state = trainer_state(trainer)
-    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
         missing = sorted(set(trainer.names) - set(f.keys()))
         if missing:
-            raise ValueError(f"{path} does not fit this model: no {missing[:3]}")
+            raise ValueError(f"{folder} does not fit this model: no {missing[:3]}")
         for name, master in state["masters"].items():
             local, rows = _own_rows(master)
             if f.get_slice(name).get_shape() != list(master.shape):
                 raise ValueError(f"checkpoint tensor {name}: shape {f.get_slice(name).get_shape()} != "
                                  f"{list(master.shape)}")
             local.copy_(f.get_slice(name)[rows.start:rows.stop])
-    optim_file = path / "optimizer.pt"
+    optim_file = folder / "optimizer.pt"
     if meta.get("optimizer") and optim_file.exists():
         saved = torch.load(optim_file, map_location="cpu", mmap=True, weights_only=True)
         ids = saved["param_groups"][0]["params"]  # AdamW's ids, in the order of the trainer's names
@@ -158,14 +95,11 @@ def load_single_process(trainer, path) -> None:
                 local, rows = _own_rows(moments[key])
                 local.copy_(saved["state"][i][key][rows])
     trainer.step = int(meta["trainer_step"])
-    trainer._copy_masters_to_model()
 
 
 def _own_rows(t: torch.Tensor) -> tuple[torch.Tensor, slice]:
     """This rank's part of `t` and the rows of the whole tensor it holds: FSDP shards dim 0 as
-    torch.chunk does (ceil(d0 / N) rows per rank, the last ones shorter or empty); a plain tensor is all."""
-    if not isinstance(t, DTensor):
-        return t, slice(0, t.shape[0] if t.dim() else None)
+    torch.chunk does (ceil(d0 / N) rows per rank, the last ones shorter or empty)."""
     if t.placements != (Shard(0),):
         raise ValueError(f"expected a tensor sharded on dim 0, got {t.placements}")
     local = t.to_local()

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from nano_miles.engine import batch_invariant
 
 
 def tempered_logits(hidden, weight, temperature: float = 1.0):
@@ -113,3 +116,28 @@ def head_logprobs(hidden, targets, weight, chunk: int, with_entropy: bool, need_
         return ChunkedLogprobs.apply(hidden, targets, weight, chunk, with_entropy, temperature)
     with torch.no_grad():
         return _chunked(hidden, targets, weight, chunk, with_entropy, temperature)
+
+
+def _exact_chunk(hidden, targets, weight, with_entropy: bool):
+    """chunk_logprobs with the engine's batch-invariant head (true on-policy mode)."""
+    logp_all = batch_invariant.log_softmax(batch_invariant.linear(hidden, weight, out_dtype=torch.float32))
+    logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
+    if not with_entropy:
+        return logp, torch.zeros_like(logp)
+    return logp, -(logp_all.exp() * logp_all).sum(-1)
+
+
+def exact_head_logprobs(hidden, targets, weight, chunk: int, with_entropy: bool, need_grad: bool,
+                        temperature: float = 1.0):
+    """head_logprobs through the engine's batch-invariant head (true on-policy mode: bit for bit the
+    engine's log-probs, of the untempered distribution); the backward recomputes each chunk's logits."""
+    if temperature != 1.0:
+        raise ValueError("true on-policy log-probs are of the model's distribution: temperature must be 1")
+    parts = [checkpoint(_exact_chunk, hidden[s:s + chunk], targets[s:s + chunk], weight, with_entropy,
+                        use_reentrant=False) if need_grad else
+             _exact_chunk(hidden[s:s + chunk], targets[s:s + chunk], weight, with_entropy)
+             for s in range(0, hidden.shape[0], chunk)]
+    if not parts:
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return empty, empty
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])

@@ -142,6 +142,18 @@ def test_a_failed_background_write_stops_the_next_update_with_the_cause(tmp_path
         a.train_step(*_batch(1))
 
 
+def test_a_checkpoint_that_does_not_fit_the_model_is_refused_naming_the_tensor(tmp_path):
+    a = _trainer()
+    save_checkpoint(tmp_path, a, {"step": 1, "data_position": 2})
+    weights = tmp_path / "checkpoint" / "model.safetensors"
+    kept = [(n, t.clone()) for n, t in load_file(weights).items() if n != "model.norm.weight"]  # (off the mmap)
+    write_safetensors(weights, kept)
+    b = _trainer()
+    with pytest.raises(ValueError, match="missing.*model.norm.weight"):
+        load_checkpoint(tmp_path, b)
+    assert b.step == 0
+
+
 def test_no_checkpoint_is_none(tmp_path):
     assert load_checkpoint(tmp_path, _trainer()) is None
 
