@@ -4,37 +4,41 @@
     nano-miles train --set trainer.nproc=N ...           the trainer on N ranks of this host
     torchrun --nproc-per-node N -m nano_miles.train ...  the same ranks, started by torchrun
 
-Every rank runs this loop. Rank 0 owns the engines, the rollouts, telemetry, evaluation and the run's
-state.json; it hands each step's trajectories and its decisions to the others (Run.share), and every
-rank makes the same update, weight sync and checkpoint. How the run is built, and how rank 0 restarts
-engines that die: nano_miles/train_setup.py. Modes (nano_miles/rollout/producer.py): `sync` (every
-rollout uses the latest weights) and `async` (rollouts for step v+1 run while step v trains; a
-trajectory more than `max_staleness` weight versions behind is dropped and counted, newer ones are
-corrected by truncated importance sampling). A run whose policy never changed writes no final/.
+Every rank runs this loop. Rank 0 owns the engines, rollouts, telemetry, evaluation and state.json; it
+hands each step's trajectories and its decisions to the others (Run.share), and every rank makes the
+same update, weight sync and checkpoint. The run's parts, and how rank 0 restarts engines that die:
+nano_miles/train_setup.py. Modes: `sync` (every rollout uses the latest weights) and `async` (step v+1
+rolls out while step v trains; a trajectory more than `max_staleness` versions behind is dropped and
+counted, newer ones are corrected by truncated importance sampling: nano_miles/rollout/producer.py).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 from nano_miles.config import ConfigError, add_config_arguments, config_from_args, to_toml
+from nano_miles.engine.client import EngineUnavailable
 from nano_miles.telemetry import memory_gb, read_metrics, run_summary, step_metrics
-from nano_miles.train_setup import Run, RunFailed, TrainConfig, check_world, start_ranks
+from nano_miles.train_setup import Run, RunFailed, Stopped, TrainConfig, check_world
 from nano_miles.trainer.checkpoint import export_best, export_model
-from nano_miles.trainer.distributed import (DistError, check_nproc, is_collective_failure, main_guard,
+from nano_miles.trainer.distributed import (DistError, check_nproc, is_collective_failure, launch_ranks, main_guard,
                                             rank_device_type, rank_env, run_rank)
 from nano_miles.trainer.update import policy_update
+from nano_miles.trainer.weight_sync import WeightSyncError
 
 
 class TrainingRun(Run):
     def run(self) -> Path:
-        """The loop, on every rank; rank 0's run directory."""
+        """The loop, on every rank; returns the run directory."""
         cfg, completed, together = self.cfg, self.start_step, False
         with self.stop_signals():
             try:
@@ -56,16 +60,16 @@ class TrainingRun(Run):
                     if plan["failed"]:
                         raise RunFailed(plan["failed"])
                     if plan["stop"]:
-                        raise KeyboardInterrupt
+                        raise Stopped
                 # trainer.step counts optimizer steps: 0 means the policy is still the base model.
                 if self.trainer.step > 0:
                     export_model(self.trainer, self.model_path, self.run_dir / "final", self.run_dir / "checkpoint")
                 self.echo(self.checkpointer.finish())
                 together = True
             except (KeyboardInterrupt, RunFailed) as e:
-                together = not self.mid_step  # rank 0's decision, or a second Ctrl-C mid-step (rank 0 alone)
-                # Steps are atomic: the trainer state is the one after the last completed step's sync
-                # unless a second Ctrl-C hit mid-step, in which case the older checkpoint stands.
+                # Rank 0's decisions reach every rank; a second Ctrl-C mid-step is rank 0's alone, and
+                # the older checkpoint stands (steps are atomic).
+                together = isinstance(e, (Stopped, RunFailed)) or (self.world == 1 and not self.mid_step)
                 if isinstance(e, KeyboardInterrupt):
                     if completed > self.checkpointed and together:
                         self.checkpoint(completed, background=False)
@@ -73,30 +77,31 @@ class TrainingRun(Run):
                 raise
             finally:
                 self.close(together)
+        rows = read_metrics(self.log.path) if self.lead else []
         if self.lead:
-            rows = read_metrics(self.log.path)
             for line in run_summary(rows, time.monotonic() - self.started, self.run_dir):
                 self.echo(line)
         if self.trainer.step == 0:
-            reasons = sorted({r["update_skipped"] for r in rows if r.get("update_skipped")}) if self.lead else []
+            reasons = sorted({r["update_skipped"] for r in rows if r.get("update_skipped")})
             raise RunFailed(f"trained on nothing: no step updated the policy ({'; '.join(reasons) or 'no step ran'}), "
                             f"so it is still the base model and no final/ was written; metrics in {self.run_dir}")
         return self.run_dir
 
     def step(self, step: int) -> dict | None:
-        """Every rank: one step's update and weight sync; rank 0's metrics (None on the others)."""
+        """One step's update and weight sync, on every rank; rank 0's metrics (None on the others)."""
         t0 = time.perf_counter()
         rollout, stale, kept, skipped = self.collect(step)
-        self.mid_step = True  # from here until the step is checkpointed, the trainer is between states
-        train = {}
+        self.mid_step = True  # until the step is checkpointed, the trainer is between states
         if self.lead:
-            self.release_engine_memory()
-        if skipped is None:  # (skipped: all lost to the sandbox, or dynamic sampling found no signal)
+            try:  # colocated (shared weights): the idle engine drops its KV memory during the update
+                self.syncer.before_update()
+            except (EngineUnavailable, WeightSyncError) as e:  # only memory: the sync finds a dead engine
+                self.echo(f"engine memory release: {e}")
+        train = {}
+        if skipped is None:  # (skipped: every episode lost to the sandbox, or no learning signal)
             train, skipped = policy_update(self.trainer, kept, self.cfg.advantage, self.pad_id, self.echo,
                                            updates=self.cfg.updates_per_step, reference=self.reference)
-        if self.trainer.device.type == "cuda":
-            # AdamW and the master -> bf16 copy are still queued on the GPU: let the update pay for
-            # them, so that sync_ms measures the weight transfer and not the optimizer's tail.
+        if self.trainer.device.type == "cuda":  # the update pays for its queued kernels: sync_ms is the sync's
             torch.cuda.synchronize(self.trainer.device)
         sync = self.sync(step)
         memory = self.gather(memory_gb(self.trainer.device))
@@ -111,18 +116,17 @@ class TrainingRun(Run):
 
     def plan(self, step: int, metrics: dict) -> dict:
         """Rank 0, after a step: what every rank does next. Export best/; checkpoint (which step); stop
-        (Ctrl-C); fail: max_infra_failed_steps steps in a row lost every episode to the infrastructure,
-        so stop with a checkpoint from before them (the trainer has not changed since), which --resume redoes."""
+        (Ctrl-C); fail (max_infra_failed_steps steps in a row lost every episode to the infrastructure:
+        the checkpoint is from before them, the trainer has not changed since, --resume redoes them)."""
         self.lost = self.lost + 1 if metrics["all_lost"] else 0
         best = self.evaluation.new_best(step, metrics, self.run_dir / "best")
         if self.lost >= self.cfg.max_infra_failed_steps:
             before = step - self.lost
-            cause = "; ".join(metrics["infra_errors"]) or "no message"
             return {"best": best, "checkpoint": before if before > self.checkpointed else None, "stop": False,
                     "failed": f"stopped at step {step}: steps {before + 1}-{step} lost every episode to "
                               f"infrastructure failures, nothing was trained on in them (max_infra_failed_steps="
-                              f"{self.cfg.max_infra_failed_steps}). Cause: {cause}. Fix it and continue with "
-                              f"--resume {self.run_dir} (from step {before + 1})"}
+                              f"{self.cfg.max_infra_failed_steps}). Cause: {'; '.join(metrics['infra_errors']) or 'no message'}. "
+                              f"Fix it and continue with --resume {self.run_dir} (from step {before + 1})"}
         due = step == self.cfg.steps or self.checkpointer.due(step)
         return {"best": best, "checkpoint": step if due else None, "failed": None,
                 "stop": self.stop_requested and step < self.cfg.steps}
@@ -147,10 +151,6 @@ class TrainingRun(Run):
         now = time.monotonic()
         per_step = (now - loop_started) / (step - self.start_step)
         return {"elapsed_s": now - self.started, "eta_s": per_step * (self.cfg.steps - step)}
-
-
-def run_training(cfg: TrainConfig, resume_dir: str | None = None, echo=print, env=None) -> Path:
-    return TrainingRun(cfg, resume_dir, echo, env=env).run()
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -178,7 +178,8 @@ def run(args) -> int:
     try:
         if world is not None and world[1] > 1:  # one of N ranks (torchrun, or start_ranks below)
             check_world(cfg, world[1])
-            return _as_rank(cfg, args.resume)
+            return main_guard(lambda: run_rank(_rank_main, cfg, args.resume, device_type=rank_device_type(
+                cfg.trainer_device), timeout_s=cfg.trainer.dist_timeout_s))()
         if cfg.trainer.nproc > 1 and world is None:
             check_nproc(cfg.trainer.nproc, rank_device_type(cfg.trainer_device))
             return start_ranks(cfg, args.resume)
@@ -187,23 +188,35 @@ def run(args) -> int:
     return _train(cfg, args.resume)
 
 
-def _as_rank(cfg: TrainConfig, resume_dir: str | None) -> int:
-    """This process as one of N ranks: a failure is one line naming the rank (stderr, and torchrun's
-    error file, which the launcher reports)."""
-    def rank_main(env):
-        if env.rank:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's: it tells the others
-        return _train(cfg, resume_dir, env)
+def start_ranks(cfg: TrainConfig, resume_dir: str | None) -> int:
+    """`nano-miles train --set trainer.nproc=N`: N ranks on this host, each `python -m nano_miles.train`
+    with this resolved config, as torchrun would start them; returns the run's exit code."""
+    if not resume_dir and not cfg.run_dir:  # every rank must write into the same run directory
+        cfg = dataclasses.replace(cfg, run_dir=str(Path("runs") / time.strftime("%Y%m%d-%H%M%S", time.gmtime())))
+    fd, config_path = tempfile.mkstemp(prefix="nano-miles-train-", suffix=".toml")
+    with os.fdopen(fd, "w") as f:
+        f.write(to_toml(cfg))
+    device_type = rank_device_type(cfg.trainer_device)
+    print(f"starting {cfg.trainer.nproc} trainer ranks ({device_type}) ...")
+    try:
+        argv = ["-m", "nano_miles.train", "--config", config_path, *(["--resume", resume_dir] if resume_dir else [])]
+        return launch_ranks(cfg.trainer.nproc, argv, device_type)
+    finally:
+        os.unlink(config_path)
 
-    return main_guard(lambda: run_rank(rank_main, device_type=rank_device_type(cfg.trainer_device),
-                                       timeout_s=cfg.trainer.dist_timeout_s))()
+
+def _rank_main(env, cfg: TrainConfig, resume_dir: str | None) -> int:
+    if env.rank:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's: it tells the others
+    return _train(cfg, resume_dir, env)
 
 
 def _train(cfg: TrainConfig, resume_dir: str | None, env=None) -> int:
-    """The run's exit code. With N ranks rank 0 reports how the run ended; the others end with it quietly."""
+    """The run's exit code. With N ranks rank 0 says how the run ended and the others end with it
+    quietly; a failure of their own is raised, for run_rank to name the rank."""
     lead = env is None or env.rank == 0
     try:
-        run_training(cfg, resume_dir=resume_dir, env=env)
+        TrainingRun(cfg, resume_dir, env=env).run()
     except KeyboardInterrupt:
         return 130 if lead else 0
     except ConfigError as e:  # a refusal before anything started (sandbox, reporters, tasks)
@@ -213,7 +226,7 @@ def _train(cfg: TrainConfig, resume_dir: str | None, env=None) -> int:
         return 2
     except RuntimeError as e:
         if env is not None and (is_collective_failure(e) or not (lead or isinstance(e, RunFailed))):
-            raise  # the rank's wrapper says which rank and why, in one line
+            raise
         if lead:
             print(f"nano-miles train: {e}", file=sys.stderr)
         return 1 if lead else 0

@@ -1,11 +1,10 @@
 """What a training run is made of, and what its loop (nano_miles/train.py) asks of it.
 
-`TrainConfig` holds the keys of `nano-miles train`. `Run` builds a run on every rank: the trainer
-(every rank: nano_miles/trainer/trainer.py) and, on rank 0 alone, the engines, the weight sync, the task
-stream, the metrics and the evaluation. Rank 0 decides; `share` hands its decisions to the other ranks
-at fixed points, so every rank reaches the same collectives: the step's trajectories (`collect`), each
-weight gather of a sync (`sync`), the checkpoints. A dead engine is restarted and re-synced by rank 0,
-a step whose rollout it broke is retried with the same tasks and seeds.
+`TrainConfig` holds the keys of `nano-miles train`. `Run` builds the trainer on every rank and, on
+rank 0 alone, the engines, the weight sync, the task stream, the metrics and the evaluation. Rank 0
+decides; `share` hands its decisions to the other ranks at fixed points, so that every rank reaches the
+same collectives. Rank 0 restarts engines that die and re-syncs them; a step whose rollout lost every
+engine is retried with the same tasks and seeds.
 """
 from __future__ import annotations
 
@@ -14,7 +13,6 @@ import json
 import os
 import random
 import signal
-import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -27,7 +25,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
-from nano_miles.config import to_dict, to_toml
+from nano_miles.config import to_dict
 from nano_miles.dtypes import TRAINABLE
 from nano_miles.engine.client import EngineUnavailable
 from nano_miles.engine.handle import Layout, plan_layout
@@ -42,10 +40,9 @@ from nano_miles.tasks import training_tasks
 from nano_miles.telemetry import MetricsLog, check_report_to, parse_report_to
 from nano_miles.trainer.checkpoint import Checkpointer, disk_line, load_checkpoint, read_checkpoint_state
 from nano_miles.trainer.config import OptimConfig, TrainerConfig
-from nano_miles.trainer.distributed import launch_ranks, rank_device_type
 from nano_miles.trainer.loss import AdvantageConfig, LossConfig
 from nano_miles.trainer.reference import ReferencePolicy
-from nano_miles.trainer.trainer import BUCKET_BYTES, Trainer
+from nano_miles.trainer.trainer import Trainer
 from nano_miles.trainer.weight_sync import SyncConfig, WeightSync, WeightSyncError
 
 MODES = ("sync", "async")
@@ -141,6 +138,10 @@ class RunFailed(RuntimeError):
     """The run stopped, or ended, without a policy to show for it; the message says why and what to do."""
 
 
+class Stopped(KeyboardInterrupt):
+    """Rank 0 ended the run (Ctrl-C): every rank stops at the same point, after the same collectives."""
+
+
 def check_world(cfg: TrainConfig, world_size: int) -> None:
     """What a trainer on several ranks cannot do yet: one line each."""
     if world_size > 1 and cfg.true_on_policy:
@@ -148,9 +149,8 @@ def check_world(cfg: TrainConfig, world_size: int) -> None:
 
 
 def train_layout(cfg: TrainConfig, env=None) -> Layout:
-    """plan_layout for a training run (env: rank 0's DistEnv when there are N ranks, which take this
-    host's first GPUs). true_on_policy turns the engine's side on too (an engine given by engine.url
-    must have been started with `serve --true-on-policy`)."""
+    """plan_layout for a training run (env: rank 0's DistEnv: N ranks take this host's first GPUs);
+    true_on_policy turns the engines' side on too (engine.url's must run `serve --true-on-policy`)."""
     if env is None:
         layout = plan_layout(cfg.dtype, cfg.engine, cfg.trainer_device)
     else:
@@ -162,22 +162,20 @@ def train_layout(cfg: TrainConfig, env=None) -> Layout:
 
 
 class Run:
-    """One run directory: the trainer on every rank; on rank 0 the engines, the weight sync, the task
-    stream, the metrics and the evaluation. `lead`: this is rank 0 (or the one process)."""
+    """One run directory. `lead`: this is rank 0 (or the one process); env: this rank's DistEnv when the
+    trainer has N ranks; make_sandbox: what makes an episode's sandbox (default: sandbox.min_tier's)."""
 
     def __init__(self, cfg: TrainConfig, resume_dir: str | None = None, echo=print, make_sandbox=None, env=None):
-        """make_sandbox: what makes an episode's sandbox (default: a Sandbox of sandbox.min_tier).
-        env: this rank's DistEnv when the trainer has N ranks (nano_miles/trainer/distributed.py)."""
         self.cfg, self.env, self.started = cfg, env, time.monotonic()
         self.world = env.world_size if env is not None else 1
         self.lead = self.world == 1 or env.rank == 0
         self.echo = echo if self.lead else (lambda *_: None)
         self.control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT) if self.world > 1 else None
-        self.mid_step = False        # between a step's rollout and its checkpoint: the trainer is changing
-        self.interruptible = False   # rank 0 waits for a rollout or the base policy's evaluation
+        self.mid_step = False        # from a step's update to its checkpoint: the trainer is between states
+        self.interruptible = False   # rank 0 waits for a rollout (or the base policy's evaluation)
         self.stop_requested = False  # Ctrl-C mid-step: stop once the step is done
         self.syncer = self.engines = None
-        self.lost = 0                # steps in a row that lost every episode to the infrastructure (rank 0)
+        self.lost = 0                # rank 0: steps in a row that lost every episode to the infrastructure
         if self.lead:
             self._prepare(resume_dir, make_sandbox)
         self.run_dir, self.model_path, self.dtype, self.pad_id = self.share(
@@ -192,10 +190,9 @@ class Run:
             raise
 
     def _prepare(self, resume_dir: str | None, make_sandbox) -> None:
-        """Rank 0: everything that can refuse the run does so before a model is loaded or a directory
-        written (the task selection, never a benchmark; the sandbox; the reporters; the memory); then
-        the run directory, and the engines, started before the trainer so that on a shared GPU they
-        size their KV caches first."""
+        """Rank 0. Whatever can refuse the run does so before a model loads or a directory is written
+        (tasks, sandbox, reporters, memory); the engines start before the trainer, so that on a shared
+        GPU they size their KV caches first."""
         cfg, echo = self.cfg, self.echo
         self.tasks = selected_tasks("train", cfg.tasks, cfg.tasks_module, select=training_tasks)
         self.evaluation = RunEvaluation(cfg, echo)
@@ -205,8 +202,7 @@ class Run:
         self.layout = train_layout(cfg, self.env)
         self.model_path = model_folder(cfg.model)
         self.memory = plan_memory(cfg, self.layout, self.model_path, uses_shared_weights(cfg, self.layout), echo)
-        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-        self.run_dir = Path(resume_dir or cfg.run_dir or Path("runs") / stamp)
+        self.run_dir = Path(resume_dir or cfg.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S", time.gmtime()))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if not resume_dir:
             (self.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
@@ -221,14 +217,14 @@ class Run:
         self.engines.start()
 
     def _load(self, resume_dir: str | None) -> None:
-        """Every rank: the trainer, the KL reference, the checkpoint to resume; rank 0: the metrics, the
-        weight sync and the rollouts."""
         cfg = self.cfg
         self.trainer = Trainer(dataclasses.replace(
             cfg.trainer, model=self.model_path, device=self.layout.trainer_device if self.lead else str(self.env.device),
             dtype=self.dtype, true_on_policy=cfg.true_on_policy, loss=cfg.loss, temperature=cfg.rollout.temperature,
             # a decaying lr ends with the run unless told otherwise
             optim=dataclasses.replace(cfg.optim, decay_steps=cfg.optim.decay_steps or cfg.optimizer_steps)), self.env)
+        if self.lead and self.world > 1:
+            self.trainer.on_gather = lambda *args: self.share(("gather", *args))  # see sync
         self.reference = ReferencePolicy(self.trainer) if cfg.loss.kl_coef > 0 else None  # before any resume
         state = self.share(read_checkpoint_state(self.run_dir) if self.lead and resume_dir else None)
         if state is not None:
@@ -249,15 +245,12 @@ class Run:
             self._connect()
             self.producer = (AsyncProducer(self._roll_out, cfg.steps) if cfg.mode == "async"
                              else SyncProducer(self._roll_out))
-        # Fresh engines serve the base weights: catch them up (shared: map ours, freeing their own copy;
-        # one process only, so every rank takes the same branch).
+        # Fresh engines serve the base weights: catch them up (shared, one process only: they map ours).
         if self.trainer.step or (self.lead and self.syncer.transport == "shared"):
             self.sync(self.start_step)
 
-    # -- what rank 0 tells the others ------------------------------------------------------------
-
     def share(self, obj):
-        """Rank 0's `obj`, on every rank (pass None elsewhere): a broadcast on the control group."""
+        """Rank 0's `obj` on every rank (the others pass None): a broadcast on the control group."""
         if self.world == 1:
             return obj
         box = [obj]
@@ -265,17 +258,15 @@ class Run:
         return box[0]
 
     def gather(self, obj) -> list | None:
-        """Every rank's `obj`, in rank order, on rank 0 (None elsewhere)."""
+        """Every rank's `obj`, in rank order, on rank 0 (None on the others)."""
         if self.world == 1:
             return [obj]
         out = [None] * self.world if self.lead else None
         dist.gather_object(obj, out, dst=0, group=self.control)
         return out
 
-    # -- the engines ----------------------------------------------------------------------------
-
     def _connect(self) -> None:
-        """Rank 0: a weight sync to every replica that is up (after a restart, a new one: a new group)."""
+        """A weight sync to every replica that is up (after a restart, a new one: a new group)."""
         if self.syncer is not None:
             self.syncer.close()
         self.syncer = None
@@ -283,13 +274,12 @@ class Run:
         if sync_cfg.pause_mode == "auto":  # async: rollouts are in flight at every sync; don't wait them out
             sync_cfg = dataclasses.replace(sync_cfg, pause_mode="in_place" if self.cfg.mode == "async" else "drain")
         self.synced_replicas = self.engines.to_sync()
-        source = self.trainer if self.world == 1 else _Gathered(self)
-        self.syncer = WeightSync.from_config(source, [r.url for r in self.synced_replicas], sync_cfg,
+        self.syncer = WeightSync.from_config(self.trainer, [r.url for r in self.synced_replicas], sync_cfg,
                                              allow_shared=self.cfg.mode == "sync")
 
     def _recover(self, err: Exception, attempt: int, what: str) -> None:
-        """Rank 0: restart the replicas that are dead (ours; theirs are left out until they answer
-        again) and reconnect the weight sync to the ones that are up."""
+        """Restart the replicas that are dead (ours; theirs are left out until they answer again) and
+        reconnect the weight sync to the ones that are up."""
         if attempt > self.cfg.max_engine_restarts:
             raise RuntimeError(f"{what}: the engines are still failing after {attempt - 1} restarts: {err}") from err
         self.echo(f"{what}: engine unavailable ({err}); restarting it and re-syncing the weights")
@@ -297,10 +287,53 @@ class Run:
         self.engines.wait_restarts()
         self._connect()
 
+    def _roll_out(self, step: int, desc: str):
+        cfg = self.cfg  # the pool's replicas are read at call time: a restart changes them
+        return roll_out_step(step, self.stream, cfg.tasks_per_step, self.engines, self.tokenizer, cfg.rollout,
+                             cfg.seed, desc, sandbox_factory=self.make_sandbox)
+
+    def collect(self, step: int):
+        """What step `step` trains on: (rollout, staleness, kept trajectories, skip reason), the first two
+        rank 0's (None elsewhere). A dead replica's episodes move to the others while it restarts; with
+        none left the step is retried (same tasks and seeds) after a restart and a weight sync."""
+        attempt = 0
+        while True:
+            message = None
+            if self.lead:
+                try:
+                    if self.stop_requested:
+                        raise KeyboardInterrupt
+                    self.interruptible = True
+                    rollout = self.producer.get(step)
+                    self.interruptible = False
+                    self.stream_after[step] = rollout.stream_state
+                    stale = [staleness(t, self.trainer.step) for t in rollout.trajectories]
+                    # Sandbox infrastructure failures are not the policy's doing: counted, never trained on.
+                    message = ("batch", [t for t, s in zip(rollout.trajectories, stale)
+                                         if s <= self.cfg.max_staleness and t.finish_reason != "infra_error"],
+                               rollout.skip_reason)
+                except EngineUnavailable as e:
+                    self.interruptible = False
+                    attempt += 1
+                    self._recover(e, attempt, f"step {step} rollout")
+                    message = ("resync",)
+                except KeyboardInterrupt:
+                    message = ("stop",)
+                finally:
+                    self.interruptible = False
+            kind, *rest = self.share(message)
+            if kind == "stop":
+                raise Stopped
+            if kind == "batch":
+                return (rollout, stale, *rest) if self.lead else (None, None, *rest)
+            self.sync(step)  # the restarted engines serve the base weights
+            if self.lead:
+                self.producer.restart(step)
+
     def sync(self, step: int) -> dict | None:
-        """Every rank: the trainer's weights to the engines, rank 0's sync result (None elsewhere). Rank 0
-        sends, and first restarts and re-syncs engines that died; the others give their shards to each
-        weight gather rank 0 announces (_Gathered), until it says the sync is done."""
+        """The trainer's weights to the engines; rank 0's result (None elsewhere). Rank 0 sends (restarting
+        engines that died first); the others join each gather rank 0 announces as it starts
+        (Trainer.on_gather: a sync failing before it reads the weights announces none) until it is done."""
         if not self.lead:
             while (message := self.share(None))[0] == "gather":
                 for _ in self.trainer.iter_full_weights(*message[1:]):
@@ -319,63 +352,8 @@ class Run:
                 attempt += 1
                 self._recover(e, attempt, f"step {step} weight sync")
 
-    def release_engine_memory(self) -> None:
-        """Rank 0, before the update: a colocated idle engine drops its KV memory meanwhile."""
-        try:
-            self.syncer.before_update()
-        except (EngineUnavailable, WeightSyncError) as e:  # only memory: a dead engine is found by the sync
-            self.echo(f"engine memory release: {e}")
-
-    # -- the step's trajectories ----------------------------------------------------------------
-
-    def _roll_out(self, step: int, desc: str):
-        cfg = self.cfg  # the pool's replicas are read at call time: a restart changes them
-        return roll_out_step(step, self.stream, cfg.tasks_per_step, self.engines, self.tokenizer, cfg.rollout,
-                             cfg.seed, desc, sandbox_factory=self.make_sandbox)
-
-    def collect(self, step: int):
-        """Every rank: what step `step` trains on, as (rollout, staleness, kept trajectories, skip reason);
-        the rollout and its staleness are rank 0's (None elsewhere). Rank 0 rolls out: a dead replica's
-        episodes move to the others while it restarts, and only when none is left is the step retried
-        (same tasks, same seeds) after a restart and a weight sync. Ctrl-C while it waits stops the run."""
-        attempt = 0
-        while True:
-            message = None
-            if self.lead:
-                try:
-                    if self.stop_requested:
-                        raise KeyboardInterrupt
-                    self.interruptible = True
-                    rollout = self.producer.get(step)
-                    self.interruptible = False
-                    self.stream_after[step] = rollout.stream_state
-                    stale = [staleness(t, self.trainer.step) for t in rollout.trajectories]
-                    # Sandbox infrastructure failures are not the policy's doing: counted, never trained on.
-                    kept = [t for t, s in zip(rollout.trajectories, stale)
-                            if s <= self.cfg.max_staleness and t.finish_reason != "infra_error"]
-                    message = ("batch", kept, rollout.skip_reason)
-                except EngineUnavailable as e:
-                    self.interruptible = False
-                    attempt += 1
-                    self._recover(e, attempt, f"step {step} rollout")
-                    message = ("resync",)
-                except KeyboardInterrupt:
-                    message = ("stop",)
-                finally:
-                    self.interruptible = False
-            kind, *rest = self.share(message)
-            if kind == "stop":
-                raise KeyboardInterrupt
-            if kind == "batch":
-                return (rollout, stale, *rest) if self.lead else (None, None, *rest)
-            self.sync(step)  # the restarted engines serve the base weights
-            if self.lead:
-                self.producer.restart(step)
-
-    # -- checkpoints, signals, the end ----------------------------------------------------------
-
     def checkpoint(self, step: int, background: bool = True) -> None:
-        """Every rank: the trainer's state after `step`; rank 0 adds the run's (data position, version)."""
+        """The trainer's state after `step`; rank 0 adds the run's (data position, weight version)."""
         state = {"step": step}
         if self.lead:
             state.update(data_position=self.stream_after[step]["position"], stream=self.stream_after[step],
@@ -385,9 +363,8 @@ class Run:
 
     @contextmanager
     def stop_signals(self):
-        """Rank 0's Ctrl-C (and, in one process, SIGTERM) while the loop runs (see _on_stop). With N
-        ranks SIGTERM is the launcher stopping them because one failed: the collectives of a step could
-        not complete, so it is not taken for Ctrl-C; the other ranks ignore Ctrl-C: rank 0 tells them."""
+        """Rank 0 takes Ctrl-C (one process: SIGTERM too) as _on_stop says. With N ranks SIGTERM is the
+        launcher stopping every rank because one failed: no step can finish then."""
         ours = (signal.SIGINT, signal.SIGTERM) if self.world == 1 else (signal.SIGINT,)
         main = threading.current_thread() is threading.main_thread()
         previous = {s: signal.signal(s, self._on_stop) for s in ours} if main and self.lead else {}
@@ -398,9 +375,8 @@ class Run:
                 signal.signal(s, handler)
 
     def _on_stop(self, signum, frame) -> None:
-        # Ctrl-C while rank 0 waits for a rollout stops at once (nothing has changed yet); otherwise it
-        # lets the step finish (update, sync, log, checkpoint) and stops after it, so the checkpoint
-        # written on the way out is that step's. Twice: now.
+        # While rank 0 waits for a rollout, stop at once (nothing has changed yet); otherwise after the
+        # step (update, sync, log, checkpoint), so no completed step is lost. Twice: now.
         if self.interruptible or self.stop_requested:
             raise KeyboardInterrupt
         self.stop_requested = True
@@ -408,55 +384,17 @@ class Run:
         self.echo(f"{what}: stopping after this step's update and weight sync ({what} again: stop now)")
 
     def close(self, together: bool) -> None:
-        """together: every rank ends here at once (the run ended, or rank 0 ended it); otherwise, with N
-        ranks, nothing collective is waited for: the others may be gone or inside another call."""
+        """together: every rank ends here at once; else, with N ranks, no collective is waited for."""
         if self.world == 1 or together:
             try:
                 self.trainer.wait_for_save()  # a checkpoint still being written is finished, not cut off
             except RuntimeError as e:
                 self.echo(str(e))
-        if not self.lead:
-            return
-        self.producer.stop()
-        try:
-            self.syncer.close()
-        except Exception as e:  # the engine may already be gone
-            self.echo(f"weight sync close: {e}")
-        self.engines.stop()
-        self.log.close()
-
-
-class _Gathered:
-    """What rank 0's weight sync reads with N ranks: the trainer's weights, each gather announced to the
-    other ranks as it starts (they wait for it in Run.sync); a sync that fails before it reads the
-    weights announces none, and one closed early finishes the gather with them (Trainer.iter_full_weights)."""
-
-    def __init__(self, run: Run):
-        self.run, self.device = run, run.trainer.device
-
-    def shareable(self, dtype) -> bool:
-        return False  # no rank holds a whole tensor an engine could map
-
-    def iter_full_weights(self, dtype=None, bucket_bytes: int = BUCKET_BYTES):
-        self.run.share(("gather", dtype, bucket_bytes))
-        yield from self.run.trainer.iter_full_weights(dtype, bucket_bytes)
-
-    def named_weights(self, dtype=None) -> list:
-        return [pair for bucket in self.iter_full_weights(dtype) for pair in bucket]
-
-
-def start_ranks(cfg: TrainConfig, resume_dir: str | None, echo=print) -> int:
-    """`nano-miles train --set trainer.nproc=N`: N ranks on this host, each `python -m nano_miles.train`
-    with this resolved config (as torchrun would start them); returns the run's exit code."""
-    if not resume_dir and not cfg.run_dir:  # every rank must write into the same run directory
-        cfg = dataclasses.replace(cfg, run_dir=str(Path("runs") / time.strftime("%Y%m%d-%H%M%S", time.gmtime())))
-    fd, config_path = tempfile.mkstemp(prefix="nano-miles-train-", suffix=".toml")
-    with os.fdopen(fd, "w") as f:
-        f.write(to_toml(cfg))
-    device_type = rank_device_type(cfg.trainer_device)
-    echo(f"starting {cfg.trainer.nproc} trainer ranks ({device_type}) ...")
-    try:
-        return launch_ranks(cfg.trainer.nproc, ["-m", "nano_miles.train", "--config", config_path,
-                                                *(["--resume", resume_dir] if resume_dir else [])], device_type)
-    finally:
-        os.unlink(config_path)
+        if self.lead:
+            self.producer.stop()
+            try:
+                self.syncer.close()
+            except Exception as e:  # the engine may already be gone
+                self.echo(f"weight sync close: {e}")
+            self.engines.stop()
+            self.log.close()

@@ -1,27 +1,19 @@
 """Run checkpoints (trainer state, RNG, data position) and the exported policy (final/, best/).
 
-One process: checkpoint/ holds
-  model.safetensors  the FP32 master weights by HF name: exactly the weights final/ exports, so the
-                     final/model.safetensors of a finished run is a hard link to it (one copy on disk)
-  optimizer.pt       AdamW's state (both moments, step counts): torch.save(optimizer.state_dict())
-  state.json         step, data position, weight version, RNG states, the trainer's step and dtype
-N ranks: checkpoint/ is a DCP folder (dist_checkpoint.py: each rank writes its shards) with rank 0's
-state.json beside them. Either loads into any number of ranks (load_checkpoint): a run resumes with
-another N. Every function here is collective with N ranks: every rank calls it.
+One process's checkpoint/ holds model.safetensors (the FP32 masters by HF name: what final/ exports,
+so a finished run's final/model.safetensors is a hard link to it), optimizer.pt (AdamW's state) and
+state.json (step, data position, weight version, RNG states, the trainer's step and dtype). N ranks'
+is a DCP folder (dist_checkpoint.py) with rank 0's state.json beside it. Either loads into any number
+of ranks. With N ranks every function here is collective: every rank calls it.
 
-A checkpoint is a folder written whole under checkpoint.tmp/ and renamed into place, so a run killed at
-any moment (even mid-write) leaves either the previous checkpoint or the new one, never half of one.
+A checkpoint is written whole under checkpoint.tmp/ and renamed into place, so a run killed at any
+moment leaves the previous checkpoint or the new one, never half of one. It is written in the
+background, overlapping the next rollout: one process's thread writes the trainer's live tensors (a
+copy of the masters and moments is what a small machine cannot spare), which the trainer does not
+change until the write is done (Trainer.hold_until_saved); N ranks stage their shards to CPU first.
 
-Written in the background: save_checkpoint() takes the RNG states and the step's record at once; one
-process's thread then writes the trainer's LIVE tensors (no copy: a second set of FP32 masters and
-moments is what a small machine cannot spare), and the trainer refuses to change them until the write
-is done (Trainer.hold_until_saved: its next update waits); N ranks stage their shards to CPU memory
-first (DCP). In a training loop the write overlaps the next step's rollout.
-
-A completed one-process run keeps no optimizer.pt (two thirds of a checkpoint) unless asked to
-(keep_optimizer_state): the run directory then holds the weights once, shared by checkpoint/ and
-final/. Resuming such a checkpoint restarts AdamW's moments from zero, and says so. (N ranks always
-keep AdamW's state: it is spread over their files.)
+A completed one-process run keeps no optimizer.pt (two thirds of a checkpoint) unless
+keep_optimizer_state: resuming it restarts AdamW's moments from zero, and says so.
 """
 from __future__ import annotations
 
@@ -30,19 +22,18 @@ import os
 import random
 import shutil
 import struct
-import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from transformers import AutoTokenizer
 
 from nano_miles.trainer import dist_checkpoint
 
 FORMAT = 2  # 1: a single trainer.pt (still read)
+_WRITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")  # one process's writes
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
               torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
 
@@ -118,19 +109,6 @@ class PendingCheckpoint:
             self.waited_s += time.perf_counter() - t
 
 
-def _in_thread(write) -> Future:
-    written = Future()
-
-    def run():
-        try:
-            written.set_result(write())
-        except BaseException as e:  # re-raised by PendingCheckpoint.wait() in the loop's thread
-            written.set_exception(e)
-
-    threading.Thread(target=run, name="checkpoint", daemon=True).start()
-    return written
-
-
 def save_checkpoint(run_dir: Path, trainer, state: dict, background: bool = False,
                     with_optimizer: bool = True) -> PendingCheckpoint:
     """Write checkpoint/ (atomic: checkpoint.tmp/, then renamed over it). With background=True the
@@ -174,7 +152,7 @@ def save_checkpoint(run_dir: Path, trainer, state: dict, background: bool = Fals
                 raise
             _replace(tmp, final)
 
-        pending = PendingCheckpoint(_in_thread(write))
+        pending = PendingCheckpoint(_WRITER.submit(write))  # its error is re-raised by wait()
     if background:
         trainer.hold_until_saved(pending)
     else:
@@ -183,10 +161,9 @@ def save_checkpoint(run_dir: Path, trainer, state: dict, background: bool = Fals
 
 
 class Checkpointer:
-    """When a run checkpoints, in the background, and what it costs. every_steps > 0: every that many
-    steps; 0: by time, once `every_minutes` have passed since the last one (or 10 x what the last one
-    blocked the loop, if that is longer: checkpoints never take more than a tenth of the run). The
-    loop saves at the end and on Ctrl-C regardless."""
+    """When a run checkpoints, and what it costs. every_steps > 0: every that many steps; 0: once
+    `every_minutes` have passed since the last one (or 10 x what the last one blocked the loop, if that
+    is longer: never more than a tenth of the run). The loop saves at the end and on Ctrl-C regardless."""
 
     def __init__(self, run_dir: Path, trainer, every_steps: int, every_minutes: float, last_step: int = 0,
                  keep_optimizer: bool = True):
@@ -266,41 +243,23 @@ def load_checkpoint(run_dir: Path, trainer, echo=print, state: dict | None = Non
         if trainer.env is not None:
             raise ValueError(f"{ckpt} is a format-1 checkpoint: resume it with --set trainer.nproc=1")
         saved = torch.load(ckpt / "trainer.pt", map_location=trainer.device, weights_only=False)
-        _load_masters(trainer, saved["masters"], saved["optimizer"], saved["step"])
+        with torch.no_grad():
+            for name, master in zip(trainer.names, trainer.masters):
+                master.copy_(saved["masters"][name])
+        trainer.optimizer.load_state_dict(saved["optimizer"])
+        trainer._copy_masters_to_model()
+        trainer.step = int(saved["step"])
     else:
-        kept = state.get("optimizer") and (ckpt / "optimizer.pt").exists()
+        kept = bool(state.get("optimizer")) and (ckpt / "optimizer.pt").exists()
         if not kept:
             echo("the checkpoint keeps no AdamW state (the run had completed; keep_optimizer_state=true keeps "
                  "it): AdamW's moments restart from zero")
-        if trainer.env is not None:  # every rank reads its own rows
-            dist_checkpoint.load_single_process(trainer, ckpt)
-        else:
-            with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:  # tensor by tensor
-                masters = {name: f.get_tensor(name) for name in f.keys()}
-            optimizer = torch.load(ckpt / "optimizer.pt", map_location=trainer.device, weights_only=True) if kept else None
-            _load_masters(trainer, masters, optimizer, state["trainer_step"])
+        trainer.wait_for_save()
+        dist_checkpoint.load_files(trainer, ckpt, with_optimizer=kept)  # every rank its own rows
     py_state = state["rng"]["python"]
     random.setstate((py_state[0], tuple(py_state[1]), py_state[2]))
     torch.set_rng_state(torch.tensor(state["rng"]["torch"], dtype=torch.uint8))
     return state
-
-
-@torch.no_grad()
-def _load_masters(trainer, masters: dict, optimizer: dict | None, step: int) -> None:
-    """One process: the FP32 masters by name, AdamW's state (None: fresh moments), the step."""
-    missing = [n for n in trainer.names if n not in masters]
-    unexpected = [n for n in masters if n not in set(trainer.names)]
-    if missing or unexpected:
-        raise ValueError(f"checkpoint does not fit this model: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    trainer.wait_for_save()
-    for n, m in zip(trainer.names, trainer.masters):
-        if masters[n].shape != m.shape:
-            raise ValueError(f"checkpoint tensor {n}: shape {tuple(masters[n].shape)} != {tuple(m.shape)}")
-        m.copy_(masters[n])
-    if optimizer is not None:
-        trainer.optimizer.load_state_dict(optimizer)
-    trainer._copy_masters_to_model()
-    trainer.step = int(step)
 
 
 def finish_checkpoint(run_dir: Path, keep_optimizer: bool) -> None:

@@ -4,8 +4,8 @@ shards, and what loads into any number of ranks (one process included) whichever
 What is saved: the FP32 masters, AdamW's state per parameter (step, exp_avg, exp_avg_sq) and the step
 count, keyed by HF parameter names, plus DCP's metadata of where every shard lives. `save` stages the
 state to CPU memory (so the next step may change the parameters at once) and writes the files in a
-thread; checkpoint.py puts the folder in place and the run's state.json beside it. A single-process
-checkpoint (checkpoint.py's files) also loads into N ranks, each reading only its own rows.
+thread; checkpoint.py puts the folder in place and the run's state.json beside it. A one-process
+checkpoint (checkpoint.py's files) loads into any number of ranks too, each reading only its own rows.
 """
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
-from torch.distributed.tensor import Shard
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.distributed.tensor import DTensor, Shard
 
 
 def trainer_state(trainer) -> dict:
@@ -42,6 +43,12 @@ def _group(trainer):
     return trainer.env.cpu_group if trainer.env is not None else None
 
 
+def _load(state: dict, trainer, **where) -> None:
+    with warnings.catch_warnings():  # DCP's note that it loads in one process: that is the point there
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, process_group=_group(trainer), no_dist=trainer.env is None, **where)
+
+
 def save(trainer, folder: Path) -> Future:
     """Every rank writes its shards into `folder` in the background (collective); wait on the Future
     (every rank) before the next save."""
@@ -52,40 +59,29 @@ def save(trainer, folder: Path) -> Future:
 def load(trainer, folder: Path) -> None:
     """Load a DCP checkpoint written by any number of ranks (collective: every rank calls it)."""
     state = trainer_state(trainer)
-    with warnings.catch_warnings():  # DCP's note that it loads in one process: that is the point there
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(folder), process_group=_group(trainer), no_dist=trainer.env is None)
+    _load(state, trainer, checkpoint_id=str(folder))
     trainer.step = int(state["trainer"]["step"])
     trainer._copy_masters_to_model()  # one process: the bf16 compute copy follows its masters
 
 
 @torch.no_grad()
-def load_single_process(trainer, folder: Path) -> None:
-    """Load a single-process checkpoint (checkpoint.py's format 2) into N ranks. Each rank reads only
-    its own rows of every tensor: the masters through safetensors' slices, AdamW's moments from the
-    memory-mapped optimizer.pt. Without optimizer.pt (a completed run's last checkpoint) AdamW's
-    moments start from zero."""
-    meta = json.loads((folder / "state.json").read_text())
-    if meta.get("format", 1) != 2:
-        raise ValueError(f"{folder} is a format-{meta.get('format', 1)} checkpoint: resume it with "
-                         "--set trainer.nproc=1 (only format 2 is read by ranks)")
+def load_files(trainer, folder: Path, with_optimizer: bool) -> None:
+    """Load a one-process checkpoint (checkpoint.py's files) into any number of ranks, each reading only
+    its own rows of every tensor: the masters through DCP's safetensors reader (as the HF weights are
+    read), AdamW's moments from the memory-mapped optimizer.pt. Without it (with_optimizer False: a
+    completed run's last checkpoint) AdamW's moments start from zero."""
     state = trainer_state(trainer)
     with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
-        missing = sorted(set(trainer.names) - set(f.keys()))
-        if missing:
-            raise ValueError(f"{folder} does not fit this model: no {missing[:3]}")
-        for name, master in state["masters"].items():
-            local, rows = _own_rows(master)
-            if f.get_slice(name).get_shape() != list(master.shape):
-                raise ValueError(f"checkpoint tensor {name}: shape {f.get_slice(name).get_shape()} != "
-                                 f"{list(master.shape)}")
-            local.copy_(f.get_slice(name)[rows.start:rows.stop])
-    optim_file = folder / "optimizer.pt"
-    if meta.get("optimizer") and optim_file.exists():
-        saved = torch.load(optim_file, map_location="cpu", mmap=True, weights_only=True)
+        missing = [n for n in trainer.names if n not in set(f.keys())]
+    if missing:
+        raise ValueError(f"{folder} does not fit this model: missing {missing[:3]}")
+    _load(state["masters"], trainer, storage_reader=HuggingFaceStorageReader(str(folder)))
+    if with_optimizer:
+        saved = torch.load(folder / "optimizer.pt", map_location="cpu", mmap=True, weights_only=True)
         ids = saved["param_groups"][0]["params"]  # AdamW's ids, in the order of the trainer's names
         if len(ids) != len(trainer.names):
-            raise ValueError(f"{optim_file} holds {len(ids)} parameters' state, this model has {len(trainer.names)}")
+            raise ValueError(f"{folder / 'optimizer.pt'} holds {len(ids)} parameters' state, this model has "
+                             f"{len(trainer.names)}")
         for name, i in zip(trainer.names, ids):
             if i not in saved["state"]:
                 continue  # a parameter AdamW never stepped: zeros, as the fresh state is
@@ -94,12 +90,15 @@ def load_single_process(trainer, folder: Path) -> None:
             for key in ("exp_avg", "exp_avg_sq"):
                 local, rows = _own_rows(moments[key])
                 local.copy_(saved["state"][i][key][rows])
-    trainer.step = int(meta["trainer_step"])
+    trainer.step = int(json.loads((folder / "state.json").read_text())["trainer_step"])
+    trainer._copy_masters_to_model()
 
 
 def _own_rows(t: torch.Tensor) -> tuple[torch.Tensor, slice]:
     """This rank's part of `t` and the rows of the whole tensor it holds: FSDP shards dim 0 as
-    torch.chunk does (ceil(d0 / N) rows per rank, the last ones shorter or empty)."""
+    torch.chunk does (ceil(d0 / N) rows per rank, the last ones shorter or empty); a plain tensor is all."""
+    if not isinstance(t, DTensor):
+        return t, slice(None)
     if t.placements != (Shard(0),):
         raise ValueError(f"expected a tensor sharded on dim 0, got {t.placements}")
     local = t.to_local()

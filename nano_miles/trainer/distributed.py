@@ -1,13 +1,11 @@
 """The trainer's process group: N ranks, one device each, started by torchrun or by `launch`.
 
 A rank learns its place from the environment torchrun's elastic agent sets (RANK, WORLD_SIZE,
-LOCAL_RANK, MASTER_ADDR, MASTER_PORT), so `torchrun --nproc-per-node N -m ...` and `launch(N, ...)`
-start the same thing. NCCL on GPUs (one per local rank), gloo on CPU; besides the default group,
-`cpu_group` (gloo, the same ranks) carries DCP's background checkpoint writer and small Python
-objects, so a checkpoint written in a thread never interleaves with the training step's collectives.
-Every group has a timeout, so a rank that dies or hangs makes the others' next collective fail within
-it; the error names the rank that saw it. When one rank exits, the elastic agent stops the others, and
-`launch` names the ranks that failed.
+LOCAL_RANK, MASTER_ADDR, MASTER_PORT), so `torchrun --nproc-per-node N` and `launch(N, ...)` start the
+same thing. NCCL on GPUs (one per local rank), gloo on CPU; `cpu_group` (gloo, the same ranks) carries
+DCP's background writer and small Python objects, apart from the step's collectives. Every group has a
+timeout: a rank that dies or hangs makes the others' next collective fail, naming the rank that saw it.
+When one rank exits the elastic agent stops the others, and `launch` names the ranks that failed.
 """
 from __future__ import annotations
 
@@ -178,10 +176,9 @@ def launch(nproc: int, entrypoint: Callable | str, args: tuple | list = (), *, d
 
 
 def launch_ranks(nproc: int, argv: list[str], device_type: str) -> int:
-    """`python ARGV` as `nproc` ranks on this host (launch), waited for; returns the exit code. Ctrl-C
-    goes to rank 0 alone, not to the agent (which would stop every rank at once): rank 0 lets the step
-    finish with the others and ends the run. A failure is one line on stderr naming the rank that
-    failed first, unless rank 0 ended the run itself, having said why."""
+    """`python ARGV` as `nproc` ranks on this host, waited for; returns the exit code. Ctrl-C goes to rank
+    0 alone, not to the agent (which would stop every rank at once). A failure is one line on stderr
+    naming the rank that failed first, unless rank 0 ended the run itself, having said why."""
     previous = signal.signal(signal.SIGINT, _forward_sigint_to_rank0)
     try:
         launch(nproc, sys.executable, argv, device_type=device_type, agent_signals="SIGTERM,SIGHUP,SIGQUIT")
@@ -238,10 +235,9 @@ def describe_failures(failures: dict) -> str:
 # ----------------------------------------------------------------------------- leaving
 
 def main_guard(fn: Callable) -> Callable:
-    """Decorate a rank's __main__ function: a failure prints one line (naming the rank) to stderr,
-    is recorded in torchrun's error file (so the launcher's report has it) and exits with status 1.
-    On SIGTERM (the launcher stopping the ranks because one failed) the rank closes its sandboxes
-    first, then dies of it."""
+    """Decorate a rank's main: a failure is one line on stderr (naming the rank), recorded in torchrun's
+    error file for the launcher's report, and exit status 1. On SIGTERM (the launcher stopping the ranks
+    because one failed) the rank closes its sandboxes first, then dies of it."""
     recorded = record(fn)
 
     def wrapper(*args, **kwargs):
@@ -251,9 +247,8 @@ def main_guard(fn: Callable) -> Callable:
             return recorded(*args, **kwargs)
         except DistError as e:
             print(f"error: {e}", file=sys.stderr)
-            # After a failed collective gloo's threads may still run, and tearing the interpreter down
-            # then aborts now and then ("terminate called without an active exception": -6 instead of
-            # 1). The error file is written and the line printed: leave at once.
+            # after a failed collective gloo's threads may still run, and tearing the interpreter down
+            # would abort now and then (-6 instead of 1): the line is printed, the error file written
             leave(1)
 
     return wrapper
@@ -280,13 +275,10 @@ def _close_sandboxes() -> None:
 
 
 def _close_sandboxes_on_sigterm() -> None:
-    """From the main thread: on SIGTERM, close this process's sandboxes, then die of the signal.
-
-    A Python handler alone is not enough. The kernel may hand the signal to any thread, and then the
-    handler waits until the main thread runs Python again, which can be a minute away (a sleep, a
-    collective, a lock), and the launcher kills the rank before that. The signal's C handler also
-    writes its number to the wakeup fd, whichever thread it runs on, so a watcher thread reading that
-    fd closes the sandboxes at once."""
+    """From the main thread: on SIGTERM, close this process's sandboxes, then die of the signal. A Python
+    handler alone waits until the main thread runs Python again (after a sleep, a collective, a lock),
+    and the launcher kills the rank before that; but the signal's C handler writes its number to the
+    wakeup fd from whichever thread it runs on, so a watcher thread reading that fd closes them at once."""
     signal.signal(signal.SIGTERM, _die_of_sigterm)
     read_fd, write_fd = os.pipe()  # both close-on-exec: no sandbox process inherits them
     os.set_blocking(write_fd, False)

@@ -38,7 +38,7 @@ from nano_miles.dtypes import DTYPES
 from nano_miles.engine.model import CausalLM
 from nano_miles.engine.shared_weights import SharedWeights
 from nano_miles.trainer import fsdp, heap
-from nano_miles.trainer.config import OptimConfig, TrainerConfig  # noqa: F401 (their import path too)
+from nano_miles.trainer.config import OptimConfig, TrainerConfig  # noqa: F401 (also imported from here)
 from nano_miles.trainer.logprob_head import exact_head_logprobs, head_logprobs
 from nano_miles.trainer.loss import loss_normalizer, policy_loss
 from nano_miles.trainer.lr_schedule import set_lr
@@ -48,9 +48,8 @@ BUCKET_BYTES = 512 * 2**20
 
 class Trainer:
     def __init__(self, cfg: TrainerConfig, env=None, model: torch.nn.Module | None = None, config=None):
-        """env: this rank's DistEnv (nano_miles.trainer.distributed); None, or a world of one, is one
-        process. The weights: `model` (one process), else random ones of the transformers `config`
-        (benchmarks), else cfg.model's HF folder (with N ranks each reads only its own slices)."""
+        """env: this rank's DistEnv (distributed.py); None, or a world of one, is one process. The weights:
+        `model` (one process), or random ones of a transformers `config` (benchmarks), or cfg.model's."""
         self.env = env if env is not None and env.world_size > 1 else None
         self.world_size, self.rank = (env.world_size, env.rank) if self.env else (1, 0)
         self.device = env.device if env is not None else torch.device(cfg.device)
@@ -85,9 +84,7 @@ class Trainer:
                 model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        if on_gpu and self.dtype != torch.float32:
-            # The only FP32 matmul in a bf16 trainer is the lm_head, whose inputs are bf16 values that
-            # TF32 holds exactly: TF32 tensor cores give the FP32-accumulated logits quickly.
+        if on_gpu and self.dtype != torch.float32:  # the FP32 lm_head's bf16 inputs are exact in TF32
             torch.set_float32_matmul_precision("high")
         self.model, self.root, self.exact_model = model, None, None  # root: FSDP's, with N ranks
         o = cfg.optim
@@ -112,13 +109,12 @@ class Trainer:
         self.step = 0
         self.shared = None         # SharedWeights, once an engine maps our weights (share_weights)
         self._pending_save = None  # a checkpoint still reading our tensors (checkpoint.py): wait before writing them
-        self.gathers = 0           # weight gathers started (iter_full_weights)
+        self.on_gather = None      # N ranks: called with iter_full_weights' arguments as each gather starts
 
     def _place(self, model) -> None:
-        """One process: the model on the device, its parameters (and only they) in the compute dtype."""
-        # model.to(dtype) would also round float buffers such as RoPE's inv_freq to bf16, turning every
-        # rotation angle at position p into p * (inv_freq +- 2^-9 relative): radians off at a thousand
-        # tokens, where the engine computes them in FP32.
+        """One process: the model on the device, its parameters (and only they) in the compute dtype:
+        model.to(dtype) would also round RoPE's inv_freq to bf16, every rotation angle at position p
+        then p * (inv_freq +- 2^-9 relative), radians off at a thousand tokens."""
         model.to(device=self.device)
         for p in model.parameters():
             if p.is_floating_point() and p.dtype != self.dtype:
@@ -291,8 +287,8 @@ class Trainer:
         return metrics
 
     def _accumulate_master_grads(self):
-        """One process with FP32 masters apart: move each micro-batch's gradients into them. (float32: the
-        model's own .grad is the master gradient; N ranks: FSDP reduce-scatters into the sharded masters.)"""
+        """One process, FP32 masters apart: each micro-batch's gradients move into them (else the masters'
+        .grad is the gradient already: the model's own, or FSDP's reduce-scatter into the shards)."""
         if self.masters[0] is self.params[0]:
             return
         with torch.no_grad():
@@ -313,8 +309,7 @@ class Trainer:
         if self.env:
             dist.all_reduce(square)
         norm = float(square.sqrt())
-        if not math.isfinite(norm):
-            # A NaN/inf gradient would poison the masters and the moments for good: skip the update.
+        if not math.isfinite(norm):  # it would poison the masters and the moments for good: skip the update
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"non-finite gradient norm ({norm}) at step {self.step}; update skipped")
         max_norm = self.cfg.optim.max_grad_norm
@@ -335,19 +330,20 @@ class Trainer:
     # ------------------------------------------------------------------ weights
 
     def _local_weights(self, dtype: torch.dtype) -> list:
-        """One process: what a `dtype` engine serves. A float32 engine gets the FP32 masters themselves
-        (every small update included); any other dtype the compute model cast to it (for bfloat16 that is
-        exactly masters.to(bfloat16))."""
+        """One process: what a `dtype` engine serves: a float32 one the FP32 masters (every small update
+        included), any other the compute model cast to it (bf16: exactly masters.to(bfloat16))."""
         src = self.masters if dtype == torch.float32 else self.params
         return [(n, t.detach() if t.dtype == dtype else t.detach().to(dtype)) for n, t in zip(self.names, src)]
 
     def iter_full_weights(self, dtype: torch.dtype | None = None, bucket_bytes: int = BUCKET_BYTES):
         """Whole tensors in HF names, in `dtype` (default: the compute dtype), in buckets of at most
-        `bucket_bytes` (a larger tensor alone). N ranks: gathered to rank 0 a bucket at a time (the others
-        get [] per bucket); collective: every rank iterates it to the end, and closing it early (a failed
-        send) finishes the gathers the other ranks are in."""
+        `bucket_bytes` (a larger tensor alone): what a weight sync sends. N ranks: gathered to rank 0 a
+        bucket at a time (the others get [] per bucket); collective: every rank iterates it to the end,
+        and closing it early (a failed send) finishes the gathers the other ranks are in. on_gather, if
+        set, is called with (dtype, bucket_bytes) as it starts (so train's rank 0 calls the others in)."""
         dtype = dtype or self.dtype
-        self.gathers += 1
+        if self.on_gather is not None:
+            self.on_gather(dtype, bucket_bytes)
         if not self.env:
             yield from fsdp.split_buckets(self._local_weights(dtype), bucket_bytes, dtype)
         else:
@@ -357,9 +353,11 @@ class Trainer:
     def named_weights(self, dtype: torch.dtype | None = None) -> list:
         """(name, tensor) in HF names: what an inference engine of `dtype` should serve. N ranks: gathered
         to rank 0's CPU memory a bucket at a time ([] on the others; collective)."""
+        dtype = dtype or self.dtype
         if not self.env:
-            return self._local_weights(dtype or self.dtype)
-        return [(n, t.cpu()) for bucket in self.iter_full_weights(dtype) for n, t in bucket]
+            return self._local_weights(dtype)
+        buckets = fsdp.split_buckets(zip(self.names, self.params), BUCKET_BYTES, dtype)
+        return [(n, t.cpu()) for bucket in fsdp.gather_buckets(buckets, dtype, self.device) for n, t in bucket]
 
     def shareable(self, dtype: torch.dtype) -> bool:
         """Can a `dtype` engine map our tensors (one CPU process, and no cast between them)?"""
@@ -376,11 +374,8 @@ class Trainer:
             self.shared = SharedWeights(zip(self.names, self.masters if dtype == torch.float32 else self.params))
         return self.shared
 
-    # ------------------------------------------------------------------ checkpoints (checkpoint.py)
-
     def hold_until_saved(self, pending) -> None:
-        """A background checkpoint reads our tensors: no update may run until pending.wait() (with N
-        ranks every rank waits at the same call: the checkpoint is complete once all have written)."""
+        """A background checkpoint reads our tensors: no update runs until pending.wait() (checkpoint.py)."""
         self._pending_save = pending
 
     def wait_for_save(self) -> None:

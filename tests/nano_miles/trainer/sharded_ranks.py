@@ -28,7 +28,7 @@ SCENARIOS = {
     "uneven": ((3, 2, 3), 1, 1, "float32"),          # 3 groups on 2 ranks: 5 micro-batches vs 3 (+ 2 fillers)
     "uneven_mb2": ((3, 2, 3), 2, 1, "float32"),      # rows padded together differ from one process's pairs
     "one_group": ((3,), 1, 1, "float32"),            # rank 1 has no row: it only keeps step with rank 0
-    "minibatches": ((2, 3, 2, 1), 1, 2, "float32"),  # PPO: two optimizer steps of whole groups
+    "minibatches": ((2, 3, 2, 1), 1, 2, "float32"),  # PPO: two optimizer steps of whole groups, lr decaying
     "bf16": ((3, 2, 3), 1, 1, "bfloat16"),           # bf16 compute, FP32 gradients and masters
     "kl": ((2, 3, 2, 1), 1, 2, "float32"),           # KL to the frozen initial policy (moved from on step 2)
     "tempered": ((2, 2, 2, 2), 1, 1, "float32"),     # even's batch sampled at T=0.7: log-probs of softmax(logits / T)
@@ -38,7 +38,8 @@ TEMPERATURE = {"tempered": 0.7}
 # The KL's gradient at step 2 is proportional to how far step 1 moved the policy, so it carries step
 # 1's differences (Adam's lr * g / (|g| + eps), amplified where |g| ~ eps) into step 2. With eps at
 # the gradients' scale Adam's step is ~ lr * g / eps, and the two sides agree to rounding again.
-OPTIM = {"kl": OptimConfig(lr=1e-2, eps=1e-2)}
+OPTIM = {"kl": OptimConfig(lr=1e-2, eps=1e-2),
+         "minibatches": OptimConfig(lr=1e-4, lr_schedule="linear", decay_steps=2, min_lr_ratio=0.25)}
 CHECKPOINTED = "minibatches"  # saved (in the background) after its update, then trained on once more
 
 

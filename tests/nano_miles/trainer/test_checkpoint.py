@@ -176,7 +176,9 @@ def test_the_final_policy_shares_the_checkpoints_weights_file(tmp_path):
     said = []
     b = _trainer()
     assert load_checkpoint(tmp_path, b, echo=said.append)["step"] == 1 and b.step == 1
-    assert "AdamW's moments restart from zero" in said[0] and not b.optimizer.state
+    assert "AdamW's moments restart from zero" in said[0]
+    assert all(float(s["step"]) == 0 and not s["exp_avg"].any() and not s["exp_avg_sq"].any()
+               for s in b.optimizer.state.values())
     assert all(torch.equal(x, y) for x, y in zip(a.masters, b.masters))
     # A trainer that moved on since the checkpoint gets its own weights file, not the stale link.
     b.train_step(*_batch(4))

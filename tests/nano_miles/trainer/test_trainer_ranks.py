@@ -42,6 +42,9 @@ def test_two_ranks_make_the_update_of_one_process(two_rank_run, one_process_resu
 
     m = got["metrics"]
     assert m["response_tokens"] == metrics["response_tokens"] and m["step"] == metrics["step"]
+    assert m["lr"] == metrics["lr"]
+    if name == "minibatches":  # the second optimizer step's, on the linear decay
+        assert m["lr"] == pytest.approx(0.625e-4)
     assert m.get("updates") == metrics.get("updates") and (m["world_size"], metrics["world_size"]) == (2, 1)
     for key in ("pg_loss", "grad_norm", "entropy", "clip_frac", "ratio_mean", "ratio_max",
                 "logprob_diff_mean", "logprob_diff_max", "tis_mean"):
