@@ -176,12 +176,12 @@ class Run:
         self.stop_requested = False  # Ctrl-C mid-step: stop once the step is done
         self.syncer = self.engines = None
         self.lost = 0                # rank 0: steps in a row that lost every episode to the infrastructure
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)
         if self.lead:
             self._prepare(resume_dir, make_sandbox)
         self.run_dir, self.model_path, self.dtype, self.pad_id = self.share(
             (self.run_dir, self.model_path, self.layout.dtype, self.pad_id) if self.lead else None)
-        torch.manual_seed(cfg.seed)
-        random.seed(cfg.seed)
         try:
             self._load(resume_dir)
         except BaseException:

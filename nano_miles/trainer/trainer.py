@@ -168,12 +168,12 @@ class Trainer:
         """This rank's micro-batches (row indices, longest first: padding stays small), the most micro-batches
         any rank has, and the rows' lengths."""
         lengths = batch.attention_mask.sum(-1)
-        shares = (fsdp.assign_groups(batch.group_ids, lengths.tolist(), self.world_size) if self.env
-                  else [range(len(lengths))])
+        counts = lengths.tolist()
+        shares = fsdp.assign_groups(batch.group_ids, counts, self.world_size) if self.env else [range(len(counts))]
         mbs = self.cfg.micro_batch_size
 
         def micro(rows):
-            order = sorted(rows, key=lambda i: -int(lengths[i]))  # stable: ties keep row order
+            order = sorted(rows, key=lambda i: -counts[i])  # stable: ties keep row order
             return [order[i:i + mbs] for i in range(0, len(order), mbs)]
 
         return micro(shares[self.rank]), max(-(-len(rows) // mbs) for rows in shares), lengths
