@@ -3,10 +3,11 @@ supervisor's handle on it (Init, at the end).
 
 It is a child subreaper in a new session: every process the command starts, including setsid and
 double-forked escapees, is reparented to it when its parent dies. When the command exits, or on
-SIGTERM (sent by the kernel as PDEATHSIG when the supervisor dies), it SIGKILLs its whole tree, scan
-after scan of /proc, until a scan finds nothing alive it has not killed, then exits with the
-command's status. At the timeout or at close() the supervisor kills the tree itself: by cgroup.kill
-when the Sandbox has a cgroup (cgroup.py), else by the same scan, with the init frozen meanwhile.
+SIGTERM (sent by the kernel as PDEATHSIG when the supervisor dies), it SIGKILLs its whole tree, round
+after round, until two rounds in a row find its children the same and all exited
+(kill_descendants), then exits with the command's status. At the timeout or at close() the
+supervisor kills the tree itself: by cgroup.kill when the Sandbox has a cgroup (cgroup.py), else by
+the same rounds, with the init frozen meanwhile.
 The command itself runs with rlimits, under another uid when we are root, with no_new_privs,
 Landlock (workspace and private tmp writable, the rest read-only, /proc hidden but for a few
 system-wide files, no TCP, signals scoped) and the AF_UNIX-only seccomp filter. The init stays
@@ -18,6 +19,7 @@ import ctypes
 import json
 import os
 import resource
+import select
 import signal
 import sys
 
@@ -36,67 +38,93 @@ def _prctl(option: int, value: int) -> None:
         raise OSError(ctypes.get_errno(), f"prctl({option})")
 
 
-def _scan() -> dict[int, tuple[int, bytes, int]]:
-    """pid -> (ppid, state, start time) of every process, from one pass over /proc."""
+_CHILDREN_FILES = os.path.exists("/proc/thread-self/children")  # CONFIG_PROC_CHILDREN
+
+
+def _children_now(pid: int) -> list[int]:
+    """pid's children, from /proc/PID/task/*/children: a few short reads, no pass over /proc."""
+    out = []
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                out += map(int, f.read().split())
+        except OSError:
+            pass
+    return out
+
+
+def _scanned_children():
+    """pid -> its children, all taken from one pass over /proc (for a kernel without children files)."""
     out = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
         try:
             with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read()
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])  # after comm, which may hold ")"
         except OSError:
             continue
-        fields = stat.rsplit(b")", 1)[1].split()  # after comm, which may hold spaces and parentheses
-        out[int(name)] = (int(fields[1]), fields[0], int(fields[19]))  # fields 4, 3 and 22 of stat
-    return out
+        out.setdefault(ppid, []).append(int(name))
+    return lambda pid: out.get(pid, [])
 
 
-def descendants(root: int) -> dict[int, int]:
-    """{pid: start time} of every live (not zombie) process whose parent chain reaches root."""
-    procs = _scan()
-    children = {}
-    for pid, (ppid, _, _) in procs.items():
-        children.setdefault(ppid, []).append(pid)
-    out, todo = {}, [root]
-    while todo:
-        for child in children.get(todo.pop(), ()):
-            _, state, start = procs[child]
-            if state not in (b"Z", b"X"):
-                out[child] = start
-            todo.append(child)
-    return out
+def _kill(pid: int, parents: tuple[int, ...]) -> bool:
+    """SIGKILL pid if it is still the child of one of parents: through a pidfd, opened before that
+    check, so a pid reaped and reused meanwhile is never signalled. True while it has not exited
+    (a process whose main thread ended looks like a zombie in /proc, and is not one)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            if int(f.read().rsplit(b")", 1)[1].split()[1]) not in parents:
+                return False
+        signal.pidfd_send_signal(fd, signal.SIGKILL)
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)  # readable once the whole process has exited
+        return not poller.poll(0)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def kill_descendants(root: int) -> None:
-    """SIGKILL root's whole tree, one scan of /proc after another, until a scan finds no live
-    descendant that was not killed already: once SIGKILL is pending a process cannot fork, so
-    nothing new can appear after that. The whole tree goes in each pass (not level by level: a
-    200-deep fork chain costs one pass, not 200). Each kill goes through a pidfd, and the start time
-    is checked again once it is open, so a pid reused by another process since the scan is spared."""
-    killed = set()
+    """SIGKILL root's whole tree, even one that forks faster than /proc can be read.
+
+    root must not reap meanwhile (the init calls this before it reaps, the supervisor with the init
+    stopped): then its children only accumulate, each a pid nobody can reuse, and every orphan of
+    the tree joins them (root is the subreaper). A round kills root's live children and walks down
+    from them, killing each process before reading its children: once SIGKILL is pending a process
+    cannot fork, so the list it shows then is final, and a child that dies after the read has had
+    its own children reparented to root for the next round. It ends when two rounds in a row find
+    the same children, every one exited: an exited process has no children, so nothing is left."""
+    settled = None  # root's children, when the last round found every one exited
     while True:
-        fresh = {pid: start for pid, start in descendants(root).items() if (pid, start) not in killed}
-        if not fresh:
+        children_of = _children_now if _CHILDREN_FILES else _scanned_children()
+        children = set(children_of(root))
+        todo = [(pid, root) for pid in children]
+        alive = False
+        while todo:
+            pid, parent = todo.pop()
+            if _kill(pid, (parent, root)):  # root too: orphaned since its parent's list was read
+                alive = True
+                todo += [(child, pid) for child in children_of(pid)]
+        if alive:
+            settled = None
+        elif children == settled:
             return
-        for pid, start in fresh.items():
-            killed.add((pid, start))
-            try:
-                fd = os.pidfd_open(pid)
-            except OSError:
-                continue
-            try:
-                with open(f"/proc/{pid}/stat", "rb") as f:
-                    if int(f.read().rsplit(b")", 1)[1].split()[19]) == start:
-                        signal.pidfd_send_signal(fd, signal.SIGKILL)
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
+        else:
+            settled = children
 
 
 def kill_tree() -> None:
-    """In the init: kill every descendant, then reap them all."""
+    """In the init: kill every descendant, then reap them all (all exited by then: no wait hangs)."""
     kill_descendants(os.getpid())
     while True:
         try:
@@ -205,14 +233,18 @@ class Init:
 
     def stop(self) -> None:
         """Kill everything the command started. With a cgroup: cgroup.kill. Without: freeze the init
-        (SIGSTOP; it stays the subreaper its orphans are reparented to, so the tree keeps its
-        ancestry), kill its descendants until a scan finds none, then the init. Never the init
+        (SIGSTOP; it stays the subreaper its orphans are reparented to, and reaps none of them),
+        kill its descendants until none is left (kill_descendants), then the init. Never the init
         first: its orphans would go to PID 1, out of reach."""
         if self.leaf is not None:
             self.leaf.kill()
             return
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGSTOP)
+            try:  # until it has stopped (or exited): a child it reaps meanwhile would unsettle the kill
+                os.waitid(os.P_PID, self.proc.pid, os.WSTOPPED | os.WEXITED | os.WNOWAIT)
+            except ChildProcessError:
+                pass  # exited, and reaped by another thread's wait
             kill_descendants(self.proc.pid)
         self.proc.kill()
 

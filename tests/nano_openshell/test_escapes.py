@@ -176,6 +176,29 @@ def test_deep_fork_chain_is_killed_at_the_timeout(kill_path_sandbox):
     assert wait_gone(sleep_arg(tok), within=1.0) == []
 
 
+# Left running by a command that exits at once: a chain whose every link forks the next and exits
+# (each generation lives ~1 ms, less than one pass over /proc takes), and double forks in a loop.
+RACING_TREES = {
+    "fork_chain": "c() {{ [ $1 -lt 5000 ] && ( c $(( $1 + 1 )) & ); }}; ( c 0 & ) # {tok}",
+    "double_fork_loop": "( while :; do ( ( sleep {s} & ) & ); done & ) # {tok}",
+}
+
+
+@pytest.mark.parametrize("tree", sorted(RACING_TREES))
+def test_a_racing_tree_left_behind_dies_with_its_command(kill_path_sandbox, tree):
+    """The command ends at once; what it leaves reparents as fast as it forks. The kill at its end
+    must catch it all then: a command that ended is not reported timed out, nor waited on."""
+    tok = token()
+    cmd = f"echo {MARK}; " + RACING_TREES[tree].format(s=sleep_arg(tok), tok=tok)
+    for run in range(15):
+        t0 = time.monotonic()
+        r = started(kill_path_sandbox.exec(cmd, timeout=5))
+        elapsed = time.monotonic() - t0
+        assert (r.exit_code, r.timed_out) == (0, False), f"run {run}: {r.exit_code=} {r.timed_out=} after {elapsed:.2f}s"
+        assert elapsed < 2.5, f"run {run} returned after {elapsed:.2f}s"
+        assert wait_gone(tok, within=1.0) == [], f"run {run}"
+
+
 def test_close_kills_a_command_another_thread_runs(kill_path_sandbox):
     """close() while exec runs in another thread: the command dies then, not at its own timeout."""
     tok = token()
