@@ -57,18 +57,20 @@ def _children_now(pid: int) -> list[int]:
     return out
 
 
-def _scanned_children():
-    """pid -> its children, all taken from one pass over /proc (for a kernel without children files)."""
+def _scanned_children(root: int):
+    """pid -> its children, all taken from one pass over /proc (for a kernel without children files).
+    Newest first, and each child of root killed as soon as it is read: the newest link of a chain
+    that forks faster than the pass goes before it forks on."""
     out = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
+    for pid in sorted((int(name) for name in os.listdir("/proc") if name.isdigit()), reverse=True):
         try:
-            with open(f"/proc/{name}/stat", "rb") as f:
+            with open(f"/proc/{pid}/stat", "rb") as f:
                 ppid = int(f.read().rsplit(b")", 1)[1].split()[1])  # after comm, which may hold ")"
         except OSError:
             continue
-        out.setdefault(ppid, []).append(int(name))
+        if ppid == root:
+            _kill(pid, (root,))
+        out.setdefault(ppid, []).append(pid)
     return lambda pid: out.get(pid, [])
 
 
@@ -99,22 +101,30 @@ def kill_descendants(root: int) -> None:
 
     root must not reap meanwhile (the init calls this before it reaps, the supervisor with the init
     stopped): then its children only accumulate, each a pid nobody can reuse, and every orphan of
-    the tree joins them (root is the subreaper). A round kills root's live children and walks down
-    from them, killing each process before reading its children: once SIGKILL is pending a process
+    the tree joins them (root is the subreaper). A round kills root's children and walks down from
+    them, killing each process before reading its children: once SIGKILL is pending a process
     cannot fork, so the list it shows then is final, and a child that dies after the read has had
     its own children reparented to root for the next round. It ends when two rounds in a row find
     the same children, every one exited: an exited process has no children, so nothing is left."""
     settled = None  # root's children, when the last round found every one exited
+    exited = set()  # root's children that have exited: they stay so, as root reaps none
     while True:
-        children_of = _children_now if _CHILDREN_FILES else _scanned_children()
+        children_of = _children_now if _CHILDREN_FILES else _scanned_children(root)
         children = set(children_of(root))
-        todo = [(pid, root) for pid in children]
-        alive = False
+        todo = [(pid, root) for pid in children - exited]
+        walked, alive = set(children), False
         while todo:
             pid, parent = todo.pop()
             if _kill(pid, (parent, root)):  # root too: orphaned since its parent's list was read
                 alive = True
-                todo += [(child, pid) for child in children_of(pid)]
+            elif parent == root:
+                exited.add(pid)
+            elif _CHILDREN_FILES:  # it has exited (no children), or its pid may be another's by now
+                continue
+            # (from a scan, one that has exited is walked on: the children seen then are root's now)
+            fresh = set(children_of(pid)) - walked
+            walked |= fresh
+            todo += [(child, pid) for child in fresh]
         if alive:
             settled = None
         elif children == settled:

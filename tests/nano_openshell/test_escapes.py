@@ -176,27 +176,52 @@ def test_deep_fork_chain_is_killed_at_the_timeout(kill_path_sandbox):
     assert wait_gone(sleep_arg(tok), within=1.0) == []
 
 
-# Left running by a command that exits at once: a chain whose every link forks the next and exits
-# (each generation lives ~1 ms, less than one pass over /proc takes), and double forks in a loop.
-RACING_TREES = {
-    "fork_chain": "c() {{ [ $1 -lt 5000 ] && ( c $(( $1 + 1 )) & ); }}; ( c 0 & ) # {tok}",
-    "double_fork_loop": "( while :; do ( ( sleep {s} & ) & ); done & ) # {tok}",
-}
+# Left behind by a command that exits at once: a chain whose every link forks the next and exits
+# (a link lives ~1 ms, less than a pass over /proc takes), and a loop of double forks.
+RACING_TREE = ("c() {{ [ $1 -lt 5000 ] && ( c $(( $1 + 1 )) & ); }}; ( c 0 & ); "
+               "( while :; do ( ( sleep {s} & ) & ); done & ) # {tok}")
 
 
-@pytest.mark.parametrize("tree", sorted(RACING_TREES))
-def test_a_racing_tree_left_behind_dies_with_its_command(kill_path_sandbox, tree):
+def test_a_racing_tree_left_behind_dies_with_its_command(sandbox):
     """The command ends at once; what it leaves reparents as fast as it forks. The kill at its end
     must catch it all then: a command that ended is not reported timed out, nor waited on."""
     tok = token()
-    cmd = f"echo {MARK}; " + RACING_TREES[tree].format(s=sleep_arg(tok), tok=tok)
+    cmd = f"echo {MARK}; " + RACING_TREE.format(s=sleep_arg(tok), tok=tok)
     for run in range(15):
         t0 = time.monotonic()
-        r = started(kill_path_sandbox.exec(cmd, timeout=5))
+        r = started(sandbox.exec(cmd, timeout=5))
         elapsed = time.monotonic() - t0
         assert (r.exit_code, r.timed_out) == (0, False), f"run {run}: {r.exit_code=} {r.timed_out=} after {elapsed:.2f}s"
         assert elapsed < 2.5, f"run {run} returned after {elapsed:.2f}s"
         assert wait_gone(tok, within=1.0) == [], f"run {run}"
+
+
+# An init's end of command, on a kernel without /proc/PID/task/TID/children: kill_tree must take the
+# tree's children from a pass over /proc, and still return only once nothing is left.
+SUBREAPER = textwrap.dedent("""
+    import os, sys
+    sys.path.insert(0, {root!r})
+    from nano_openshell import initproc
+    initproc._CHILDREN_FILES = False
+    initproc._prctl(initproc._PR_SET_CHILD_SUBREAPER, 1)
+    for run in range(5):
+        command = os.fork()
+        if command == 0:
+            os.execv("/bin/bash", ["bash", "-c", {cmd!r}])
+        os.waitpid(command, 0)
+        initproc.kill_tree()
+        print("killed", run, flush=True)
+""")
+
+
+def test_a_racing_tree_dies_without_children_files():
+    tok = token()
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cmd = RACING_TREE.format(s=sleep_arg(tok), tok=tok)
+    r = subprocess.run([sys.executable, "-c", SUBREAPER.format(root=root, cmd=cmd)],
+                       capture_output=True, text=True, timeout=20)
+    assert r.stdout.split("\n")[:5] == [f"killed {run}" for run in range(5)], (r.stdout, r.stderr)
+    assert wait_gone(tok, within=1.0) == []
 
 
 def test_close_kills_a_command_another_thread_runs(kill_path_sandbox):
