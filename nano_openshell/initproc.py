@@ -5,9 +5,11 @@ It is a child subreaper in a new session: every process the command starts, incl
 double-forked escapees, is reparented to it when its parent dies. When the command exits, or on
 SIGTERM (sent by the kernel as PDEATHSIG when the supervisor dies), it SIGKILLs its whole tree, round
 after round, until two rounds in a row find its children the same and all exited
-(kill_descendants), then exits with the command's status. At the timeout or at close() the
-supervisor kills the tree itself: by cgroup.kill when the Sandbox has a cgroup (cgroup.py), else by
-the same rounds, with the init frozen meanwhile.
+(kill_descendants), then exits with the command's status. It tells the supervisor that status, and
+when the command ended, before that kill: a deadline that passes during the kill is not the
+command's (Init.ended). At the timeout or at close() the supervisor kills the tree itself: by
+cgroup.kill when the Sandbox has a cgroup (cgroup.py), else by the same rounds, with the init frozen
+meanwhile.
 The command itself runs with rlimits, under another uid when we are root, with no_new_privs,
 Landlock (workspace and private tmp writable, the rest read-only, /proc hidden but for a few
 system-wide files, no TCP, signals scoped) and the AF_UNIX-only seccomp filter. The init stays
@@ -22,6 +24,7 @@ import resource
 import select
 import signal
 import sys
+import time
 
 from nano_openshell import landlock, seccomp
 
@@ -186,6 +189,7 @@ def main() -> None:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, _stop)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    os.set_inheritable(cfg["ended_fd"], False)
     status = None
     try:
         _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -203,12 +207,17 @@ def main() -> None:
         pass
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)  # finish the kill even if asked twice
-    kill_tree()
     if status is None:  # stopped: report it the way a killed process is reported
+        kill_tree()
         os.kill(os.getpid(), signal.SIGKILL)
-    if os.WIFSIGNALED(status):  # 128+N, as bash and bwrap's pid 1 report it, in every tier
-        os._exit(128 + os.WTERMSIG(status))
-    os._exit(os.WEXITSTATUS(status))
+    # 128+N for a signal, as bash and bwrap's pid 1 report it, in every tier
+    code = 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+    try:  # told before the kill: if the deadline comes meanwhile, the command still ended in time
+        os.write(cfg["ended_fd"], f"{code} {time.monotonic()}".encode())
+    except OSError:
+        pass
+    kill_tree()
+    os._exit(code)
 
 
 # ---- the supervisor's side -------------------------------------------------------------------
@@ -218,15 +227,24 @@ _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 class Init:
     """One command's init, seen from the supervisor: Init(cfg, leaf) starts it (in the cgroup leaf
-    when the Sandbox has a cgroup), stop() kills the command's whole tree, close() once it is over."""
+    when the Sandbox has a cgroup), stop() kills the command's whole tree, ended() says when and how
+    the command itself ended, close() once it is over."""
 
     def __init__(self, cfg: dict, leaf=None, path: str = "/usr/bin:/bin"):
         import subprocess  # here, not at the top: the init itself starts faster without it
 
         self.leaf = leaf
-        self.proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _BOOT, _PACKAGE_PARENT],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     env={"PATH": path}, start_new_session=True)
+        self._ended_r, ended_w = os.pipe()
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _BOOT, _PACKAGE_PARENT],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                         env={"PATH": path}, start_new_session=True, pass_fds=(ended_w,))
+        except BaseException:
+            os.close(self._ended_r)
+            raise
+        finally:
+            os.close(ended_w)
+        cfg = {**cfg, "ended_fd": ended_w}  # the same number in the init
         try:
             if leaf is not None:
                 leaf.add(self.proc.pid)  # before the config: the init forks nothing until it has it
@@ -239,6 +257,7 @@ class Init:
             self.proc.wait()
             for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
                 pipe.close()
+            os.close(self._ended_r)
             raise
 
     def stop(self) -> None:
@@ -258,7 +277,19 @@ class Init:
             kill_descendants(self.proc.pid)
         self.proc.kill()
 
+    def ended(self) -> tuple[int, float] | None:
+        """(exit code, time.monotonic()) of the command itself, as the init reported it when it reaped
+        it (before killing what it left), or None if it did not (the command was killed first).
+        Once the init is over."""
+        os.set_blocking(self._ended_r, False)
+        try:
+            code, at = os.read(self._ended_r, 64).split()
+            return int(code), float(at)
+        except (BlockingIOError, ValueError):
+            return None
+
     def close(self) -> None:
+        os.close(self._ended_r)
         if self.leaf is not None:
             self.leaf.close()  # an escapee the init missed would die here; the leaf goes
 
