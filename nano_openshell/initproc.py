@@ -111,15 +111,17 @@ def kill_descendants(root: int) -> None:
     the same children, every one exited: an exited process has no children, so nothing is left."""
     settled = None  # root's children, when the last round found every one exited
     exited = set()  # root's children that have exited: they stay so, as root reaps none
+    signalled = set()
     while True:
         children_of = _children_now if _CHILDREN_FILES else _scanned_children(root)
         children = set(children_of(root))
         todo = [(pid, root) for pid in children - exited]
-        walked, alive = set(children), False
+        walked, alive, fresh_kill = set(children), False, False
         while todo:
             pid, parent = todo.pop()
             if _kill(pid, (parent, root)):  # root too: orphaned since its parent's list was read
-                alive = True
+                alive, fresh_kill = True, fresh_kill or pid not in signalled
+                signalled.add(pid)
             elif parent == root:
                 exited.add(pid)
             elif _CHILDREN_FILES:  # it has exited (no children), or its pid may be another's by now
@@ -130,6 +132,8 @@ def kill_descendants(root: int) -> None:
             todo += [(child, pid) for child in fresh]
         if alive:
             settled = None
+            if not fresh_kill:  # only processes killed already, still exiting: give them the CPU
+                time.sleep(0.001)
         elif children == settled:
             return
         else:
