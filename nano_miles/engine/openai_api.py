@@ -14,13 +14,12 @@ the whole completion in one chunk once it is done: no token-by-token streaming.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 
 from aiohttp import web
 
-from nano_miles.engine.http_io import engine_failed, json_body
+from nano_miles.engine.http_io import dumps, engine_failed, json_body, json_response
 from nano_miles.engine.protocol import GenerateItem, RequestError, parse_sampling_params
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -92,7 +91,7 @@ class OpenAIRoutes:
         return self.worker.engine
 
     async def models(self, request):
-        return web.json_response({"object": "list", "data": [{
+        return json_response({"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": self.created, "owned_by": "nano-miles",
             "max_model_len": self.engine.max_model_len}]})
 
@@ -137,7 +136,7 @@ class OpenAIRoutes:
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         answer = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
                   "choices": choices, "usage": usage}
-        return await self._stream(request, answer, body) if stream else web.json_response(answer)
+        return await self._stream(request, answer, body) if stream else json_response(answer)
 
     def _choice(self, index: int, fin, stop: list[str]) -> dict:
         ids, reason = fin.output_ids, fin.finish_reason.get("type")
@@ -155,7 +154,7 @@ class OpenAIRoutes:
         head = {k: answer[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
 
         async def send(data) -> None:
-            await response.write(f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode())
+            await response.write(f"data: {data if isinstance(data, str) else dumps(data)}\n\n".encode())
 
         for c in answer["choices"]:
             delta = {"role": "assistant", "content": c["message"]["content"]}

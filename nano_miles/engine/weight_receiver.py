@@ -41,7 +41,7 @@ from nano_miles.dtypes import dtype_name
 from nano_miles.engine import weight_group as G
 from nano_miles.engine import weights as W
 from nano_miles.engine.flat_params import FlatParameters
-from nano_miles.engine.http_io import json_body, weight_answer
+from nano_miles.engine.http_io import json_body, json_response, weight_answer
 from nano_miles.engine.model import skip_weight_name
 from nano_miles.engine.protocol import DEFAULT_GROUP_NAME, RequestError
 
@@ -207,7 +207,7 @@ class WeightReceiver:
         now = time.perf_counter()
         timings["answer"] = (now - swapped[0]) * 1000  # engine thread -> event loop
         timings["total"] = (now - t0) * 1000
-        return web.json_response({
+        return json_response({
             "success": True, "fast_path": update.fast,
             "message": f"Succeeded to update {update.count} tensors from {source}"
                        f"{' with one copy' if update.fast else ''}. Weight version updated to {version}.",
@@ -299,7 +299,7 @@ class WeightReceiver:
 
         version = await self.worker.update(swap, abort_first)
         ms = (time.perf_counter() - t0) * 1000
-        return web.json_response({
+        return json_response({
             "success": True, "attached": views is not None, "bytes_copied": 0,
             "message": f"Serving the trainer's shared weights ({path}){' (mapped now)' if views is not None else ''}. "
                        f"Weight version updated to {version}.",
@@ -462,5 +462,5 @@ class WeightReceiver:
             return eng.weight_version, W.checksums(eng.named_parameters(), names)
 
         version, sums = await self.worker.call(compute)
-        return web.json_response({"weight_version": version, "dtype": dtype_name(self.engine.dtype),
+        return json_response({"weight_version": version, "dtype": dtype_name(self.engine.dtype),
                                   "algorithm": "sha256", "checksums": sums})
