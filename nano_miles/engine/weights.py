@@ -409,6 +409,10 @@ def check_against(named_tensors, expected: dict[str, tuple[tuple[int, ...], torc
             raise WeightPayloadError(f"{name}: dtype {tensor.dtype} != the model's {dtype}")
 
 
+class NonFiniteWeights(RuntimeError):
+    """A trainer's weights hold a NaN or an infinity: a training failure, never something to send."""
+
+
 def non_finite(named_tensors) -> str | None:
     """The name of the first floating-point tensor holding a NaN or an infinity, else None.
 
