@@ -274,8 +274,8 @@ class Server:
         keys.pop("api_key")
         args = {**{k: v for k, v in keys.items() if not isinstance(v, dict)}, **keys["engine"]}
         return json_response({**args, **self._info(), "max_total_num_tokens": internal["num_kv_blocks"] *
-                                  internal["block_size"], "internal_states": [internal],
-                                  "version": "nano-miles", "uptime_s": round(time.time() - self.started, 1)})
+                              internal["block_size"], "internal_states": [internal],
+                              "version": "nano-miles", "uptime_s": round(time.time() - self.started, 1)})
 
     # --- control ---
     async def flush_cache(self, request):
@@ -297,7 +297,7 @@ class Server:
             raise RequestError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
         n = await self.worker.pause(mode)
         return json_response({"message": "Generation paused successfully.", "status": "ok",
-                                  "mode": mode, "num_aborted": n})
+                              "mode": mode, "num_aborted": n})
 
     async def continue_generation(self, request):
         await self.worker.resume()

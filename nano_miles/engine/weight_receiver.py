@@ -463,4 +463,4 @@ class WeightReceiver:
 
         version, sums = await self.worker.call(compute)
         return json_response({"weight_version": version, "dtype": dtype_name(self.engine.dtype),
-                                  "algorithm": "sha256", "checksums": sums})
+                              "algorithm": "sha256", "checksums": sums})
