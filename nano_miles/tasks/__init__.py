@@ -23,7 +23,6 @@ import os
 import sys
 
 from nano_miles.tasks import catalog  # noqa: F401  (registers the built-in tasks)
-from nano_miles.tasks import catalog_train  # noqa: F401  (registers 20 more training tasks)
 from nano_miles.tasks import toml_file
 from nano_miles.config import ConfigError
 # the public task API, re-exported: a user's module imports it from here

@@ -217,11 +217,15 @@ def task(id: str, family: str, split: str, summary: str, seed_task: bool = False
          mounts: tuple[str, ...] = (), workdir: str | None = None):
     """Decorator: register `setup(ws, rng) -> TaskInstance` as a task."""
     def decorate(fn):
-        source = _loading[-1][0] if _loading else fn.__module__
         register(Task(id=id, family=family, split=split, summary=summary, setup=fn, seed_task=seed_task,
-                      mounts=tuple(mounts), workdir=workdir, source=source))
+                      mounts=tuple(mounts), workdir=workdir, source=source_of(fn.__module__)))
         return fn
     return decorate
+
+
+def source_of(module: str) -> str:
+    """What a task registered now names as its source: the user's module or file loading, else `module`."""
+    return _loading[-1][0] if _loading else module
 
 
 @contextlib.contextmanager

@@ -196,8 +196,8 @@ def test_duplicate_ids_name_the_file_and_the_task_and_the_rest_loads(tmp_path):
             return TaskInstance("Answer 1.", ws.run("echo 1"), "int", solution=["echo 1"])
     """)
     assert load_task_modules([dup]) == [
-        f"{dup}: task 'sha256_string': duplicate id (already defined by nano_miles.tasks.catalog)"]
-    assert TASKS["sha256_string"].source == "nano_miles.tasks.catalog"   # the catalog's task is untouched
+        f"{dup}: task 'sha256_string': duplicate id (already defined by nano_miles.tasks.catalog.hashing)"]
+    assert TASKS["sha256_string"].source == "nano_miles.tasks.catalog.hashing"   # the catalog's task is untouched
     assert [t.id for t in select_tasks("mine")] == ["mine_ok"]
     copy = write(tmp_path, "copy.toml", open(EXAMPLE_TOML).read())
     assert load_task_modules([EXAMPLE_TOML, copy]) == [
