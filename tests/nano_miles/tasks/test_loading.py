@@ -121,6 +121,11 @@ def test_a_module_by_dotted_name(tmp_path, monkeypatch):
         load_task_modules(["acme_tasks.nope"])
 
 
+def test_the_skills_set_under_its_old_flat_name_says_its_new_name():
+    with pytest.raises(ConfigError, match=r"^nano_miles.task_catalog_skills is now nano_miles.tasks.catalog_skills$"):
+        load_task_modules(["nano_miles.task_catalog_skills"])
+
+
 def broken_modules(tmp_path) -> dict[str, str]:
     """Each way a task module fails to load -> the one line that names it."""
     raises = write(tmp_path, "raises.py", """
