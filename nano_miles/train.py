@@ -37,7 +37,8 @@ import torch
 from transformers import AutoTokenizer
 
 from nano_miles.algorithms import AdvantageConfig, LossConfig
-from nano_miles.checkpoint import Checkpointer, disk_line, export_best, export_model
+from nano_miles.checkpoint import (CheckpointError, Checkpointer, checkpoint_folder, disk_line, export_best,
+                                   export_model)
 from nano_miles.client import EngineUnavailable
 from nano_miles.config import ConfigError, add_config_arguments, config_from_args, to_dict, to_toml
 from nano_miles.distributed import DistError
@@ -54,8 +55,8 @@ from nano_miles.tasks import training_tasks
 from nano_miles.telemetry import (MetricsLog, check_report_to, memory_gb, parse_report_to, read_metrics, run_summary,
                                   step_metrics)
 from nano_miles.trainer import OptimConfig, Trainer, TrainerConfig
-from nano_miles.trainer_ranks import (RankCheckpointer, TrainerRanks, is_collective_failure, launch_ranks,
-                                      load_run_checkpoint, rank_device_type, rank_env, run_as_rank)
+from nano_miles.trainer_ranks import (RankCheckpointer, TrainerRanks, check_resumable, is_collective_failure,
+                                      launch_ranks, load_run_checkpoint, rank_device_type, rank_env, run_as_rank)
 from nano_miles.update import policy_update
 from nano_miles.weight_sync import SyncConfig, WeightSync, WeightSyncError
 
@@ -456,6 +457,8 @@ def run(args) -> int:
     if args.print_config:
         print(to_toml(cfg), end="")
         return 0
+    if args.resume and (ckpt := checkpoint_folder(Path(args.resume))) is not None:
+        check_resumable(ckpt)  # a checkpoint that cannot be resumed: one line, before any model loads
     ranks = rank_env()
     try:
         if ranks is not None and ranks[1] > 1:  # one of N ranks (torchrun, or launch_ranks below)
@@ -489,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return run(args)
-    except ConfigError as e:
+    except (ConfigError, CheckpointError) as e:
         print(f"nano-miles train: {e}", file=sys.stderr)
         return 2
 

@@ -5,6 +5,7 @@ import argparse
 import functools
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -27,7 +28,9 @@ from nano_miles.producer import TaskStream
 from nano_miles.tasks import select_tasks
 from nano_miles.telemetry import REQUIRED_KEYS, read_metrics
 from nano_miles.train import RunFailed, TrainConfig, TrainingRun
+from nano_miles.trainer_ranks import with_rng
 from nano_openshell import Sandbox
+from tests.nano_miles.test_checkpoint import CreatesFile, damaged_copies, format_1_run
 
 REPO = Path(__file__).resolve().parents[2]
 DENY_NAMESPACES = [sys.executable, "-c", "import sys; from nano_openshell.seccomp import main; sys.exit(main())",
@@ -368,3 +371,28 @@ def test_a_run_that_trained_on_nothing_writes_no_final_policy(tmp_path):
     assert message.startswith("trained on nothing: no step updated the policy (every episode failed for "
                               "infrastructure reasons (sandbox)), so it is still the base model and no final/ was written")
     assert not (tmp_path / "run" / "final").exists() and "summary: 1 step," in printed
+
+
+def test_resume_refuses_a_crafted_or_damaged_checkpoint_in_one_line_before_anything_runs(tmp_path):
+    """A run directory may come from anyone (a shared disk, a download). Its checkpoint is checked before
+    any model loads: a crafted pickle never runs, a damaged file is named, nothing in the directory changes."""
+    marker = tmp_path / "marker"
+    damaged = damaged_copies(tmp_path / "damaged")
+    sharded = tmp_path / "sharded" / "checkpoint"
+    sharded.mkdir(parents=True)
+    (sharded / "state.json").write_text(json.dumps(with_rng({"step": 1, "data_position": 2}, world_size=2)))
+    (sharded / ".metadata").write_bytes(pickle.dumps(CreatesFile(marker)))
+    cases = [(format_1_run(tmp_path / "format1", marker), "checkpoint cannot be resumed: its state.json says format 1"),
+             (sharded.parent, "checkpoint/.metadata cannot be loaded: UnpicklingError"),
+             (damaged["truncated weights"][0], "checkpoint/model.safetensors cannot be read: ")]
+    for run_dir, _ in cases:
+        (run_dir / "config.json").write_text(json.dumps({"model": "tiny-random-qwen2"}))
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    procs = [subprocess.Popen([sys.executable, "-m", "nano_miles.cli", "train", "--resume", str(run_dir)], cwd=REPO,
+                              text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for run_dir, _ in cases]
+    for (run_dir, message), proc in zip(cases, procs):
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 2 and err.count("\n") == 1, (run_dir, out, err)
+        assert err.startswith(f"nano-miles train: {run_dir}/{message}"), err
+    assert not marker.exists()
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
