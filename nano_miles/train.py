@@ -446,14 +446,31 @@ def add_arguments(p) -> None:
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
 
 
+def saved_config(run_dir: str) -> tuple[dict, list[str]]:
+    """A run directory's config.json less its tasks modules, and those modules. They are code this host
+    would run, and a run directory may come from anyone: they load only if the command line names them."""
+    config_json = Path(run_dir) / "config.json"
+    if not config_json.is_file():
+        raise ConfigError(f"--resume {run_dir}: not a run directory (no config.json)")
+    try:
+        saved = json.loads(config_json.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ConfigError(f"{config_json} cannot be read: {type(e).__name__}: {e}") from None
+    if not isinstance(saved, dict):
+        raise ConfigError(f"{config_json} is not a run's config: a JSON {type(saved).__name__}")
+    modules = saved.pop("tasks_module", None) or []
+    return saved, [str(m) for m in ([modules] if isinstance(modules, str) else modules)]
+
+
 def run(args) -> int:
-    saved = None
-    if args.resume:
-        config_json = Path(args.resume) / "config.json"
-        if not config_json.is_file():
-            raise ConfigError(f"--resume {args.resume}: not a run directory (no config.json)")
-        saved = json.loads(config_json.read_text())  # the run's own config, then what this command line sets
+    # the run's own config, then what this command line sets
+    saved, saved_modules = saved_config(args.resume) if args.resume else (None, [])
     cfg = config_from_args(TrainConfig, args, base=saved)
+    unconfirmed = [m for m in saved_modules if m not in cfg.tasks_module]
+    if unconfirmed:
+        raise ConfigError(f"--resume {args.resume}: its config.json loads tasks_module {', '.join(unconfirmed)}, "
+                          "code this host would run, which a run directory is not trusted to ask for: "
+                          f"--set tasks_module={','.join(saved_modules)} resumes with it")
     if args.print_config:
         print(to_toml(cfg), end="")
         return 0

@@ -373,26 +373,42 @@ def test_a_run_that_trained_on_nothing_writes_no_final_policy(tmp_path):
     assert not (tmp_path / "run" / "final").exists() and "summary: 1 step," in printed
 
 
-def test_resume_refuses_a_crafted_or_damaged_checkpoint_in_one_line_before_anything_runs(tmp_path):
-    """A run directory may come from anyone (a shared disk, a download). Its checkpoint is checked before
-    any model loads: a crafted pickle never runs, a damaged file is named, nothing in the directory changes."""
+def test_resume_runs_no_code_from_the_run_directory_and_refuses_a_damaged_checkpoint_in_one_line(tmp_path):
+    """A run directory may come from anyone (a shared disk, a download). Before any model loads, resume
+    refuses a crafted pickle (never run), a damaged checkpoint file (named) and a tasks module only its
+    config.json asks for (Python this host would import); nothing in the directory changes."""
     marker = tmp_path / "marker"
     damaged = damaged_copies(tmp_path / "damaged")
     sharded = tmp_path / "sharded" / "checkpoint"
     sharded.mkdir(parents=True)
     (sharded / "state.json").write_text(json.dumps(with_rng({"step": 1, "data_position": 2}, world_size=2)))
     (sharded / ".metadata").write_bytes(pickle.dumps(CreatesFile(marker)))
-    cases = [(format_1_run(tmp_path / "format1", marker), "checkpoint cannot be resumed: its state.json says format 1"),
-             (sharded.parent, "checkpoint/.metadata cannot be loaded: UnpicklingError"),
-             (damaged["truncated weights"][0], "checkpoint/model.safetensors cannot be read: ")]
-    for run_dir, _ in cases:
+    plugin = tmp_path / "plugin" / "tasks.py"
+    plugin.parent.mkdir()
+    plugin.write_text(f"open({str(marker)!r}, 'w')\nraise SystemExit(3)\n")  # imported, it would run
+    format_1, truncated = format_1_run(tmp_path / "format1", marker), damaged["truncated weights"][0]
+    refused = {  # run directory: the start of the one line it gets
+        format_1: f"{format_1}/checkpoint cannot be resumed: its state.json says format 1",
+        sharded.parent: f"{sharded}/.metadata cannot be loaded: UnpicklingError",
+        truncated: f"{truncated}/checkpoint/model.safetensors cannot be read: ",
+        plugin.parent: f"--resume {plugin.parent}: its config.json loads tasks_module {plugin}, code this host would "
+                       f"run, which a run directory is not trusted to ask for: --set tasks_module={plugin} resumes "
+                       "with it"}
+    for run_dir in refused:
         (run_dir / "config.json").write_text(json.dumps({"model": "tiny-random-qwen2"}))
+    (plugin.parent / "config.json").write_text(json.dumps({"model": "tiny-random-qwen2",
+                                                           "tasks_module": [str(plugin)]}))
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
-    procs = [subprocess.Popen([sys.executable, "-m", "nano_miles.cli", "train", "--resume", str(run_dir)], cwd=REPO,
-                              text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for run_dir, _ in cases]
-    for (run_dir, message), proc in zip(cases, procs):
-        out, err = proc.communicate(timeout=300)
+    commands = [["--resume", str(run_dir)] for run_dir in refused]
+    commands.append(["--resume", str(plugin.parent), "--set", f"tasks_module={plugin}", "--print-config"])
+    # all at once: each spends its time importing torch, not waiting on the others
+    procs = [subprocess.Popen([sys.executable, "-m", "nano_miles.cli", "train", *args], cwd=REPO, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for args in commands]
+    outputs = [proc.communicate(timeout=300) for proc in procs]
+    for (run_dir, message), proc, (out, err) in zip(refused.items(), procs, outputs):
         assert proc.returncode == 2 and err.count("\n") == 1, (run_dir, out, err)
-        assert err.startswith(f"nano-miles train: {run_dir}/{message}"), err
+        assert err.startswith(f"nano-miles train: {message}"), err
+    out, err = outputs[-1]  # the tasks module named on the command line: taken
+    assert procs[-1].returncode == 0 and tomllib.loads(out)["tasks_module"] == [str(plugin)], err
     assert not marker.exists()
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
