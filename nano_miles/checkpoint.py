@@ -3,6 +3,8 @@
 checkpoint/ holds
   model.safetensors  the FP32 master weights by HF name: exactly the weights final/ exports, so the
                      final/model.safetensors of a finished run is a hard link to it (one copy on disk)
+  config.json, the tokenizer's files, generation_config.json: as final/, so that checkpoint/ is a HF
+                     model folder too (`nano-miles eval --model RUN/checkpoint` of a run that never ended)
   optimizer.pt       AdamW's state (both moments, step counts): torch.save(optimizer.state_dict()), read
                      back with torch.load(weights_only=True) only
   state.json         step, data position, weight version, RNG states, the trainer's step and dtype
@@ -26,6 +28,7 @@ train further restarts AdamW's moments from zero, and says so.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -143,6 +146,7 @@ def save_checkpoint(run_dir: Path, trainer, state: dict, background: bool = Fals
         tmp.mkdir(parents=True)
         try:
             write_safetensors(tmp / "model.safetensors", masters)
+            write_model_files(trainer.model.config, trainer.cfg.model, tmp)  # `eval --model RUN/checkpoint`
             if optimizer_state is not None:
                 torch.save(optimizer_state, tmp / "optimizer.pt")
             (tmp / "state.json").write_text(json.dumps(state))
@@ -365,19 +369,31 @@ def export_model(trainer, tokenizer_dir: str, out_dir: Path, checkpoint_dir: Pat
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    trainer.model.config.save_pretrained(tmp)
-    config = json.loads((tmp / "config.json").read_text())
-    config["dtype" if "torch_dtype" not in config else "torch_dtype"] = "float32"
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
     if not _link_checkpoint_weights(trainer, checkpoint_dir, tmp / "model.safetensors"):
         write_safetensors(tmp / "model.safetensors", trainer.named_weights(torch.float32))
-    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp)
-    gen = Path(tokenizer_dir) / "generation_config.json"
-    if gen.exists():
-        shutil.copy(gen, tmp / "generation_config.json")
+    write_model_files(trainer.model.config, tokenizer_dir, tmp)
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
     return out_dir
+
+
+def write_model_files(model_config, tokenizer_dir: str, folder: Path) -> None:
+    """What makes a folder holding the FP32 masters as model.safetensors a HF model folder: config.json
+    (dtype float32), the tokenizer's files and the generation config."""
+    model_config.save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["dtype" if "torch_dtype" not in config else "torch_dtype"] = "float32"
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    _tokenizer(str(tokenizer_dir)).save_pretrained(folder)
+    gen = Path(tokenizer_dir) / "generation_config.json"
+    if gen.exists():
+        shutil.copy(gen, folder / "generation_config.json")
+
+
+@functools.lru_cache(maxsize=1)
+def _tokenizer(folder: str):
+    """The run's tokenizer, loaded once (seconds for a real one): every checkpoint writes it."""
+    return AutoTokenizer.from_pretrained(folder)
 
 
 def export_best(trainer, tokenizer_dir: str, best_dir: Path, checkpoint_dir: Path, best: dict) -> Path:

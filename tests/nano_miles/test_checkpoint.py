@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nano_miles.batch import Trajectory, build_rollout_batch
 from nano_miles.checkpoint import (CheckpointError, Checkpointer, export_model, finish_checkpoint, load_checkpoint,
@@ -284,3 +284,21 @@ def test_a_damaged_checkpoint_is_one_line_naming_its_file(tmp_path):
             message = str(refused.value)
             assert str(damaged) in message and "\n" not in message, (what, message)
         assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before, what  # nothing lost
+
+
+def test_a_checkpoint_is_a_model_folder(tmp_path):
+    """A run stopped before final/ leaves checkpoint/: it holds what final/ holds (config, tokenizer,
+    the FP32 masters), so whatever takes a model takes it."""
+    a = _trainer()
+    a.train_step(*_batch(7))
+    save_checkpoint(tmp_path, a, {"step": 1, "data_position": 2}, background=True)
+    a.wait_for_save()
+    ckpt = tmp_path / "checkpoint"
+    assert resolve_model(ckpt) == ckpt
+    hf = AutoModelForCausalLM.from_pretrained(ckpt)
+    assert hf.dtype == torch.float32
+    for name, master in zip(a.names, a.masters):
+        assert torch.equal(dict(hf.named_parameters())[name], master), name
+    base = AutoTokenizer.from_pretrained(resolve_model("tiny-random-qwen2"))
+    assert AutoTokenizer.from_pretrained(ckpt)("ls -la /tmp").input_ids == base("ls -la /tmp").input_ids
+    assert load_checkpoint(tmp_path, _trainer())["step"] == 1  # and it still resumes
