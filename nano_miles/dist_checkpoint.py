@@ -132,14 +132,13 @@ def load(trainer, path) -> None:
     try:
         dcp.load(state, storage_reader=reader, planner=_CheckedPlanner(), process_group=_group(trainer),
                  no_dist=not dist.is_initialized())
-    except dcp.CheckpointException as e:  # a rank's failure, with its traceback as text: its one line
+    except dcp.CheckpointException as e:  # a rank's failure (a bad plan or read), its traceback as text
         error = next(iter(e.failures.values()))[0]
         raise CheckpointError(f"{path} cannot be loaded: {type(error).__name__}: {one_line(error)}") from None
-    except (RuntimeError, ValueError, KeyError) as e:  # a failure of this process's own plan or reads
-        raise CheckpointError(f"{path} cannot be loaded: {type(e).__name__}: {one_line(e)}") from None
-    trainer.step = state["trainer"]["step"]
-    if not isinstance(trainer.step, int):
-        raise CheckpointError(f"{path}/.metadata: the trainer's step is {type(trainer.step).__name__}, not an int")
+    step = state["trainer"]["step"]
+    if not isinstance(step, int):
+        raise CheckpointError(f"{path} cannot be loaded: the trainer's step is a {type(step).__name__}, not an int")
+    trainer.step = step
     trainer._copy_masters_to_model()  # the single-process trainer's bf16 compute copy follows its masters
 
 

@@ -459,7 +459,7 @@ def saved_config(run_dir: str) -> tuple[dict, list[str]]:
     if not isinstance(saved, dict):
         raise ConfigError(f"{config_json} is not a run's config: a JSON {type(saved).__name__}")
     modules = saved.pop("tasks_module", None) or []
-    return saved, [str(m) for m in ([modules] if isinstance(modules, str) else modules)]
+    return saved, [str(m) for m in (modules if isinstance(modules, list) else [modules])]
 
 
 def run(args) -> int:

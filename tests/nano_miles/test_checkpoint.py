@@ -1,4 +1,5 @@
-"""Checkpoints are whole or absent, written in the background without a copy, and resume exactly.
+"""Checkpoints are whole or absent, written in the background without a copy, and resume exactly;
+resuming one runs no code from it and names a damaged file in one line; a checkpoint is a model folder.
 
 Real tiny-random-qwen2 trainers on CPU. A crash mid-write is a real one: a child process whose file
 size limit (RLIMIT_FSIZE) kills it with SIGXFSZ inside the second checkpoint's weights file.
