@@ -255,6 +255,10 @@ class LocalSerializedTensor:
     values: list
 
 
+# Not torch's file_descriptor sharing (rebuild_storage_fd, multiprocessing's DupFd): its receiver fetches
+# the fd by connecting to an address the payload names, with its own multiprocessing authkey, so a
+# payload could make the engine connect anywhere, and no other process's fd ever arrives that way.
+_FD_SHARING = {("torch.multiprocessing.reductions", "rebuild_storage_fd"), ("multiprocessing.resource_sharer", "DupFd")}
 _ALLOWED = {
     ("builtins", n): None
     for n in ("list", "tuple", "dict", "set", "frozenset", "int", "float", "str", "bytes", "bool")
@@ -273,10 +277,8 @@ _ALLOWED.update(
         ("torch.multiprocessing.reductions", "rebuild_typed_storage"): reductions.rebuild_typed_storage,
         ("torch.multiprocessing.reductions", "rebuild_typed_storage_child"): reductions.rebuild_typed_storage_child,
         ("torch.multiprocessing.reductions", "rebuild_storage_filename"): reductions.rebuild_storage_filename,
-        ("torch.multiprocessing.reductions", "rebuild_storage_fd"): reductions.rebuild_storage_fd,
         ("torch.multiprocessing.reductions", "rebuild_storage_empty"): reductions.rebuild_storage_empty,
         ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"): _rebuild_cuda_tensor,
-        ("multiprocessing.resource_sharer", "DupFd"): None,
         (SGLANG_BUCKET_MODULE, "FlattenedTensorMetadata"): FlattenedTensorMetadata,
         ("sglang.srt.model_executor.model_runner", "LocalSerializedTensor"): LocalSerializedTensor,
     }
@@ -295,6 +297,9 @@ class _RestrictedUnpickler(pickle.Unpickler):
         # SGLang's (or a slime copy's) UUID-aware CUDA rebuild: always resolved to OUR version.
         if name == "_rebuild_cuda_tensor_modified" and module.split(".")[0] in ("sglang", "slime"):
             return _rebuild_cuda_tensor
+        if key in _FD_SHARING:
+            raise WeightPayloadError(f"refusing to unpickle {module}.{name}: CPU tensors shared by file descriptor "
+                                     "are not taken; share them with torch.multiprocessing's file_system strategy")
         raise WeightPayloadError(f"refusing to unpickle {module}.{name}: not allowed in a weight payload")
 
 

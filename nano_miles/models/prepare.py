@@ -83,7 +83,12 @@ def resolve_model(name_or_path: str | os.PathLike, cache_dir: str | os.PathLike 
         return prepare(name, cache_dir=cache_dir, force=force, parts_dir=parts_dir)
     path = pathlib.Path(name).expanduser()
     if path.is_dir():
+        if (path / "checkpoint").is_dir() or (path / "metrics.jsonl").is_file():  # a run directory
+            raise ModelError(f"{path} is a training run's directory, not a model{_run_models(path)}")
         if not (path / "config.json").is_file():
+            if (path / "state.json").is_file():  # a run's checkpoint/ of N trainer ranks: the weights in shards
+                raise ModelError(f"{path} is a checkpoint of sharded trainer ranks, not a model"
+                                 f"{_run_models(path.parent)}")
             raise ModelError(f"{path} is a directory but not a Hugging Face model folder (no config.json)")
         return path
     if path.exists():
@@ -91,6 +96,16 @@ def resolve_model(name_or_path: str | os.PathLike, cache_dir: str | os.PathLike 
     if "/" in name and not name.startswith((".", "/", "~")) and name.count("/") == 1:
         return _from_hub(name)
     raise ModelError(f"unknown model {name!r}: not a folder, a hub id (org/name) or one of: {', '.join(MODEL_NAMES)}")
+
+
+def _run_models(run_dir: pathlib.Path) -> str:
+    """Where a training run keeps the models `--model` takes, for a message."""
+    folders = [str(run_dir / name) for name in ("final", "best", "checkpoint")
+               if (run_dir / name / "config.json").is_file()]
+    if folders:
+        return f": its models are {', '.join(folders)}"
+    return (": it has no model folder yet (final/ at the end of the run, best/ with keep_best, checkpoint/ "
+            "when one process trains)")
 
 
 def _from_hub(repo_id: str) -> pathlib.Path:

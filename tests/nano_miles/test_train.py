@@ -5,6 +5,7 @@ import argparse
 import functools
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -27,7 +28,9 @@ from nano_miles.rollout.producer import TaskStream
 from nano_miles.tasks import select_tasks
 from nano_miles.telemetry import REQUIRED_KEYS, read_metrics
 from nano_miles.train import RunFailed, TrainConfig, TrainingRun
+from nano_miles.trainer_ranks import with_rng
 from nano_openshell import Sandbox
+from tests.nano_miles.test_checkpoint import CreatesFile, damaged_copies, format_1_run
 
 REPO = Path(__file__).resolve().parents[2]
 DENY_NAMESPACES = [sys.executable, "-c", "import sys; from nano_openshell.seccomp import main; sys.exit(main())",
@@ -397,3 +400,44 @@ def test_a_run_that_trained_on_nothing_writes_no_final_policy(tmp_path):
     assert message.startswith("trained on nothing: no step updated the policy (every episode failed for "
                               "infrastructure reasons (sandbox)), so it is still the base model and no final/ was written")
     assert not (tmp_path / "run" / "final").exists() and "summary: 1 step," in printed
+
+
+def test_resume_runs_no_code_from_the_run_directory_and_refuses_a_damaged_checkpoint_in_one_line(tmp_path):
+    """A run directory may come from anyone (a shared disk, a download). Before any model loads, resume
+    refuses a crafted pickle (never run), a damaged checkpoint file (named) and a tasks module only its
+    config.json asks for (Python this host would import); nothing in the directory changes."""
+    marker = tmp_path / "marker"
+    damaged = damaged_copies(tmp_path / "damaged")
+    sharded = tmp_path / "sharded" / "checkpoint"
+    sharded.mkdir(parents=True)
+    (sharded / "state.json").write_text(json.dumps(with_rng({"step": 1, "data_position": 2}, world_size=2)))
+    (sharded / ".metadata").write_bytes(pickle.dumps(CreatesFile(marker)))
+    plugin = tmp_path / "plugin" / "tasks.py"
+    plugin.parent.mkdir()
+    plugin.write_text(f"open({str(marker)!r}, 'w')\nraise SystemExit(3)\n")  # imported, it would run
+    format_1, truncated = format_1_run(tmp_path / "format1", marker), damaged["truncated weights"][0]
+    refused = {  # run directory: the start of the one line it gets
+        format_1: f"{format_1}/checkpoint cannot be resumed: its state.json says format 1",
+        sharded.parent: f"{sharded}/.metadata cannot be loaded: UnpicklingError",
+        truncated: f"{truncated}/checkpoint/model.safetensors cannot be read: ",
+        plugin.parent: f"--resume {plugin.parent}: its config.json loads tasks_module {plugin}, code this host would "
+                       f"run, which a run directory is not trusted to ask for: --set tasks_module={plugin} resumes "
+                       "with it"}
+    for run_dir in refused:
+        (run_dir / "config.json").write_text(json.dumps({"model": "tiny-random-qwen2"}))
+    (plugin.parent / "config.json").write_text(json.dumps({"model": "tiny-random-qwen2",
+                                                           "tasks_module": [str(plugin)]}))
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    commands = [["--resume", str(run_dir)] for run_dir in refused]
+    commands.append(["--resume", str(plugin.parent), "--set", f"tasks_module={plugin}", "--print-config"])
+    # all at once: each spends its time importing torch, not waiting on the others
+    procs = [subprocess.Popen([sys.executable, "-m", "nano_miles.cli", "train", *args], cwd=REPO, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for args in commands]
+    outputs = [proc.communicate(timeout=300) for proc in procs]
+    for (run_dir, message), proc, (out, err) in zip(refused.items(), procs, outputs):
+        assert proc.returncode == 2 and err.count("\n") == 1, (run_dir, out, err)
+        assert err.startswith(f"nano-miles train: {message}"), err
+    out, err = outputs[-1]  # the tasks module named on the command line: taken
+    assert procs[-1].returncode == 0 and tomllib.loads(out)["tasks_module"] == [str(plugin)], err
+    assert not marker.exists()
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
