@@ -48,7 +48,7 @@ from nano_miles.evaluate import RunEvaluation
 from nano_miles.memory_plan import plan_memory, uses_shared_weights
 from nano_miles.rollout.producer import AsyncProducer, StepRollout, SyncProducer, TaskStream, roll_out_step, staleness
 from nano_miles.trainer.reference import ReferencePolicy
-from nano_miles.rollout_command import RolloutCommandConfig, model_folder, selected_tasks
+from nano_miles.job import RolloutCommandConfig, model_folder, selected_tasks
 from nano_miles.rollout.sandbox import check_sandbox, sandbox_factory
 from nano_miles.tasks import training_tasks
 from nano_miles.telemetry import (MetricsLog, check_report_to, memory_gb, parse_report_to, read_metrics, run_summary,
