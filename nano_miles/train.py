@@ -65,7 +65,7 @@ MODES = ("sync", "async")
 @dataclass
 class TrainConfig(RolloutCommandConfig):
     """The keys of `nano-miles train`: rollout's (model, tasks, seed, dtype, engine.*, rollout.*) and these."""
-    config_aliases: ClassVar[dict[str, str]] = {  # keys of earlier versions (run.toml files, --set, config.json)
+    renamed_keys: ClassVar[dict[str, str]] = {  # old key -> new: refused with a line naming the new one
         "engine_url": "engine.url", "engine_device": "engine.device",
         "engine_max_running_requests": "engine.max_running_requests",
         "engine_mem_fraction": "engine.kv_cache_memory_fraction",
