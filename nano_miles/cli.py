@@ -17,7 +17,7 @@ import sys
 import threading
 
 from nano_miles import COMMANDS
-from nano_miles.config import not_a_flag
+from nano_miles.config import ConfigError, not_a_flag
 
 # The CUDA caching allocator, unless the user set it: with expandable segments a process's reserved
 # memory stays near what it allocated, so a trainer and an engine sharing a GPU both fit (see
@@ -26,13 +26,9 @@ from nano_miles.config import not_a_flag
 CUDA_ALLOC_CONF = "expandable_segments:True"
 
 
-class BadCommandLine(Exception):
-    """What argparse would print under a usage screen; one line here."""
-
-
 class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise BadCommandLine(message)
+    def error(self, message):  # one line (main prints it), not argparse's usage screen and exit
+        raise ConfigError(message)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,27 +48,24 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"nano-miles: '{name}' is not available in this build", file=sys.stderr)
                 return 2
             module.add_arguments(p)
-    try:
-        args, extras = parser.parse_known_args(argv)
-        if extras:
-            raise BadCommandLine(not_a_flag(getattr(module, "CONFIG", None), wanted, extras))
-    except BadCommandLine as e:
-        print(f"nano-miles{' ' + wanted if module else ''}: {e}", file=sys.stderr)
-        return 2
-    if args.command is None:
-        parser.print_help()
-        return 2
+    prog = f"nano-miles {wanted}" if module else "nano-miles"
     takes_sigterm = threading.current_thread() is threading.main_thread() and \
         signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     if takes_sigterm:
         signal.signal(signal.SIGTERM, _terminate)
     try:
+        args, extras = parser.parse_known_args(argv)
+        if extras:
+            raise ConfigError(not_a_flag(getattr(module, "CONFIG", None), wanted, extras))
+        if args.command is None:
+            parser.print_help()
+            return 2
         return int(module.run(args) or 0)
     except KeyboardInterrupt:
-        print(f"nano-miles {args.command}: interrupted", file=sys.stderr)
+        print(f"{prog}: interrupted", file=sys.stderr)
         return 130
     except ValueError as e:  # a ConfigError, or another ValueError: bad input either way
-        print(f"nano-miles {args.command}: {' '.join(str(e).split()) or type(e).__name__}", file=sys.stderr)
+        print(f"{prog}: {' '.join(str(e).split()) or type(e).__name__}", file=sys.stderr)
         return 2
     finally:
         if takes_sigterm:

@@ -1,23 +1,12 @@
 """What a training run needs in host memory, decided before anything heavy loads.
 
 `plan_memory` reads only the model's config.json, estimates the peak host memory of the run's
-processes (trainer, engine, sandboxes; GPU memory is not counted), compares it with what the machine
-can give (MemAvailable, and the room under this process's cgroup memory limits) and refuses in one
-line with the numbers when it does not fit, before any model loads. `memory_limit_gb` sets the
-budget instead; `memory_check=false` runs anyway. How close the estimate comes is measured by
-bench/main_job_memory.py (docs/benchmarks.md).
-
-The terms, for a model of P parameters, in bytes:
-  trainer   weights (P x dtype size; shared with a colocated CPU engine), FP32 masters unless the compute
-            dtype is FP32 (4P), AdamW's two FP32 moments (8P), FP32 gradients (4P), one micro-batch's
-            activations (only the layer inputs with gradient checkpointing, plus one layer recomputed),
-            the log-prob chunk's [chunk, vocab] FP32 tensors and the tied lm_head's gradient, the frozen
-            reference policy (loss.kl_coef > 0), the runtime; with trainer.nproc = N CPU ranks the
-            sharded state counts once, the runtime and the activations once a rank
-  engine    weights (none when shared), the KV cache, the runtime; once per CPU replica
-  sandboxes per episode in flight
-In mode=sync the rollout and the update do not overlap (sandboxes close before the update; a shared
-engine drops its KV cache for it): the peak is what is resident plus the larger phase, not their sum.
+processes (trainer, engine, sandboxes, term by term in `estimate`; GPU memory is not counted),
+compares it with what the machine can give (MemAvailable, and the room under this process's cgroup
+memory limits) and refuses in one line with the numbers when it does not fit, before any model
+loads. `memory_limit_gb` sets the budget instead; `memory_check=false` runs anyway. In mode=sync the
+rollout and the update do not overlap, so the peak is what is resident plus the larger phase.
+bench/main_job_memory.py measures how close the estimate comes (docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -134,7 +123,9 @@ def _in_flight(cfg) -> int:
 
 
 def estimate(cfg, layout, model_path: str, shared: bool) -> MemoryPlan:
-    """The plan for a TrainConfig `cfg` whose devices are `layout` (engine/handle.py's plan_layout)."""
+    """The plan for a TrainConfig `cfg` whose devices are `layout` (engine/handle.py's plan_layout), for
+    a model of P parameters. A CPU trainer's weights are shared with a colocated CPU engine (`shared`);
+    with trainer.nproc = N ranks the sharded state counts once, the runtime and activations once a rank."""
     mc = ModelConfig.from_pretrained(model_path)
     P, dtype = num_params(mc), DTYPES[layout.dtype]
     weights, plan = P * dtype.itemsize, MemoryPlan(num_params=P, overlap=cfg.mode == "async")
