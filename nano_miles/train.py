@@ -43,6 +43,7 @@ from nano_miles.config import ConfigError, add_config_arguments, config_from_arg
 from nano_miles.trainer.distributed import DistError
 from nano_miles.dtypes import TRAINABLE
 from nano_miles.rollout.dynamic_sampling import TrainRolloutConfig
+from nano_miles.engine.weights import NonFiniteWeights
 from nano_miles.engine.handle import EngineHandle, train_layout
 from nano_miles.evaluate import RunEvaluation
 from nano_miles.memory_plan import plan_memory, uses_shared_weights
@@ -379,7 +380,12 @@ class TrainingRun:
                 loop_started = time.monotonic()  # the ETA is the training steps' pace
             self.producer.start(self.start_step + 1)
             for step in range(self.start_step + 1, cfg.steps + 1):
-                metrics = self.step(step)
+                try:
+                    metrics = self.step(step)
+                except NonFiniteWeights as e:  # a training failure: neither skipped nor retried
+                    raise RunFailed(f"stopped at step {step}: {e}. The engines keep the weights they had; lower "
+                                    f"optim.lr (or find what diverged) and continue with --resume {self.run_dir} "
+                                    f"(from step {self.checkpointed + 1})") from None
                 evaluated = self.evaluation.after_step(step, self.engines, self.tokenizer, self.make_sandbox)
                 if self.evaluation.new_best(step, evaluated, self.run_dir / "best"):
                     export_best(self.trainer, self.model_path, self.run_dir / "best", self.run_dir / "checkpoint",

@@ -424,8 +424,12 @@ class Sandbox:
                    "argv": argv, "env": self._env(self.workspace, tmpdir)}
             init = initproc.Init(cfg, self.cgroup.leaf() if self.cgroup is not None else None, SAFE_PATH)
             try:
-                return _drain(init.proc, deadline, self.limits.output_bytes, init.stop, self._owned,
-                              self._disk_check([tmpdir]))
+                code, out, err, timed_out = _drain(init.proc, deadline, self.limits.output_bytes, init.stop,
+                                                   self._owned, self._disk_check([tmpdir]))
+                ended = init.ended()
+                if timed_out and ended is not None and ended[1] < deadline:  # only its leftovers' kill ran late
+                    code, timed_out = ended[0], False
+                return code, out, err, timed_out
             finally:
                 init.close()
         finally:

@@ -45,6 +45,7 @@ from nano_miles.trainer import dist_checkpoint
 from nano_miles.trainer.checkpoint import Checkpointer, load_checkpoint
 from nano_miles.config import to_toml
 from nano_miles.trainer.distributed import DistError, check_nproc, describe_failures, launch, leave, main_guard, run_rank
+from nano_miles.engine.weights import NonFiniteWeights
 from nano_miles.trainer.reference import ReferencePolicy
 from nano_miles.trainer.sharded import ShardedTrainer
 from nano_miles.telemetry import memory_gb
@@ -358,6 +359,8 @@ class Follower:
             self.trainer.train_step(batch, advantages, old_logprobs, ref_logprobs)
         except FloatingPointError:
             pass  # the gradient norm is global: rank 0 skips this update too, and says so
+        except NonFiniteWeights:
+            pass  # every rank found it (sharded_trainer's all-reduce): rank 0 stops the run and says why
 
     def on_freeze_reference(self):
         self.reference = ReferencePolicy(self.trainer)

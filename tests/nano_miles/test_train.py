@@ -121,6 +121,28 @@ def test_two_step_run_writes_the_run_directory_and_advances_the_engine(tmp_path)
         assert len(reply["output_ids"]) == 2
 
 
+def test_a_step_that_makes_the_weights_nan_stops_the_run_in_one_line(tmp_path):
+    """optim.lr=1e38: the first optimizer step overflows the weights to inf/NaN. The run stops at that
+    step with one line saying so, and the engine (served by somebody else) never got them. (Not with
+    sync.transport=shared, which `auto` picks here: its engine maps the trainer's own memory.)"""
+    model = resolve_model("tiny-random-qwen2")
+    with start_engine_process(str(model), dtype="float32") as engine:
+        client = EngineClient(engine.url)
+        served = client.weights_checksum()  # (with its weight_version)
+        run_dir = tmp_path / "run"
+        proc = _train(["--set", "steps=2", "--set", "optim.lr=1e38", "--set", f"run_dir={run_dir}",
+                       "--set", "sync.transport=distributed", "--engine-url", engine.url], api_key=engine.api_key)
+        out, _ = proc.communicate(timeout=240)
+        assert proc.returncode == 1, out
+        assert client.weights_checksum() == served
+        assert client.generate([1, 2, 3], {"max_new_tokens": 2})["output_ids"]
+    said = [line for line in out.splitlines() if line.startswith("nano-miles train:")]
+    assert len(said) == 1 and "Traceback" not in out, out
+    assert said[0].startswith("nano-miles train: stopped at step 1: optimizer step 1 left NaN or infinite values in ")
+    assert said[0].endswith(f"lower optim.lr (or find what diverged) and continue with --resume {run_dir} (from step 1)")
+    assert read_metrics(run_dir / "metrics.jsonl") == [] and not (run_dir / "final").exists()
+
+
 @pytest.fixture
 def traversable_tmp():
     """A temporary directory the sandboxes' uids can traverse to their workspaces (tmp_path's parents

@@ -164,8 +164,9 @@ def test_cancelled_twice_leaks_no_sandbox(engine_server, tok, private_tmp):
 
 class ScriptedPolicy:
     """A deterministic policy answering in SGLang's /generate reply format: each call 'samples' the
-    next scripted action as its token ids (log-prob -0.5 each). It is the model side of the test,
-    like the scripted solver in test_tasks.py; the env, the sandbox and the rollout are the real ones."""
+    next scripted action as its token ids (log-prob -0.5 each). It is the model side of the test, like
+    the scripted solver of tests/nano_miles/tasks/test_catalog.py; the env, the sandbox and the rollout
+    are the real ones."""
 
     def __init__(self, tok, actions):
         self.tok, self.actions, self.inputs, self.outputs, self.params = tok, list(actions), [], [], []

@@ -121,6 +121,11 @@ def test_a_module_by_dotted_name(tmp_path, monkeypatch):
         load_task_modules(["acme_tasks.nope"])
 
 
+def test_the_skills_set_under_its_old_flat_name_says_its_new_name():
+    with pytest.raises(ConfigError, match=r"^nano_miles.task_catalog_skills is now nano_miles.tasks.catalog_skills$"):
+        load_task_modules(["nano_miles.task_catalog_skills"])
+
+
 def broken_modules(tmp_path) -> dict[str, str]:
     """Each way a task module fails to load -> the one line that names it."""
     raises = write(tmp_path, "raises.py", """
@@ -196,8 +201,8 @@ def test_duplicate_ids_name_the_file_and_the_task_and_the_rest_loads(tmp_path):
             return TaskInstance("Answer 1.", ws.run("echo 1"), "int", solution=["echo 1"])
     """)
     assert load_task_modules([dup]) == [
-        f"{dup}: task 'sha256_string': duplicate id (already defined by nano_miles.tasks.catalog)"]
-    assert TASKS["sha256_string"].source == "nano_miles.tasks.catalog"   # the catalog's task is untouched
+        f"{dup}: task 'sha256_string': duplicate id (already defined by nano_miles.tasks.catalog.hashing)"]
+    assert TASKS["sha256_string"].source == "nano_miles.tasks.catalog.hashing"   # the catalog's task is untouched
     assert [t.id for t in select_tasks("mine")] == ["mine_ok"]
     copy = write(tmp_path, "copy.toml", open(EXAMPLE_TOML).read())
     assert load_task_modules([EXAMPLE_TOML, copy]) == [
