@@ -50,7 +50,7 @@ from nano_miles.evaluate import RunEvaluation
 from nano_miles.memory_plan import plan_memory, uses_shared_weights
 from nano_miles.rollout.producer import AsyncProducer, StepRollout, SyncProducer, TaskStream, roll_out_step, staleness
 from nano_miles.trainer.reference import ReferencePolicy
-from nano_miles.rollout_command import RolloutCommandConfig, model_folder, selected_tasks
+from nano_miles.job import RolloutCommandConfig, model_folder, selected_tasks
 from nano_miles.rollout.sandbox import check_sandbox, sandbox_factory
 from nano_miles.tasks import training_tasks
 from nano_miles.telemetry import (MetricsLog, check_report_to, memory_gb, parse_report_to, read_metrics, run_summary,
@@ -67,7 +67,7 @@ MODES = ("sync", "async")
 @dataclass
 class TrainConfig(RolloutCommandConfig):
     """The keys of `nano-miles train`: rollout's (model, tasks, seed, dtype, engine.*, rollout.*) and these."""
-    config_aliases: ClassVar[dict[str, str]] = {  # keys of earlier versions (run.toml files, --set, config.json)
+    renamed_keys: ClassVar[dict[str, str]] = {  # old key -> new: refused with a line naming the new one
         "engine_url": "engine.url", "engine_device": "engine.device",
         "engine_max_running_requests": "engine.max_running_requests",
         "engine_mem_fraction": "engine.kv_cache_memory_fraction",

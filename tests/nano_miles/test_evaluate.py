@@ -2,7 +2,7 @@
 (tiny-random-qwen2, real engine, real sandbox) writes eval columns into metrics.jsonl, TensorBoard
 and the PNG curves, and the evaluations never move the training data position.
 
-Task instances (`nano-miles eval --instances`, train's `eval_instances`): each task runs on several
+Task instances (`nano-miles eval --set instances=N`, train's `eval_instances`): each task runs on several
 seeded draws of its files and ground truth; pass@1 averages over all of them, pass@k over the
 per-instance estimators."""
 import json
@@ -145,9 +145,8 @@ def test_pass_at_1_averages_all_samples_and_pass_at_k_the_instances_estimators()
 
 
 def test_episodes_the_sandbox_or_engine_broke_are_left_out_and_said():
-    """An engine that ran out of memory on the device aborted 323 of 736 held-out episodes
-    (2026-12-02); scored as failures they took the base model from 0.144 to 0.094. Such episodes say
-    nothing about the model: they are left out of pass@k and counted in one line."""
+    """An engine that runs out of memory aborts episodes; scored as failures they would pull the model's
+    pass@k down. Such episodes say nothing about the model: they are left out and counted in one line."""
     tasks = select_tasks("kernel_name,md5_file")
     broken = Trajectory([1], [2], [-1.0], [True], reward_components={"infra_failures": 1, "error": "engine error: "
                         "OutOfMemoryError: CUDA out of memory"}, finish_reason="infra_error", task_id="kernel_name",
@@ -162,10 +161,10 @@ def test_episodes_the_sandbox_or_engine_broke_are_left_out_and_said():
 
 def test_eval_runs_every_task_on_its_instances_and_says_on_what(engine_server, tiny_model_path, tmp_path, capsys):
     out, results = tmp_path / "e.jsonl", tmp_path / "results.jsonl"
+    sets = ("instances=2", "seed=3", "rollout.env.max_turns=1", "rollout.max_new_tokens=8", "rollout.temperature=0.7")
     assert cli.main(["eval", "--model", str(tiny_model_path), "--engine-url", engine_server.url, "--tasks",
-                     "kernel_name,md5_file", "--instances", "2", "--samples", "2", "--seed", "3", "--max-turns", "1",
-                     "--max-new-tokens", "8", "--temperature", "0.7", "--out", str(out),
-                     "--results-jsonl", str(results)]) == 0
+                     "kernel_name,md5_file", "--samples", "2", *(a for kv in sets for a in ("--set", kv)),
+                     "--out", str(out), "--results-jsonl", str(results)]) == 0
     printed = capsys.readouterr().out
     assert f"{tiny_model_path} on kernel_name,md5_file: 2 tasks x 2 instances x 2 samples in " in printed
     assert "(seed 3, temperature 0.7)" in printed
@@ -183,7 +182,7 @@ def test_eval_runs_every_task_on_its_instances_and_says_on_what(engine_server, t
 
 
 def test_instances_below_one_are_one_line_and_exit_2(capsys):
-    assert cli.main(["eval", "--instances", "0"]) == 2
+    assert cli.main(["eval", "--set", "instances=0"]) == 2
     err = capsys.readouterr().err
     assert err == "nano-miles eval: instances must be >= 1, got 0\n"
     with pytest.raises(ValueError, match="eval_samples and eval_instances >= 1"):

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import tomllib
 from pathlib import Path
 
 import pytest
@@ -292,11 +291,10 @@ def _served_engine(layout) -> EngineConfig:
 
 def test_engine_keys_reach_the_engine_process():
     """train's engine.* keys are serve's: the layout passes the ones that differ from the engine's
-    defaults. On one shared GPU the KV share is 0.35 unless engine.kv_cache_memory_fraction (or its
-    old name engine_mem_fraction) says otherwise; on a GPU of its own the engine's default stands."""
-    for sets, fraction in (([], 0.35), (["engine.kv_cache_memory_fraction=0.3"], 0.3),
-                           (["engine_mem_fraction=0.25"], 0.25)):
-        cfg = load_config(TrainConfig, overrides=parse_set(sets), note=lambda _: None)
+    defaults. On one shared GPU the KV share is 0.35 unless engine.kv_cache_memory_fraction says
+    otherwise; on a GPU of its own the engine's default stands."""
+    for sets, fraction in (([], 0.35), (["engine.kv_cache_memory_fraction=0.3"], 0.3)):
+        cfg = load_config(TrainConfig, overrides=parse_set(sets))
         shared = plan_layout(cfg.dtype, cfg.engine, cfg.trainer_device, gpus=1)
         assert _served_engine(shared).kv_cache_memory_fraction == fraction
     own = plan_layout("auto", EngineLaunchConfig(), "auto", gpus=2)
@@ -329,30 +327,6 @@ def test_bad_command_lines_are_clear_errors(tmp_path):
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 2 and err.count("\n") == 1 and message in err, (args, err)
     assert not run_dir.exists()
-
-
-def test_old_key_names_still_work_and_say_their_new_name(tmp_path):
-    """run.toml files, --set lines and the config.json of earlier runs use the keys train had before
-    the trainer and the engine got sections of their own."""
-    def print_config(*args):
-        proc = subprocess.run([sys.executable, "-m", "nano_miles.cli", "train", *args, "--print-config"], cwd=REPO,
-                              capture_output=True, text=True, timeout=60)
-        assert proc.returncode == 0, proc.stderr
-        return tomllib.loads(proc.stdout), proc.stderr
-
-    cfg, err = print_config("--set", "micro_batch_size=2", "--set", "engine_mem_fraction=0.3",
-                            "--set", "engine_url=http://127.0.0.1:1")
-    assert cfg["trainer"]["micro_batch_size"] == 2 and cfg["engine"]["kv_cache_memory_fraction"] == 0.3
-    assert cfg["engine"]["url"] == "http://127.0.0.1:1" and "micro_batch_size" not in cfg
-    assert "config key 'micro_batch_size' is now 'trainer.micro_batch_size'" in err
-    # An earlier run's config.json resumes with its values, silently; this command line still wins.
-    run_dir = tmp_path / "old-run"
-    run_dir.mkdir()
-    (run_dir / "config.json").write_text(json.dumps({"model": "tiny-random-qwen2", "logprob_chunk": 64,
-                                                     "engine_device": "cpu", "rollout": {"group_size": 4}}))
-    cfg, err = print_config("--resume", str(run_dir), "--set", "rollout.group_size=2")
-    assert (cfg["trainer"]["logprob_chunk"], cfg["engine"]["device"], cfg["rollout"]["group_size"]) == (64, "cpu", 2)
-    assert err == ""
 
 
 def test_a_sandbox_below_min_tier_refuses_the_run_before_any_model_loads(tmp_path):

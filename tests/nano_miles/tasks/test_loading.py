@@ -387,8 +387,8 @@ def test_rollout_and_eval_take_tasks_modules(engine_server, tiny_model_path, tmp
     is one line on stderr and the run goes on with the rest."""
     broken = write(tmp_path, "broken.toml", "[[task]]\nid = 'half'\n")
     out = tmp_path / "r.jsonl"
-    common = ["--model", str(tiny_model_path), "--engine-url", engine_server.url, "--max-turns", "1",
-              "--max-new-tokens", "8", "--tasks-module", EXAMPLE_PY, "--tasks-module", broken]
+    common = ["--model", str(tiny_model_path), "--engine-url", engine_server.url, "--set", "rollout.env.max_turns=1",
+              "--set", "rollout.max_new_tokens=8", "--tasks-module", EXAMPLE_PY, "--tasks-module", broken]
     assert cli.main(["rollout", *common, "--tasks-module", EXAMPLE_TOML, "--tasks", "log_errors,inventory_total",
                      "--group-size", "2", "--out", str(out)]) == 0
     captured = capsys.readouterr()
