@@ -53,17 +53,17 @@ def test_the_disk_walk_measures_again_when_a_directory_moves_under_it(tmp_path, 
     tree, outside = _tree_with_neighbour(tmp_path)
     (outside / "big").write_bytes(b"x" * (1 << 20))  # counted only if the walk strayed into outside/
     b_ident = os.stat(tree / "a" / "b").st_ino
-    real_list = disk._list
+    real_list = disk.Meter._list
     moves = []
 
-    def list_then_the_command_moves_a(fd):
-        entries = real_list(fd)
+    def list_then_the_command_moves_a(self, dirs, d, fd, *args):
+        listed = real_list(self, dirs, d, fd, *args)
         if os.fstat(fd).st_ino == b_ident and not moves:  # once, while the walk is in tree/a/b
             os.rename(tree / "a", outside / "a")
             moves.append(1)
-        return entries
+        return listed
 
-    monkeypatch.setattr(disk, "_list", list_then_the_command_moves_a)
+    monkeypatch.setattr(disk.Meter, "_list", list_then_the_command_moves_a)
     used = disk.usage([str(tree)])
     assert moves == [1]
     assert used == 8 * disk.MIN_ENTRY_BYTES  # the second walk: tree/k0..k7, nothing of outside/
