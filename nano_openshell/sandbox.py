@@ -438,10 +438,16 @@ class Sandbox:
             self._remove_tmpdir(tmpdir, deadline)
 
     def _remove_tmpdir(self, tmpdir: str, deadline: float) -> None:
-        """A command's TMPDIR goes with it, and is no longer counted."""
+        """A command's TMPDIR goes with it: no longer counted, and removed until the deadline (it may
+        hold any number of files), the rest in the background."""
         with self._disk.lock:  # the command's passes are over (drain stopped them)
             self._disk.forget(tmpdir)
-        workspace_mod.rmtree(tmpdir)
+        try:
+            gone = time.monotonic() < deadline and workspace_mod.remove(tmpdir, deadline)
+        except OSError:
+            gone = False
+        if not gone:
+            workspace_mod.remove_later(tmpdir)
 
     def wait_ready(self, timeout: float = 10.0) -> bool:
         """Wait, running nothing, until the first command would not wait for the init's boot (the

@@ -152,6 +152,30 @@ def test_a_timeout_holds_whatever_the_workspace_holds(make_sandbox, fast_workspa
         assert (r.timed_out, r.exit_code) == ((True, -9) if outlives else (False, 0)), (command, timeout, took, r)
 
 
+def test_a_fallback_commands_tmpdir_is_removed_within_its_deadline(make_sandbox, fast_workspace, monkeypatch,
+                                                                    tier):
+    """The tiers without namespaces give each command a TMPDIR on the host, removed at its end: with
+    hundreds of thousands of files in it, a removal to the last file held the call up past its
+    timeout. It is removed until the deadline, the rest in the background."""
+    if tier == "namespaced":
+        pytest.skip("the namespaced tier's /tmp is a tmpfs of its own, not removed after each command")
+    monkeypatch.setattr(tempfile, "tempdir", os.path.dirname(fast_workspace))  # where TMPDIR is made: tmpfs
+    sb = make_sandbox()
+    making = ("python3 -I - <<'EOF'\nfor i in range(200_000):\n    open('f%d' % i, 'w').close()\n"
+              "    if i % 10_000 == 9_999: print(i + 1, flush=True)\nEOF\n")
+    t0 = time.monotonic()
+    r = sb.exec(f"echo {MARK}; cd \"$TMPDIR\" && {making} sleep 60", timeout=8)
+    took = time.monotonic() - t0
+    assert took <= 8 + DEADLINE_SLACK, (took, r)
+    assert r.timed_out and r.exit_code == -9, r
+    assert written(started(r)) >= 5, r.stdout  # 50,000 files at least were there to remove
+    end = time.monotonic() + 60  # the rest goes in the background
+    while workspace_mod.pending() and time.monotonic() < end:
+        time.sleep(0.05)
+    assert workspace_mod.pending() == 0
+    assert not [p for p in os.listdir(os.path.dirname(fast_workspace)) if p.startswith("nano-openshell-tmp")]
+
+
 SMALL_LIMIT = 100 * MIB  # 25,600 files of 100 bytes: a block each
 
 
