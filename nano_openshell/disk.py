@@ -26,8 +26,9 @@ output drain only reads the total, and never waits for a walk), from 50 ms into 
 ten times what the last pass took, shrinking with the room left under what is allowed (back to back
 at the limit, where a pause lets the most through), and once more when it ends, within its deadline.
 
-What it lets through: what a command writes between two passes, and, to files it had not been
-writing to, between two refresh cycles (a cycle takes longer the more files there are). A Sandbox
+What it lets through: what a command writes between two passes (a pass takes longer the more
+directories there are), and, to files it had not been writing to, between two refresh cycles (a
+cycle takes longer the more files there are). A Sandbox
 measures its files when it is made; a command is killed when they take more than the limit, or more
 than they took when it started if that was more (a sandbox left over the limit, or a large workspace
 the caller brought): it is killed for what it adds, so the one that frees the space runs. Files the
