@@ -49,10 +49,11 @@ MIN_ENTRY_BYTES = 4096  # an entry costs at least an inode and a block
 FIRST_CHECK_S = 0.05    # commands shorter than this are measured once, at their end
 MIN_INTERVAL_S = 0.02   # between two passes, and between two looks of the drain at the total
 SETTLE_S = 0.1          # the pass at a command's end may run this long past its deadline
-WALK_SHARE = 0.1        # this share of the time goes into passes (more as the files near the limit), as much into refreshes
+WALK_SHARE = 0.1        # this share of the time goes into passes (more near the limit), as much into refreshes
 WATCH_S = 2.0           # a file seen growing is looked at on every pass until it stops for this long
 FRESH_NS = 250_000_000  # an mtime this recent is not trusted: timestamps tick coarsely
 CHECK_EVERY = 256       # entries between two looks at whether to stop
+MAX_MOVES = 3           # passes in a row cut short by moving directories before the check gives up
 
 
 def usage(roots: list[str]) -> int:
@@ -96,14 +97,19 @@ class Meter:
         self._cycle_cost = 0.0         # the time its passes took
         self._next_cycle = -math.inf   # when the next one is due
         self.pass_cost = 0.0           # what the last pass outside a refresh cycle took
+        self.moves = 0                 # passes in a row cut short by a directory moving under them
 
     def settle(self, roots: list[str]) -> None:
         """Measure until one whole pass, a refresh of every entry, is done (no deadline)."""
         self._next_cycle = -math.inf
-        for _ in range(3):
-            if self.measure(roots, lambda: False) and self._cycle is None:
-                return
-        raise OSError(errno.ESTALE, "the sandbox's directories kept moving while they were measured")
+        while not (self.measure(roots, lambda: False) and self._cycle is None):
+            self.check_moves()
+
+    def check_moves(self) -> None:
+        """OSError once MAX_MOVES passes in a row were cut short by directories moving under them: a
+        command moving them all the time would keep the rest of its tree from being looked at."""
+        if self.moves >= MAX_MOVES:
+            raise OSError(errno.ESTALE, "the sandbox's directories kept moving while they were measured")
 
     def forget(self, root: str) -> None:
         for d in self._trees.pop(root, {}).values():
@@ -117,10 +123,16 @@ class Meter:
             self._cycle, self._cycle_cost = started, 0.0
         cycle = self._cycle
         complete = True
-        for root in roots:
-            if not self._measure_root(root, stop):
-                complete = False
-                break
+        try:
+            for root in roots:
+                if not self._measure_root(root, stop):
+                    complete = False
+                    break
+        except Moved:  # a directory moved to another parent while we were in it: what was seen is kept
+            complete = False
+            self.moves += 1
+        else:
+            self.moves = 0 if complete else self.moves
         if cycle is None:
             self.pass_cost = time.monotonic() - started
         else:
@@ -141,8 +153,6 @@ class Meter:
         try:
             if not walk(fd, lambda d: self._visit(dirs, d, stop), _enter, _leave):
                 return False
-        except Moved:
-            return False  # a directory moved to another parent while we were in it: the next pass
         finally:
             os.close(fd)
         for ident in [i for i in dirs if i not in self._visited]:  # gone, or no longer reachable
@@ -297,6 +307,7 @@ class DiskCheck:
             with self.meter.lock:
                 try:
                     self.meter.measure(self.roots, self._stop.is_set)
+                    self.meter.check_moves()
                 except Exception as e:  # EACCES on a directory that is not ours, EMFILE...: no check, so killed
                     self._failed = f"the sandbox's files cannot be measured ({getattr(e, 'strerror', None) or e})"
                     return
