@@ -93,6 +93,7 @@ class Meter:
         self.total = 0
         self._trees: dict[str, dict[tuple[int, int], _Dir]] = {}  # root -> directory (dev, ino) -> _Dir
         self._visited: set[tuple[int, int]] = set()               # this pass's directories, of one root
+        self._cut = False                                         # this pass was told to stop
         self._cycle = None             # when the refresh cycle under way began (None: none is)
         self._cycle_cost = 0.0         # the time its passes took
         self._next_cycle = -math.inf   # when the next one is due
@@ -149,20 +150,23 @@ class Meter:
             self.forget(root)
             return True
         dirs = self._trees.setdefault(root, {})
-        self._visited = set()
+        self._visited, self._cut = set(), False
         try:
-            if not walk(fd, lambda d: self._visit(dirs, d, stop), _enter, _leave):
-                return False
+            walk(fd, lambda d: self._visit(dirs, d, stop), self._enter, _leave)
         finally:
             os.close(fd)
+        if self._cut:
+            return False
         for ident in [i for i in dirs if i not in self._visited]:  # gone, or no longer reachable
             self.total -= dirs.pop(ident).total
         return True
 
-    def _visit(self, dirs: dict, fd: int, stop) -> list | None:
-        """The walk's listing: this directory brought up to date; its subdirectories (None: stop)."""
-        if stop():
-            return None
+    def _visit(self, dirs: dict, fd: int, stop) -> list:
+        """The walk's listing: this directory brought up to date; its subdirectories. Stopping, none:
+        the walk goes back up to the root, and each directory opened up for it gets its mode back."""
+        if self._cut or stop():
+            self._cut = True
+            return []
         fresh_after = time.time_ns() - FRESH_NS
         st = os.fstat(fd)
         ident = (st.st_dev, st.st_ino)
@@ -173,8 +177,8 @@ class Meter:
         refresh = self._cycle is not None and d.refreshed < self._cycle
         if refresh or d.mtime != st.st_mtime_ns:
             if not self._list(dirs, d, fd, refresh, stop):
-                d.mtime = None
-                return None
+                d.mtime, self._cut = None, True
+                return []
             d.mtime = st.st_mtime_ns if st.st_mtime_ns < fresh_after else None
         else:  # the same entries as last time: only those being watched are looked at
             now = time.monotonic()
@@ -252,23 +256,25 @@ class Meter:
             self.total -= gone.total
             stack.extend(gone.subdirs.values())
 
+    def _enter(self, name: str, ident, parent: int):
+        """The walk's enter: the subdirectory listed as ident, opened (None: passed over)."""
+        if self._cut:
+            return None  # on the way back up: the directories left are not entered
+        try:
+            return open_subdir(name, parent, expect=ident)
+        except (FileNotFoundError, NotADirectoryError, PermissionError, Replaced):
+            return None  # gone, replaced since it was listed, or not ours
+        except OSError as e:
+            if e.errno != errno.ELOOP:  # a link now, where the listing had a directory
+                raise
+            return None
+
 
 def _bytes(st: os.stat_result) -> int:
     held = st.st_blocks * 512
     if st.st_nlink > 1 and not stat.S_ISDIR(st.st_mode):
         held //= st.st_nlink  # a hard-linked inode counts once over all its links, wherever they are listed
     return max(held, MIN_ENTRY_BYTES)
-
-
-def _enter(name: str, ident, parent: int):
-    try:
-        return open_subdir(name, parent, expect=ident)
-    except (FileNotFoundError, NotADirectoryError, PermissionError, Replaced):
-        return None  # gone, replaced since it was listed, or not ours
-    except OSError as e:
-        if e.errno != errno.ELOOP:  # a link now, where the listing had a directory
-            raise
-        return None
 
 
 def _leave(_parent: int, _name: str, d: int, mode) -> None:

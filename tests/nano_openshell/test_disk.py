@@ -71,6 +71,30 @@ def test_files_in_a_directory_closed_to_its_owner_are_counted(make_sandbox):
     assert stat.S_IMODE(os.lstat(hidden).st_mode) == 0  # the walk gave the directory its mode back
 
 
+def test_a_pass_stopped_inside_a_closed_directory_gives_it_its_mode_back(tmp_path):
+    """A command's passes are stopped where they are (at its end, at the deadline): one stopped in a
+    directory it had to open up (mode 000, as a supervisor that is not root must) goes back up
+    through it, and gives it its mode back, as a whole pass does."""
+    from nano_openshell.disk import Meter
+
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()
+    (hidden / "f").write_bytes(b"x")
+    os.chmod(hidden, 0)
+    looks = []
+
+    def stop_in_hidden() -> bool:  # asked at each directory: the root first, then hidden
+        looks.append(1)
+        return len(looks) > 1
+
+    try:
+        assert Meter().measure([str(tmp_path)], stop_in_hidden) is False
+        assert len(looks) == 2  # it did reach hidden
+        assert stat.S_IMODE(os.lstat(hidden).st_mode) == 0
+    finally:
+        os.chmod(hidden, 0o700)
+
+
 def test_tmpdir_is_bounded_too(make_sandbox):
     """The namespaced tier's TMPDIR is its own tmpfs of Limits.tmp_bytes (the write fails there); the
     other tiers' is on the host, and counted against disk_bytes (the command is killed)."""
