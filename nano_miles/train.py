@@ -16,10 +16,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import signal
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -27,9 +25,10 @@ import torch
 
 from nano_miles.config import ConfigError, add_config_arguments, config_from_args, to_toml
 from nano_miles.engine.client import EngineUnavailable
+from nano_miles.engine.weights import NonFiniteWeights
 from nano_miles.telemetry import memory_gb, read_metrics, run_summary, step_metrics
 from nano_miles.train_setup import Run, RunFailed, Stopped, TrainConfig, check_world
-from nano_miles.trainer.checkpoint import export_best, export_model
+from nano_miles.trainer.checkpoint import CheckpointError, check_resumable, checkpoint_folder, export_best, export_model
 from nano_miles.trainer.distributed import (DistError, check_nproc, is_collective_failure, launch_ranks, main_guard,
                                             rank_device_type, rank_env, run_rank)
 from nano_miles.trainer.update import policy_update
@@ -44,7 +43,12 @@ class TrainingRun(Run):
             try:
                 loop_started = self.begin()
                 for step in range(self.start_step + 1, cfg.steps + 1):
-                    metrics = self.step(step)  # rollout, filter, update, weight sync
+                    try:
+                        metrics = self.step(step)  # rollout, filter, update, weight sync
+                    except NonFiniteWeights as e:  # a training failure: neither skipped nor retried
+                        raise RunFailed(f"stopped at step {step}: {e}. The engines keep the weights they had; lower "
+                                        f"optim.lr (or find what diverged) and continue with --resume {self.run_dir} "
+                                        f"(from step {self.checkpointed + 1})") from None
                     if self.lead:  # rank 0: the evaluation, the metrics row, what every rank does next
                         metrics.update(self.evaluation.after_step(step, self.engines, self.tokenizer, self.make_sandbox))
                         metrics.update(self.timing(step, loop_started))
@@ -58,6 +62,7 @@ class TrainingRun(Run):
                         self.checkpoint(plan["checkpoint"])
                     self.mid_step = False
                     if plan["failed"]:
+                        together = True
                         raise RunFailed(plan["failed"])
                     if plan["stop"]:
                         raise Stopped
@@ -69,7 +74,7 @@ class TrainingRun(Run):
             except (KeyboardInterrupt, RunFailed) as e:
                 # Rank 0's decisions reach every rank; a second Ctrl-C mid-step is rank 0's alone, and
                 # the older checkpoint stands (steps are atomic).
-                together = isinstance(e, (Stopped, RunFailed)) or (self.world == 1 and not self.mid_step)
+                together = together or isinstance(e, Stopped) or (self.world == 1 and not self.mid_step)
                 if isinstance(e, KeyboardInterrupt):
                     if completed > self.checkpointed and together:
                         self.checkpoint(completed, background=False)
@@ -131,21 +136,6 @@ class TrainingRun(Run):
         return {"best": best, "checkpoint": step if due else None, "failed": None,
                 "stop": self.stop_requested and step < self.cfg.steps}
 
-    def begin(self) -> float:
-        """Rank 0: a fresh run's evaluation of the base policy (step 0, measured as every later one is),
-        then the first rollouts. Returns when the training steps' pace starts (the ETA's)."""
-        if self.lead and self.start_step == 0:
-            self.interruptible = True
-            try:
-                self.log.log_eval(self.evaluation.after_step(0, self.engines, self.tokenizer, self.make_sandbox))
-            except KeyboardInterrupt:
-                self.stop_requested = True  # the first rollout tells every rank
-            finally:
-                self.interruptible = False
-        if self.lead:
-            self.producer.start(self.start_step + 1)
-        return time.monotonic()
-
     def timing(self, step: int, loop_started: float) -> dict:
         """The whole run's elapsed time so far and the remaining steps' estimate (this process's pace)."""
         now = time.monotonic()
@@ -164,62 +154,66 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    saved = None
-    if args.resume:
-        config_json = Path(args.resume) / "config.json"
-        if not config_json.is_file():
-            raise ConfigError(f"--resume {args.resume}: not a run directory (no config.json)")
-        saved = json.loads(config_json.read_text())  # the run's own config, then what this command line sets
-    cfg = config_from_args(TrainConfig, args, base=saved)
+    cfg = train_config(args)
     if args.print_config:
         print(to_toml(cfg), end="")
         return 0
     world = rank_env()
+    if args.resume and (world is None or world[0] == 0) and (ckpt := checkpoint_folder(Path(args.resume))):
+        check_resumable(ckpt)  # a checkpoint that cannot be resumed: one line, before any model loads
     try:
-        if world is not None and world[1] > 1:  # one of N ranks (torchrun, or start_ranks below)
+        if world is not None and world[1] > 1:  # one of N ranks (torchrun's, or launch_ranks' below)
             check_world(cfg, world[1])
-            return main_guard(lambda: run_rank(_rank_main, cfg, args.resume, device_type=rank_device_type(
+            return main_guard(lambda: run_rank(_train, cfg, args.resume, device_type=rank_device_type(
                 cfg.trainer_device), timeout_s=cfg.trainer.dist_timeout_s))()
-        if cfg.trainer.nproc > 1 and world is None:
-            check_nproc(cfg.trainer.nproc, rank_device_type(cfg.trainer_device))
-            return start_ranks(cfg, args.resume)
+        if cfg.trainer.nproc > 1 and world is None:  # N ranks of this host, as torchrun would start them
+            device_type = rank_device_type(cfg.trainer_device)
+            check_nproc(cfg.trainer.nproc, device_type)
+            if not args.resume and not cfg.run_dir:  # every rank writes into the same run directory
+                cfg = dataclasses.replace(cfg, run_dir=str(Path("runs") / time.strftime("%Y%m%d-%H%M%S", time.gmtime())))
+            print(f"starting {cfg.trainer.nproc} trainer ranks ({device_type}) ...")
+            return launch_ranks(cfg.trainer.nproc, device_type, "nano_miles.train", to_toml(cfg),
+                                ["--resume", args.resume] if args.resume else [])
     except (DistError, ValueError) as e:  # more ranks than GPUs, a setting ranks cannot do yet
         raise ConfigError(str(e)) from None
-    return _train(cfg, args.resume)
+    return _train(None, cfg, args.resume)
 
 
-def start_ranks(cfg: TrainConfig, resume_dir: str | None) -> int:
-    """`nano-miles train --set trainer.nproc=N`: N ranks on this host, each `python -m nano_miles.train`
-    with this resolved config, as torchrun would start them; returns the run's exit code."""
-    if not resume_dir and not cfg.run_dir:  # every rank must write into the same run directory
-        cfg = dataclasses.replace(cfg, run_dir=str(Path("runs") / time.strftime("%Y%m%d-%H%M%S", time.gmtime())))
-    fd, config_path = tempfile.mkstemp(prefix="nano-miles-train-", suffix=".toml")
-    with os.fdopen(fd, "w") as f:
-        f.write(to_toml(cfg))
-    device_type = rank_device_type(cfg.trainer_device)
-    print(f"starting {cfg.trainer.nproc} trainer ranks ({device_type}) ...")
-    try:
-        argv = ["-m", "nano_miles.train", "--config", config_path, *(["--resume", resume_dir] if resume_dir else [])]
-        return launch_ranks(cfg.trainer.nproc, argv, device_type)
-    finally:
-        os.unlink(config_path)
+def train_config(args) -> TrainConfig:
+    """The command line's config; with --resume, on the run's own config.json less its tasks modules (code
+    this host would run, which a run directory is not trusted to ask for: the command line must name them)."""
+    saved, modules, config_json = None, [], Path(args.resume or ".") / "config.json"
+    if args.resume:
+        if not config_json.is_file():
+            raise ConfigError(f"--resume {args.resume}: not a run directory (no config.json)")
+        try:
+            saved = json.loads(config_json.read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise ConfigError(f"{config_json} cannot be read: {type(e).__name__}: {e}") from None
+        if not isinstance(saved, dict):
+            raise ConfigError(f"{config_json} is not a run's config: a JSON {type(saved).__name__}")
+        modules = saved.pop("tasks_module", None) or []
+        modules = [str(m) for m in (modules if isinstance(modules, list) else [modules])]
+    cfg = config_from_args(TrainConfig, args, base=saved)
+    if unconfirmed := [m for m in modules if m not in cfg.tasks_module]:
+        raise ConfigError(f"--resume {args.resume}: its config.json loads tasks_module {', '.join(unconfirmed)}, "
+                          "code this host would run, which a run directory is not trusted to ask for: "
+                          f"--set tasks_module={','.join(modules)} resumes with it")
+    return cfg
 
 
-def _rank_main(env, cfg: TrainConfig, resume_dir: str | None) -> int:
-    if env.rank:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's: it tells the others
-    return _train(cfg, resume_dir, env)
 
-
-def _train(cfg: TrainConfig, resume_dir: str | None, env=None) -> int:
+def _train(env, cfg: TrainConfig, resume_dir: str | None) -> int:
     """The run's exit code. With N ranks rank 0 says how the run ended and the others end with it
-    quietly; a failure of their own is raised, for run_rank to name the rank."""
+    quietly (a failure of their own is raised, for run_rank to name the rank)."""
     lead = env is None or env.rank == 0
+    if not lead:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's: it tells the others
     try:
         TrainingRun(cfg, resume_dir, env=env).run()
     except KeyboardInterrupt:
         return 130 if lead else 0
-    except ConfigError as e:  # a refusal before anything started (sandbox, reporters, tasks)
+    except (ConfigError, CheckpointError) as e:  # a refusal before anything started
         if not lead:
             raise
         print(f"nano-miles train: {e}", file=sys.stderr)
@@ -240,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return run(args)
-    except ConfigError as e:
+    except (ConfigError, CheckpointError) as e:
         print(f"nano-miles train: {e}", file=sys.stderr)
         return 2
 

@@ -1,10 +1,10 @@
 """What a training run is made of, and what its loop (nano_miles/train.py) asks of it.
 
-`TrainConfig` holds the keys of `nano-miles train`. `Run` builds the trainer on every rank and, on
-rank 0 alone, the engines, the weight sync, the task stream, the metrics and the evaluation. Rank 0
-decides; `share` hands its decisions to the other ranks at fixed points, so that every rank reaches the
-same collectives. Rank 0 restarts engines that die and re-syncs them; a step whose rollout lost every
-engine is retried with the same tasks and seeds.
+`TrainConfig` holds the keys of `nano-miles train`.
+`Run` builds the trainer on every rank and, on rank 0 alone, the engines, the weight sync, the task
+stream, the metrics and the evaluation. Rank 0 decides; `share` hands its decisions to the other ranks
+at fixed points, so that every rank reaches the same collectives. Rank 0 restarts engines that die and
+re-syncs them; a step whose rollout lost every engine is retried with the same tasks and seeds.
 """
 from __future__ import annotations
 
@@ -31,24 +31,24 @@ from nano_miles.engine.client import EngineUnavailable
 from nano_miles.engine.handle import Layout, plan_layout
 from nano_miles.engine.pool import EnginePool
 from nano_miles.evaluate import RunEvaluation
+from nano_miles.job import RolloutCommandConfig, model_folder, selected_tasks
 from nano_miles.memory_plan import plan_memory, uses_shared_weights
 from nano_miles.rollout.dynamic_sampling import TrainRolloutConfig
 from nano_miles.rollout.producer import AsyncProducer, SyncProducer, TaskStream, roll_out_step, staleness
 from nano_miles.rollout.sandbox import check_sandbox, sandbox_factory
-from nano_miles.rollout_command import RolloutCommandConfig, model_folder, selected_tasks
 from nano_miles.tasks import training_tasks
 from nano_miles.telemetry import MetricsLog, check_report_to, parse_report_to
-from nano_miles.trainer.checkpoint import Checkpointer, disk_line, load_checkpoint, read_checkpoint_state
+from nano_miles.trainer.checkpoint import Checkpointer, check_resumable, checkpoint_folder, disk_line, load_checkpoint
 from nano_miles.trainer.config import OptimConfig, TrainerConfig
+from nano_miles.trainer.distributed import gather_to_rank0, share_from_rank0
 from nano_miles.trainer.loss import AdvantageConfig, LossConfig
 from nano_miles.trainer.reference import ReferencePolicy
 from nano_miles.trainer.trainer import Trainer
 from nano_miles.trainer.weight_sync import SyncConfig, WeightSync, WeightSyncError
 
 MODES = ("sync", "async")
-# Ranks > 0 wait on this group for rank 0's rollouts, evaluations and engine restarts, which no
-# collective timeout can bound: it waits a day. Should rank 0 die, the elastic agent (torchrun's, or
-# launch_ranks') stops every rank when one exits, so nobody waits on a dead rank 0.
+# Ranks > 0 wait on it for rank 0's rollouts, evaluations and engine restarts, which no collective timeout
+# can bound. Should rank 0 die, the elastic agent (torchrun's, launch_ranks') stops every rank at once.
 CONTROL_TIMEOUT = timedelta(days=1)
 SYNC_ERRORS = (EngineUnavailable, WeightSyncError, ConnectionError)
 
@@ -56,7 +56,7 @@ SYNC_ERRORS = (EngineUnavailable, WeightSyncError, ConnectionError)
 @dataclass
 class TrainConfig(RolloutCommandConfig):
     """The keys of `nano-miles train`: rollout's (model, tasks, seed, dtype, engine.*, rollout.*) and these."""
-    config_aliases: ClassVar[dict[str, str]] = {  # keys of earlier versions (run.toml files, --set, config.json)
+    renamed_keys: ClassVar[dict[str, str]] = {  # old key -> new: refused with a line naming the new one
         "engine_url": "engine.url", "engine_device": "engine.device",
         "engine_max_running_requests": "engine.max_running_requests",
         "engine_mem_fraction": "engine.kv_cache_memory_fraction",
@@ -149,8 +149,8 @@ def check_world(cfg: TrainConfig, world_size: int) -> None:
 
 
 def train_layout(cfg: TrainConfig, env=None) -> Layout:
-    """plan_layout for a training run (env: rank 0's DistEnv: N ranks take this host's first GPUs);
-    true_on_policy turns the engines' side on too (engine.url's must run `serve --true-on-policy`)."""
+    """plan_layout for a training run (N ranks take this host's first GPUs); true_on_policy turns the
+    engines' side on too (engine.url's must run `serve --true-on-policy`)."""
     if env is None:
         layout = plan_layout(cfg.dtype, cfg.engine, cfg.trainer_device)
     else:
@@ -162,8 +162,8 @@ def train_layout(cfg: TrainConfig, env=None) -> Layout:
 
 
 class Run:
-    """One run directory. `lead`: this is rank 0 (or the one process); env: this rank's DistEnv when the
-    trainer has N ranks; make_sandbox: what makes an episode's sandbox (default: sandbox.min_tier's)."""
+    """One run directory. lead: rank 0 (or the one process); env: this rank's DistEnv with N ranks;
+    make_sandbox: what makes an episode's sandbox (default: sandbox.min_tier's)."""
 
     def __init__(self, cfg: TrainConfig, resume_dir: str | None = None, echo=print, make_sandbox=None, env=None):
         self.cfg, self.env, self.started = cfg, env, time.monotonic()
@@ -175,7 +175,7 @@ class Run:
         self.interruptible = False   # rank 0 waits for a rollout (or the base policy's evaluation)
         self.stop_requested = False  # Ctrl-C mid-step: stop once the step is done
         self.syncer = self.engines = None
-        self.lost = 0                # rank 0: steps in a row that lost every episode to the infrastructure
+        self.lost = 0                # steps in a row that lost every episode to the infrastructure
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         if self.lead:
@@ -190,9 +190,8 @@ class Run:
             raise
 
     def _prepare(self, resume_dir: str | None, make_sandbox) -> None:
-        """Rank 0. Whatever can refuse the run does so before a model loads or a directory is written
-        (tasks, sandbox, reporters, memory); the engines start before the trainer, so that on a shared
-        GPU they size their KV caches first."""
+        """Rank 0. Whatever can refuse the run does so before a model loads or a directory is written; the
+        engines start before the trainer, so that on a shared GPU they size their KV caches first."""
         cfg, echo = self.cfg, self.echo
         self.tasks = selected_tasks("train", cfg.tasks, cfg.tasks_module, select=training_tasks)
         self.evaluation = RunEvaluation(cfg, echo)
@@ -226,7 +225,8 @@ class Run:
         if self.lead and self.world > 1:
             self.trainer.on_gather = lambda *args: self.share(("gather", *args))  # see sync
         self.reference = ReferencePolicy(self.trainer) if cfg.loss.kl_coef > 0 else None  # before any resume
-        state = self.share(read_checkpoint_state(self.run_dir) if self.lead and resume_dir else None)
+        ckpt = checkpoint_folder(self.run_dir) if self.lead and resume_dir else None
+        state = self.share(check_resumable(ckpt) if ckpt is not None else None)
         if state is not None:
             load_checkpoint(self.run_dir, self.trainer, self.echo, state)
             self.echo(f"resumed from {self.run_dir}/checkpoint after step {state['step']}")
@@ -250,23 +250,12 @@ class Run:
             self.sync(self.start_step)
 
     def share(self, obj):
-        """Rank 0's `obj` on every rank (the others pass None): a broadcast on the control group."""
-        if self.world == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.control)
-        return box[0]
+        return share_from_rank0(obj, self.control)  # rank 0's obj on every rank (the others pass None)
 
     def gather(self, obj) -> list | None:
-        """Every rank's `obj`, in rank order, on rank 0 (None on the others)."""
-        if self.world == 1:
-            return [obj]
-        out = [None] * self.world if self.lead else None
-        dist.gather_object(obj, out, dst=0, group=self.control)
-        return out
+        return gather_to_rank0(obj, self.control)  # every rank's obj on rank 0 (None on the others)
 
-    def _connect(self) -> None:
-        """A weight sync to every replica that is up (after a restart, a new one: a new group)."""
+    def _connect(self) -> None:  # a weight sync to every replica that is up (after a restart: a new group)
         if self.syncer is not None:
             self.syncer.close()
         self.syncer = None
@@ -278,8 +267,7 @@ class Run:
                                              allow_shared=self.cfg.mode == "sync")
 
     def _recover(self, err: Exception, attempt: int, what: str) -> None:
-        """Restart the replicas that are dead (ours; theirs are left out until they answer again) and
-        reconnect the weight sync to the ones that are up."""
+        """Restart the dead replicas (ours; theirs are left out until they answer) and reconnect the sync."""
         if attempt > self.cfg.max_engine_restarts:
             raise RuntimeError(f"{what}: the engines are still failing after {attempt - 1} restarts: {err}") from err
         self.echo(f"{what}: engine unavailable ({err}); restarting it and re-syncing the weights")
@@ -293,9 +281,8 @@ class Run:
                              cfg.seed, desc, sandbox_factory=self.make_sandbox)
 
     def collect(self, step: int):
-        """What step `step` trains on: (rollout, staleness, kept trajectories, skip reason), the first two
-        rank 0's (None elsewhere). A dead replica's episodes move to the others while it restarts; with
-        none left the step is retried (same tasks and seeds) after a restart and a weight sync."""
+        """(rollout, staleness, kept trajectories, skip reason) of `step`, the first two rank 0's. A dead
+        replica's episodes move to the others; with none left, a restart, a sync, the same tasks again."""
         attempt = 0
         while True:
             message = None
@@ -331,9 +318,8 @@ class Run:
                 self.producer.restart(step)
 
     def sync(self, step: int) -> dict | None:
-        """The trainer's weights to the engines; rank 0's result (None elsewhere). Rank 0 sends (restarting
-        engines that died first); the others join each gather rank 0 announces as it starts
-        (Trainer.on_gather: a sync failing before it reads the weights announces none) until it is done."""
+        """The weights to the engines; rank 0's result. Rank 0 sends (restarting engines that died first);
+        the others join each gather it announces as it starts (Trainer.on_gather) until it is done."""
         if not self.lead:
             while (message := self.share(None))[0] == "gather":
                 for _ in self.trainer.iter_full_weights(*message[1:]):
@@ -352,6 +338,21 @@ class Run:
                 attempt += 1
                 self._recover(e, attempt, f"step {step} weight sync")
 
+    def begin(self) -> float:
+        """Rank 0: a fresh run's evaluation of the base policy (step 0, as every later one), then the
+        first rollouts. Returns when the training steps' pace starts (the ETA's)."""
+        if self.lead and self.start_step == 0:
+            self.interruptible = True
+            try:
+                self.log.log_eval(self.evaluation.after_step(0, self.engines, self.tokenizer, self.make_sandbox))
+            except KeyboardInterrupt:
+                self.stop_requested = True  # the first rollout tells every rank
+            finally:
+                self.interruptible = False
+        if self.lead:
+            self.producer.start(self.start_step + 1)
+        return time.monotonic()
+
     def checkpoint(self, step: int, background: bool = True) -> None:
         """The trainer's state after `step`; rank 0 adds the run's (data position, weight version)."""
         state = {"step": step}
@@ -363,8 +364,8 @@ class Run:
 
     @contextmanager
     def stop_signals(self):
-        """Rank 0 takes Ctrl-C (one process: SIGTERM too) as _on_stop says. With N ranks SIGTERM is the
-        launcher stopping every rank because one failed: no step can finish then."""
+        """Rank 0 takes Ctrl-C (one process: SIGTERM too); with N ranks SIGTERM is the launcher stopping
+        them all because one failed, when no step can finish."""
         ours = (signal.SIGINT, signal.SIGTERM) if self.world == 1 else (signal.SIGINT,)
         main = threading.current_thread() is threading.main_thread()
         previous = {s: signal.signal(s, self._on_stop) for s in ours} if main and self.lead else {}
@@ -383,8 +384,7 @@ class Run:
         what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         self.echo(f"{what}: stopping after this step's update and weight sync ({what} again: stop now)")
 
-    def close(self, together: bool) -> None:
-        """together: every rank ends here at once; else, with N ranks, no collective is waited for."""
+    def close(self, together: bool) -> None:  # together: every rank ends here at once (else no collective waits)
         if self.world == 1 or together:
             try:
                 self.trainer.wait_for_save()  # a checkpoint still being written is finished, not cut off

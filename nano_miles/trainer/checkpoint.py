@@ -1,10 +1,12 @@
 """Run checkpoints (trainer state, RNG, data position) and the exported policy (final/, best/).
 
 One process's checkpoint/ holds model.safetensors (the FP32 masters by HF name: what final/ exports,
-so a finished run's final/model.safetensors is a hard link to it), optimizer.pt (AdamW's state) and
-state.json (step, data position, weight version, RNG states, the trainer's step and dtype). N ranks'
-is a DCP folder (dist_checkpoint.py) with rank 0's state.json beside it. Either loads into any number
-of ranks. With N ranks every function here is collective: every rank calls it.
+so a finished run's final/model.safetensors is a hard link to it), config.json and the tokenizer's
+files (so checkpoint/ is a model folder too: `eval --model RUN/checkpoint` of a run that never ended),
+optimizer.pt (AdamW's state) and state.json (step, data position, weight version, RNG states, the
+trainer's step and dtype). N ranks' is a DCP folder (dist_checkpoint.py) with rank 0's state.json
+beside it. Either loads into any number of ranks, its files read back as checkpoint_files.py checks
+them (nothing unpickled). With N ranks every function here is collective: every rank calls it.
 
 A checkpoint is written whole under checkpoint.tmp/ and renamed into place, so a run killed at any
 moment leaves the previous checkpoint or the new one, never half of one. It is written in the
@@ -17,6 +19,7 @@ keep_optimizer_state: resuming it restarts AdamW's moments from zero, and says s
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -31,8 +34,8 @@ import torch.distributed as dist
 from transformers import AutoTokenizer
 
 from nano_miles.trainer import dist_checkpoint
-
-FORMAT = 2  # 1: a single trainer.pt (still read)
+from nano_miles.trainer.checkpoint_files import CheckpointError  # noqa: F401 (imported from here too)
+from nano_miles.trainer.checkpoint_files import FORMAT, check_resumable, checkpoint_folder, restore_rng
 _WRITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")  # one process's writes
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
               torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
@@ -144,6 +147,7 @@ def save_checkpoint(run_dir: Path, trainer, state: dict, background: bool = Fals
             tmp.mkdir(parents=True)
             try:
                 write_safetensors(tmp / "model.safetensors", masters)
+                write_model_files(trainer.model.config, trainer.cfg.model, tmp)  # `eval --model RUN/checkpoint`
                 if optimizer_state is not None:
                     torch.save(optimizer_state, tmp / "optimizer.pt")
                 (tmp / "state.json").write_text(json.dumps(state))
@@ -219,46 +223,26 @@ def _replace(tmp: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def read_checkpoint_state(run_dir: Path) -> dict | None:
-    """run_dir/checkpoint's state.json, or None when there is no checkpoint yet; a checkpoint.old that a
-    kill between the two renames of a save left is taken back first. (With N ranks, rank 0's to call.)"""
-    ckpt, old = Path(run_dir) / "checkpoint", Path(run_dir) / "checkpoint.old"
-    if not (ckpt / "state.json").exists():
-        if not (old / "state.json").exists():
-            return None
-        old.rename(ckpt)
-    return json.loads((ckpt / "state.json").read_text())
-
-
 def load_checkpoint(run_dir: Path, trainer, echo=print, state: dict | None = None) -> dict | None:
     """Restore the trainer and the RNG from run_dir/checkpoint, whichever number of ranks wrote it;
-    returns its state.json (`state`: read already, by rank 0), or None when there is none."""
-    state = read_checkpoint_state(run_dir) if state is None else state
+    returns its state.json (`state`: checked already, by rank 0: check_resumable), or None when there is
+    none. A checkpoint that cannot be resumed is a CheckpointError naming the file."""
     if state is None:
-        return None
+        ckpt = checkpoint_folder(Path(run_dir))
+        if ckpt is None:
+            return None
+        state = check_resumable(ckpt)
     ckpt = Path(run_dir) / "checkpoint"
+    trainer.wait_for_save()
     if (ckpt / ".metadata").exists():
         dist_checkpoint.load(trainer, ckpt)
-    elif state.get("format", 1) == 1:
-        if trainer.env is not None:
-            raise ValueError(f"{ckpt} is a format-1 checkpoint: resume it with --set trainer.nproc=1")
-        saved = torch.load(ckpt / "trainer.pt", map_location=trainer.device, weights_only=False)
-        with torch.no_grad():
-            for name, master in zip(trainer.names, trainer.masters):
-                master.copy_(saved["masters"][name])
-        trainer.optimizer.load_state_dict(saved["optimizer"])
-        trainer._copy_masters_to_model()
-        trainer.step = int(saved["step"])
     else:
         kept = bool(state.get("optimizer")) and (ckpt / "optimizer.pt").exists()
         if not kept:
             echo("the checkpoint keeps no AdamW state (the run had completed; keep_optimizer_state=true keeps "
                  "it): AdamW's moments restart from zero")
-        trainer.wait_for_save()
-        dist_checkpoint.load_files(trainer, ckpt, with_optimizer=kept)  # every rank its own rows
-    py_state = state["rng"]["python"]
-    random.setstate((py_state[0], tuple(py_state[1]), py_state[2]))
-    torch.set_rng_state(torch.tensor(state["rng"]["torch"], dtype=torch.uint8))
+        dist_checkpoint.load_files(trainer, ckpt, state["trainer_step"], with_optimizer=kept)  # each rank its rows
+    restore_rng(ckpt, state)
     return state
 
 
@@ -287,19 +271,31 @@ def export_model(trainer, tokenizer_dir: str, out_dir: Path, checkpoint_dir: Pat
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    trainer.model.config.save_pretrained(tmp)
-    config = json.loads((tmp / "config.json").read_text())
-    config["dtype" if "torch_dtype" not in config else "torch_dtype"] = "float32"
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
     if gathered is not None or not _link_checkpoint_weights(trainer, checkpoint_dir, tmp / "model.safetensors"):
         write_safetensors(tmp / "model.safetensors", gathered or trainer.named_weights(torch.float32))
-    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp)
-    gen = Path(tokenizer_dir) / "generation_config.json"
-    if gen.exists():
-        shutil.copy(gen, tmp / "generation_config.json")
+    write_model_files(trainer.model.config, tokenizer_dir, tmp)
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
     return out_dir
+
+
+def write_model_files(model_config, tokenizer_dir: str, folder: Path) -> None:
+    """What makes a folder holding the FP32 masters as model.safetensors a HF model folder: config.json
+    (dtype float32), the tokenizer's files and the generation config."""
+    model_config.save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["dtype" if "torch_dtype" not in config else "torch_dtype"] = "float32"
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    _tokenizer(str(tokenizer_dir)).save_pretrained(folder)
+    gen = Path(tokenizer_dir) / "generation_config.json"
+    if gen.exists():
+        shutil.copy(gen, folder / "generation_config.json")
+
+
+@functools.lru_cache(maxsize=1)
+def _tokenizer(folder: str):
+    """The run's tokenizer, loaded once (seconds for a real one): every checkpoint writes it."""
+    return AutoTokenizer.from_pretrained(folder)
 
 
 def export_best(trainer, tokenizer_dir: str, best_dir: Path, checkpoint_dir: Path, best: dict) -> Path:

@@ -6,10 +6,12 @@ count, keyed by HF parameter names, plus DCP's metadata of where every shard liv
 state to CPU memory (so the next step may change the parameters at once) and writes the files in a
 thread; checkpoint.py puts the folder in place and the run's state.json beside it. A one-process
 checkpoint (checkpoint.py's files) loads into any number of ranks too, each reading only its own rows.
+Loading runs no code from the folder: `.metadata` is read through checkpoint_files.read_metadata's
+allowlist, a non-tensor entry through torch.load(weights_only=True) (DCP's default planner unpickles it
+with weights_only=False); a folder that cannot be loaded is a CheckpointError naming it.
 """
 from __future__ import annotations
 
-import json
 import warnings
 from concurrent.futures import Future
 from pathlib import Path
@@ -18,7 +20,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.tensor import DTensor, Shard
+
+from nano_miles.trainer.checkpoint_files import CheckpointError, load_optimizer, one_line, read_metadata
 
 
 def trainer_state(trainer) -> dict:
@@ -59,13 +65,49 @@ def save(trainer, folder: Path) -> Future:
 def load(trainer, folder: Path) -> None:
     """Load a DCP checkpoint written by any number of ranks (collective: every rank calls it)."""
     state = trainer_state(trainer)
-    _load(state, trainer, checkpoint_id=str(folder))
-    trainer.step = int(state["trainer"]["step"])
+    try:
+        _load(state, trainer, storage_reader=_CheckedReader(folder, read_metadata(folder)), planner=_CheckedPlanner())
+    except dcp.CheckpointException as e:  # a rank's failure (a bad plan or read), its traceback as text
+        error = next(iter(e.failures.values()))[0]
+        raise CheckpointError(f"{folder} cannot be loaded: {type(error).__name__}: {one_line(error)}") from None
+    step = state["trainer"]["step"]
+    if not isinstance(step, int):
+        raise CheckpointError(f"{folder} cannot be loaded: the trainer's step is a {type(step).__name__}, not an int")
+    trainer.step = step
     trainer._copy_masters_to_model()  # one process: the bf16 compute copy follows its masters
 
 
+class _CheckedReader(dcp.FileSystemReader):
+    """DCP's file reader with the metadata already read through the allowlist (read_metadata)."""
+
+    def __init__(self, path: Path, metadata: dcp_metadata.Metadata):
+        super().__init__(path)
+        self.metadata = metadata
+
+    def read_metadata(self, *args, **kwargs) -> dcp_metadata.Metadata:
+        if self.metadata.storage_meta is None:
+            self.metadata.storage_meta = dcp_metadata.StorageMeta()
+        self.metadata.storage_meta.load_id = self.load_id
+        return self.metadata
+
+
+class _CheckedPlanner(DefaultLoadPlanner):
+    """DCP's planner, reading a non-tensor entry with torch.load(weights_only=True), and only where the
+    state holds no tensor."""
+
+    def load_bytes(self, read_item, value) -> None:
+        fqn = read_item.dest_index.fqn
+        if isinstance(self.state_dict.get(fqn), torch.Tensor):
+            raise ValueError(f"{fqn} is saved as an object where the trainer holds a tensor")
+        keys = self.mappings[fqn] if self.flatten_state_dict else (fqn,)  # its place in the nested state
+        parent = self.original_state_dict
+        for key in keys[:-1]:
+            parent = parent[key]
+        parent[keys[-1]] = torch.load(value, weights_only=True)
+
+
 @torch.no_grad()
-def load_files(trainer, folder: Path, with_optimizer: bool) -> None:
+def load_files(trainer, folder: Path, step: int, with_optimizer: bool) -> None:
     """Load a one-process checkpoint (checkpoint.py's files) into any number of ranks, each reading only
     its own rows of every tensor: the masters through DCP's safetensors reader (as the HF weights are
     read), AdamW's moments from the memory-mapped optimizer.pt. Without it (with_optimizer False: a
@@ -74,23 +116,27 @@ def load_files(trainer, folder: Path, with_optimizer: bool) -> None:
     with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
         missing = [n for n in trainer.names if n not in set(f.keys())]
     if missing:
-        raise ValueError(f"{folder} does not fit this model: missing {missing[:3]}")
-    _load(state["masters"], trainer, storage_reader=HuggingFaceStorageReader(str(folder)))
-    if with_optimizer:
-        saved = torch.load(folder / "optimizer.pt", map_location="cpu", mmap=True, weights_only=True)
-        ids = saved["param_groups"][0]["params"]  # AdamW's ids, in the order of the trainer's names
-        if len(ids) != len(trainer.names):
-            raise ValueError(f"{folder / 'optimizer.pt'} holds {len(ids)} parameters' state, this model has "
-                             f"{len(trainer.names)}")
-        for name, i in zip(trainer.names, ids):
-            if i not in saved["state"]:
-                continue  # a parameter AdamW never stepped: zeros, as the fresh state is
-            moments = state["optim"][name]
-            moments["step"].copy_(saved["state"][i]["step"])
-            for key in ("exp_avg", "exp_avg_sq"):
-                local, rows = _own_rows(moments[key])
-                local.copy_(saved["state"][i][key][rows])
-    trainer.step = int(json.loads((folder / "state.json").read_text())["trainer_step"])
+        raise CheckpointError(f"{folder} cannot be resumed: it does not fit this model: missing {missing[:3]}")
+    try:
+        _load(state["masters"], trainer, storage_reader=HuggingFaceStorageReader(str(folder)))
+        if with_optimizer:
+            saved = load_optimizer(folder / "optimizer.pt", "cpu", mmap=True)
+            ids = saved["param_groups"][0]["params"]  # AdamW's ids, in the order of the trainer's names
+            if len(ids) != len(trainer.names):
+                raise ValueError(f"optimizer.pt holds {len(ids)} parameters' state, this model has {len(trainer.names)}")
+            for name, i in zip(trainer.names, ids):
+                if i not in saved["state"]:
+                    continue  # a parameter AdamW never stepped: zeros, as the fresh state is
+                moments = state["optim"][name]
+                moments["step"].copy_(saved["state"][i]["step"])
+                for key in ("exp_avg", "exp_avg_sq"):
+                    local, rows = _own_rows(moments[key])
+                    local.copy_(saved["state"][i][key][rows])
+    except CheckpointError:
+        raise
+    except (dcp.CheckpointException, KeyError, TypeError, ValueError, RuntimeError) as e:  # not this model's
+        raise CheckpointError(f"{folder} cannot be resumed: {type(e).__name__}: {one_line(e)}") from None
+    trainer.step = step
     trainer._copy_masters_to_model()
 
 

@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import uuid
 from dataclasses import dataclass
@@ -129,6 +130,24 @@ def run_rank(fn: Callable, *args, device_type: str = "auto", timeout_s: float = 
             dist.destroy_process_group()
 
 
+def share_from_rank0(obj, group):
+    """Rank 0's `obj` on every rank of the gloo `group` (the others pass None); group None: one process."""
+    if group is None:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def gather_to_rank0(obj, group) -> list | None:
+    """Every rank's `obj`, in rank order, on rank 0 (None on the others); group None: one process."""
+    if group is None:
+        return [obj]
+    out = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
+    dist.gather_object(obj, out, dst=0, group=group)
+    return out
+
+
 # ----------------------------------------------------------------------------- launch
 
 _AGENT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
@@ -175,13 +194,18 @@ def launch(nproc: int, entrypoint: Callable | str, args: tuple | list = (), *, d
                 signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
-def launch_ranks(nproc: int, argv: list[str], device_type: str) -> int:
-    """`python ARGV` as `nproc` ranks on this host, waited for; returns the exit code. Ctrl-C goes to rank
-    0 alone, not to the agent (which would stop every rank at once). A failure is one line on stderr
-    naming the rank that failed first, unless rank 0 ended the run itself, having said why."""
+def launch_ranks(nproc: int, device_type: str, module: str, config_toml: str, args: list[str]) -> int:
+    """`python -m MODULE --config FILE ARGS` as `nproc` ranks on this host (FILE holds config_toml),
+    waited for; returns the exit code. Ctrl-C goes to rank 0 alone, not to the agent (which would stop
+    every rank at once). A failure is one line on stderr naming the rank that failed first, unless rank
+    0 ended the run itself, having said why."""
+    fd, config_path = tempfile.mkstemp(prefix="nano-miles-ranks-", suffix=".toml")
+    with os.fdopen(fd, "w") as f:
+        f.write(config_toml)
     previous = signal.signal(signal.SIGINT, _forward_sigint_to_rank0)
     try:
-        launch(nproc, sys.executable, argv, device_type=device_type, agent_signals="SIGTERM,SIGHUP,SIGQUIT")
+        launch(nproc, sys.executable, ["-m", module, "--config", config_path, *args], device_type=device_type,
+               agent_signals="SIGTERM,SIGHUP,SIGQUIT")
     except DistError as e:
         failures = e.failures
         rank0 = failures.get(0)
@@ -196,6 +220,7 @@ def launch_ranks(nproc: int, argv: list[str], device_type: str) -> int:
         return 1
     finally:
         signal.signal(signal.SIGINT, previous)
+        os.unlink(config_path)
     return 0
 
 

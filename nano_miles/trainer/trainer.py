@@ -37,6 +37,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from nano_miles.dtypes import DTYPES
 from nano_miles.engine.model import CausalLM
 from nano_miles.engine.shared_weights import SharedWeights
+from nano_miles.engine.weights import NonFiniteWeights, non_finite
 from nano_miles.trainer import fsdp, heap
 from nano_miles.trainer.config import OptimConfig, TrainerConfig  # noqa: F401 (also imported from here)
 from nano_miles.trainer.logprob_head import exact_head_logprobs, head_logprobs
@@ -318,9 +319,23 @@ class Trainer:
         set_lr(self.optimizer, self.cfg.optim, self.step)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self._check_weights_finite()
         self._copy_masters_to_model()
         self.step += 1
         return norm
+
+    def _check_weights_finite(self) -> None:
+        """After an optimizer step: a finite gradient can still step the weights to NaN or inf (an absurd
+        lr overflows AdamW's step); every later step would be lost and every engine would serve them.
+        With N ranks one all_reduce of a flag makes every rank raise at once (a NaN may be in one rank's
+        shards only), so no rank goes on alone into collectives the others never join."""
+        bad = non_finite(zip(self.names, (m.to_local() if self.env else m for m in self.masters)))
+        if self.env:
+            flag = torch.tensor(float(bad is not None), device=self.device)
+            dist.all_reduce(flag)
+            bad = bad or ("the weights (on another rank)" if flag.item() else None)
+        if bad is not None:
+            raise NonFiniteWeights(f"optimizer step {self.step + 1} left NaN or infinite values in {bad}")
 
     @torch.no_grad()
     def _copy_masters_to_model(self):

@@ -30,7 +30,7 @@ def one_process_results(tiny_model_path, tmp_path_factory):
             results[name] = (metrics, state)
             if name == sharded_ranks.CHECKPOINTED:
                 results["run"] = tmp_path_factory.mktemp("one_process") / "run"
-                save_checkpoint(results["run"], trainer, {"step": 1})
+                save_checkpoint(results["run"], trainer, {"step": 1, "data_position": 2})
                 sharded_ranks.update(trainer, name)
                 results["continued"] = (None, sharded_ranks.full_state(trainer))
         return results

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from nano_miles.engine.weights import NonFiniteWeights
 from nano_miles.rollout.batch import Trajectory
 from nano_miles.trainer import fsdp
 from nano_miles.trainer.checkpoint import load_checkpoint, save_checkpoint
@@ -111,7 +112,7 @@ def _scenarios(env, out: str, model: str, single_process_run: str | None) -> Non
             if env.rank == 0:
                 torch.save(dict(gathered), Path(out) / "odd_shapes.pt")
         if name == CHECKPOINTED:
-            save_checkpoint(Path(out) / "run", trainer, {"step": 1}, background=True)
+            save_checkpoint(Path(out) / "run", trainer, {"step": 1, "data_position": 2}, background=True)
             update(trainer, name)  # changes every master while the checkpoint is being written
             trainer.wait_for_save()
     if single_process_run:
@@ -122,6 +123,23 @@ def _scenarios(env, out: str, model: str, single_process_run: str | None) -> Non
         continued = full_state(trainer)
         if env.rank == 0:
             torch.save({"loaded": loaded, "continued": continued}, Path(out) / "resumed.pt")
+    _nan_on_one_rank(env, out, model)
+
+
+def _nan_on_one_rank(env, out: str, model: str) -> None:
+    """Rank 1's second optimizer step alone turns weights NaN (a negative second moment in its shard of
+    the first tensor); each rank writes whether it stopped there, and with which message."""
+    trainer = Trainer(trainer_config(model), env)
+    update(trainer, "even")
+    if env.rank == 1:
+        state = trainer.optimizer.state[trainer.masters[0]]
+        state["exp_avg_sq"].to_local().view(-1)[0] = -1.0  # (to_local() is the shard's own storage)
+    try:
+        update(trainer, "even")
+        outcome = "went on"
+    except NonFiniteWeights as e:
+        outcome = str(e)
+    (Path(out) / f"nan_rank{env.rank}.txt").write_text(outcome)
 
 
 def scenarios(out: str, model: str, single_process_run: str | None = None, device_type: str = "cpu") -> None:

@@ -1,13 +1,23 @@
 """Checkpoints move between N and M ranks (nano_miles/trainer/dist_checkpoint.py, checkpoint.py): the
 2 ranks' DCP checkpoint, written in the background while they trained on, resumes in one process
-exactly; one process's checkpoint resumes on 2 ranks exactly."""
+exactly; one process's checkpoint resumes on 2 ranks exactly. Loading a DCP checkpoint runs no code
+from it: crafted pickles where DCP unpickles (.metadata, object entries) are refused, and a damaged
+one is one line."""
+import io
 import json
+import pickle
 
+import pytest
 import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from nano_miles.trainer.checkpoint import load_checkpoint
+from nano_miles.trainer import dist_checkpoint
+from nano_miles.trainer.checkpoint import CheckpointError, load_checkpoint
+from nano_miles.trainer.checkpoint_files import read_metadata
 from nano_miles.trainer.trainer import Trainer
 from tests.nano_miles.trainer import sharded_ranks
+from tests.nano_miles.trainer.test_checkpoint import CreatesFile
 
 CHECKPOINTED = sharded_ranks.CHECKPOINTED
 
@@ -48,3 +58,53 @@ def test_a_one_process_checkpoint_resumes_on_two_ranks(two_rank_run, one_process
     got = torch.load(two_rank_run / "resumed.pt")
     assert_same_state(got["loaded"], one_process_results[CHECKPOINTED][1], "2 ranks from one process's checkpoint")
     assert _worst(got["continued"]["masters"], one_process_results["continued"][1]["masters"]) <= 1e-6
+
+
+def test_loading_a_folder_that_is_no_checkpoint_says_so(tmp_path, tiny_model_path):
+    trainer = Trainer(sharded_ranks.trainer_config(str(tiny_model_path)))
+    with pytest.raises(CheckpointError, match=f"^{tmp_path / '.metadata'} cannot be loaded: FileNotFoundError"):
+        dist_checkpoint.load(trainer, tmp_path)
+
+
+def test_a_crafted_metadata_pickle_never_runs(tmp_path, tiny_model_path):
+    """DCP's own reader unpickles .metadata with pickle.load: a crafted one would run any code."""
+    marker = tmp_path / "marker"
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / ".metadata").write_bytes(pickle.dumps(CreatesFile(marker)))
+    trainer = Trainer(sharded_ranks.trainer_config(str(tiny_model_path)))
+    with pytest.raises(CheckpointError) as refused:
+        dist_checkpoint.load(trainer, ckpt)
+    assert not marker.exists()
+    assert str(refused.value).startswith(f"{ckpt / '.metadata'} cannot be loaded: UnpicklingError: it names ")
+
+
+def test_a_crafted_object_entry_never_runs(tmp_path, tiny_model_path):
+    """Genuine metadata, but the trainer's step (an object entry, not a tensor) points at a crafted
+    pickle: DCP's default planner loads such entries with torch.load(weights_only=False)."""
+    marker = tmp_path / "marker"
+    trainer = Trainer(sharded_ranks.trainer_config(str(tiny_model_path)))
+    dist_checkpoint.save(trainer, tmp_path / "ckpt").result()
+    crafted = io.BytesIO()
+    torch.save(CreatesFile(marker), crafted)
+    (tmp_path / "ckpt" / "crafted.distcp").write_bytes(crafted.getvalue())
+    metadata = read_metadata(tmp_path / "ckpt")
+    metadata.storage_data[MetadataIndex("trainer.step")] = _StorageInfo("crafted.distcp", 0, len(crafted.getvalue()))
+    (tmp_path / "ckpt" / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(CheckpointError, match=f"^{tmp_path / 'ckpt'} cannot be loaded: UnpicklingError: "):
+        dist_checkpoint.load(Trainer(sharded_ranks.trainer_config(str(tiny_model_path))), tmp_path / "ckpt")
+    assert not marker.exists()
+
+
+def test_a_damaged_sharded_checkpoint_is_one_line_naming_it(tmp_path, tiny_model_path):
+    trainer = Trainer(sharded_ranks.trainer_config(str(tiny_model_path)))
+    dist_checkpoint.save(trainer, tmp_path / "ckpt").result()
+    shards = next((tmp_path / "ckpt").glob("*.distcp"))
+    shards.write_bytes(shards.read_bytes()[:shards.stat().st_size // 2])
+    with pytest.raises(CheckpointError) as refused:
+        dist_checkpoint.load(trainer, tmp_path / "ckpt")
+    assert str(refused.value).startswith(f"{tmp_path / 'ckpt'} cannot be loaded: ") and "\n" not in str(refused.value)
+    metadata = tmp_path / "ckpt" / ".metadata"
+    metadata.write_bytes(metadata.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=f"^{metadata} cannot be loaded: "):
+        dist_checkpoint.load(trainer, tmp_path / "ckpt")
