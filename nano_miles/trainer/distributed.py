@@ -209,11 +209,12 @@ def launch_ranks(nproc: int, device_type: str, module: str, config_toml: str, ar
     except DistError as e:
         failures = e.failures
         rank0 = failures.get(0)
-        if rank0 is not None and rank0.exitcode in (1, 2, 130) and not _recorded(rank0):
-            return rank0.exitcode  # rank 0 stopped the run itself, and has said why
+        if rank0 is not None and rank0.exitcode in (1, 2, 130) and not _message(rank0):
+            return rank0.exitcode  # rank 0 stopped the run itself (no error recorded), and has said why
         # Ranks the agent stopped (SIGTERM), and ranks whose collective failed because another rank
         # was gone, are not the news: name the others.
-        first = ({r: f for r, f in failures.items() if f.exitcode != -signal.SIGTERM and not _collective(f)}
+        first = ({r: f for r, f in failures.items()
+                  if f.exitcode != -signal.SIGTERM and "a collective failed" not in _message(f)}
                  or {r: f for r, f in failures.items() if f.exitcode != -signal.SIGTERM} or failures)
         stopped = "; the launcher stopped the others" if len(first) < len(failures) else ""
         print(f"nano-miles train: {describe_failures(first) if first else e}{stopped}", file=sys.stderr)
@@ -227,14 +228,6 @@ def launch_ranks(nproc: int, device_type: str, module: str, config_toml: str, ar
 def _message(failure) -> str:
     msg = failure.message.get("message", "") if isinstance(failure.message, dict) else str(failure.message)
     return "" if msg.startswith("To enable traceback") else msg  # the agent's text when no error was recorded
-
-
-def _recorded(failure) -> bool:
-    return bool(_message(failure))
-
-
-def _collective(failure) -> bool:
-    return "a collective failed" in _message(failure)
 
 
 def _forward_sigint_to_rank0(signum, frame) -> None:
