@@ -27,9 +27,9 @@ from nano_miles.rollout.producer import TaskStream
 from nano_miles.tasks import select_tasks
 from nano_miles.telemetry import REQUIRED_KEYS, read_metrics
 from nano_miles.train import RunFailed, TrainConfig, TrainingRun
-from nano_miles.trainer_ranks import with_rng
+from nano_miles.trainer.ranks import with_rng
 from nano_openshell import Sandbox
-from tests.nano_miles.test_checkpoint import CreatesFile, damaged_copies, format_1_run
+from tests.nano_miles.trainer.test_checkpoint import CreatesFile, damaged_copies, format_1_run
 
 REPO = Path(__file__).resolve().parents[2]
 DENY_NAMESPACES = [sys.executable, "-c", "import sys; from nano_openshell.seccomp import main; sys.exit(main())",
