@@ -151,7 +151,7 @@ def _cgroup_room() -> list[tuple[int, str]]:
 
 
 def estimate(cfg, layout, model_path: str, shared: bool) -> MemoryPlan:
-    """The plan for a TrainConfig `cfg` whose devices are `layout` (engine_handle.plan_layout)."""
+    """The plan for a TrainConfig `cfg` whose devices are `layout` (nano_miles/engine/layout.py's plan_layout)."""
     mc = ModelConfig.from_pretrained(model_path)
     P = num_params(mc)
     dtype = DTYPES[layout.dtype]

@@ -1,4 +1,4 @@
-"""Engine replicas (nano_miles/engine/pool.py, engine_handle.plan_layout): where they run, how a
+"""Engine replicas (nano_miles/engine/pool.py, layout.py's plan_layout): where they run, how a
 rollout's groups are routed over them, a dead replica restarted while the others serve, and engine
 URLs that are not engines."""
 import http.server
@@ -16,7 +16,7 @@ import requests
 
 from nano_miles import cli
 from nano_miles.engine.client import EngineUnavailable
-from nano_miles.engine.handle import EngineLaunchConfig, plan_layout
+from nano_miles.engine.layout import EngineLaunchConfig, plan_layout
 from nano_miles.engine.pool import EnginePool, GroupRouter, check_engine
 from nano_miles.telemetry import read_metrics
 

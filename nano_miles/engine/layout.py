@@ -1,11 +1,11 @@
-"""Where things run, and the engine.* keys of the commands that start engines.
+"""Where things run (the Layout), and the engine.* keys of the commands that start engines.
 
 `plan_layout` decides the devices from the hardware and the dtype ("auto": nano_miles.dtypes): the
 trainer on cuda:0 (its N ranks on cuda:0..N-1), the engine replicas (engine.replicas) on the GPUs after
 the trainer's, one per GPU and round-robin when there are more replicas than GPUs left (replicas that
 share a GPU split its KV-cache share); with no GPU left over the engines share the trainer's (a
 smaller KV share), and with no GPU at all everything runs on the CPU. It also turns the engine.* keys
-into `nano-miles serve` arguments. `EngineHandle` is the pool of those engines (nano_miles/engine/pool.py).
+into `nano-miles serve` arguments, for the pool that starts those engines (nano_miles/engine/pool.py).
 """
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ import torch
 from nano_miles.config import filled_in
 from nano_miles.dtypes import resolve_dtype_name
 from nano_miles.engine.engine import EngineConfig
-from nano_miles.engine.pool import EnginePool
 
 # A KV cache sized for a GPU of its own would leave the trainer nothing on a shared one.
 SHARED_GPU_KV_FRACTION = 0.35
@@ -123,10 +122,6 @@ def plan_layout(dtype: str, engine: EngineLaunchConfig, trainer_device: str | No
         fractions.append(fraction)
     resolved = resolve_dtype_name(dtype, trainer or devices[0])
     return Layout(trainer, devices[0], resolved, engine.serve_args(None), devices, fractions)
-
-
-class EngineHandle(EnginePool):
-    """The engines of a command: the name rollout, eval and train know the pool by."""
 
 
 def train_layout(cfg, ranks=None) -> Layout:
