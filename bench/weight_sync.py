@@ -37,7 +37,7 @@ import torch
 from bench.results import git_commit, save, utc_now
 from bench.train_step import SHAPES, make_model
 from nano_miles.rollout.batch import Trajectory, build_rollout_batch
-from nano_miles.engine.client import start_engine_process
+from nano_miles.engine.process import start_engine_process
 from nano_miles.trainer.trainer import Trainer, TrainerConfig
 from nano_miles.trainer.weight_sync import WeightSync
 

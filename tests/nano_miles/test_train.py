@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from nano_miles.engine.client import EngineClient, start_engine_process
+from nano_miles.engine.client import EngineClient
+from nano_miles.engine.process import start_engine_process
 from nano_miles.config import config_from_args, load_config, parse_set
 from nano_miles.engine.engine import EngineConfig
 from nano_miles.engine.protocol import API_KEY_ENV

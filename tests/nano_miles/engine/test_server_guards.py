@@ -18,7 +18,8 @@ import requests
 import torch
 from safetensors.torch import load_file, save_file
 
-from nano_miles.engine.client import AsyncEngineClient, EngineClient, EngineError, EngineRequestError, start_engine_process
+from nano_miles.engine.client import AsyncEngineClient, EngineClient, EngineError, EngineRequestError
+from nano_miles.engine.process import start_engine_process
 from nano_miles.engine import weight_group as G
 from nano_miles.engine.protocol import API_KEY_ENV
 from nano_miles.engine.server import Server, ServerConfig

@@ -310,7 +310,7 @@ def test_cuda_ipc_bucket_from_another_process_on_the_same_gpu(tiny_model_path):
     import subprocess
     import sys
 
-    from nano_miles.engine.client import start_engine_process
+    from nano_miles.engine.process import start_engine_process
 
     with start_engine_process(str(tiny_model_path), device="cuda:0", dtype="bfloat16",
                               extra_args=("--num-kv-blocks", "256")) as engine:

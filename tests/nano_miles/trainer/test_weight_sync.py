@@ -141,7 +141,7 @@ def test_auto_transport_follows_the_layout():
 
 def test_one_broadcast_updates_two_engines(engine_server, engine_client, tiny_model_path, restore_engine_weights):
     """The distributed transport is the path to many engines: one group, one broadcast per bucket."""
-    from nano_miles.engine.client import start_engine_process
+    from nano_miles.engine.process import start_engine_process
 
     trainer = Trainer(TrainerConfig(model=str(tiny_model_path), optim=OptimConfig(lr=1e-3)))
     with start_engine_process(str(tiny_model_path), device="cpu", dtype="float32",
@@ -160,7 +160,7 @@ def test_one_broadcast_updates_two_engines(engine_server, engine_client, tiny_mo
 @pytest.fixture(scope="module")
 def bf16_engine(tiny_model_path):
     """A second real server, in bfloat16 on CPU: the GPU setting's dtype, where parity is fragile."""
-    from nano_miles.engine.client import start_engine_process
+    from nano_miles.engine.process import start_engine_process
 
     with start_engine_process(str(tiny_model_path), device="cpu", dtype="bfloat16",
                               extra_args=("--num-kv-blocks", "512", "--dist-timeout", "30")) as engine:
@@ -204,7 +204,7 @@ def test_gpu_sync_and_bf16_parity(transport, tiny_model_path):
     """On the device: a bf16 engine on the trainer's GPU (auto -> CUDA IPC; NCCL refuses two ranks on
     one GPU, see the next test); the bf16 trainer scores the engine's samples within 5e-3 nats on
     average, after every sync."""
-    from nano_miles.engine.client import start_engine_process
+    from nano_miles.engine.process import start_engine_process
 
     with start_engine_process(str(tiny_model_path), device="cuda:0", dtype="bfloat16",
                               extra_args=("--num-kv-blocks", "256")) as engine:
@@ -223,7 +223,7 @@ def test_gpu_sync_and_bf16_parity(transport, tiny_model_path):
 
 @pytest.mark.gpu
 def test_gpu_distributed_to_the_trainers_own_gpu_is_a_clear_error(tiny_model_path):
-    from nano_miles.engine.client import start_engine_process
+    from nano_miles.engine.process import start_engine_process
 
     with start_engine_process(str(tiny_model_path), device="cuda:0", dtype="bfloat16",
                               extra_args=("--num-kv-blocks", "64")) as engine:
@@ -236,7 +236,7 @@ def test_gpu_distributed_to_the_trainers_own_gpu_is_a_clear_error(tiny_model_pat
 @pytest.mark.parametrize("transport", ["ipc", "staged", "distributed"])
 def test_gpu_sync_to_an_engine_on_another_gpu(transport, tiny_model_path):
     """Trainer on cuda:0, engine process on cuda:1 (P2P IPC, one staged copy, or NCCL)."""
-    from nano_miles.engine.client import start_engine_process
+    from nano_miles.engine.process import start_engine_process
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
