@@ -95,7 +95,7 @@ class Routes:
     def _send(self, call: Call):
         raise NotImplementedError
 
-    def _post(self, path: str, timeout: float | None = None, **body):
+    def _post(self, path: str, timeout: float | None = None, /, **body):
         return self._send(Call("POST", path, body, timeout=timeout))
 
     def generate(self, input_ids, sampling_params=None, rid=None, return_logprob=True, **extra):

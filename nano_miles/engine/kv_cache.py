@@ -7,9 +7,13 @@ request with the same prefix can revive them. `flush()` forgets every hash: noth
 weight update can be found again.
 """
 
+import ctypes
+import mmap
 from collections import OrderedDict
 
 import torch
+
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def block_hash(prev_hash: int, token_ids) -> int:
@@ -29,6 +33,20 @@ class KVCache:
     @staticmethod
     def bytes_per_block(num_layers, block_size, kv_heads, head_dim, dtype) -> int:
         return 2 * num_layers * block_size * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+    def drop_pages(self) -> int:
+        """Hand the whole pages of a CPU cache back to the kernel (madvise MADV_DONTNEED): they read
+        as zeros again, as torch.zeros left them, and come back as generation writes them. Only once
+        nothing cached is wanted (flush the prefix cache first). Returns the bytes dropped."""
+        dropped = 0
+        for t in (self.k, self.v):
+            start = t.data_ptr()
+            first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+            last = (start + t.numel() * t.element_size()) // mmap.PAGESIZE * mmap.PAGESIZE
+            if last > first and _libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), 4) != 0:
+                raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) failed")
+            dropped += max(0, last - first)
+        return dropped
 
 
 class BlockManager:

@@ -440,6 +440,4 @@ def test_a_bucket_flattened_into_a_persistent_buffer_equals_a_fresh_one():
     assert out[fresh.flattened_tensor.numel():].eq(7).all()  # the rest of the buffer is untouched
     with pytest.raises(ValueError, match="at least 34 bytes"):
         W.FlattenedTensorBucket(named_tensors=named, out=torch.empty(33, dtype=torch.uint8))
-    assert [(m.name, m.start_idx, m.end_idx) for m in G.bucket_layout(["a", "b", "c"], ["float32", "bfloat16", "float32"],
-                                                                     [[2, 3], [3], [1]])] == \
-        [(m.name, m.start_idx, m.end_idx) for m in fresh.metadata]
+    assert W.bucket_metadata(["a", "b", "c"], ["float32", "bfloat16", "float32"], [[2, 3], [3], [1]]) == fresh.metadata

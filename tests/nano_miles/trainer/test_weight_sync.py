@@ -7,8 +7,9 @@ import psutil
 import pytest
 import torch
 
+from nano_miles import cli
+from nano_miles.engine.weights import NonFiniteWeights, checksums
 from nano_miles.rollout.batch import Trajectory, build_rollout_batch
-from nano_miles.engine.weights import checksums
 from nano_miles.trainer.trainer import OptimConfig, Trainer, TrainerConfig
 from nano_miles.trainer.weight_sync import SyncConfig, WeightSync, WeightSyncError, choose_transport
 
@@ -128,6 +129,34 @@ def test_a_refused_update_raises_and_the_engine_keeps_its_weights(engine_server,
         SyncConfig(bucket_mb=0)
 
 
+@pytest.mark.parametrize("key,value,use", [("transport", "staged", "sync.transport=distributed"),
+                                           ("pause_mode", "drain", "sync.pause_mode=in_place"),
+                                           ("pause_mode", "retract", "sync.pause_mode=in_place"),
+                                           ("pause_mode", "abort", "sync.pause_mode=in_place")])
+def test_a_removed_transport_or_pause_mode_is_one_line_naming_what_to_use(key, value, use, capsys):
+    assert cli.main(["train", "--set", f"sync.{key}={value}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(f"sync.{key}={value} is no longer offered: use {use}" + (
+        " (NCCL: what auto picks for a GPU without P2P)" if value == "staged" else "")), err
+    assert len(err.splitlines()) == 1
+    assert SyncConfig(pause_mode="auto").pause_mode == "auto"  # what configs saved before hold: in place
+
+
+@pytest.mark.parametrize("transport", ["ipc", "distributed", "disk", "shared"])
+def test_non_finite_weights_are_never_sent(transport, engine_server, engine_client, tiny_model_path,
+                                           restore_engine_weights):
+    """Weights holding a NaN (here in the LAST tensor, past several buckets) are a training failure:
+    sync sends none of them, on any transport, and the engine keeps its weights and version."""
+    trainer = Trainer(TrainerConfig(model=str(tiny_model_path)))
+    with torch.no_grad():
+        trainer.masters[-1].view(-1)[0] = float("nan")
+    before, version = engine_client.weights_checksum(), engine_client.weight_version()
+    with WeightSync(trainer, engine_server.url, transport=transport, bucket_mb=0.1) as ws:
+        with pytest.raises(NonFiniteWeights, match=f"version nan-1 hold NaN or infinite values in {trainer.names[-1]}"):
+            ws.sync("nan-1")
+    assert engine_client.weights_checksum() == before and engine_client.weight_version() == version
+
+
 def test_auto_transport_follows_the_layout():
     cpu, local = torch.device("cpu"), ["http://127.0.0.1:30000"]
     assert choose_transport(cpu, [{"device": "cpu"}], local) == "distributed"
@@ -233,9 +262,9 @@ def test_gpu_distributed_to_the_trainers_own_gpu_is_a_clear_error(tiny_model_pat
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("transport", ["ipc", "staged", "distributed"])
+@pytest.mark.parametrize("transport", ["ipc", "distributed"])
 def test_gpu_sync_to_an_engine_on_another_gpu(transport, tiny_model_path):
-    """Trainer on cuda:0, engine process on cuda:1 (P2P IPC, one staged copy, or NCCL)."""
+    """Trainer on cuda:0, engine process on cuda:1 (P2P IPC, or NCCL)."""
     from nano_miles.engine.process import start_engine_process
 
     if torch.cuda.device_count() < 2:
