@@ -1,33 +1,21 @@
 """Push the trainer's weights into running inference engines, over SGLang's weight routes.
 
-Transports (payload formats in nano_miles/engine/weights.py):
-  ipc          flattened buckets on the trainer's device -> /update_weights_from_tensor: on GPU the
-               engine opens a CUDA IPC handle (its own GPU or a P2P peer), on CPU shared memory.
-  distributed  /init_weights_update_group once, then per bucket /update_weights_from_distributed while
-               rank 0 broadcasts it (NCCL on GPU, gloo on CPU); one broadcast reaches every engine.
-  disk         a safetensors folder -> /update_weights_from_disk; works everywhere.
-  shared       CPU trainer and CPU engines on one machine, train's mode=sync: the engines map the
-               trainer's weights (engine/shared_weights.py); a sync sends no bytes, it bumps the
-               version and flushes the KV cache.
-`auto` picks from the layout (choose_transport). Trainer and engines are assumed to see the same
-CUDA_VISIBLE_DEVICES, as `nano-miles train` starts them.
+Transports (payloads: engine/weights.py): `ipc` sends flattened buckets on the trainer's device to
+/update_weights_from_tensor (a CUDA IPC handle on the engine's GPU or a P2P peer; shared memory on
+CPU); `distributed` forms a group once (/init_weights_update_group), then broadcasts each bucket
+(NCCL, gloo on CPU) while the engines receive it (/update_weights_from_distributed): one broadcast
+reaches every engine; `disk` writes a safetensors folder (/update_weights_from_disk); `shared` has
+CPU engines map a CPU trainer's weights (engine/shared_weights.py, train's mode=sync only), so a sync
+is a version bump and a KV flush. `auto` picks from the layout (choose_transport).
 
-Every sync pauses the engines in place (SGLang's pause_generation mode in_place) and continues them
-after: requests in flight keep their KV and finish under the new weights, reporting the version of
-their oldest tokens (docs/design.md says why this is the one mode). ipc builds a fresh bucket every
-sync (a server such as SGLang may answer before its copy of the previous one finished) and frees it
-once the engines acknowledge; distributed flattens into a persistent send buffer. An engine whose
-parameters are packed in the trainer's order applies a bucket with one copy (engine/flat_params.py).
-Weights holding a NaN or an infinity are never sent: NonFiniteWeights, before the first byte (a
-sharded trainer's, gathered a bucket at a time, as each bucket arrives). With verify=True each
-engine's per-tensor sha256 is compared with the trainer's; a difference raises WeightSyncError.
-
-sync() reports its phases (CPU wall ms): prepare (the tensors and the bucket split), pack (flatten
-and serialize, or write the file), send (until every engine answered), free; and the first engine's
-own timings_ms of its last answer, so send minus the engine's total is the HTTP overhead.
+Every sync pauses the engines in place around it (SGLang's pause_generation mode in_place): requests
+in flight keep their KV and finish under the new weights (docs/design.md: why one mode). Weights
+holding a NaN or an infinity are never sent (NonFiniteWeights). sync() reports its phases in ms
+(prepare, pack, send, free) and the first engine's own timings_ms of its last answer.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -99,10 +87,8 @@ def choose_transport(trainer_device: torch.device, engine_infos: list[dict], eng
 class WeightSync:
     def __init__(self, source, engine_urls, cfg: SyncConfig | None = None, api_key: str | None = None,
                  allow_shared: bool = False, **keys):
-        """source: a Trainer (its named_weights), an nn.Module, a callable returning (name, tensor)
-        pairs, or such a list. engine_urls: one URL or a list. cfg, and SyncConfig keys given by name
-        over it. api_key: the engines' (None: as engine/client.py resolves it). allow_shared: the
-        engines never generate while the trainer updates (train's mode=sync), so `auto` may pick shared."""
+        """source: a Trainer, an nn.Module, (name, tensor) pairs or a callable returning them; cfg with
+        SyncConfig keys by name over it; allow_shared: no rollout runs during an update (mode=sync)."""
         self.cfg = cfg = dataclasses.replace(cfg or SyncConfig(), **keys)
         self.source = source
         self.urls = [engine_urls] if isinstance(engine_urls, str) else list(engine_urls)
@@ -160,25 +146,23 @@ class WeightSync:
         weight_version, engines, phases_ms, engine_ms, fast_path}."""
         version, t0 = str(weight_version), time.perf_counter()
         self._phases = dict.fromkeys(("prepare", "pack", "send", "free"), 0.0)
-        self._answers, nbytes, count, ours = [], 0, 0, None
+        self._answers, sent = [], {"bytes": 0, "buckets": 0, "checksums": None}
         self._on_all(lambda c: c.pause("in_place"))
         try:
             if self.transport != "shared" or not self._sync_shared(version):
-                buckets = _Buckets(self._bucket_source(version), self._phases, checksum=self.cfg.verify)
+                sent["checksums"] = {} if self.cfg.verify else None
                 send = {"ipc": self._send_tensor, "distributed": self._send_distributed, "disk": self._send_disk}
-                try:
+                # closing it finishes a gather from the trainer's ranks, whatever happened
+                with contextlib.closing(_lookahead(self._bucket_source(version), self._phases, sent)) as buckets:
                     send[self.transport](buckets, version)
-                finally:
-                    buckets.close()  # a source gathering from the trainer's ranks finishes the gather with them
-                nbytes, count, ours = buckets.nbytes, buckets.count, buckets.checksums
         finally:
             self._on_all(lambda c: c.resume())
         ms = (time.perf_counter() - t0) * 1000.0
         if self.cfg.verify:
-            self.verify(version, ours=ours)
+            self.verify(version, ours=sent["checksums"])
         answers = [a for a in self._answers if isinstance(a, dict)]
-        return {"ms": ms, "bytes": nbytes, "transport": self.transport, "verified": self.cfg.verify, "buckets": count,
-                "weight_version": version, "engines": len(self.urls),
+        return {"ms": ms, "bytes": sent["bytes"], "transport": self.transport, "verified": self.cfg.verify,
+                "buckets": sent["buckets"], "weight_version": version, "engines": len(self.urls),
                 "phases_ms": {k: round(v, 3) for k, v in self._phases.items()},
                 "engine_ms": answers[0].get("timings_ms") if answers else None,
                 "fast_path": bool(answers) and all(a.get("fast_path", True) for a in answers)}
@@ -391,34 +375,27 @@ def _checked(buckets, version: str):
         buckets.close()
 
 
-class _Buckets:
-    """The buckets of one sync as (bucket, is_last) pairs, one ahead of the sender (the last one is
-    known when it is sent). Counts bytes and buckets, times the gathering (the `prepare` phase) and,
-    for verify, takes each tensor's checksum as it passes."""
+def _lookahead(source, phases: dict, sent: dict):
+    """(bucket, is_last) pairs, one bucket ahead of the sender; counts sent's bytes and buckets, times
+    the gathering (the prepare phase), and takes each tensor's checksum when sent["checksums"] is a dict."""
+    source = iter(source)
 
-    def __init__(self, source, phases: dict, checksum: bool):
-        self.source, self.phases, self.checksum = iter(source), phases, checksum
-        self.nbytes, self.count, self.checksums = 0, 0, {}
-
-    def _next(self):
+    def pull():
         t = time.perf_counter()
-        bucket = next(self.source, None)
-        self.phases["prepare"] += (time.perf_counter() - t) * 1000.0
+        bucket = next(source, None)
+        phases["prepare"] += (time.perf_counter() - t) * 1000.0
         if bucket is not None:
-            self.count += 1
-            self.nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
-            if self.checksum:
-                self.checksums.update(W.checksums(bucket))
+            sent["buckets"] += 1
+            sent["bytes"] += sum(t.numel() * t.element_size() for _, t in bucket)
+            if sent["checksums"] is not None:
+                sent["checksums"].update(W.checksums(bucket))
         return bucket
 
-    def __iter__(self):
-        bucket = self._next()
+    try:
+        bucket = pull()
         while bucket is not None:
-            following = self._next()
+            following = pull()
             yield bucket, following is None
             bucket = following
-
-    def close(self) -> None:
-        close = getattr(self.source, "close", None)
-        if close is not None:
-            close()
+    finally:
+        getattr(source, "close", lambda: None)()
