@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nano_miles import batch_invariant as bi
+from nano_miles.engine import batch_invariant as bi
 
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nano_miles import batch_invariant as bi
+from nano_miles.engine import batch_invariant as bi
 from nano_miles.rollout.batch import build_rollout_batch
 from nano_miles.engine.engine import Engine, EngineConfig
 from nano_miles.models.prepare import resolve_model
