@@ -165,20 +165,26 @@ def _causal_attention_value(q, k, v):
     return out.view(B, L, H, D)
 
 
-def _rms_norm_fast(x, weight, eps):
-    xf = x.float()
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+class FastOps:
+    """The ordinary kernels (library GEMMs, fused reductions): the model's default ops, and the
+    expressions whose gradients true on-policy training takes."""
+    linear = staticmethod(F.linear)
 
+    @staticmethod
+    def rms_norm(x, weight, eps):
+        xf = x.float()  # HF's order: normalise in fp32, cast back, then scale
+        return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
-def _silu_mul_fast(gate, up):
-    return F.silu(gate) * up
+    @staticmethod
+    def silu_mul(gate, up):
+        return F.silu(gate) * up
 
-
-def _causal_attention_fast(q, k, v):
-    G = q.shape[2] // k.shape[2]
-    k, v = k.repeat_interleave(G, dim=2), v.repeat_interleave(G, dim=2)  # query head h reads KV head h // G
-    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                          is_causal=True).transpose(1, 2)
+    @staticmethod
+    def causal_attention(q, k, v):
+        G = q.shape[2] // k.shape[2]
+        k, v = k.repeat_interleave(G, dim=2), v.repeat_interleave(G, dim=2)  # query head h reads KV head h // G
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                              is_causal=True).transpose(1, 2)
 
 
 class _Linear(torch.autograd.Function):
@@ -249,12 +255,12 @@ def linear(x, weight, bias=None, out_dtype=None):
 
 
 def rms_norm(x, weight, eps: float):
-    return _exact(lambda a, w: _rms_norm_value(a, w, eps), lambda a, w: _rms_norm_fast(a, w, eps), x, weight)
+    return _exact(lambda a, w: _rms_norm_value(a, w, eps), lambda a, w: FastOps.rms_norm(a, w, eps), x, weight)
 
 
 def silu_mul(gate, up):
     """silu(gate) * up."""
-    return _exact(_silu_mul_value, _silu_mul_fast, gate, up)
+    return _exact(_silu_mul_value, FastOps.silu_mul, gate, up)
 
 
 def log_softmax(logits):
@@ -267,7 +273,7 @@ def log_softmax(logits):
 def causal_attention(q, k, v):
     """Full-sequence causal attention, q [B, L, H, D], k/v [B, L, KV, D] -> [B, L, H, D]: the same
     per-row computation as paged_attention (each sequence is one page of L keys)."""
-    return _exact(_causal_attention_value, _causal_attention_fast, q, k, v)
+    return _exact(_causal_attention_value, FastOps.causal_attention, q, k, v)
 
 
 def rope_table(max_positions: int, head_dim: int, theta: float):

@@ -1,17 +1,10 @@
-"""Clients of an SGLang-protocol engine (ours or a real SGLang server).
+"""Clients of an SGLang-protocol engine (ours or a real SGLang server): EngineClient (blocking,
+requests) and AsyncEngineClient (aiohttp, awaited), whose routes are both defined ONCE, in `Routes`.
 
-    c = EngineClient(url)
-    out = c.generate([1, 2, 3], {"max_new_tokens": 8})   # SGLang's response dict
-
-Every route is defined ONCE, in `Routes`, as a `Call` handed to `_send`: a blocking call in
-EngineClient (requests), a coroutine in AsyncEngineClient (aiohttp), so the two cannot drift.
-
-The api key (sent as "Authorization: Bearer KEY"): the one given, else that of the engine this
-process started at that URL (process.py remembers it, so rollouts and weight sync, which pass only
-URLs around, reach the engines a command started), else $NANO_MILES_API_KEY.
-
-Errors: HTTP 400 raises EngineRequestError with the server's message; other statuses EngineError;
-no answer (refused, dropped, timed out) or 503 raises EngineUnavailable: how callers notice a dead engine.
+The api key sent: the one given, else that of the engine this process started at that URL (process.py
+remembers it: rollouts and weight sync pass only URLs around), else $NANO_MILES_API_KEY. HTTP 400
+raises EngineRequestError with the server's message, other statuses EngineError; no answer (refused,
+dropped, timed out) or 503 raises EngineUnavailable: how callers notice a dead engine.
 """
 from __future__ import annotations
 

@@ -1,14 +1,10 @@
 """The engine's parameters as views into ONE flat buffer, so a weight update can be ONE copy.
 
-A trainer's flattened bucket (weights.FlattenedTensorBucket) concatenates its tensors' bytes in HF
-named_parameters order. With the engine's parameters (one dtype) packed in that same order, a bucket
-whose metadata describes exactly a contiguous run of the packed buffer is applied with one `copy_`
-(one cross-GPU copy for a CUDA IPC bucket) instead of one copy, and across GPUs two event round
-trips, per tensor. Anything else takes the per-tensor path.
-
-Packing happens once, at load time, before anything holds a parameter; the storage never moves
-afterwards, so captured CUDA graphs (which read parameters by address) stay valid. All parameters
-share the buffer's version counter: any weight write moves every param._version.
+A trainer's flattened bucket concatenates its tensors' bytes in HF named_parameters order; packed
+in that same order, a bucket describing exactly a run of the buffer is applied with one `copy_`
+(one cross-GPU copy for a CUDA IPC bucket) instead of one copy per tensor. Packed once, at load, the
+storage never moves, so captured CUDA graphs stay valid; all parameters share the buffer's version
+counter, so any weight write moves every param._version.
 """
 from __future__ import annotations
 

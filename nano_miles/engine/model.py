@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from nano_miles.engine import batch_invariant
+from nano_miles.engine.batch_invariant import FastOps
 
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
 
@@ -92,19 +93,6 @@ class Batch:
     last_index: torch.Tensor    # [B] int64, which query column to take logits from
 
 
-class FastOps:
-    """The ordinary kernels (library GEMMs, fused reductions): every module's default ops."""
-    linear = staticmethod(F.linear)
-
-    @staticmethod
-    def rms_norm(x, weight, eps):
-        return weight * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)  # HF's order
-
-    @staticmethod
-    def silu_mul(gate, up):
-        return F.silu(gate) * up
-
-
 class RMSNorm(nn.Module):
     ops = FastOps
 
@@ -169,7 +157,7 @@ def paged_attention(q, k, v, batch: Batch, k_cache, v_cache, attn_info, decode_a
 def sequence_attention(q, k, v, exact: bool = False):
     """The trainer's attention: causal over whole right-padded sequences."""
     B, L, H, D = q.shape
-    attend = batch_invariant.causal_attention if exact else batch_invariant._causal_attention_fast
+    attend = batch_invariant.causal_attention if exact else FastOps.causal_attention
     return attend(q, k, v).reshape(B, L, H * D)
 
 

@@ -1,19 +1,12 @@
 """One copy of the weights for a CPU trainer and a CPU engine on one machine, in shared memory.
 
-Without it a CPU-only machine holds the model twice (the trainer's parameters and the engine's) and
-every sync copies it across. Here, as in slime's colocated mode and verl's hybrid engine, the
-trainer's tensors that the engine serves live in ONE anonymous shared-memory file (a memfd), which
-the engine maps read-only in place of its own copy: the trainer's in-place optimizer step IS the
-weight update, and a sync is a version bump plus a KV-cache flush (weight_sync's `shared` transport,
-the engine's /update_weights_from_shared). Right only while the engine never generates during the
-trainer's writes: train's mode=sync.
-
-`SharedWeights` (trainer side) moves the tensors into the memfd by rebinding `tensor.data`, so the
-Parameter objects, the optimizer's references and tied weights stay as they are, and names it to
-the engine as /proc/<pid>/fd/<n>; the memory goes with the last process holding it, so a killed run
-leaves nothing in /dev/shm. `map_shared` (engine side) validates a manifest (name, dtype, shape,
-byte offset per tensor) against the engine's parameters and returns read-only views: an engine bug
-writing into them faults instead of silently changing the trainer's weights.
+As in slime's colocated mode, the tensors the engine serves live in ONE anonymous shared-memory file
+(a memfd) that the engine maps read-only in place of its own copy: the trainer's in-place optimizer
+step IS the weight update, a sync a version bump and a KV flush (the `shared` transport). Right only
+while the engine never generates during the trainer's writes (train's mode=sync). `SharedWeights`
+rebinds each tensor's `.data` (Parameters, optimizer state and tied weights stay as they are); the
+memory goes with the last process holding it. `map_shared` checks a manifest against the engine's
+parameters and returns read-only views: an engine bug writing into them faults.
 """
 from __future__ import annotations
 

@@ -219,8 +219,8 @@ def test_pause_update_continue_like_slime(engine_server, engine_client, tiny_mod
     assert box["out"]["meta_info"]["oldest_weight_version"] != "slime-1"  # its first tokens: the old weights
 
 
-def test_async_sync_pauses_in_place_instead_of_waiting_for_a_drain(engine_server, engine_client, tiny_model_path):
-    """train's async mode: a sync while a long request runs neither waits for it nor aborts it; the
+def test_a_sync_pauses_in_place_instead_of_waiting_for_a_drain(engine_server, engine_client, tiny_model_path):
+    """A sync while a long request runs (train's async mode) neither waits for it nor aborts it; the
     request then reports the weights its first tokens came from, so staleness is not understated."""
     from nano_miles.trainer.weight_sync import WeightSync
 
@@ -231,8 +231,7 @@ def test_async_sync_pauses_in_place_instead_of_waiting_for_a_drain(engine_server
     gen.start()
     while engine_client.server_info()["internal_states"][0]["running"] == 0:
         time.sleep(0.02)
-    with WeightSync(list(perturbed(tiny_model_path, 8).items()), engine_server.url, transport="ipc",
-                    pause_mode="in_place") as sync:
+    with WeightSync(list(perturbed(tiny_model_path, 8).items()), engine_server.url, transport="ipc") as sync:
         sync.sync("async-1")
     assert "out" not in box, "the sync waited for the running request to finish"
     assert version(engine_client) == "async-1"
