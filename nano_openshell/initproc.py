@@ -3,10 +3,13 @@ supervisor's handle on it (Init, at the end).
 
 It is a child subreaper in a new session: every process the command starts, including setsid and
 double-forked escapees, is reparented to it when its parent dies. When the command exits, or on
-SIGTERM (sent by the kernel as PDEATHSIG when the supervisor dies), it SIGKILLs its whole tree, scan
-after scan of /proc, until a scan finds nothing alive it has not killed, then exits with the
-command's status. At the timeout or at close() the supervisor kills the tree itself: by cgroup.kill
-when the Sandbox has a cgroup (cgroup.py), else by the same scan, with the init frozen meanwhile.
+SIGTERM (sent by the kernel as PDEATHSIG when the supervisor dies), it SIGKILLs its whole tree, round
+after round, until two rounds in a row find its children the same and all exited
+(kill_descendants), then exits with the command's status. It tells the supervisor that status, and
+when the command ended, before that kill: a deadline that passes during the kill is not the
+command's (Init.ended). At the timeout or at close() the supervisor kills the tree itself: by
+cgroup.kill when the Sandbox has a cgroup (cgroup.py), else by the same rounds, with the init frozen
+meanwhile.
 The command itself runs with rlimits, under another uid when we are root, with no_new_privs,
 Landlock (workspace and private tmp writable, the rest read-only, /proc hidden but for a few
 system-wide files, no TCP, signals scoped) and the seccomp filter without sockets. The init stays
@@ -18,8 +21,10 @@ import ctypes
 import json
 import os
 import resource
+import select
 import signal
 import sys
+import time
 
 from nano_openshell import landlock, seccomp
 
@@ -36,67 +41,107 @@ def _prctl(option: int, value: int) -> None:
         raise OSError(ctypes.get_errno(), f"prctl({option})")
 
 
-def _scan() -> dict[int, tuple[int, bytes, int]]:
-    """pid -> (ppid, state, start time) of every process, from one pass over /proc."""
-    out = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
+_CHILDREN_FILES = os.path.exists("/proc/thread-self/children")  # CONFIG_PROC_CHILDREN
+
+
+def _children_now(pid: int) -> list[int]:
+    """pid's children, from /proc/PID/task/*/children: a few short reads, no pass over /proc."""
+    out = []
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
         try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read()
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                out += map(int, f.read().split())
+        except OSError:
+            pass
+    return out
+
+
+def _scanned_children(root: int):
+    """pid -> its children, all taken from one pass over /proc (for a kernel without children files).
+    Newest first, and each child of root killed as soon as it is read: the newest link of a chain
+    that forks faster than the pass goes before it forks on."""
+    out = {}
+    for pid in sorted((int(name) for name in os.listdir("/proc") if name.isdigit()), reverse=True):
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])  # after comm, which may hold ")"
         except OSError:
             continue
-        fields = stat.rsplit(b")", 1)[1].split()  # after comm, which may hold spaces and parentheses
-        out[int(name)] = (int(fields[1]), fields[0], int(fields[19]))  # fields 4, 3 and 22 of stat
-    return out
+        if ppid == root:
+            _kill(pid, (root,))
+        out.setdefault(ppid, []).append(pid)
+    return lambda pid: out.get(pid, [])
 
 
-def descendants(root: int) -> dict[int, int]:
-    """{pid: start time} of every live (not zombie) process whose parent chain reaches root."""
-    procs = _scan()
-    children = {}
-    for pid, (ppid, _, _) in procs.items():
-        children.setdefault(ppid, []).append(pid)
-    out, todo = {}, [root]
-    while todo:
-        for child in children.get(todo.pop(), ()):
-            _, state, start = procs[child]
-            if state not in (b"Z", b"X"):
-                out[child] = start
-            todo.append(child)
-    return out
+def _kill(pid: int, parents: tuple[int, ...]) -> bool:
+    """SIGKILL pid if it is still the child of one of parents: through a pidfd, opened before that
+    check, so a pid reaped and reused meanwhile is never signalled. True while it has not exited
+    (a process whose main thread ended looks like a zombie in /proc, and is not one)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            if int(f.read().rsplit(b")", 1)[1].split()[1]) not in parents:
+                return False
+        signal.pidfd_send_signal(fd, signal.SIGKILL)
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)  # readable once the whole process has exited
+        return not poller.poll(0)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def kill_descendants(root: int) -> None:
-    """SIGKILL root's whole tree, one scan of /proc after another, until a scan finds no live
-    descendant that was not killed already: once SIGKILL is pending a process cannot fork, so
-    nothing new can appear after that. The whole tree goes in each pass (not level by level: a
-    200-deep fork chain costs one pass, not 200). Each kill goes through a pidfd, and the start time
-    is checked again once it is open, so a pid reused by another process since the scan is spared."""
-    killed = set()
+    """SIGKILL root's whole tree, even one that forks faster than /proc can be read.
+
+    root must not reap meanwhile (the init calls this before it reaps, the supervisor with the init
+    stopped): then its children only accumulate, each a pid nobody can reuse, and every orphan of
+    the tree joins them (root is the subreaper). A round kills root's children and walks down from
+    them, killing each process before reading its children: once SIGKILL is pending a process
+    cannot fork, so the list it shows then is final, and a child that dies after the read has had
+    its own children reparented to root for the next round. It ends when two rounds in a row find
+    the same children, every one exited: an exited process has no children, so nothing is left."""
+    settled = None  # root's children, when the last round found every one exited
+    exited = set()  # root's children that have exited: they stay so, as root reaps none
+    signalled = set()
     while True:
-        fresh = {pid: start for pid, start in descendants(root).items() if (pid, start) not in killed}
-        if not fresh:
-            return
-        for pid, start in fresh.items():
-            killed.add((pid, start))
-            try:
-                fd = os.pidfd_open(pid)
-            except OSError:
+        children_of = _children_now if _CHILDREN_FILES else _scanned_children(root)
+        children = set(children_of(root))
+        todo = [(pid, root) for pid in children - exited]
+        walked, alive, fresh_kill = set(children), False, False
+        while todo:
+            pid, parent = todo.pop()
+            if _kill(pid, (parent, root)):  # root too: orphaned since its parent's list was read
+                alive, fresh_kill = True, fresh_kill or pid not in signalled
+                signalled.add(pid)
+            elif parent == root:
+                exited.add(pid)
+            elif _CHILDREN_FILES:  # it has exited (no children), or its pid may be another's by now
                 continue
-            try:
-                with open(f"/proc/{pid}/stat", "rb") as f:
-                    if int(f.read().rsplit(b")", 1)[1].split()[19]) == start:
-                        signal.pidfd_send_signal(fd, signal.SIGKILL)
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
+            # (from a scan, one that has exited is walked on: the children seen then are root's now)
+            fresh = set(children_of(pid)) - walked
+            walked |= fresh
+            todo += [(child, pid) for child in fresh]
+        if alive:
+            settled = None
+            if not fresh_kill:  # only processes killed already, still exiting: give them the CPU
+                time.sleep(0.001)
+        elif children == settled:
+            return
+        else:
+            settled = children
 
 
 def kill_tree() -> None:
-    """In the init: kill every descendant, then reap them all."""
+    """In the init: kill every descendant, then reap them all (all exited by then: no wait hangs)."""
     kill_descendants(os.getpid())
     while True:
         try:
@@ -148,6 +193,7 @@ def main() -> None:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, _stop)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    os.set_inheritable(cfg["ended_fd"], False)
     status = None
     try:
         _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -165,12 +211,17 @@ def main() -> None:
         pass
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)  # finish the kill even if asked twice
-    kill_tree()
     if status is None:  # stopped: report it the way a killed process is reported
+        kill_tree()
         os.kill(os.getpid(), signal.SIGKILL)
-    if os.WIFSIGNALED(status):  # 128+N, as bash and bwrap's pid 1 report it, in every tier
-        os._exit(128 + os.WTERMSIG(status))
-    os._exit(os.WEXITSTATUS(status))
+    # 128+N for a signal, as bash and bwrap's pid 1 report it, in every tier
+    code = 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+    try:  # told before the kill: if the deadline comes meanwhile, the command still ended in time
+        os.write(cfg["ended_fd"], f"{code} {time.monotonic()}".encode())
+    except OSError:
+        pass
+    kill_tree()
+    os._exit(code)
 
 
 # ---- the supervisor's side -------------------------------------------------------------------
@@ -180,15 +231,24 @@ _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 class Init:
     """One command's init, seen from the supervisor: Init(cfg, leaf) starts it (in the cgroup leaf
-    when the Sandbox has a cgroup), stop() kills the command's whole tree, close() once it is over."""
+    when the Sandbox has a cgroup), stop() kills the command's whole tree, ended() says when and how
+    the command itself ended, close() once it is over."""
 
     def __init__(self, cfg: dict, leaf=None, path: str = "/usr/bin:/bin"):
         import subprocess  # here, not at the top: the init itself starts faster without it
 
         self.leaf = leaf
-        self.proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _BOOT, _PACKAGE_PARENT],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     env={"PATH": path}, start_new_session=True)
+        self._ended_r, ended_w = os.pipe()
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _BOOT, _PACKAGE_PARENT],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                         env={"PATH": path}, start_new_session=True, pass_fds=(ended_w,))
+        except BaseException:
+            os.close(self._ended_r)
+            raise
+        finally:
+            os.close(ended_w)
+        cfg = {**cfg, "ended_fd": ended_w}  # the same number in the init
         try:
             if leaf is not None:
                 leaf.add(self.proc.pid)  # before the config: the init forks nothing until it has it
@@ -201,22 +261,39 @@ class Init:
             self.proc.wait()
             for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
                 pipe.close()
+            os.close(self._ended_r)
             raise
 
     def stop(self) -> None:
         """Kill everything the command started. With a cgroup: cgroup.kill. Without: freeze the init
-        (SIGSTOP; it stays the subreaper its orphans are reparented to, so the tree keeps its
-        ancestry), kill its descendants until a scan finds none, then the init. Never the init
+        (SIGSTOP; it stays the subreaper its orphans are reparented to, and reaps none of them),
+        kill its descendants until none is left (kill_descendants), then the init. Never the init
         first: its orphans would go to PID 1, out of reach."""
         if self.leaf is not None:
             self.leaf.kill()
             return
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGSTOP)
+            try:  # until it has stopped (or exited): a child it reaps meanwhile would unsettle the kill
+                os.waitid(os.P_PID, self.proc.pid, os.WSTOPPED | os.WEXITED | os.WNOWAIT)
+            except ChildProcessError:
+                pass  # exited, and reaped by another thread's wait
             kill_descendants(self.proc.pid)
         self.proc.kill()
 
+    def ended(self) -> tuple[int, float] | None:
+        """(exit code, time.monotonic()) of the command itself, as the init reported it when it reaped
+        it (before killing what it left), or None if it did not (the command was killed first).
+        Once the init is over."""
+        os.set_blocking(self._ended_r, False)
+        try:
+            code, at = os.read(self._ended_r, 64).split()
+            return int(code), float(at)
+        except (BlockingIOError, ValueError):
+            return None
+
     def close(self) -> None:
+        os.close(self._ended_r)
         if self.leaf is not None:
             self.leaf.close()  # an escapee the init missed would die here; the leaf goes
 

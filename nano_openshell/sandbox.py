@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass, field
 from . import initproc, launcher, namespaced, seccomp
 from . import workspace as workspace_mod
 from .cgroup import SandboxCgroup
-from .disk import DiskCheck
+from .disk import DiskCheck, Meter
 from .output import Capped as _Capped, drain as _drain  # noqa: F401 (_Capped: tests)
 from .owned import SANDBOX_UIDS, Owned, close_all, temp_dir  # noqa: F401 (close_all: what a leaving process calls)
 from .probe import TIERS, probe
@@ -183,7 +183,7 @@ class Sandbox:
         self.probe = probe()
         self.tier = self._choose_tier(min_tier, tier, allow_unisolated)
         self._closed = False
-        self._disk_used = None  # what the files took at the last command's end (disk.py), None = not known
+        self._disk = Meter()  # what the files take on disk, kept up to date by every command (disk.py)
         self._handovers = []  # workspace.Handover per root (as root): the workspace, each mount
         self._handover_lock = threading.Lock()
         self._owned = Owned()  # every Sandbox of the process is known to close_all() from here on
@@ -211,6 +211,7 @@ class Sandbox:
                 raise SandboxError(f"workspace {self.workspace!r} is not reachable by the sandbox's unprivileged "
                                    "uid: as root, every directory above it must be world-traversable (o+x)")
             self._make_mounts(mounts)
+            self._measure_files()
             if self.uid is not None:
                 self._handovers = [workspace_mod.Handover(root, self.uid)
                                    for root in [self.workspace] + sorted(self._mounts.values())]
@@ -295,6 +296,14 @@ class Sandbox:
             self._mounts[path] = workspace_mod.make_mount_dir(source)
             self._owned.add_dir(self._mounts[path])
 
+    def _measure_files(self) -> None:
+        """What the workspace and the mounts take when the Sandbox is made: the first command is
+        allowed that much if it is over the limit (it is killed for what it adds)."""
+        try:
+            self._disk.settle([self.workspace, *self._mounts.values()])
+        except OSError:
+            pass  # the first command's check says why the files cannot be measured, and kills it
+
     def path_of(self, path: str) -> str:
         """The host directory behind a path of the sandbox: /workspace or one of the Sandbox's mounts."""
         if path == namespaced.WORKDIR:
@@ -368,10 +377,8 @@ class Sandbox:
                               f"command's timeout ({seen} entries looked at); the command did not run\n", True,
                               False, round((time.monotonic() - start) * 1000, 3), self.tier, list(self.gaps))
         if self.tier == "namespaced":
-            disk = self._disk_check([])
-            code, out, err, timed_out = self._exec_namespaced(command, start + timeout, disk)
-            self._disk_used = disk.used  # the next command's starting point: no walk before it
-        else:  # its TMPDIR, counted while it runs, goes with it: the next command measures afresh
+            code, out, err, timed_out = self._exec_namespaced(command, start + timeout, self._disk_check([]))
+        else:
             code, out, err, timed_out = self._exec_init(command, start + timeout)
         return ExecResult(code, out.text(), err.text(), timed_out, out.truncated or err.truncated,
                           round((time.monotonic() - start) * 1000, 3), self.tier, list(self.gaps))
@@ -382,8 +389,7 @@ class Sandbox:
     def _disk_check(self, extra_roots: list[str]) -> DiskCheck:
         """The check of Limits.disk_bytes over the host directories this command can write to: the
         workspace, the mounts and (tiers without namespaces) its TMPDIR."""
-        return DiskCheck([self.workspace, *self._mounts.values(), *extra_roots], self.limits.disk_bytes,
-                         self._disk_used)
+        return DiskCheck(self._disk, [self.workspace, *self._mounts.values(), *extra_roots], self.limits.disk_bytes)
 
     def _exec_namespaced(self, command: str, deadline: float, disk: DiskCheck):
         """One command through the Sandbox's init (launcher.py, nsinit.c): a posix_spawn of bash in
@@ -424,12 +430,28 @@ class Sandbox:
                    "argv": argv, "env": self._env(self.workspace, tmpdir)}
             init = initproc.Init(cfg, self.cgroup.leaf() if self.cgroup is not None else None, SAFE_PATH)
             try:
-                return _drain(init.proc, deadline, self.limits.output_bytes, init.stop, self._owned,
-                              self._disk_check([tmpdir]))
+                code, out, err, timed_out = _drain(init.proc, deadline, self.limits.output_bytes, init.stop,
+                                                   self._owned, self._disk_check([tmpdir]))
+                ended = init.ended()
+                if timed_out and ended is not None and ended[1] < deadline:  # only its leftovers' kill ran late
+                    code, timed_out = ended[0], False
+                return code, out, err, timed_out
             finally:
                 init.close()
         finally:
-            workspace_mod.rmtree(tmpdir)
+            self._remove_tmpdir(tmpdir, deadline)
+
+    def _remove_tmpdir(self, tmpdir: str, deadline: float) -> None:
+        """A command's TMPDIR goes with it: no longer counted, and removed until the deadline (it may
+        hold any number of files), the rest in the background."""
+        with self._disk.lock:  # the command's passes are over (drain stopped them)
+            self._disk.forget(tmpdir)
+        try:
+            gone = time.monotonic() < deadline and workspace_mod.remove(tmpdir, deadline)
+        except OSError:
+            gone = False
+        if not gone:
+            workspace_mod.remove_later(tmpdir)
 
     def wait_ready(self, timeout: float = 10.0) -> bool:
         """Wait, running nothing, until the first command would not wait for the init's boot (the

@@ -226,16 +226,18 @@ class LocalSerializedTensor:
     values: list
 
 
+# Not torch's file_descriptor sharing (rebuild_storage_fd, multiprocessing's DupFd): its receiver fetches
+# the fd by connecting to an address the payload names, with its own multiprocessing authkey, so a
+# payload could make the engine connect anywhere, and no other process's fd ever arrives that way.
 _R = "torch.multiprocessing.reductions"
+_FD_SHARING = {(_R, "rebuild_storage_fd"), ("multiprocessing.resource_sharer", "DupFd")}
 _ALLOWED = {
     **{("builtins", n): None for n in ("list", "tuple", "dict", "set", "frozenset", "int", "float", "str", "bytes",
                                        "bool")},
-    **{(_R, n): getattr(reductions, n) for n in ("rebuild_tensor", "rebuild_typed_storage", "rebuild_storage_fd",
-                                                 "rebuild_typed_storage_child", "rebuild_storage_filename",
-                                                 "rebuild_storage_empty")},
+    **{(_R, n): getattr(reductions, n) for n in ("rebuild_tensor", "rebuild_typed_storage", "rebuild_storage_empty",
+                                                 "rebuild_typed_storage_child", "rebuild_storage_filename")},
     (_R, "rebuild_cuda_tensor"): _rebuild_cuda_tensor,
     ("collections", "OrderedDict"): None,
-    ("multiprocessing.resource_sharer", "DupFd"): None,
     ("torch", "Size"): torch.Size,
     ("torch", "Tensor"): torch.Tensor,
     ("torch._tensor", "Tensor"): torch.Tensor,
@@ -258,6 +260,9 @@ class _RestrictedUnpickler(pickle.Unpickler):
             return getattr(torch, name)
         if name == "_rebuild_cuda_tensor_modified" and module.split(".")[0] in ("sglang", "slime"):
             return _rebuild_cuda_tensor  # SGLang's (or slime's) UUID-aware rebuild: always ours
+        if (module, name) in _FD_SHARING:
+            raise WeightPayloadError(f"refusing to unpickle {module}.{name}: CPU tensors shared by file descriptor "
+                                     "are not taken; share them with torch.multiprocessing's file_system strategy")
         raise WeightPayloadError(f"refusing to unpickle {module}.{name}: not allowed in a weight payload")
 
 

@@ -1,5 +1,6 @@
 """Nothing outlives a command: timeouts kill the whole tree, fast, whatever it does to hide."""
 
+import ctypes
 import glob
 import os
 import shutil
@@ -174,6 +175,88 @@ def test_deep_fork_chain_is_killed_at_the_timeout(kill_path_sandbox):
     r = started(kill_path_sandbox.exec(cmd, timeout=1.5))
     assert r.timed_out and r.exit_code < 0
     assert wait_gone(sleep_arg(tok), within=1.0) == []
+
+
+# Left behind by a command that exits at once: a chain whose every link forks the next and exits
+# (a link lives ~1 ms, less than a pass over /proc takes), and a loop of double forks.
+RACING_TREE = ("c() {{ [ $1 -lt 5000 ] && ( c $(( $1 + 1 )) & ); }}; ( c 0 & ); "
+               "( while :; do ( ( sleep {s} & ) & ); done & ) # {tok}")
+
+
+def test_a_racing_tree_left_behind_dies_with_its_command(sandbox):
+    """The command ends at once; what it leaves reparents as fast as it forks. The kill at its end
+    must catch it all then: a command that ended is not reported timed out, nor waited on."""
+    tok = token()
+    cmd = f"echo {MARK}; " + RACING_TREE.format(s=sleep_arg(tok), tok=tok)
+    for run in range(15):
+        t0 = time.monotonic()
+        r = started(sandbox.exec(cmd, timeout=5))
+        elapsed = time.monotonic() - t0
+        assert (r.exit_code, r.timed_out) == (0, False), f"run {run}: {r.exit_code}, {r.timed_out} after {elapsed:.2f}s"
+        assert elapsed < 2.5, f"run {run} returned after {elapsed:.2f}s"
+        assert wait_gone(tok, within=1.0) == [], f"run {run}"
+
+
+_PTRACE_SEIZE, _WALL = 0x4206, 0x40000000
+
+
+def test_a_command_that_ended_in_time_is_not_reported_timed_out(kill_path_sandbox, tier):
+    """The command exits 3 long before its deadline, but the init's end of command (kill and reap
+    what it left) is held past the deadline: the sleep it left is traced by us, so once killed it
+    stays a zombie that only we can reap. The deadline then passes with the command over: the result
+    is its own exit code, not a timeout."""
+    if tier != "fallback":
+        pytest.skip("the fallback tier's init (initproc.py); the namespaced tier's reports its own way")
+    tok = token()
+    sleeping = f"sleep\0{sleep_arg(tok)}"
+    cmd = f"echo {MARK}; sleep {sleep_arg(tok)} & while [ ! -e go ]; do sleep 0.01; done; exit 3"
+    results = []
+    runner = threading.Thread(target=lambda: results.append(kill_path_sandbox.exec(cmd, timeout=1.5)))
+    runner.start()
+    end = time.monotonic() + 10
+    while not processes_with(sleeping) and time.monotonic() < end:
+        time.sleep(0.01)
+    [leftover] = processes_with(sleeping)
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.ptrace(_PTRACE_SEIZE, leftover, None, None) == 0, os.strerror(ctypes.get_errno())
+    try:
+        with open(os.path.join(kill_path_sandbox.workspace, "go"), "w"):
+            pass
+        runner.join(timeout=10)
+    finally:
+        os.kill(leftover, signal.SIGKILL)
+        os.waitpid(leftover, _WALL)  # the zombie, released to the init (or to PID 1 once it died)
+    [r] = results
+    assert r.duration_ms >= 1500  # the init was held past the deadline
+    assert (started(r).exit_code, r.timed_out) == (3, False)
+
+
+# An init's end of command, on a kernel without /proc/PID/task/TID/children: kill_tree must take the
+# tree's children from a pass over /proc, and still return only once nothing is left.
+SUBREAPER = textwrap.dedent("""
+    import os, sys
+    sys.path.insert(0, {root!r})
+    from nano_openshell import initproc
+    initproc._CHILDREN_FILES = False
+    initproc._prctl(initproc._PR_SET_CHILD_SUBREAPER, 1)
+    for run in range(5):
+        command = os.fork()
+        if command == 0:
+            os.execv("/bin/bash", ["bash", "-c", {cmd!r}])
+        os.waitpid(command, 0)
+        initproc.kill_tree()
+        print("killed", run, flush=True)
+""")
+
+
+def test_a_racing_tree_dies_without_children_files():
+    tok = token()
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cmd = RACING_TREE.format(s=sleep_arg(tok), tok=tok)
+    r = subprocess.run([sys.executable, "-c", SUBREAPER.format(root=root, cmd=cmd)],
+                       capture_output=True, text=True, timeout=20)
+    assert r.stdout.split("\n")[:5] == [f"killed {run}" for run in range(5)], (r.stdout, r.stderr)
+    assert wait_gone(tok, within=1.0) == []
 
 
 def test_close_kills_a_command_another_thread_runs(kill_path_sandbox):

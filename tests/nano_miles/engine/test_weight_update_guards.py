@@ -4,11 +4,15 @@ import base64
 import math
 import os
 import pickle
+import socket
+import threading
 from concurrent.futures import ThreadPoolExecutor
+from multiprocessing import resource_sharer
 
 import pytest
 import torch
 from safetensors.torch import save_file
+from torch.multiprocessing import reductions
 
 from nano_miles.engine import weight_group as G
 from nano_miles.engine.client import EngineRequestError
@@ -169,3 +173,43 @@ def test_non_finite_weights_are_refused_on_the_distributed_route(engine_client, 
         finally:
             assert engine_client.destroy_weights_update_group(group)["success"] is True
             G.destroy_weight_update_group(pg)
+class SharedByFd:
+    """Pickles like a CPU tensor shared by torch's file_descriptor strategy (torch.multiprocessing's
+    default on Linux): the receiver fetches the fd by connecting to the address the payload names."""
+
+    def __init__(self, address: str):
+        self.fd = resource_sharer.DupFd.__new__(resource_sharer.DupFd)
+        self.fd._id = (address, 1)
+
+    def __reduce__(self):
+        return reductions.rebuild_storage_fd, (torch.UntypedStorage, self.fd, 256)
+
+
+def test_a_payload_cannot_make_the_engine_connect_where_it_says(engine_client, tmp_path):
+    """An fd shared by file descriptor is fetched from the sending process's address, which the payload
+    names: the engine would connect wherever a payload said (and to no producer of ours: another process's
+    fds never reach it that way). Refused before any connection."""
+    connections = []
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(str(tmp_path / "l"))
+        listener.listen()
+
+        def accept():  # records who connects, and hangs up at once
+            try:
+                conn, _ = listener.accept()
+                connections.append(conn)
+                conn.close()
+            except OSError:  # the listener closed: nobody came
+                pass
+
+        watcher = threading.Thread(target=accept, daemon=True)
+        watcher.start()
+        before_version, before = version(engine_client), served_checksums(engine_client)
+        with pytest.raises(EngineRequestError, match="HTTP 400") as e:
+            engine_client.update_weights_from_tensor([_b64([("model.norm.weight", SharedByFd(str(tmp_path / "l")))])])
+        assert ("refusing to unpickle torch.multiprocessing.reductions.rebuild_storage_fd: CPU tensors shared by "
+                "file descriptor are not taken; share them with torch.multiprocessing's file_system strategy"
+                in str(e.value))
+        assert version(engine_client) == before_version and served_checksums(engine_client) == before
+    watcher.join(timeout=10)
+    assert connections == []
