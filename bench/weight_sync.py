@@ -149,7 +149,7 @@ def main():
     ap.add_argument("--engines", type=int, default=1, help="engine processes; M > 1 also measures the sync to all M")
     ap.add_argument("--engine-devices", default="", help="comma-separated, one per engine (cycled); "
                     "default: --engine-device for every engine")
-    ap.add_argument("--transports", default="disk,distributed,auto,ipc,staged")
+    ap.add_argument("--transports", default="disk,distributed,auto,ipc")
     ap.add_argument("--bucket-mb", type=float, default=1024.0)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--label", default="")
