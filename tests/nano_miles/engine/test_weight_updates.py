@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from nano_miles.engine.client import EngineRequestError
+from nano_miles.engine.protocol import API_KEY_ENV
 from nano_miles.engine import weight_group as G
 from nano_miles.engine import weights as W
 from tests.nano_miles.engine.test_server import hf_model, teacher_forced_logprobs
@@ -316,7 +317,7 @@ def test_cuda_ipc_bucket_from_another_process_on_the_same_gpu(tiny_model_path):
         out = subprocess.run([sys.executable, "-c", CUDA_TRAINER, engine.url,
                               str(next(tiny_model_path.glob("*.safetensors")))],
                              capture_output=True, text=True, timeout=300,
-                             env={**os.environ, "PYTHONPATH": os.getcwd()})
+                             env={**os.environ, "PYTHONPATH": os.getcwd(), API_KEY_ENV: engine.api_key})
         assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr + engine.log()
 
 
