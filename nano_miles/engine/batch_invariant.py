@@ -25,6 +25,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from nano_miles.engine import batch_invariant_triton  # triton itself only where it is installed
+
 KEY_BLOCK = 64             # attention reduces over keys in blocks of this many, from position 0, in order
 _CHUNK_ELEMENTS = 1 << 24  # torch backend: at most this many products materialised at once
 
@@ -33,11 +35,9 @@ def _triton(t: torch.Tensor):
     """The triton backend when `t` is on a CUDA device, else None."""
     if t.device.type != "cuda":
         return None
-    from nano_miles.engine import batch_invariant_triton as tk  # deferred: it needs triton, CPU installs lack it
-
-    if not tk.available():
+    if not batch_invariant_triton.available():
         raise RuntimeError("true on-policy mode on CUDA needs triton (pip install triton)")
-    return tk
+    return batch_invariant_triton
 
 
 def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

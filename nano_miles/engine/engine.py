@@ -15,6 +15,7 @@ import torch
 
 from nano_miles.dtypes import DTYPE_NAMES, resolve_dtype
 from nano_miles.engine import batch_invariant, batch_invariant_triton
+from nano_miles.engine.cuda_graph import DecodeGraphs
 from nano_miles.engine.flat_params import FlatParameters, wait_for_copies
 from nano_miles.engine.kv_cache import BlockManager, KVCache
 from nano_miles.engine.model import Batch, CausalLM, ModelConfig, load_safetensors, skip_weight_name
@@ -130,7 +131,6 @@ class Engine:
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.graphs = None
         if config.cuda_graph and self.device.type == "cuda":
-            from nano_miles.engine.cuda_graph import DecodeGraphs  # deferred: GPU only
             self.graphs = DecodeGraphs(self)
 
     def _auto_num_blocks(self) -> int:

@@ -19,6 +19,7 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -312,8 +313,6 @@ class CausalLM(nn.Module):
 
 def load_safetensors(model: CausalLM, folder: str):
     """Load every *.safetensors in `folder` into `model` by HF name; missing or unexpected names raise."""
-    from safetensors import safe_open  # deferred: only loading needs it
-
     files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {folder!r}")

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing  # registers torch's ForkingPickler reductions
+from safetensors.torch import load_file
 from torch.multiprocessing import reductions
 
 from nano_miles.dtypes import DTYPES
@@ -326,8 +327,6 @@ def _unwrap(name: str, wrapped: LocalSerializedTensor) -> torch.Tensor:
 
 def load_safetensors_folder(path: str | Path) -> list[tuple[str, torch.Tensor]]:
     """Every tensor of every *.safetensors file in a folder (an HF checkpoint)."""
-    from safetensors.torch import load_file  # deferred: only the disk route needs it
-
     folder = Path(path)
     files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else None
     if not files:

@@ -1,17 +1,12 @@
 """Push the trainer's weights into running inference engines, over SGLang's weight routes.
 
-Transports (payloads: engine/weights.py): `ipc` sends flattened buckets on the trainer's device to
-/update_weights_from_tensor (a CUDA IPC handle on the engine's GPU or a P2P peer; shared memory on
-CPU); `distributed` forms a group once (/init_weights_update_group), then broadcasts each bucket
-(NCCL, gloo on CPU) while the engines receive it (/update_weights_from_distributed): one broadcast
-reaches every engine; `disk` writes a safetensors folder (/update_weights_from_disk); `shared` has
-CPU engines map a CPU trainer's weights (engine/shared_weights.py, train's mode=sync only), so a sync
-is a version bump and a KV flush. `auto` picks from the layout (choose_transport).
-
-Every sync pauses the engines in place around it (SGLang's pause_generation mode in_place): requests
-in flight keep their KV and finish under the new weights (docs/design.md: why one mode). Weights
-holding a NaN or an infinity are never sent (NonFiniteWeights). sync() reports its phases in ms
-(prepare, pack, send, free) and the first engine's own timings_ms of its last answer.
+Transports (docs/design.md says which and why; payloads in engine/weights.py): `ipc` (flattened
+buckets as CUDA IPC handles, shared memory on CPU), `distributed` (one NCCL or gloo broadcast per
+bucket reaches every engine), `disk` (a safetensors folder), `shared` (CPU engines map a CPU
+trainer's weights: a sync is a version bump and a KV flush); `auto` picks one (choose_transport).
+Every sync pauses the engines in place around it: requests in flight keep their KV and finish under
+the new weights. Weights holding a NaN or an infinity are never sent (NonFiniteWeights). sync()
+reports its phases in ms (prepare, pack, send, free) and the first engine's timings_ms.
 """
 from __future__ import annotations
 
@@ -27,6 +22,7 @@ from dataclasses import dataclass
 from urllib.parse import urlparse
 
 import torch
+from safetensors.torch import save_file
 
 from nano_miles.dtypes import dtype_name
 from nano_miles.engine import weight_group as G
@@ -168,8 +164,7 @@ class WeightSync:
                 "fast_path": bool(answers) and all(a.get("fast_path", True) for a in answers)}
 
     def before_update(self) -> None:
-        """Call before the trainer updates. With the shared transport (colocated, mode=sync) the idle
-        engines drop their KV cache's memory meanwhile, so the trainer's peak and theirs do not add up."""
+        """Before the trainer updates: with `shared`, the idle engines drop their KV cache's memory meanwhile."""
         if self.transport == "shared":
             self._on_all(lambda c: c.release_memory_occupation(["kv_cache"]))
 
@@ -232,9 +227,9 @@ class WeightSync:
     def _send_tensor(self, buckets, version):
         for bucket, last in buckets:
             t = time.perf_counter()
-            # No synchronize: sharing a CUDA storage records an IPC event on its stream after the
-            # flatten, and the receiver's rebuild waits on it; so the HTTP call overlaps the flatten.
-            payload, flat = W.serialize_bucket(bucket)  # a fresh buffer for every sync
+            # A fresh buffer every sync (a server may answer before its copy of the last one is done);
+            # no synchronize: the receiver's rebuild waits on the IPC event recorded after the flatten.
+            payload, flat = W.serialize_bucket(bucket)
             t = self._phase("pack", t)
             self._answers = self._on_all(lambda c: c.update_weights_from_tensor(
                 payload, load_format="flattened_bucket", flush_cache=last, weight_version=version if last else None))
@@ -296,8 +291,6 @@ class WeightSync:
             self._phase("send", start)  # flatten + broadcast + the engines' swap (they overlap)
 
     def _send_disk(self, buckets, version):
-        from safetensors.torch import save_file  # deferred: only this transport needs it
-
         self._disk_dir = self._disk_dir or tempfile.mkdtemp(prefix="nano-miles-weights-")
         os.makedirs(self._disk_dir, exist_ok=True)
         start = time.perf_counter()
