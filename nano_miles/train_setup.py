@@ -28,7 +28,7 @@ from transformers import AutoTokenizer
 from nano_miles.config import to_dict
 from nano_miles.dtypes import TRAINABLE
 from nano_miles.engine.client import EngineUnavailable
-from nano_miles.engine.handle import Layout, plan_layout
+from nano_miles.engine.layout import Layout, plan_layout
 from nano_miles.engine.pool import EnginePool
 from nano_miles.evaluate import RunEvaluation
 from nano_miles.job import RolloutCommandConfig, model_folder, selected_tasks
@@ -259,11 +259,8 @@ class Run:
         if self.syncer is not None:
             self.syncer.close()
         self.syncer = None
-        sync_cfg = self.cfg.sync
-        if sync_cfg.pause_mode == "auto":  # async: rollouts are in flight at every sync; don't wait them out
-            sync_cfg = dataclasses.replace(sync_cfg, pause_mode="in_place" if self.cfg.mode == "async" else "drain")
         self.synced_replicas = self.engines.to_sync()
-        self.syncer = WeightSync.from_config(self.trainer, [r.url for r in self.synced_replicas], sync_cfg,
+        self.syncer = WeightSync.from_config(self.trainer, [r.url for r in self.synced_replicas], self.cfg.sync,
                                              allow_shared=self.cfg.mode == "sync")
 
     def _recover(self, err: Exception, attempt: int, what: str) -> None:

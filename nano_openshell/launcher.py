@@ -18,7 +18,8 @@ close() closes the socket (the init exits, and the kernel kills the rest of its 
 kills bwrap if that takes more than a moment.
 
 Trust. The init runs under the sandbox's uid, beside the commands: what it reports is parsed as
-untrusted (one short line), and no deadline depends on it. A command it does not stop within
+untrusted (short lines), and no deadline depends on it; what it says of when a command ended
+decides only whether that command's result is a timeout. A command it does not stop within
 _KILL_WAIT of a kill request gets the whole sandbox killed instead (the next command starts a new one).
 """
 
@@ -382,11 +383,13 @@ class Init:
 
 
 class Command:
-    """One command in the init: what output.drain needs of a Popen (run() sets stdout/stderr)."""
+    """One command in the init: what output.drain needs of a Popen (run() sets stdout/stderr), and
+    ended: (exit code, time.monotonic()) of its main process as the init reaped it, before killing
+    what it left (None until wait() has read that)."""
 
     def __init__(self, init: Init, cid: int, status_fd: int):
         self._init, self._cid, self._status, self._buf = init, cid, status_fd, b""
-        self.returncode, self._killed_at = None, None
+        self.returncode, self._killed_at, self.ended = None, None, None
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is not None:
@@ -417,16 +420,26 @@ class Command:
         return self.returncode
 
     def _line(self, timeout):
+        """The next status line but D lines (each one before it goes into ended); False at the
+        timeout; at EOF, what came without a newline, or None."""
         end = None if timeout is None else time.monotonic() + timeout
-        while b"\n" not in self._buf:
-            left = None if end is None else max(0.0, end - time.monotonic())
-            if not _ready(self._status, select.POLLIN, left):
-                return False
-            data = os.read(self._status, _MAX_STATUS)
-            if not data:
-                return self._buf or None
-            self._buf = (self._buf + data)[-_MAX_STATUS:]
-        return self._buf.split(b"\n", 1)[0]
+        while True:
+            while b"\n" not in self._buf:
+                left = None if end is None else max(0.0, end - time.monotonic())
+                if not _ready(self._status, select.POLLIN, left):
+                    return False
+                data = os.read(self._status, _MAX_STATUS)
+                if not data:
+                    return self._buf or None
+                self._buf = (self._buf + data)[-_MAX_STATUS:]
+            line, self._buf = self._buf.split(b"\n", 1)
+            if not line.startswith(b"D"):
+                return line
+            try:
+                code, ns = line[1:].split()
+                self.ended = int(code), int(ns) / 1e9
+            except (ValueError, OverflowError):  # not what the init writes: as if it had said nothing
+                pass
 
     def kill(self) -> None:
         if self.returncode is None and self._killed_at is None:
@@ -460,7 +473,10 @@ def run(start_init, script: str, env: dict[str, str], deadline: float, output_by
             if fd is not None:
                 os.close(fd)
     proc.stdout, proc.stderr = open(out_r, "rb", buffering=0), open(err_r, "rb", buffering=0)
-    return drain(proc, deadline, output_bytes, proc.kill, disk=disk)
+    code, out, err, timed_out = drain(proc, deadline, output_bytes, proc.kill, disk=disk)
+    if timed_out and proc.ended is not None and proc.ended[1] < deadline:  # only its leftovers' kill ran late
+        code, timed_out = proc.ended[0], False
+    return code, out, err, timed_out
 
 
 def _write_all(fd: int, data: bytes) -> None:

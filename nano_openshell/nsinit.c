@@ -11,7 +11,8 @@ Messages (launcher.encode builds them; the docstring of nsinit.py says what each
   'r' u64 id, u32 argc, u32 envc, argc + envc NUL-terminated strings  + SCM_RIGHTS [status, out, err(, script)]
   'k' u64 id
   'p'                                                                  + SCM_RIGHTS [status]
-Status lines: "R\n" (ping), "X<code>\n" (the command and all it started are gone), "E<why>\n". */
+Status lines: "R\n" (ping), "D<code> <ns>\n" (the command's main process was reaped: its code, and
+CLOCK_MONOTONIC then), "X<code>\n" (the command and all it started are gone), "E<why>\n". */
 #define _GNU_SOURCE
 #include <dirent.h>
 #include <errno.h>
@@ -339,8 +340,14 @@ static void receive(void) {  /* every message waiting (one wakeup may bring seve
 
 /* ---- exits ---------------------------------------------------------------------------------- */
 
-/* reap every exited child without blocking; finished commands move to done[]. Returns whether any
-   child is left. */
+static int exit_code(const struct command *cmd) {  /* as bash reports it; -9 when killed on request */
+    int s = cmd->exit_status;
+    return cmd->killed ? -9 : WIFSIGNALED(s) ? 128 + WTERMSIG(s) : WEXITSTATUS(s);
+}
+
+/* reap every exited child without blocking; finished commands move to done[], each told at once
+   that it ended (before what it left is killed: a deadline passing meanwhile is not its own).
+   Returns whether any child is left. */
 static int reap(struct command *done, size_t *n_done) {
     for (;;) {
         int status;
@@ -350,6 +357,7 @@ static int reap(struct command *done, size_t *n_done) {
         for (size_t i = 0; i < n_running; i++) {
             if (running[i].pid != pid) continue;
             running[i].exit_status = status;
+            write_line(running[i].status_fd, "D%d %lld", exit_code(&running[i]), (long long)now_ns());
             done[(*n_done)++] = running[i];
             running[i] = running[--n_running];
             break;
@@ -377,9 +385,7 @@ static void settle(void) {
     }
     if (!n_running && others) { kill_all(); reap_all(); }  /* nothing runs: everything but us goes */
     for (size_t i = 0; i < n_done; i++) {
-        int s = done[i].exit_status;
-        int code = done[i].killed ? -9 : WIFSIGNALED(s) ? 128 + WTERMSIG(s) : WEXITSTATUS(s);  /* as bash reports it */
-        write_line(done[i].status_fd, "X%d", code);
+        write_line(done[i].status_fd, "X%d", exit_code(&done[i]));
         close(done[i].status_fd);
     }
     /* after the reports: a TMPDIR full of files must not delay its command's result */

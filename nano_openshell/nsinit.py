@@ -15,10 +15,12 @@ message are in nsinit.c's header, launcher.encode builds them):
                            script fd (a large command, a memfd) is its fd 3, read as /dev/fd/3
   ("kill", id)             kill that command's whole tree (the supervisor's timeout)
   ("ping",) + SCM_RIGHTS [status]: answered b"R\n" on status: the init is up (Sandbox.wait_ready)
-On the command's status pipe the init writes b"X<code>\n" once the command and everything it
-started are gone (code: the exit status, 128+N for a signal N, -9 when killed on request), or
-b"E<why>\n" when it could not start; then closes it. EOF on FD: the Sandbox is closing or its
-supervisor died; the init exits, and the kernel kills everything left in the pid namespace.
+On the command's status pipe the init writes b"D<code> <ns>\n" as soon as it reaps the command's
+main process (ns: time.monotonic_ns() then), before it kills what that process left; b"X<code>\n"
+once the command and everything it started are gone (code: the exit status, 128+N for a signal N,
+-9 when killed on request), or b"E<why>\n" when it could not start; then closes it. EOF on FD: the
+Sandbox is closing or its supervisor died; the init exits, and the kernel kills everything left in
+the pid namespace.
 
 Each command runs in its own session (so its own process group) with stdin /dev/null, cwd /workspace
 (the init's own) and the environment it was sent. As pid 1 the init is the reaper of every orphan,
@@ -181,13 +183,7 @@ class Init:
             _kill_all()
             _reap_all()
         for cmd, status in done:
-            if cmd.killed:
-                code = -9
-            elif os.WIFSIGNALED(status):  # as bash reports a signal death, in every tier
-                code = 128 + os.WTERMSIG(status)
-            else:
-                code = os.WEXITSTATUS(status)
-            _write(cmd.status_fd, b"X%d\n" % code)
+            _write(cmd.status_fd, b"X%d\n" % _exit_code(cmd, status))
             os.close(cmd.status_fd)
         # after the reports: a TMPDIR full of files must not delay its command's result; what is not
         # gone within the budget stays in /tmp (the Sandbox's own) until the Sandbox closes
@@ -198,7 +194,8 @@ class Init:
 
     def reap(self) -> tuple[list, bool]:
         """Reap every exited child without blocking: (the commands whose main process it was, whether
-        any child is left)."""
+        any child is left). Each such command is told at once that it ended (before what it left is
+        killed: a deadline passing meanwhile is not its own)."""
         done = []
         while True:
             try:
@@ -210,7 +207,16 @@ class Init:
             cmd = self.running.pop(pid, None)
             if cmd is not None:
                 del self.by_id[cmd.id]
+                _write(cmd.status_fd, b"D%d %d\n" % (_exit_code(cmd, status), time.monotonic_ns()))
                 done.append((cmd, status))
+
+
+def _exit_code(cmd: _Command, status: int) -> int:
+    if cmd.killed:
+        return -9
+    if os.WIFSIGNALED(status):  # as bash reports a signal death, in every tier
+        return 128 + os.WTERMSIG(status)
+    return os.WEXITSTATUS(status)
 
 
 def _write(fd: int, data: bytes) -> None:

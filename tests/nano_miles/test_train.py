@@ -19,12 +19,13 @@ import pytest
 import torch
 
 from nano_miles import cli
-from nano_miles.engine.client import EngineClient, start_engine_process
+from nano_miles.engine.client import EngineClient
+from nano_miles.engine.process import start_engine_process
 from nano_miles.config import config_from_args, load_config, parse_set
 from nano_miles.engine.engine import EngineConfig
 from nano_miles.engine.protocol import API_KEY_ENV
 from nano_miles.engine.server import ServerConfig, add_arguments
-from nano_miles.engine.handle import EngineLaunchConfig, plan_layout
+from nano_miles.engine.layout import EngineLaunchConfig, plan_layout
 from nano_miles.models.prepare import resolve_model
 from nano_miles.rollout.producer import TaskStream
 from nano_miles.tasks import select_tasks
