@@ -5,6 +5,7 @@ their files in an unreadable directory, write to TMPDIR or to a mount, or make e
 thousand. Each is stopped at the limit (the command killed, stderr saying why) instead of writing
 until its timeout.
 """
+import math
 import os
 import re
 import stat
@@ -227,9 +228,12 @@ def test_the_running_total_follows_the_files_pass_by_pass(tmp_path):
     root = str(tmp_path)
     (tmp_path / "a" / "b").mkdir(parents=True)
     (tmp_path / "old").write_bytes(b"x" * 100)
+    os.utime(tmp_path / "a", (1, 1))  # a is trusted and never listed again: b's growth shows in b's own visit
     meter = Meter()
     meter.settle([root])
     assert meter.total == usage([root])
+    refresh_due = meter._next_cycle
+    meter._next_cycle = math.inf  # no refresh cycle until the old file's turn below: what each pass sees by design
 
     def one_pass() -> int:
         assert meter.measure([root], lambda: False)
@@ -241,6 +245,7 @@ def test_the_running_total_follows_the_files_pass_by_pass(tmp_path):
     assert one_pass() == usage([root])
     with open(tmp_path / "a" / "b" / "new0", "ab") as f:  # written after it was made: b's mtime stays
         f.write(b"x" * MIB)
+        os.fsync(f.fileno())  # its blocks allocated now: writeback may otherwise add some between the two counts
     assert one_pass() == usage([root])
     workspace_mod.rmtree(str(tmp_path / "a"))
     assert one_pass() == usage([root])
@@ -248,6 +253,7 @@ def test_the_running_total_follows_the_files_pass_by_pass(tmp_path):
         f.write(b"x" * MIB)
     (tmp_path / "c").mkdir()
     os.link(tmp_path / "old", tmp_path / "c" / "link")
+    meter._next_cycle = refresh_due  # these show at the next refresh cycle
     end = time.monotonic() + 30
     while one_pass() != usage([root]) and time.monotonic() < end:
         time.sleep(0.01)
