@@ -55,7 +55,7 @@ def test_two_ranks_checkpoint_resumes_in_one_process(two_rank_run, one_process_r
 def test_a_one_process_checkpoint_resumes_on_two_ranks(two_rank_run, one_process_results):
     """checkpoint.py's files (whole safetensors, torch.save'd AdamW state): each rank reads its rows,
     and the 2 ranks continue as the one process does."""
-    got = torch.load(two_rank_run / "resumed.pt")
+    got = torch.load(two_rank_run / "resumed.pt", weights_only=True)
     assert_same_state(got["loaded"], one_process_results[CHECKPOINTED][1], "2 ranks from one process's checkpoint")
     assert _worst(got["continued"]["masters"], one_process_results["continued"][1]["masters"]) <= 1e-6
 

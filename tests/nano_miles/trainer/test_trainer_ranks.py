@@ -24,7 +24,7 @@ def test_two_ranks_make_the_update_of_one_process(two_rank_run, one_process_resu
     near eps: one process alone moves by ~1e-5 between micro-batch sizes 1 and 2, so that is the
     bound there. In bf16 the updates are compared: the sharded masters start from the checkpoint's
     FP32 values, one process's from their bf16 rounding (it loads the model in bf16)."""
-    got = torch.load(two_rank_run / f"{name}.pt")
+    got = torch.load(two_rank_run / f"{name}.pt", weights_only=True)
     metrics, state = one_process_results[name]
     _, micro_batch_size, _, dtype = SCENARIOS[name]
     initial = load_file(str(tiny_model_path / "model.safetensors"))
@@ -75,7 +75,7 @@ def test_rollouts_sampled_at_a_temperature_are_scored_at_it_on_the_ranks(one_pro
 
 def test_weights_are_gathered_whole_from_uneven_shards(two_rank_run):
     """dim 0 of 5 rows on 2 ranks is 3 + 2; of 1 row, 1 + nothing: rank 0 gets the whole tensors."""
-    got = torch.load(two_rank_run / "odd_shapes.pt")
+    got = torch.load(two_rank_run / "odd_shapes.pt", weights_only=True)
     assert torch.equal(got["odd0"], torch.arange(15.0).view(5, 3))
     assert torch.equal(got["odd1"], torch.arange(3.0).view(1, 3))
 
@@ -112,7 +112,7 @@ def test_two_gpus_over_nccl_make_the_update_of_one_gpu(tmp_path, tiny_model_path
         trainer = Trainer(sharded_ranks.trainer_config(str(tiny_model_path), name, device="cuda:0"))
         before = {n: m.detach().float().cpu() for n, m in zip(trainer.names, trainer.masters)}
         metrics = sharded_ranks.update(trainer, name)
-        got = torch.load(tmp_path / f"{name}.pt", map_location="cpu")
+        got = torch.load(tmp_path / f"{name}.pt", map_location="cpu", weights_only=True)
         worst = max(float((got["fp32"][n] - initial[n] - (m.detach().float().cpu() - before[n])).abs().max())
                     for n, m in zip(trainer.names, trainer.masters))
         assert worst <= 2e-5, f"{name}: the update differs from one GPU's by {worst:.2e}"
