@@ -175,11 +175,6 @@ def log_softmax(logits):
     return y.view(logits.shape)
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, positions):
-    """The engine's fast decode attention: one query row per sequence, tiles sized to the head_dim."""
-    return paged_attention(q, k_cache, v_cache, block_tables, positions, 1, max(16, min(64, 4096 // q.shape[-1])))
-
-
 def paged_attention(q, k_cache, v_cache, block_tables, positions, rows_per_table, key_block):
     R, H, D = q.shape
     _, BS, KV, _ = k_cache.shape

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from nano_miles.dtypes import DTYPE_NAMES, resolve_dtype
-from nano_miles.engine import batch_invariant, batch_invariant_triton
+from nano_miles.engine import batch_invariant, triton_attention
 from nano_miles.engine.cuda_graph import DecodeGraphs
 from nano_miles.engine.flat_params import FlatParameters, wait_for_copies
 from nano_miles.engine.kv_cache import BlockManager, KVCache
@@ -115,12 +115,12 @@ class Engine:
             # FP32-accumulated result at bf16-like speed. No other FP32 matmul runs in a bf16 engine.
             torch.set_float32_matmul_precision("high")
         D = mc.head_dim
-        usable = batch_invariant_triton.available() and self.device.type == "cuda" and D >= 16 and D & (D - 1) == 0
+        usable = triton_attention.available(self.device) and D >= 16 and D & (D - 1) == 0
         if config.attention_backend == "triton" and not usable:
             raise ValueError("attention_backend='triton' needs triton, a CUDA device and a power-of-two head_dim >= 16")
         self.attention_backend = "triton" if usable and config.attention_backend != "torch" else "torch"
         if self.attention_backend == "triton":
-            self.model.decode_attention = batch_invariant_triton.paged_decode_attention
+            self.model.decode_attention = triton_attention.paged_decode_attention
         self.num_kv_blocks = config.num_kv_blocks or self._auto_num_blocks()
         self.kv = KVCache(mc.num_layers, self.num_kv_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
                           self.dtype, self.device)

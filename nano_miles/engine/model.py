@@ -143,7 +143,7 @@ def paged_attention(q, k, v, batch: Batch, k_cache, v_cache, attn_info, decode_a
     if exact:  # every query row, prefill or decode, through the same batch-invariant loop over its pages
         return batch_invariant.paged_attention(q.reshape(B * Q, H, D), k_cache, v_cache, batch.block_tables,
                                                batch.positions.reshape(-1), queries_per_table=Q).view(B, Q, H * D)
-    if decode_attention is not None:  # Q == 1: read the pages in place (batch_invariant_triton.py)
+    if decode_attention is not None:  # Q == 1: read the pages in place (triton_attention.py)
         return decode_attention(q.view(B, H, D), k_cache, v_cache, batch.block_tables, attn_info).view(B, Q, H * D)
     N, G = batch.block_tables.shape[1], H // KV
     keys = k_cache[batch.block_tables].view(B, N * k_cache.shape[1], KV, D).transpose(1, 2)
@@ -279,7 +279,7 @@ class CausalLM(nn.Module):
         B, Q = batch.input_ids.shape
         decode_attention = self.decode_attention if Q == 1 and not self.batch_invariant else None
         if decode_attention is not None:
-            attn_info = batch.positions[:, 0]  # the paged kernel masks by position itself
+            attn_info = batch.positions[:, 0] + 1  # the paged kernel's context lengths (keys before them)
         elif self.batch_invariant:
             attn_info = None  # the batch-invariant loop masks by batch.positions itself
         else:  # [B, 1, Q*G, L]: query row (token q, head g) sees keys at positions <= positions[q]
