@@ -28,7 +28,7 @@ import secrets
 import signal
 import time
 
-from .namespaced import start_time
+from .owned import start_time
 
 _counter = itertools.count()
 _layout = None  # (v2 parent, v2 caps?, {v1 controller: parent}): where this process makes its cgroups

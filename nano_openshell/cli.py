@@ -16,6 +16,12 @@ import signal
 import sys
 import threading
 
+from .api import SandboxError, validate_command, validate_timeout
+from .policy import Policy, PolicyError
+from .probe import probe
+from .proxy import ProxyServer
+from .sandbox import Sandbox
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit 2
@@ -29,8 +35,6 @@ def _fail(message: str, code: int = 2) -> int:
 
 
 def _cmd_exec(args) -> int:
-    from .sandbox import Sandbox, SandboxError, validate_command, validate_timeout
-
     words = args.command[1:] if args.command[:1] == ["--"] else args.command
     # one word is the whole bash command; several are joined as shell words, quoted
     command = words[0] if len(words) == 1 else " ".join(shlex.quote(w) for w in words)
@@ -57,17 +61,11 @@ def _cmd_exec(args) -> int:
 
 
 def _cmd_probe(args) -> int:
-    from .probe import probe
-
     print(json.dumps(probe(), indent=2))
     return 0
 
 
 def _cmd_proxy(args) -> int:
-    from .policy import Policy, PolicyError
-    from .probe import probe
-    from .proxy import ProxyServer
-
     try:
         policy = Policy.load(args.policy)
     except (PolicyError, OSError) as e:

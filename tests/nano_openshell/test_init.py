@@ -183,7 +183,7 @@ def test_a_dead_init_fails_that_command_clearly_and_the_next_one_restarts_it(ns)
 
 
 def test_an_init_that_stops_answering_costs_the_sandbox_not_a_hang(ns, monkeypatch):
-    monkeypatch.setattr(launcher, "_KILL_WAIT", 0.5)
+    monkeypatch.setattr(launcher, "KILL_WAIT", 0.5)
     ns.exec("true", timeout=10)
     os.kill(_init_pid(ns), signal.SIGSTOP)  # from the host: the init can neither spawn nor kill now
     t0 = time.monotonic()
