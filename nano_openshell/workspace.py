@@ -1,21 +1,12 @@
-"""A sandbox's directories on the host, which its commands may change under us: walked by fd and never
+"""A sandbox's directories on the host, which its commands may change under us: walked by fd, never
 through a link (walk), handed to the sandbox's uid (Handover), removed within a deadline (remove).
 
-walk() goes down by name and back up by "..", which must be the directory it came from (Moved
-otherwise): a tree of any depth needs no recursion, one more fd at a time and no path (none longer
-than PATH_MAX). disk.py measures with it too.
-
-Handover (as root): before each command the workspace and the mounts must be the sandbox uid's,
-whatever the host wrote there since the last one. A link is never followed, so a link planted by a
-command cannot make us chown a host file; a file with several hard links is left alone (where
-protected_hardlinks is off, one could be a host file). A directory is remembered with its mtime
-once handed over: while the mtime stays, it holds no entry it did not hold then, and an unchanged
-tree costs one fstat per directory. An mtime younger than FRESH_NS is not trusted (timestamps tick
-coarsely). Not seen: the host chowning an existing file in place (writers create files). The walk
-stops at the command's deadline, and the next one goes on from what it finished.
-
-Removal: a command can leave hundreds of thousands of files; remove() works until its deadline,
-remove_later() finishes in one background thread (waited for at interpreter exit, up to EXIT_WAIT).
+Handover (as root), before each command: whatever the host wrote since becomes the sandbox uid's. A
+link is never followed and a file with several hard links is left alone (it could be a host file),
+so a planted link cannot make us chown a host file. A directory whose mtime has not moved since it
+was handed over holds no new entry, so an unchanged tree costs one fstat per directory (an mtime
+younger than FRESH_NS is not trusted: timestamps tick coarsely; a file the host chowns in place is
+not seen). The walk stops at the deadline; the next one goes on from what it finished.
 """
 
 import atexit
@@ -40,10 +31,11 @@ class Replaced(Exception):
 
 
 def walk(root: int, listing, enter, leave) -> bool:
-    """Depth first under the directory open at root (left open). listing(fd) does a directory's own
-    work and gives its subdirectories as [(name, (dev, ino) as listed, or None)], or None to stop
-    (False is returned); enter(name, ident, parent_fd) opens one: (fd, state), or None to pass it
-    over; leave(parent_fd, name, fd, state) runs on the way back up. True when the whole tree was done."""
+    """Depth first under the directory open at root, down by name and back up by "..", which must be
+    the directory it came from (Moved): any depth, one more fd at a time, no path. listing(fd) does a
+    directory's work and gives its subdirectories [(name, (dev, ino) or None)], or None to stop
+    (False); enter(name, ident, parent_fd) -> (fd, state) or None to pass over; leave(parent_fd,
+    name, fd, state) on the way back up. True when the whole tree was done."""
     cur = root
     levels = [(dir_ident(root), listing(root), None, None)]  # per depth: (dev, ino), subdirs left, name, state
     try:
@@ -84,9 +76,8 @@ def dir_ident(fd: int) -> tuple[int, int]:
 
 def open_subdir(name: str, dir_fd: int, expect: tuple[int, int] | None = None) -> tuple[int, int | None]:
     """(fd, the mode it had or None) of the subdirectory `name`, no link followed; Replaced when it is
-    not `expect` (its dir_ident as listed), checked before anything changes. One its command closed to
-    everyone (mode 000), which a non-root supervisor may not read, is given u+rwx first, through an
-    O_PATH handle (PermissionError when it is not ours); the caller may give the mode back."""
+    not `expect` (as listed). One closed to us (mode 000: a non-root supervisor) is given u+rwx first,
+    through an O_PATH handle (PermissionError when not ours); the caller may give the mode back."""
     try:
         fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
     except PermissionError:
@@ -181,8 +172,8 @@ class Handover:
 
 
 def remove(path: str, deadline: float) -> bool:
-    """rm -rf path without following links, until the deadline; True when it is gone. Directories a
-    command made read-only are opened up first (a non-root supervisor has no override)."""
+    """rm -rf path without following links, until the deadline; True when it is gone (the rest:
+    remove_later). Directories a command closed are opened up first."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -192,10 +183,6 @@ def remove(path: str, deadline: float) -> bool:
         return True
     fd = os.open(path, _DIR_FLAGS)
     count = [0]
-
-    def listing(d: int):
-        names = _opened_up_listing(d, count, deadline)
-        return None if names is None else [(name, None) for name in names]
 
     def enter(name: str, _ident, parent: int):
         try:
@@ -210,7 +197,7 @@ def remove(path: str, deadline: float) -> bool:
             pass  # not empty: a subdirectory that could not be opened; rmdir below says so
 
     try:
-        if not walk(fd, listing, enter, leave):
+        if not walk(fd, lambda d: _opened_up_listing(d, count, deadline), enter, leave):
             return False
     except Moved:
         return False  # never follow it out of the tree: the background remover tries again
@@ -220,8 +207,8 @@ def remove(path: str, deadline: float) -> bool:
     return True
 
 
-def _opened_up_listing(fd: int, count: list[int], deadline: float) -> list[str] | None:
-    """Give the directory u+rwx and unlink its files; its subdirectories' names (None: the deadline)."""
+def _opened_up_listing(fd: int, count: list[int], deadline: float) -> list | None:
+    """Give the directory u+rwx and unlink its files; its subdirectories, for walk (None: the deadline)."""
     try:
         os.fchmod(fd, 0o700)
     except OSError:
@@ -234,7 +221,7 @@ def _opened_up_listing(fd: int, count: list[int], deadline: float) -> list[str] 
         if count[0] % CHECK_EVERY == 0 and time.monotonic() > deadline:
             return None
         if is_dir:
-            subdirs.append(name)
+            subdirs.append((name, None))
         else:
             try:
                 os.unlink(name, dir_fd=fd)
@@ -266,7 +253,7 @@ def remove_later(path: str) -> None:
     _LEFT.put(path)
 
 
-def _remove_loop() -> None:
+def _remove_loop() -> None:  # waited for at interpreter exit, up to EXIT_WAIT
     while True:
         path = _LEFT.get()
         rmtree(path)
