@@ -3,9 +3,9 @@
   PYTHONPATH=. .venv/bin/python bench/episodes.py FILE.jsonl [--model NAME_OR_DIR] [--per-task N] [--task ID]
 
 Prints how the episodes ended, counted by (turns, exec_ok, correct) -- a policy that pads its
-episodes for the shaping shows up there first (docs/benchmarks.md, 2026-12-02) -- then pass@1 by
-task, then the first N episodes of each task decoded with the model's tokenizer: the policy's turns
-and the tool turns between them, as the policy saw them.
+episodes for the shaping shows up there first -- then pass@1 by task, then the first N episodes of
+each task decoded with the model's tokenizer: the policy's turns and the tool turns between them,
+as the policy saw them.
 """
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import argparse
 import collections
 import json
 import sys
+
+from nano_miles.models.prepare import load_tokenizer
 
 
 def load(path: str) -> list[dict]:
@@ -59,12 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print("\n".join(summary(episodes)))
     if args.per_task > 0:
-        from transformers import AutoTokenizer
-
-        from nano_miles.models.prepare import resolve_model
-
-        tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(args.model)))
-        print("\n".join(decoded(episodes, tokenizer, args.per_task, args.task)))
+        print("\n".join(decoded(episodes, load_tokenizer(args.model), args.per_task, args.task)))
     return 0
 
 

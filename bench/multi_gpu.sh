@@ -58,7 +58,7 @@ step() { local name=$1 limit=$2; shift 2; echo "=== $name (limit ${limit}s)"; ti
 # (held-out: INSTANCES instances a task; ALFA: one, its set-ups are fixed)
 evaluate() {
     local model=$1 name=$2 tasks=$3; shift 3   # then more eval flags
-    local instances=(); [ "$tasks" = heldout ] && instances=(--instances "$INSTANCES")
+    local instances=(); [ "$tasks" = heldout ] && instances=(--set instances="$INSTANCES")
     echo "=== eval $name on $tasks"
     nm eval --model "$model" --set engine.device="$ENGINE_DEVICE" --tasks "$tasks" --samples "$SAMPLES" "${instances[@]}" \
         --results-jsonl "$OUT/evals.jsonl" "${eval_extra[@]}" "$@" 2>&1 | grep -v "it/s\]$" | tee -a "$OUT/eval_$name.log"

@@ -1,19 +1,13 @@
-"""One config system for every subcommand: dotted keys over nested dataclasses.
+"""One config system for every command: dotted keys over nested dataclasses.
 
-Every field of every nested dataclass is a dotted key (`optim.lr`, `rollout.env.max_turns`). A
-command's value comes from, later winning:
-
-    the dataclass defaults <- a saved config (`train --resume`) <- `--config FILE.toml`
-                           <- the command's own flags (aliases of keys) <- `--set key=value`
-
-Values are coerced to the field's declared type (a float key takes finite numbers only: nan and inf
-are refused whichever source gave them), then every dataclass's __post_init__ validates.
-Anything wrong is a ConfigError with one line naming the key; an unknown key suggests the nearest
-known one. A key's one-line meaning is its field's trailing comment (or metadata["help"]); docs/config.md
-is generated from them: `python -m nano_miles.config --write-docs docs/config.md`.
-
-A root dataclass may declare `config_aliases: ClassVar[dict[str, str]]` (old key -> new key): the
-old key keeps working and says once, on stderr, what it is now called.
+Every field of the nested dataclasses is a key (`optim.lr`, `rollout.env.max_turns`). Its value is,
+later winning: the default (for `train --resume`, the run's saved config.json), `--config FILE.toml`,
+`--set key=value`. A command's few flags (`--model`, `--tasks`, serve's SGLang names) are shorthands
+of the keys they set. Values are coerced to the field's type (a float must be finite), then every
+dataclass's __post_init__ validates. Anything wrong is a ConfigError, one line naming the key: an
+unknown key suggests the nearest one, a renamed one (the root class's `renamed_keys`, old -> new)
+names its new name. A key's meaning is its field's trailing comment (or metadata["help"]);
+docs/config.md is generated from them: `python -m nano_miles.config --write-docs docs/config.md`.
 """
 from __future__ import annotations
 
@@ -35,6 +29,8 @@ import typing
 from functools import cache
 from pathlib import Path
 
+from nano_miles import COMMANDS
+
 
 class ConfigError(ValueError):
     """Bad configuration input; str(e) is one line that names the key."""
@@ -53,95 +49,61 @@ def _key_fields(cfg) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(cfg) if f.metadata.get("config_key", True)]
 
 
-def _field_types(cls) -> dict[str, typing.Any]:
-    return typing.get_type_hints(cls)
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 
-def _is_optional(typ) -> bool:
-    return typing.get_origin(typ) in (typing.Union, types.UnionType) and type(None) in typing.get_args(typ)
-
-
-def _coerce(key: str, raw, typ):
-    """Turn a TOML value or a --set string into `typ`, or raise ConfigError."""
-    origin = typing.get_origin(typ)
-    args = typing.get_args(typ)
+def _value(raw, typ):
+    """`raw` (a TOML or JSON value, or a --set string) as a `typ`, or a ValueError saying what was expected."""
+    origin, args = typing.get_origin(typ), typing.get_args(typ)
     if origin in (typing.Union, types.UnionType):
-        if raw is None or (isinstance(raw, str) and raw.lower() in ("none", "null", "")):
-            if type(None) in args:
-                return None
+        if type(None) in args and (raw is None or (isinstance(raw, str) and raw.lower() in ("none", "null", ""))):
+            return None
         errors = []
-        for option in args:
-            if option is type(None):
-                continue
+        for option in (a for a in args if a is not type(None)):
             try:
-                return _coerce(key, raw, option)
-            except ConfigError as e:
+                return _value(raw, option)
+            except ValueError as e:
                 errors.append(str(e))
-        raise ConfigError(f"{key}: {raw!r} is not a valid value ({'; '.join(errors)})")
+        raise ValueError(" or ".join(dict.fromkeys(errors)))
     if typ is typing.Any:
         return raw
     if origin is list:
         if isinstance(raw, str):
             raw = json.loads(raw) if raw.strip().startswith("[") else [s for s in raw.split(",") if s]
         if not isinstance(raw, list):
-            raise ConfigError(f"{key}: expected a list, got {raw!r}")
-        return [_coerce(key, item, args[0] if args else typing.Any) for item in raw]
+            raise ValueError(f"expected a list, got {raw!r}")
+        return [_value(item, args[0] if args else typing.Any) for item in raw]
     if typ is bool:
-        if isinstance(raw, bool):
-            return raw
-        if isinstance(raw, str) and raw.lower() in ("true", "1", "yes", "on"):
-            return True
-        if isinstance(raw, str) and raw.lower() in ("false", "0", "no", "off"):
-            return False
-        raise ConfigError(f"{key}: expected true/false, got {raw!r}")
-    if typ is int:
-        if isinstance(raw, bool):
-            raise ConfigError(f"{key}: expected an integer, got {raw!r}")
+        if isinstance(raw, bool) or (isinstance(raw, str) and raw.lower() in _TRUE + _FALSE):
+            return raw if isinstance(raw, bool) else raw.lower() in _TRUE
+        raise ValueError(f"expected true/false, got {raw!r}")
+    if typ in (int, float):
         try:
-            value = int(raw) if not isinstance(raw, float) or raw.is_integer() else None
-        except (TypeError, ValueError):
-            value = None
-        if value is None:
-            raise ConfigError(f"{key}: expected an integer, got {raw!r}")
-        return value
-    if typ is float:
-        if isinstance(raw, bool):
-            raise ConfigError(f"{key}: expected a number, got {raw!r}")
-        try:
-            value = float(raw)
+            if isinstance(raw, bool) or (typ is int and isinstance(raw, float) and not raw.is_integer()):
+                raise TypeError
+            value = typ(raw)
         except (TypeError, ValueError, OverflowError):
-            raise ConfigError(f"{key}: expected a number, got {raw!r}") from None
+            raise ValueError(f"expected {'an integer' if typ is int else 'a number'}, got {raw!r}") from None
         if not math.isfinite(value):  # float() takes "nan" and "inf" (TOML and JSON too); no key means them
-            raise ConfigError(f"{key}: expected a finite number, got {raw!r}")
+            raise ValueError(f"expected a finite number, got {raw!r}")
         return value
-    if typ is str:
-        if isinstance(raw, (dict, list)):
-            raise ConfigError(f"{key}: expected a string, got {raw!r}")
+    if typ is str and not isinstance(raw, (dict, list)):
         return str(raw)
-    raise ConfigError(f"{key}: unsupported field type {typ}")
+    raise ValueError(f"expected a {getattr(typ, '__name__', typ)}, got {raw!r}")
 
 
 # ----------------------------------------------------------------------------- keys
 
-def all_keys(cfg, prefix: str = "") -> list[str]:
-    """Every dotted key of a dataclass (instance or class), in declaration order."""
-    keys = []
-    hints = _field_types(cfg if isinstance(cfg, type) else type(cfg))
-    for f in _key_fields(cfg):
-        if dataclasses.is_dataclass(hints[f.name]):
-            keys += all_keys(hints[f.name], prefix + f.name + ".")
-        else:
-            keys.append(prefix + f.name)
-    return keys
-
-
-def aliases(cfg) -> dict[str, str]:
-    """old key -> current key, as the root dataclass declares them."""
-    return dict(getattr(cfg, "config_aliases", {}))
+def all_keys(cfg) -> list[str]:
+    """Every dotted key of a dataclass (class or instance), in declaration order."""
+    return [key for key, *_ in describe(cfg)]
 
 
 def _unknown(cfg, key: str) -> ConfigError:
-    known = all_keys(cfg) + list(aliases(cfg))
+    new = getattr(cfg, "renamed_keys", {}).get(key)
+    if new is not None:
+        return ConfigError(f"config key {key!r} is now {new!r}")
+    known = all_keys(cfg)
     near = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
     if not near:  # a section left out or wrong (`lr`, `trainer.lr`): match the last part alone
         tails = {k.rsplit(".", 1)[-1]: k for k in reversed(known)}
@@ -150,64 +112,38 @@ def _unknown(cfg, key: str) -> ConfigError:
     return ConfigError(f"unknown config key {key!r} ({hint})")
 
 
-def canonical_key(cfg, key: str, note=None) -> str:
-    """The current name of `key`: an alias is renamed (and `note` told so, once per call)."""
-    new = aliases(cfg).get(key)
-    if new is None:
-        return key
-    if note is not None:
-        note(f"config key {key!r} is now {new!r} (the old name still works)")
-    return new
-
-
-def set_key(cfg, key: str, raw, note=None) -> None:
+def set_key(cfg, key: str, raw) -> None:
     """Set a dotted key on a nested dataclass instance, coercing the value."""
-    root, key = cfg, canonical_key(cfg, key, note)
-    parts = key.split(".")
-    target = cfg
+    target, parts = cfg, key.split(".")
     for i, part in enumerate(parts):
-        names = {f.name: f for f in _key_fields(target)} if dataclasses.is_dataclass(target) else {}
-        if part not in names:
-            raise _unknown(root, key)
-        if i == len(parts) - 1:
-            typ = _field_types(type(target))[part]
-            if dataclasses.is_dataclass(typ):
-                raise ConfigError(f"{key!r} is a section, set one of its keys (e.g. {key}.<name>)")
-            setattr(target, part, _coerce(key, raw, typ))
-        else:
+        if not dataclasses.is_dataclass(target) or part not in {f.name for f in _key_fields(target)}:
+            raise _unknown(cfg, key)
+        if i < len(parts) - 1:
             target = getattr(target, part)
+    typ = typing.get_type_hints(type(target))[parts[-1]]
+    if dataclasses.is_dataclass(typ):
+        raise ConfigError(f"{key!r} is a section, set one of its keys (e.g. {key}.<name>)")
+    try:
+        setattr(target, parts[-1], _value(raw, typ))
+    except ValueError as e:
+        raise ConfigError(f"{key}: {e}") from None
 
 
 def _flatten(d: dict, prefix: str = "") -> dict[str, typing.Any]:
     flat = {}
     for k, v in d.items():
-        if isinstance(v, dict):
-            flat.update(_flatten(v, prefix + k + "."))
-        else:
-            flat[prefix + k] = v
+        flat.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
     return flat
-
-
-def apply_dict(cfg, data: dict, note=None) -> None:
-    """Set every (possibly nested) key of `data` on cfg, e.g. a saved config.json or parsed TOML."""
-    for key, value in _flatten(data).items():
-        set_key(cfg, key, value, note)
 
 
 def parse_set(items: list[str]) -> dict[str, str]:
     overrides = {}
     for item in items or []:
-        if "=" not in item:
-            raise ConfigError(f"--set expects key=value, got {item!r}")
-        key, value = item.split("=", 1)
-        if not key.strip():
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
             raise ConfigError(f"--set expects key=value, got {item!r}")
         overrides[key.strip()] = value
     return overrides
-
-
-def _note_on_stderr(message: str) -> None:
-    print(f"note: {message}", file=sys.stderr)
 
 
 def read_toml(path: str | Path) -> dict:
@@ -221,16 +157,12 @@ def read_toml(path: str | Path) -> dict:
 
 
 def load_config(cls, path: str | Path | None = None, overrides: dict[str, typing.Any] | None = None,
-                base: dict | None = None, note=_note_on_stderr):
-    """Defaults <- base (a saved config, renamed keys taken silently) <- TOML file <- overrides,
-    then the dataclasses' own validation (__post_init__)."""
+                base: dict | None = None):
+    """The defaults, or `base` (a saved config.json), <- the TOML file <- overrides; then validated."""
     cfg = cls()
-    if base:
-        apply_dict(cfg, base)
-    if path is not None:
-        apply_dict(cfg, read_toml(path), note)
-    for key, value in (overrides or {}).items():
-        set_key(cfg, key, value, note)
+    for layer in (base or {}, read_toml(path) if path is not None else {}, overrides or {}):
+        for key, value in _flatten(layer).items():
+            set_key(cfg, key, value)
     validate(cfg)
     return cfg
 
@@ -238,41 +170,26 @@ def load_config(cls, path: str | Path | None = None, overrides: dict[str, typing
 def validate(cfg) -> None:
     """Re-run __post_init__ checks of every nested dataclass after overrides were applied."""
     for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(value):
-            validate(value)
-    post = getattr(cfg, "__post_init__", None)
-    if post is not None:
-        try:
-            post()
-        except (ValueError, TypeError) as e:
-            raise ConfigError(str(e)) from None
+        if dataclasses.is_dataclass(getattr(cfg, f.name)):
+            validate(getattr(cfg, f.name))
+    try:
+        getattr(cfg, "__post_init__", lambda: None)()
+    except (ValueError, TypeError) as e:
+        raise ConfigError(str(e)) from None
 
 
 def to_dict(cfg) -> dict:
     """The config keys and their values, nested like the dataclasses (what config.json holds)."""
-    out = {}
-    for f in _key_fields(cfg):
-        value = getattr(cfg, f.name)
-        out[f.name] = to_dict(value) if dataclasses.is_dataclass(value) else value
-    return out
+    return {f.name: to_dict(v) if dataclasses.is_dataclass(v := getattr(cfg, f.name)) else v for f in _key_fields(cfg)}
 
-
-# ----------------------------------------------------------------------------- TOML out
 
 def _toml_value(value) -> str:
     if value is None:
         return '"none"'  # TOML has no null; the loader reads "none" back as None
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
+    if isinstance(value, (int, float)):  # finite: a float key refuses nan and inf
         return repr(value)
-    if isinstance(value, int):
-        return str(value)
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     return json.dumps(str(value))  # a JSON string is a TOML basic string
@@ -281,8 +198,7 @@ def _toml_value(value) -> str:
 def to_toml(cfg, prefix: str = "") -> str:
     """The config as a TOML file that load_config reads back to the same values."""
     data = to_dict(cfg) if dataclasses.is_dataclass(cfg) else cfg
-    lines = [f"{k} = {_toml_value(v)}" for k, v in data.items() if not isinstance(v, dict)]
-    text = "\n".join(lines) + ("\n" if lines else "")
+    text = "".join(f"{k} = {_toml_value(v)}\n" for k, v in data.items() if not isinstance(v, dict))
     for k, v in data.items():
         if isinstance(v, dict):
             text += f"\n[{prefix}{k}]\n" + to_toml(v, f"{prefix}{k}.")
@@ -298,17 +214,14 @@ def _source_comments(cls) -> dict[str, str]:
         source = textwrap.dedent(inspect.getsource(cls))
     except (OSError, TypeError):
         return {}
-    comments = {}
-    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-        if tok.type == tokenize.COMMENT:
-            comments[tok.start[0]] = tok.string.lstrip("#").strip()
+    comments = {tok.start[0]: tok.string.lstrip("#").strip()
+                for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}
     out = {}
     for node in ast.parse(source).body[0].body:
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            for line in range(node.lineno, node.end_lineno + 1):
-                if line in comments:
-                    out[node.target.id] = comments[line]
-                    break
+            lines = [comments[n] for n in range(node.lineno, node.end_lineno + 1) if n in comments]
+            if lines:
+                out[node.target.id] = lines[0]
     return out
 
 
@@ -317,92 +230,91 @@ def field_help(cls, name: str) -> str:
     for f in dataclasses.fields(cls):
         if f.name == name and f.metadata.get("help"):
             return f.metadata["help"]
-    for klass in cls.__mro__:  # the class that declares (or last re-declares) the field
-        if name in inspect.get_annotations(klass):
-            return _source_comments(klass).get(name, "")
-    return ""
+    declared = next(k for k in cls.__mro__ if name in inspect.get_annotations(k))  # the last (re-)declaration
+    return _source_comments(declared).get(name, "")
 
 
 def describe(cfg, prefix: str = "") -> list[tuple[str, str, typing.Any, str]]:
     """(key, type, default, meaning) of every key of a config class (or instance: its values)."""
     cfg = cfg() if isinstance(cfg, type) else cfg
-    rows, hints = [], _field_types(type(cfg))
+    rows, hints = [], typing.get_type_hints(type(cfg))
     for f in _key_fields(cfg):
         value = getattr(cfg, f.name)
         if dataclasses.is_dataclass(value):
-            rows += describe(value, prefix + f.name + ".")
+            rows += describe(value, f"{prefix}{f.name}.")
         else:
             rows.append((prefix + f.name, _type_name(hints[f.name]), value, field_help(type(cfg), f.name)))
     return rows
 
 
 def _type_name(typ) -> str:
-    if _is_optional(typ):
-        return " or ".join(_type_name(t) for t in typing.get_args(typ) if t is not type(None)) + " or none"
+    args = typing.get_args(typ)
+    if typing.get_origin(typ) in (typing.Union, types.UnionType):
+        names = [_type_name(t) for t in args if t is not type(None)] + (["none"] if type(None) in args else [])
+        return " or ".join(names)
     if typing.get_origin(typ) is list:
-        return f"list[{_type_name(typing.get_args(typ)[0])}]"
+        return f"list[{_type_name(args[0])}]"
     return getattr(typ, "__name__", str(typ))
 
 
 def _default_text(value) -> str:
-    if value == "":
-        return '""'
-    return _toml_value(value).strip('"') if not isinstance(value, str) else value
+    return '""' if value == "" else value if isinstance(value, str) else _toml_value(value).strip('"')
 
 
 # ----------------------------------------------------------------------------- command lines
 
 def add_config_arguments(parser: argparse.ArgumentParser, cls, flags: dict[str, str] | None = None,
                          repeatable: tuple[str, ...] = (), switches: dict[str, tuple[str, str]] | None = None) -> None:
-    """--config FILE, --set KEY=VALUE (repeatable), --print-config, and one flag per `flags` item
-    (flag -> the dotted key it sets). A flag in `repeatable` may be given several times; its values
-    join with commas. A flag's help is its key's meaning and default. `switches` are flags without a
-    value (flag -> (key, the value it sets)), e.g. {"--no-cuda-graph": ("engine.cuda_graph", "false")}."""
+    """--config FILE, --set KEY=VALUE (repeatable), --print-config, and the command's shorthand flags:
+    `flags` (flag -> the key it sets; one in `repeatable` may be given again, its values joined with
+    commas) and `switches`, flags without a value (flag -> (key, the value it sets))."""
     parser.add_argument("--config", metavar="FILE.toml",
                         help="a TOML file of config keys (sections for dotted keys, e.g. [optim] lr = 1e-6)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="set any config key (docs/config.md), e.g. --set rollout.group_size=4; repeatable")
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved config as TOML and exit (a file --config takes)")
-    rows = {k: (t, d, h) for k, t, d, h in describe(cls)}
-    for flag, key in (flags or {}).items():
+    rows = {key: (typ, default, meaning) for key, typ, default, meaning in describe(cls)}
+    for flag, key in (flags or {}).items():  # dest "set:KEY": config_from_args finds what was given
         typ, default, meaning = rows[key]
-        parser.add_argument(flag, dest=_dest(flag), default=argparse.SUPPRESS, metavar=typ.split(" ")[0].upper(),
+        parser.add_argument(flag, dest="set:" + key, default=argparse.SUPPRESS, metavar=typ.split(" ")[0].upper(),
                             action="append" if flag in repeatable else "store",
                             help=f"{meaning} (key {key}, default {_default_text(default)})".lstrip(" "))
     for flag, (key, value) in (switches or {}).items():
-        parser.add_argument(flag, dest=_dest(flag), default=argparse.SUPPRESS, action="store_const", const=value,
+        parser.add_argument(flag, dest="set:" + key, default=argparse.SUPPRESS, action="store_const", const=value,
                             help=f"{key} = {value} ({rows[key][2]})")
     parser.set_defaults(config_flags={**(flags or {}), **{f: k for f, (k, _) in (switches or {}).items()}})
 
 
-def _dest(flag: str) -> str:
-    return "flag_" + flag.lstrip("-").replace("-", "_")
+def config_from_args(cls, args: argparse.Namespace, base: dict | None = None):
+    """The validated config of a command line made by add_config_arguments: the defaults (or `base`)
+    <- --config <- the shorthand flags <- --set."""
+    overrides = {dest[4:]: ",".join(value) if isinstance(value, list) else value
+                 for dest, value in vars(args).items() if dest.startswith("set:")}  # the flags given
+    overrides.update(parse_set(getattr(args, "overrides", [])))
+    return load_config(cls, getattr(args, "config", None), overrides, base=base)
 
 
-def config_from_args(cls, args: argparse.Namespace, base: dict | None = None, note=_note_on_stderr):
-    """The validated config of a command line made by add_config_arguments: defaults <- base <-
-    --config <- flags <- --set. Raises ConfigError (one line)."""
-    overrides = {}
-    for flag, key in getattr(args, "config_flags", {}).items():
-        if hasattr(args, _dest(flag)):  # given on this command line (absent flags leave no attribute)
-            value = getattr(args, _dest(flag))
-            overrides[key] = ",".join(value) if isinstance(value, list) else value
-    for key, value in parse_set(getattr(args, "overrides", [])).items():
-        overrides[canonical_key(cls, key, note)] = value  # --set wins over a flag for the same key
-    return load_config(cls, getattr(args, "config", None), overrides, base=base, note=note)
+def not_a_flag(cls, command: str, words: list[str]) -> str:
+    """One line for command-line words no flag took: the `--set` form of the key an unknown flag names
+    (`rollout --max-new-tokens 16`: use --set rollout.max_new_tokens=16)."""
+    flag, _, value = words[0].partition("=")
+    value = value or (words[1] if len(words) > 1 and not words[1].startswith("-") else "VALUE")
+    name = flag.lstrip("-").replace("-", "_")
+    keys = [k for k in all_keys(cls) if k == name or k.endswith("." + name)] if cls and flag.startswith("--") else []
+    if not keys:
+        return f"unrecognized arguments: {' '.join(words)}"
+    keys = [k for k in keys if k == name] or keys
+    return f"{flag} is not a flag of {command}: use " + " or ".join(f"--set {k}={value}" for k in keys)
 
 
 # ----------------------------------------------------------------------------- docs/config.md
 
 def commands() -> dict[str, tuple[type, dict[str, str]]]:
-    """subcommand -> (its root config dataclass, its flags: flag -> key), for every subcommand
-    module that has a CONFIG."""
-    # Imported here, not at the top: cli.py imports this module (and the subcommands import torch).
-    from nano_miles.cli import SUBCOMMANDS
-
+    """command -> (its root config dataclass, its shorthand flags: flag -> key), for every command
+    that takes config keys."""
     found = {}
-    for name, (module_name, _) in SUBCOMMANDS.items():
+    for name, (module_name, _) in COMMANDS.items():
         module = importlib.import_module(module_name)
         if getattr(module, "CONFIG", None) is not None:
             parser = argparse.ArgumentParser()
@@ -414,10 +326,11 @@ def commands() -> dict[str, tuple[type, dict[str, str]]]:
 def config_docs() -> str:
     out = ["# Config keys", "",
            "Generated from the config dataclasses by `python -m nano_miles.config --write-docs docs/config.md`",
-           "(tests/nano_miles/test_config.py fails when this file is out of date). Every subcommand below takes",
+           "(tests/nano_miles/test_config.py fails when this file is out of date). Every command below takes",
            "`--config FILE.toml` and `--set key=value`; `--print-config` prints the resolved values as TOML.",
-           "Later wins: defaults, `--config`, the command's own flags, `--set`. A float key takes finite numbers",
-           "only: `nan`, `inf` and `-inf` are refused.", ""]
+           "Later wins: the defaults (for `train --resume`, the run's saved config.json), `--config`, `--set`.",
+           "A command's few flags are shorthands of the keys they set, listed under its table; any other key",
+           "is set with `--set`. A float key takes finite numbers only: `nan`, `inf` and `-inf` are refused.", ""]
     for command, (cls, flags) in commands().items():
         out += [f"## nano-miles {command}", "", f"`{cls.__module__}.{cls.__name__}`", "",
                 "| key | type | default | meaning |", "|---|---|---|---|"]
@@ -425,10 +338,10 @@ def config_docs() -> str:
             meaning = meaning.replace("|", "\\|")  # a literal | inside a Markdown table cell
             out.append(f"| `{key}` | {typ} | `{_default_text(default)}` | {meaning} |")
         if flags:
-            out += ["", "Flags, each the key it sets: " + ", ".join(f"`{f}` = `{k}`" for f, k in flags.items()) + "."]
-        old = aliases(cls)
-        if old:
-            out += ["", "Old names that still work: " + ", ".join(f"`{k}` -> `{v}`" for k, v in old.items()) + "."]
+            out += ["", "Shorthands: " + ", ".join(f"`{f}` sets `{k}`" for f, k in flags.items()) + "."]
+        if renamed := getattr(cls, "renamed_keys", {}):
+            out += ["", "Renamed keys, refused with a line naming the new one: "
+                    + ", ".join(f"`{k}` is `{v}`" for k, v in renamed.items()) + "."]
         out.append("")
     return "\n".join(out)
 
@@ -437,11 +350,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m nano_miles.config", description="generate docs/config.md")
     p.add_argument("--write-docs", metavar="PATH", help="write the key reference here (else print it)")
     args = p.parse_args(argv)
-    text = config_docs()
     if args.write_docs:
-        Path(args.write_docs).write_text(text)
+        Path(args.write_docs).write_text(config_docs())
     else:
-        print(text, end="")
+        print(config_docs(), end="")
     return 0
 
 

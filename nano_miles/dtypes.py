@@ -13,16 +13,12 @@ DTYPE_NAMES = ("auto", *DTYPES)  # what a config key or a --dtype flag accepts
 TRAINABLE = ("float32", "bfloat16")
 
 
-def auto_dtype_name(device: torch.device | str) -> str:
-    """bfloat16 on a GPU (the tensor cores' format, FP32's range), float32 on the CPU (no fast bf16
-    matmuls there, and exact parity between trainer and engine)."""
-    return "bfloat16" if torch.device(device).type == "cuda" else "float32"
-
-
 def resolve_dtype_name(name: str, device: torch.device | str) -> str:
-    """A dtype name with "auto" resolved for `device`; ValueError for an unknown name."""
+    """A dtype name with "auto" resolved for `device`: bfloat16 on a GPU (the tensor cores' format,
+    FP32's range), float32 on the CPU (no fast bf16 matmuls there, and exact parity between trainer
+    and engine); ValueError for an unknown name."""
     if name == "auto":
-        return auto_dtype_name(device)
+        return "bfloat16" if torch.device(device).type == "cuda" else "float32"
     if name not in DTYPES:
         raise ValueError(f"dtype must be one of {list(DTYPE_NAMES)}, got {name!r}")
     return name

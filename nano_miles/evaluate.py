@@ -2,18 +2,17 @@
 
     nano-miles eval --model qwen2.5-coder-0.5b-instruct --tasks heldout --samples 8
 
-A task runs on `--instances` instances (seeded draws of its files and ground truth, one group each),
+A task runs on `instances` instances (seeded draws of its files and ground truth, one group each),
 K samples on each; a sample passes when the verifier accepts its answer. A task's pass@1 is the mean
 over all its samples; its pass@k the unbiased estimator 1 - C(n-c, k) / C(n, k) on each instance
 (n samples, c correct), averaged over its instances. Both are averaged over the tasks of a family.
-The keys are rollout's (docs/config.md); K is `rollout.group_size` (`--samples`).
+The keys are rollout's and `instances` (docs/config.md); K is `rollout.group_size` (`--samples`).
 
 Inside a training run (`eval_every`), RunEvaluation measures the policy the run's engines serve at
 that moment the same way, on `eval_tasks` and a fixed ALFA subset, into the step's metrics.
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import math
@@ -23,16 +22,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tqdm import tqdm
-
-from nano_miles.tasks import alfa
-from nano_miles.tasks.alfa import three_part_summary
-from nano_miles.engine.client import EngineUnavailable
 from nano_miles.config import ConfigError, config_from_args, to_toml
-from nano_miles.rollout.episode import rollout_groups
-from nano_miles.rollout_command import (RolloutCommandConfig, add_common_arguments, append_result, collect, solved,
-                                    selected_tasks, summarize)
-from nano_miles.tasks import select_tasks
+from nano_miles.engine.client import EngineUnavailable
+from nano_miles.job import (RolloutCommandConfig, add_job_arguments, append_result, collect, roll_out, selected_tasks,
+                            solved, summarize, write_trajectories)
+from nano_miles.tasks import alfa, select_tasks
+from nano_miles.tasks.alfa import three_part_summary
 
 
 @dataclass
@@ -52,9 +47,7 @@ CONFIG = EvalConfig
 def pass_at_k(n: int, c: int, k: int) -> float:
     if not 0 <= c <= n or not 1 <= k <= n:
         raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+    return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def scored(trajs) -> list:
@@ -80,8 +73,7 @@ def instances_of(tasks: list, n: int) -> list:
 
 
 def solved_by_task(trajs) -> dict[str, list[bool]]:
-    """{task id: whether each of its samples was solved}, in the order the tasks first appear
-    (infrastructure failures left out, as in per_family)."""
+    """{task id: whether each of its scored samples was solved}, in the order the tasks first appear."""
     by_task: dict[str, list[bool]] = {}
     for t in scored(trajs):
         by_task.setdefault(t.task_id, []).append(solved(t))
@@ -99,9 +91,8 @@ def per_family(trajs, tasks, k: int) -> dict[str, dict]:
         instances.setdefault(t.task_id, {}).setdefault(t.group_id, []).append(solved(t))
     rows: dict[str, list[tuple[float, float]]] = {}
     for task_id, groups in instances.items():
-        at_1 = [pass_at_k(len(g), sum(g), 1) for g in groups.values()]
-        at_k = [pass_at_k(len(g), sum(g), min(k, len(g))) for g in groups.values()]
-        scores = (sum(at_1) / len(at_1), sum(at_k) / len(at_k))
+        at = [(pass_at_k(len(g), sum(g), 1), pass_at_k(len(g), sum(g), min(k, len(g)))) for g in groups.values()]
+        scores = (sum(a for a, _ in at) / len(at), sum(b for _, b in at) / len(at))
         rows.setdefault(family[task_id], []).append(scores)
         rows.setdefault("all", []).append(scores)
     return {fam: {"tasks": len(v), "pass@1": sum(a for a, _ in v) / len(v), f"pass@{k}": sum(b for _, b in v) / len(v)}
@@ -151,25 +142,23 @@ class RunEvaluation:
         """The eval_* metrics of `step` ({} when no evaluation is due)."""
         if not self.due(step):
             return {}
+        when = "of the base policy (step 0)" if step == 0 else f"after step {step}"
         stats, t0 = {}, time.perf_counter()
         try:
-            trajs = self.episodes(engines, tokenizer, sandbox_factory, f"eval {_when(step)}", stats)
+            trajs = self.episodes(engines, tokenizer, sandbox_factory, f"eval {when}", stats)
         except EngineUnavailable as e:  # the next step's rollout restarts the engine; this measurement is lost
-            self.echo(f"eval {_when(step)} left out: engine unavailable ({e})")
+            self.echo(f"eval {when} left out: engine unavailable ({e})")
             return {"eval_seconds": time.perf_counter() - t0, "eval_error": str(e)}
-        seconds = time.perf_counter() - t0
-        alfa_ids = {t.id for t in self.alfa}
-        mine = [t for t in trajs if t.task_id not in alfa_ids]
-        theirs = [t for t in trajs if t.task_id in alfa_ids]
-        heldout = per_family(mine, self.tasks, 1).get("all", {})
+        seconds, alfa_ids = time.perf_counter() - t0, {t.id for t in self.alfa}
+        heldout = per_family([t for t in trajs if t.task_id not in alfa_ids], self.tasks, 1).get("all", {})
         out = {"eval_seconds": seconds, "eval_pass_at_1": heldout.get("pass@1"),
-               "eval_task_count": heldout.get("tasks", 0),
+               "eval_task_count": heldout.get("tasks", 0), "eval_infra_failures": len(trajs) - len(scored(trajs)),
                # which tasks moved between evaluations (metrics.jsonl only: not a scalar)
                "eval_by_task": {task_id: sum(r) / len(r) for task_id, r in sorted(solved_by_task(trajs).items())}}
-        out["eval_infra_failures"] = len(trajs) - len(scored(trajs))
-        line = (f"eval {_when(step)}: {self.instances} instance(s) x {self.rollout.group_size} sample(s) a task, "
+        line = (f"eval {when}: {self.instances} instance(s) x {self.rollout.group_size} sample(s) a task, "
                 f"{out['eval_task_count']} tasks pass@1 {_show(out['eval_pass_at_1'])}")
         if self.alfa:
+            theirs = [t for t in trajs if t.task_id in alfa_ids]
             alfa_all = per_family(theirs, self.alfa, 1).get("all", {})
             unavailable = sum(task_id in alfa_ids for task_id in stats.get("unavailable", {}))
             out.update({"eval_alfa_pass_at_1": alfa_all.get("pass@1"), "eval_alfa_task_count": alfa_all.get("tasks", 0),
@@ -179,18 +168,14 @@ class RunEvaluation:
                      f"({unavailable} of {len(self.alfa)} cannot run here, left out)")
         self.echo(f"{line}, in {seconds:.1f}s")
         if why := lost(trajs):
-            self.echo(f"eval {_when(step)}: {why}")
+            self.echo(f"eval {when}: {why}")
         return out
 
     def episodes(self, engines, tokenizer, sandbox_factory=None, desc: str = "eval", stats: dict | None = None) -> list:
         """One evaluation's trajectories, with a progress bar: every eval task on its instances, then
         the ALFA subset (one instance each)."""
-        tasks = instances_of(self.tasks, self.instances) + self.alfa
-        with tqdm(total=len(tasks) * self.rollout.group_size, desc=desc, unit="ep", leave=False,
-                  dynamic_ncols=True) as bar:
-            return asyncio.run(rollout_groups(engines, tokenizer, tasks, self.rollout, seed=self.seed,
-                                              sandbox_factory=sandbox_factory, stats=stats,
-                                              on_episode_done=lambda: bar.update(1)))
+        return roll_out(engines, tokenizer, instances_of(self.tasks, self.instances) + self.alfa, self.rollout,
+                        self.seed, desc, sandbox_factory=sandbox_factory, stats=stats)
 
     def new_best(self, step: int, evaluated: dict, best_dir: Path) -> bool:
         """keep_best: is the policy after `step` (trained: step > 0) better on eval_tasks than any before,
@@ -199,7 +184,10 @@ class RunEvaluation:
         if not self.keep_best or step == 0 or score is None:
             return False
         if self.best is None:
-            self.best = _read_best(best_dir) or {}
+            try:
+                self.best = json.loads((best_dir / "best.json").read_text())
+            except (OSError, ValueError):
+                self.best = {}
         if self.best and score <= self.best["eval_pass_at_1"]:
             return False
         self.best = {"step": step, "eval_pass_at_1": score}
@@ -208,23 +196,12 @@ class RunEvaluation:
         return True
 
 
-def _read_best(best_dir: Path) -> dict | None:
-    try:
-        return json.loads((best_dir / "best.json").read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _when(step: int) -> str:
-    return "of the base policy (step 0)" if step == 0 else f"after step {step}"
-
-
 def _show(value) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
 def add_arguments(p) -> None:
-    add_common_arguments(p, EvalConfig, {"--samples": "rollout.group_size", "--instances": "instances"})
+    add_job_arguments(p, EvalConfig, {"--samples": "rollout.group_size"})
     p.add_argument("--json", action="store_true", help="print the table as JSON")
     p.add_argument("--out", default=None, help="also write the trajectories here (JSONL)")
 
@@ -237,32 +214,29 @@ def run(args) -> int:
     tasks = selected_tasks("eval", cfg.tasks, cfg.tasks_module)
     trajs, secs, setup_failures = collect(cfg, instances_of(tasks, cfg.instances), desc="eval")
     if args.out:
-        with open(args.out, "w") as f:
-            f.writelines(t.to_json() + "\n" for t in trajs)
-    k = cfg.rollout.group_size
+        write_trajectories(args.out, trajs)
+    k, s = cfg.rollout.group_size, summarize(trajs, setup_failures)
     table = per_family(trajs, tasks, k)
-    s = summarize(trajs, setup_failures)
     # what the figures were measured on: which instances (seed) and at which temperature
     measured = {"instances": cfg.instances, "seed": cfg.seed, "temperature": cfg.rollout.temperature}
-    alfa = three_part_summary(trajs)  # ALFA episodes: the benchmark's own score too
-    if alfa:
-        s["alfa_three_part"] = alfa
+    if alfa_score := three_part_summary(trajs):  # ALFA episodes: the benchmark's own score too
+        s["alfa_three_part"] = alfa_score
     if why := lost(trajs):
         print(f"nano-miles eval: {why}", file=sys.stderr)
     if args.json:
         print(json.dumps({"per_family": table, **measured, **s}))
     else:
-        print(f"{cfg.model} on {cfg.tasks}: {len(tasks)} tasks x {cfg.instances} instances x {k} samples in {secs:.1f}s "
-              f"(seed {cfg.seed}, temperature {cfg.rollout.temperature})")
+        print(f"{cfg.model} on {cfg.tasks}: {len(tasks)} tasks x {cfg.instances} instances x {k} samples in "
+              f"{secs:.1f}s (seed {cfg.seed}, temperature {cfg.rollout.temperature})")
         print(f"{'family':<12} {'tasks':>5} {'pass@1':>8} {f'pass@{k}':>8}")
         for fam, row in table.items():
             print(f"{fam:<12} {row['tasks']:>5} {row['pass@1']:>8.3f} {row[f'pass@{k}']:>8.3f}")
         print(f"mean reward {s['mean_reward']:+.3f}   mean turns {s['mean_turns']:.2f}   "
               f"infra failures {s['infra_failures']}   finish {s['finish_reasons']}")
-        if alfa:
-            print(f"ALFA three-part score (exact output for the judge) {alfa['score']:.3f}   output matched "
-                  f"{alfa['output']:.3f}   files matched {alfa['files']:.3f}   over {alfa['episodes']} episodes "
-                  f"({alfa['answered']} answered)")
+        if alfa_score:
+            print(f"ALFA three-part score (exact output for the judge) {alfa_score['score']:.3f}   output matched "
+                  f"{alfa_score['output']:.3f}   files matched {alfa_score['files']:.3f}   over "
+                  f"{alfa_score['episodes']} episodes ({alfa_score['answered']} answered)")
     if args.results_jsonl:
         append_result(args.results_jsonl, {"kind": "eval", "model": cfg.model, "tasks": cfg.tasks, "samples": k,
                                            **measured, "max_turns": cfg.rollout.env.max_turns,

@@ -1,26 +1,12 @@
-"""What a training run needs in memory and on disk, decided before anything heavy loads.
+"""What a training run needs in host memory, decided before anything heavy loads.
 
-`plan_memory` reads only the model's config.json, estimates the host memory the run's processes will
-take at their peak (trainer, engine, sandboxes; GPU memory is not counted), compares it with what the
-machine can give (MemAvailable, and the memory limit of this process's cgroup less what the cgroup
-already uses), and refuses with the numbers when it does not fit, in one line, before any model loads.
-`memory_limit_gb` sets the budget instead; `memory_check=false` runs anyway.
-
-The terms, per parameter P of the model, in bytes (measured with bench/main_job_memory.py; see
-docs/benchmarks.md for how close the estimate came):
-  trainer   weights (P x dtype size; in shared memory with a colocated CPU engine), FP32 masters when
-            the compute dtype is not FP32 (4P), FP32 gradients (4P), AdamW's two FP32 moments (8P),
-            activations of one micro-batch of the longest sequence (per token and layer; only the
-            layer inputs with gradient checkpointing, plus one layer recomputed), the log-prob chunk's
-            [chunk, vocab] FP32 tensors and the tied lm_head's gradient, the frozen reference policy
-            (loss.kl_coef > 0), and the Python/torch runtime
-  engine    weights (none when shared), the KV cache, the runtime; once per CPU replica (engine.replicas)
-  sandboxes per episode in flight
-With trainer.nproc = N CPU ranks, the sharded state (masters, gradients, moments) is counted once in all,
-the runtime and one micro-batch's activations once per rank.
-In mode=sync the two phases do not overlap: the sandboxes are closed before the update, and with the
-shared transport the engine drops its KV cache's memory for it; gradients and activations exist only
-during the update. The peak is then what is resident plus the larger phase, not their sum.
+`plan_memory` reads only the model's config.json, estimates the peak host memory of the run's
+processes (trainer, engine, sandboxes, term by term in `estimate`; GPU memory is not counted),
+compares it with what the machine can give (MemAvailable, and the room under this process's cgroup
+memory limits) and refuses in one line with the numbers when it does not fit, before any model
+loads. `memory_limit_gb` sets the budget instead; `memory_check=false` runs anyway. In mode=sync the
+rollout and the update do not overlap, so the peak is what is resident plus the larger phase.
+bench/main_job_memory.py measures how close the estimate comes (docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -37,7 +23,7 @@ TRAINER_RUNTIME = int(0.9 * GB)  # torch + transformers + the loop, measured on 
 ENGINE_RUNTIME = int(0.7 * GB)   # torch + the server + prefill activations of a CPU engine
 SANDBOX_BYTES = int(0.02 * GB)   # one episode's sandbox processes (bwrap, shell, init), PSS
 CPU_KV_DEFAULT = 2 << 30         # EngineConfig.cpu_kv_cache_bytes: the engine's own default
-CPU_LOGPROB_CHUNK = 128          # trainer.logprob_chunk = 0 on CPU (trainer.py)
+CPU_LOGPROB_CHUNK = 128          # what trainer.logprob_chunk = 0 means on CPU
 
 
 class MemoryCheckError(RuntimeError):
@@ -45,12 +31,11 @@ class MemoryCheckError(RuntimeError):
 
 
 def num_params(mc: ModelConfig) -> int:
-    H, I, L = mc.hidden_size, mc.intermediate_size, mc.num_layers
+    H, L = mc.hidden_size, mc.num_layers
     q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
-    attention = H * q + 2 * H * kv + q * H + ((q + 2 * kv) if mc.attention_bias else 0)
-    layer = attention + 3 * H * I + 2 * H
+    attention = 2 * H * q + 2 * H * kv + ((q + 2 * kv) if mc.attention_bias else 0)
     embed = mc.vocab_size * H * (1 if mc.tie_word_embeddings else 2)
-    return embed + L * layer + H
+    return embed + L * (attention + 3 * H * mc.intermediate_size + 2 * H) + H
 
 
 def kv_bytes_per_token(mc: ModelConfig, dtype: torch.dtype) -> int:
@@ -61,9 +46,7 @@ def activation_bytes_per_token(mc: ModelConfig, checkpointing: bool) -> int:
     """FP32 bytes kept for backward per token: every layer's saved tensors (about 12 hidden-sized and
     4 MLP-sized vectors a layer), or with checkpointing each layer's input plus one layer recomputed."""
     layer = 4 * (12 * mc.hidden_size + 4 * mc.intermediate_size)
-    if checkpointing:
-        return mc.num_layers * 4 * mc.hidden_size + 2 * layer  # the recomputed layer and its gradients
-    return mc.num_layers * layer
+    return mc.num_layers * 4 * mc.hidden_size + 2 * layer if checkpointing else mc.num_layers * layer
 
 
 @dataclass
@@ -82,53 +65,36 @@ class MemoryPlan:
         return sum(self.resident.values()) + (sum(phases) if self.overlap else max(phases))
 
     def breakdown(self) -> str:
-        items = {**self.resident, **self.rollout, **self.update}
-        top = sorted(items.items(), key=lambda kv: -kv[1])
-        return ", ".join(f"{k} {v / GB:.1f}" for k, v in top if v >= 0.05 * GB)
+        items = sorted({**self.resident, **self.rollout, **self.update}.items(), key=lambda kv: -kv[1])
+        return ", ".join(f"{k} {v / GB:.1f}" for k, v in items if v >= 0.05 * GB)
 
 
 def machine_memory() -> tuple[int, str]:
     """(bytes this process may still use, where the figure comes from)."""
-    options = []
+    options = _cgroup_room()
     try:
         with open("/proc/meminfo") as f:
             info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[1:]}
         options.append((info["MemAvailable"], "MemAvailable"))
     except (OSError, KeyError, ValueError):
         pass
-    options += _cgroup_room()
-    if not options:
-        return 0, "unknown"
-    return min(options)
+    return min(options) if options else (0, "unknown")
 
 
-def _read_int(path: str) -> int | None:
+def _read(path: str) -> str:
     try:
         with open(path) as f:
-            text = f.read().strip()
+            return f.read()
     except OSError:
-        return None
-    return int(text) if text.isdigit() else None  # "max": no limit
-
-
-def _stat(path: str) -> dict[str, int]:
-    try:
-        with open(path) as f:
-            return {k: int(v) for k, v in (line.split() for line in f if len(line.split()) == 2)}
-    except (OSError, ValueError):
-        return {}
+        return ""
 
 
 def _cgroup_room() -> list[tuple[int, str]]:
     """Room left under every memory limit on this process's cgroup path (v2 and v1), page cache
     that can be reclaimed counted as room."""
-    try:
-        with open("/proc/self/cgroup") as f:
-            lines = [line.rstrip("\n").split(":", 2) for line in f]
-    except OSError:
-        return []
     room = []
-    for _, controllers, path in (parts for parts in lines if len(parts) == 3):
+    lines = _read("/proc/self/cgroup").splitlines()
+    for _, controllers, path in (line.split(":", 2) for line in lines if line.count(":") >= 2):
         if controllers == "":
             roots, limit_file, usage_file, stat_key = ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"), \
                 "memory.max", "memory.current", "inactive_file"
@@ -140,53 +106,54 @@ def _cgroup_room() -> list[tuple[int, str]]:
         for root in roots:
             d = os.path.normpath(root + path)
             while d.startswith(root):
-                limit, usage = _read_int(f"{d}/{limit_file}"), _read_int(f"{d}/{usage_file}")
-                if limit is not None and usage is not None and limit < 1 << 60:
-                    free = limit - usage + _stat(f"{d}/memory.stat").get(stat_key, 0)
-                    room.append((max(free, 0), f"cgroup {limit_file} {limit / GB:.1f} GB"))
+                limit, usage = _read(f"{d}/{limit_file}").strip(), _read(f"{d}/{usage_file}").strip()
+                if limit.isdigit() and usage.isdigit() and int(limit) < 1 << 60:  # "max": no limit
+                    stat = [line.split() for line in _read(f"{d}/memory.stat").splitlines()]
+                    free = int(limit) - int(usage) + int(dict(kv for kv in stat if len(kv) == 2).get(stat_key, "0"))
+                    room.append((max(free, 0), f"cgroup {limit_file} {int(limit) / GB:.1f} GB"))
                 if d == root:
                     break
                 d = os.path.dirname(d)
     return room
 
 
+def _in_flight(cfg) -> int:
+    """Episodes of a step's largest rollout round: its first (rollout.oversample makes it larger)."""
+    return min(cfg.rollout.max_concurrency, cfg.rollout.round_size(cfg.tasks_per_step) * cfg.rollout.group_size)
+
+
 def estimate(cfg, layout, model_path: str, shared: bool) -> MemoryPlan:
-    """The plan for a TrainConfig `cfg` whose devices are `layout` (engine_handle.plan_layout)."""
+    """The plan for a TrainConfig `cfg` whose devices are `layout` (engine/handle.py's plan_layout), for
+    a model of P parameters. A CPU trainer's weights are shared with a colocated CPU engine (`shared`);
+    with trainer.nproc = N ranks the sharded state counts once, the runtime and activations once a rank."""
     mc = ModelConfig.from_pretrained(model_path)
-    P = num_params(mc)
-    dtype = DTYPES[layout.dtype]
-    plan = MemoryPlan(num_params=P, overlap=cfg.mode == "async")
-    # a step's largest rollout round: its first (dynamic sampling's rollout.oversample makes it larger)
-    in_flight = min(cfg.rollout.max_concurrency, cfg.rollout.round_size(cfg.tasks_per_step) * cfg.rollout.group_size)
-    plan.rollout["sandboxes"] = in_flight * SANDBOX_BYTES  # closed when their episode ends
+    P, dtype = num_params(mc), DTYPES[layout.dtype]
+    weights, plan = P * dtype.itemsize, MemoryPlan(num_params=P, overlap=cfg.mode == "async")
+    plan.rollout["sandboxes"] = _in_flight(cfg) * SANDBOX_BYTES  # closed when their episode ends
     if layout.trainer_device == "cpu":
-        t = cfg.trainer
+        t, low_precision = cfg.trainer, dtype != torch.float32
         checkpointing = t.gradient_checkpointing if t.gradient_checkpointing is not None else True
-        micro = t.micro_batch_size or 1
-        chunk = t.logprob_chunk or CPU_LOGPROB_CHUNK
-        plan.resident["trainer weights"] = P * dtype.itemsize
-        if dtype != torch.float32:
+        plan.resident["trainer weights"] = weights
+        if low_precision:
             plan.resident["FP32 masters"] = 4 * P
         plan.resident["AdamW moments"] = 8 * P
-        ranks = cfg.trainer.nproc
-        plan.resident["trainer runtime"] = ranks * TRAINER_RUNTIME
+        plan.resident["trainer runtime"] = t.nproc * TRAINER_RUNTIME
         if cfg.loss.kl_coef > 0:
-            plan.resident["reference policy"] = P * dtype.itemsize
-        plan.update["gradients"] = 4 * P + (P * dtype.itemsize if dtype != torch.float32 else 0)
-        tokens = micro * cfg.rollout.env.max_total_tokens
-        layers = tokens * activation_bytes_per_token(mc, checkpointing)
+            plan.resident["reference policy"] = weights
+        plan.update["gradients"] = 4 * P + (weights if low_precision else 0)
+        tokens = (t.micro_batch_size or 1) * cfg.rollout.env.max_total_tokens
         # The chunk's FP32 [chunk, vocab] tensors (logits, log-softmax, the entropy's two, a gradient)
         # and the tied lm_head's [vocab, hidden] weight gradient, in the backward before the layers'.
-        logits = 5 * chunk * mc.vocab_size * 4 + mc.vocab_size * mc.hidden_size * 4
-        plan.update["activations"] = ranks * max(layers, tokens * 4 * mc.hidden_size * mc.num_layers + logits)
+        logits = 5 * (t.logprob_chunk or CPU_LOGPROB_CHUNK) * mc.vocab_size * 4 + mc.vocab_size * mc.hidden_size * 4
+        plan.update["activations"] = t.nproc * max(tokens * activation_bytes_per_token(mc, checkpointing),
+                                                   tokens * 4 * mc.hidden_size * mc.num_layers + logits)
     else:
         plan.resident["trainer runtime"] = 2 * TRAINER_RUNTIME  # CUDA context and pinned buffers on the host
     if not cfg.engine.url and layout.engine_device == "cpu":
         replicas = max(1, layout.engine_devices.count("cpu"))
-        plan.resident["engine weights"] = 0 if shared else replicas * P * dtype.itemsize
-        kv = job_kv_cache_bytes(cfg, mc, dtype)
+        plan.resident["engine weights"] = 0 if shared else replicas * weights
         # Shared (colocated): the engine drops its KV cache's memory for the update.
-        (plan.rollout if shared else plan.resident)["engine KV cache"] = replicas * kv
+        (plan.rollout if shared else plan.resident)["engine KV cache"] = replicas * job_kv_cache_bytes(cfg, mc, dtype)
         plan.resident["engine runtime"] = replicas * ENGINE_RUNTIME
     elif not cfg.engine.url:
         plan.resident["engine runtime"] = 2 * ENGINE_RUNTIME
@@ -204,9 +171,7 @@ def job_kv_cache_bytes(cfg, mc: ModelConfig, dtype: torch.dtype) -> int:
     """A CPU engine's KV cache sized for the job: every episode in flight at its token budget (twice
     as many episodes in async mode, which rolls out the next step during an update), never more than
     the engine's default."""
-    episodes = min(cfg.rollout.max_concurrency, cfg.rollout.round_size(cfg.tasks_per_step) * cfg.rollout.group_size)
-    if cfg.mode == "async":
-        episodes = min(cfg.rollout.max_concurrency, 2 * episodes)
+    episodes = min(cfg.rollout.max_concurrency, 2 * _in_flight(cfg)) if cfg.mode == "async" else _in_flight(cfg)
     return min(CPU_KV_DEFAULT, episodes * cfg.rollout.env.max_total_tokens * kv_bytes_per_token(mc, dtype))
 
 
@@ -224,8 +189,7 @@ def plan_memory(cfg, layout, model_path: str, shared: bool, echo=print) -> Memor
     line = (f"this run needs about {plan.peak / GB:.1f} GB of memory at its peak ({plan.breakdown()}) and "
             f"{plan.available / GB:.1f} GB is available ({plan.source})")
     if plan.available and plan.peak > plan.available and cfg.memory_check:
-        raise MemoryCheckError(
-            f"{line}: lower rollout.env.max_total_tokens, rollout.group_size or tasks_per_step, use a smaller "
-            "model, or set memory_check=false to start anyway")
+        raise MemoryCheckError(f"{line}: lower rollout.env.max_total_tokens, rollout.group_size or tasks_per_step, "
+                               "use a smaller model, or set memory_check=false to start anyway")
     echo(f"memory: {line}")
     return plan

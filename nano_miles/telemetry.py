@@ -22,40 +22,28 @@ import torch
 
 from nano_miles.config import ConfigError
 
-REQUIRED_KEYS = (
-    "step", "reward_mean", "acc", "pg_loss", "clip_frac", "parity_mean", "parity_max",
-    "sync_ms", "mem_gb", "step_s", "weight_version",
-)
-
-# (metrics key, column title, format): the seed's table plus throughput, turns and staleness.
-COLUMNS = (
-    ("step", "step", "{:>4d}"),
-    ("reward_mean", "reward", "{:>+7.3f}"),
-    ("acc", "acc", "{:>6.1%}"),
-    ("pg_loss", "pg_loss", "{:>+8.4f}"),
-    ("clip_frac", "clip", "{:>5.2f}"),
-    ("parity_mean", "parity", "{:>8.2e}"),
-    ("sync_ms", "sync_ms", "{:>8.1f}"),
-    ("mem_gb", "mem_GB", "{:>6.2f}"),
-    ("step_s", "step_s", "{:>6.1f}"),
-    ("tokens_per_s", "tok/s", "{:>7.0f}"),
-    ("turns_mean", "turns", "{:>5.2f}"),
-    ("staleness_max", "stale", "{:>5d}"),
-    ("zero_variance_share", "0-var", "{:>5.2f}"),  # groups whose samples all got the same reward: no signal
-    ("eval_pass_at_1", "eval", "{:>5.2f}"),        # eval_every steps: pass@1 on eval_tasks
-    ("elapsed_s", "elapsed", "duration"),   # the whole run so far, and the time its remaining steps need
-    ("eta_s", "ETA", "duration"),
-)
+REQUIRED_KEYS = ("step", "reward_mean", "acc", "pg_loss", "clip_frac", "parity_mean", "parity_max",
+                 "sync_ms", "mem_gb", "step_s", "weight_version")
+# The live table: (metrics key, column title, format).
+COLUMNS = (("step", "step", "{:>4d}"), ("reward_mean", "reward", "{:>+7.3f}"), ("acc", "acc", "{:>6.1%}"),
+           ("pg_loss", "pg_loss", "{:>+8.4f}"), ("clip_frac", "clip", "{:>5.2f}"),
+           ("parity_mean", "parity", "{:>8.2e}"), ("sync_ms", "sync_ms", "{:>8.1f}"), ("mem_gb", "mem_GB", "{:>6.2f}"),
+           ("step_s", "step_s", "{:>6.1f}"), ("tokens_per_s", "tok/s", "{:>7.0f}"), ("turns_mean", "turns", "{:>5.2f}"),
+           ("staleness_max", "stale", "{:>5d}"),
+           ("zero_variance_share", "0-var", "{:>5.2f}"),  # groups whose samples all got the same reward: no signal
+           ("eval_pass_at_1", "eval", "{:>5.2f}"),        # eval_every steps: pass@1 on eval_tasks
+           ("elapsed_s", "elapsed", "duration"), ("eta_s", "ETA", "duration"))  # the run so far, and what is left
 REPORTERS = ("tensorboard", "wandb")
+TRAIN_CURVES = (("reward_mean", "mean reward"), ("acc", "accuracy"), ("entropy", "policy entropy (nats a token)"),
+                ("parity_mean", "log-prob parity (mean |diff|)"))
+EVAL_CURVES = (("eval_pass_at_1", "eval_tasks"), ("eval_alfa_pass_at_1", "ALFA subset"))
 
 
 def parse_report_to(value: str) -> list[str]:
     """`report_to` ("tensorboard,wandb", "none") as a list of reporter names."""
-    names = [n.strip() for n in value.split(",") if n.strip() and n.strip() != "none"]
-    unknown = [n for n in names if n not in REPORTERS]
-    if unknown:
-        raise ValueError(f"report_to: unknown {unknown[0]!r}; comma-separated names of {', '.join(REPORTERS)}, "
-                         "or none")
+    names = [n.strip() for n in value.split(",") if n.strip() not in ("", "none")]
+    if unknown := [n for n in names if n not in REPORTERS]:
+        raise ValueError(f"report_to: unknown {unknown[0]!r}; comma-separated names of {', '.join(REPORTERS)}, or none")
     return names
 
 
@@ -87,43 +75,37 @@ def step_metrics(step: int, rollout, staleness: list[int], max_staleness: int, t
     the weight sync; `extra` (timings, memory, restarts) is added as is. Reward, accuracy and
     throughput are of every trajectory rolled out, those dynamic sampling dropped included (the
     policy's, not the filtered batch's); `trajectories` and `task_ids` are what was trained on.
-    response_tokens counts every rolled-out trajectory's response (model and observation tokens)."""
+    response_tokens counts every rolled-out trajectory's response (model and observation tokens), so
+    a trajectory's length is response_tokens_mean, never response_tokens / trajectories."""
     trajs = rollout.generated
     response_tokens = sum(len(t.response_ids) for t in trajs)
-    # which training tasks the policy solves, always fails or splits on (metrics.jsonl only: not a
-    # scalar); a task whose samples all agree gives dynamic sampling nothing to keep
+    # [solved, samples] of each training task: one the policy always solves or always fails gives
+    # dynamic sampling nothing to keep (metrics.jsonl only: not a scalar)
     by_task: dict[str, list[int]] = {}
     for t in trajs:
         if t.finish_reason != "infra_error":
-            solved_samples = by_task.setdefault(t.task_id, [0, 0])
-            solved_samples[0] += t.reward_components.get("correct", 0) > 0
-            solved_samples[1] += 1
+            counts = by_task.setdefault(t.task_id, [0, 0])
+            counts[0] += t.reward_components.get("correct", 0) > 0
+            counts[1] += 1
     return {
         "step": step, "trajectories": len(rollout.trajectories), "task_ids": [t.task_id for t in rollout.trajectories],
         "infra_failures": sum(t.finish_reason == "infra_error" for t in trajs),
         "setup_failures": rollout.setup_failures,
         "infra_errors": list(dict.fromkeys(rollout.infra_errors))[:3],  # why, in the sandbox's words
-        "dropped_stale": sum(s > max_staleness for s in staleness),
-        "staleness_max": max(staleness, default=0),
+        "dropped_stale": sum(s > max_staleness for s in staleness), "staleness_max": max(staleness, default=0),
         "staleness_trained_max": max((s for s in staleness if s <= max_staleness), default=0),
         "reward_mean": _mean(t.reward for t in trajs),
-        "acc": _mean(1.0 if t.reward_components.get("correct", 0) > 0 else 0.0 for t in trajs),
-        "train_by_task": {task_id: by_task[task_id] for task_id in sorted(by_task)},  # [solved, samples]
-        "turns_mean": _mean(t.num_turns for t in trajs),
+        "acc": _mean(float(t.reward_components.get("correct", 0) > 0) for t in trajs),
+        "train_by_task": dict(sorted(by_task.items())), "turns_mean": _mean(t.num_turns for t in trajs),
         **{key: train.get(key) for key in ("pg_loss", "clip_frac", "clip_cov_frac", "approx_kl", "kl_ref", "entropy",
                                           "grad_norm", "lr")},
         "parity_mean": train.get("logprob_diff_mean"), "parity_max": train.get("logprob_diff_max"),
         "update_skipped": skipped, "updates": train.get("updates", 1) if train else 0,
         "sync_ms": sync["ms"], "sync_transport": sync["transport"], "sync_verified": sync["verified"],
-        "weight_version": sync["weight_version"],
-        # a trajectory's length is response_tokens_mean, never response_tokens / trajectories (the
-        # kept ones): dynamic sampling rolls out more than it keeps
-        "rollout_s": rollout.seconds, "response_tokens": response_tokens,
+        "weight_version": sync["weight_version"], "rollout_s": rollout.seconds, "response_tokens": response_tokens,
         "response_tokens_mean": response_tokens / len(trajs) if trajs else None,
         "tokens_per_s": response_tokens / max(rollout.seconds, 1e-9),
-        **(rollout.sampling.metrics() if rollout.sampling else {}),
-        **extra,
-    }
+        **(rollout.sampling.metrics() if rollout.sampling else {}), **extra}
 
 
 def memory_gb(device: torch.device | str) -> float:
@@ -145,24 +127,17 @@ def parity_error(metrics: dict) -> str | None:
 
 
 def _cell(fmt: str, value) -> str:
-    if fmt == "duration":
-        return duration(value).rjust(7)
-    return fmt.format(int(value) if "d" in fmt else float(value))
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    return duration(value) if fmt == "duration" else fmt.format(int(value) if "d" in fmt else float(value))
 
 
 def _width(title: str, fmt: str) -> int:
-    return max(len(title), len(_cell(fmt, 0)))
+    return max(len(title), len(_cell(fmt, 0)), 7 if fmt == "duration" else 0)
 
 
 def format_row(metrics: dict) -> str:
-    cells = []
-    for key, title, fmt in COLUMNS:
-        value = metrics.get(key)
-        if value is None or (isinstance(value, float) and not math.isfinite(value)):
-            cells.append("-".rjust(_width(title, fmt)))
-        else:
-            cells.append(_cell(fmt, value).rjust(_width(title, fmt)))
-    return " ".join(cells)
+    return " ".join(_cell(fmt, metrics.get(key)).rjust(_width(title, fmt)) for key, title, fmt in COLUMNS)
 
 
 def format_header() -> str:
@@ -176,35 +151,29 @@ class MetricsLog:
     def __init__(self, run_dir: str | Path, resume_after_step: int | None = None, echo=print,
                  report_to: str = "tensorboard", config: dict | None = None):
         reporters = check_report_to(report_to)
-        self.run_dir = Path(run_dir)
+        self.run_dir, self.echo, self._header_printed = Path(run_dir), echo, False
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
-        self.echo = echo
         if resume_after_step is not None and self.path.exists():
-            # A run killed after logging step k but before checkpointing it will redo step k:
-            # drop lines past the checkpoint so no step appears twice (with no checkpoint at all, the
-            # run starts over from its step 0 evaluation: every line goes).
+            # A run killed after logging step k but before checkpointing it will redo step k: drop the
+            # lines past the checkpoint (with none at all, the run starts over from its step 0 evaluation).
             kept = [line for line in self.path.read_text().splitlines()
                     if line.strip() and resume_after_step and json.loads(line)["step"] <= resume_after_step]
             self.path.write_text("".join(line + "\n" for line in kept))
         self._file = open(self.path, "a", buffering=1)
         self._tb = self._wandb = None
         if "tensorboard" in reporters:
-            from torch.utils.tensorboard import SummaryWriter  # slow import: only when a run starts
+            from torch.utils.tensorboard import SummaryWriter  # a slow import: deferred until a run logs
 
             self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
         if "wandb" in reporters:
             self._wandb = start_wandb(self.run_dir, config or {})
-        self._header_printed = False
 
     def log(self, metrics: dict) -> None:
-        missing = [k for k in REQUIRED_KEYS if k not in metrics]
-        if missing:
+        if missing := [k for k in REQUIRED_KEYS if k not in metrics]:
             raise ValueError(f"metrics for step {metrics.get('step')} lack keys {missing}")
         error = parity_error(metrics)
-        if metrics.get("true_on_policy"):
-            metrics = {**metrics, "parity_error": error is not None}
-        self._write(metrics)
+        self._write({**metrics, "parity_error": error is not None} if metrics.get("true_on_policy") else metrics)
         if not self._header_printed:
             self.echo(format_header())
             self._header_printed = True
@@ -256,17 +225,20 @@ def start_wandb(run_dir: Path, config: dict):
 
 def read_metrics(path: str | Path) -> list[dict]:
     path = Path(path)
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-EVAL_CURVES = (("eval_pass_at_1", "eval_tasks"), ("eval_alfa_pass_at_1", "ALFA subset"))
+def _points(rows: list[dict], key: str) -> list[tuple]:
+    """(step, value) of one curve: every training step for a training curve (None where it has no value;
+    step 0's row is an evaluation, not a step), only the steps that evaluated for an evaluation."""
+    if key in dict(EVAL_CURVES):
+        return [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+    return [(r["step"], r.get(key)) for r in rows if "reward_mean" in r]
 
 
 def _plot(out_dir: str | Path, name: str, title: str, series: dict[str, list[tuple]], log: bool = False) -> Path:
     """One PNG, out_dir/name.png: a line a series of (step, value) points (None: a gap)."""
-    import matplotlib  # slow import, and the Agg backend must be chosen before pyplot loads
+    import matplotlib  # a slow import, and the Agg backend must be chosen before pyplot loads
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -275,22 +247,15 @@ def _plot(out_dir: str | Path, name: str, title: str, series: dict[str, list[tup
     for label, points in series.items():
         ax.plot([s for s, _ in points], [float("nan") if v is None else v for _, v in points], marker="o",
                 markersize=3 if len(points) > 30 else 6, label=label)
-    if log:
-        ax.set_yscale("log")
+    ax.set_yscale("log" if log else "linear")
     if len(series) > 1:
         ax.legend()
-    ax.set_xlabel("step")
-    ax.set_title(title)
+    ax.set(xlabel="step", title=title)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    path = Path(out_dir) / f"{name}.png"
-    fig.savefig(path, dpi=100)
+    fig.savefig(path := Path(out_dir) / f"{name}.png", dpi=100)
     plt.close(fig)
     return path
-
-
-TRAIN_CURVES = (("reward_mean", "mean reward"), ("acc", "accuracy"), ("entropy", "policy entropy (nats a token)"),
-                ("parity_mean", "log-prob parity (mean |diff|)"))
 
 
 def write_curves(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
@@ -305,9 +270,7 @@ def write_curves(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
         points = _points(rows, key)
         log = key == "parity_mean" and any(v is not None and v > 0 for _, v in points)  # true on-policy: all 0.0
         written.append(_plot(out_dir, key, title, {key: points}, log))
-    evals = {label: _points(rows, key) for key, label in EVAL_CURVES}
-    evals = {label: points for label, points in evals.items() if points}
-    if evals:  # only the steps that evaluated
+    if evals := {label: p for key, label in EVAL_CURVES if (p := _points(rows, key))}:  # the steps that evaluated
         written.append(_plot(out_dir, "eval_pass_at_1", "pass@1 during training (eval_every)", evals))
     return written
 
@@ -317,34 +280,21 @@ def compare_curves(runs: dict[str, str | Path], out_dir: str | Path) -> list[Pat
     curve and each evaluation (eval_every) that any run has. Runs that differ in one setting (a seed,
     a learning-rate schedule) read best side by side."""
     rows = {label: read_metrics(path) for label, path in runs.items()}
-    titles = TRAIN_CURVES + tuple((key, f"{label} pass@1 during training") for key, label in EVAL_CURVES)
     written = []
-    for key, title in titles:
+    for key, title in TRAIN_CURVES + tuple((key, f"{label} pass@1 during training") for key, label in EVAL_CURVES):
         series = {label: _points(run_rows, key) for label, run_rows in rows.items()}
-        series = {label: points for label, points in series.items() if any(v is not None for _, v in points)}
-        if series:
+        if series := {label: points for label, points in series.items() if any(v is not None for _, v in points)}:
             written.append(_plot(out_dir, f"compare_{key}", title, series))
     return written
-
-
-def _points(rows: list[dict], key: str) -> list[tuple]:
-    """(step, value) of one curve: every training step for a training curve (None where it has no value;
-    step 0's row is an evaluation, not a step), only the steps that evaluated for an evaluation."""
-    if key in dict(EVAL_CURVES):
-        return [(r["step"], r[key]) for r in rows if r.get(key) is not None]
-    return [(r["step"], r.get(key)) for r in rows if "reward_mean" in r]
 
 
 def task_split(rows: list[dict], last: int = 10) -> str | None:
     """One summary line: over the last `last` steps, how many training tasks the policy always
     solved, never solved, or split on. Only the split ones still teach it anything."""
-    rows = rows[-last:]
-    counts: dict[str, list[int]] = {}
+    rows, counts = rows[-last:], {}
     for row in rows:
         for task_id, (solved, samples) in (row.get("train_by_task") or {}).items():
-            total = counts.setdefault(task_id, [0, 0])
-            total[0] += solved
-            total[1] += samples
+            counts[task_id] = [a + b for a, b in zip(counts.get(task_id, [0, 0]), (solved, samples))]
     if not counts:
         return None
     always = sum(solved == samples for solved, samples in counts.values())
@@ -359,28 +309,23 @@ def run_summary(rows: list[dict], wall_s: float, run_dir: Path) -> list[str]:
     evaluations, rows = rows, [r for r in rows if "reward_mean" in r]  # training steps, without step 0's eval
     if not rows:
         return [f"no step completed in {duration(wall_s)}; run directory {run_dir}"]
-    first, last = rows[0], rows[-1]
 
     def change(key: str, fmt: str) -> str:
-        def show(row):
-            value = row.get(key)
-            return "-" if value is None or not math.isfinite(value) else fmt.format(value)
-        return f"{show(first)} (step {first['step']}) -> {show(last)} (step {last['step']})"
+        show = [("-" if r.get(key) is None or not math.isfinite(r[key]) else fmt.format(r[key]), r["step"])
+                for r in (rows[0], rows[-1])]
+        return "{} (step {}) -> {} (step {})".format(*show[0], *show[1])
 
-    files = [name for name in ("metrics.jsonl", "tensorboard/", "wandb/", "reward_mean.png", "acc.png",
-                               "entropy.png", "parity_mean.png", "eval_pass_at_1.png", "checkpoint/", "final/", "best/")
+    files = [name for name in ("metrics.jsonl", "tensorboard/", "wandb/", "reward_mean.png", "acc.png", "entropy.png",
+                               "parity_mean.png", "eval_pass_at_1.png", "checkpoint/", "final/", "best/")
              if (run_dir / name).exists()]
     lines = [f"summary: {len(rows)} step{'s' if len(rows) != 1 else ''}, {duration(wall_s)} wall time",
-             f"  reward    {change('reward_mean', '{:+.3f}')}",
-             f"  accuracy  {change('acc', '{:.1%}')}"]
+             f"  reward    {change('reward_mean', '{:+.3f}')}", f"  accuracy  {change('acc', '{:.1%}')}"]
     for key, label in EVAL_CURVES:
-        evaluated = [r for r in evaluations if r.get(key) is not None]
-        if evaluated:
+        if evaluated := [r for r in evaluations if r.get(key) is not None]:
             a, b = evaluated[0], evaluated[-1]
-            lines.append(f"  eval      pass@1 on {label}: {a[key]:.3f} (step {a['step']}) -> {b[key]:.3f} "
-                         f"(step {b['step']})")
-    split = task_split(rows)
-    if split:
+            lines.append(f"  eval      pass@1 on {label}: {a[key]:.3f} (step {a['step']}) -> "
+                         f"{b[key]:.3f} (step {b['step']})")
+    if split := task_split(rows):
         lines.append(split)
     lines.append(f"  files     {run_dir}/: {', '.join(files)}")
     if (run_dir / "final").is_dir():

@@ -37,25 +37,27 @@ import torch
 from transformers import AutoTokenizer
 
 from nano_miles.trainer.loss import AdvantageConfig, LossConfig
-from nano_miles.trainer.checkpoint import Checkpointer, disk_line, export_best, export_model
+from nano_miles.trainer.checkpoint import (CheckpointError, Checkpointer, checkpoint_folder, disk_line, export_best,
+                                   export_model)
 from nano_miles.engine.client import EngineUnavailable
 from nano_miles.config import ConfigError, add_config_arguments, config_from_args, to_dict, to_toml
 from nano_miles.trainer.distributed import DistError
 from nano_miles.dtypes import TRAINABLE
 from nano_miles.rollout.dynamic_sampling import TrainRolloutConfig
+from nano_miles.engine.weights import NonFiniteWeights
 from nano_miles.engine.handle import EngineHandle, train_layout
 from nano_miles.evaluate import RunEvaluation
 from nano_miles.memory_plan import plan_memory, uses_shared_weights
 from nano_miles.rollout.producer import AsyncProducer, StepRollout, SyncProducer, TaskStream, roll_out_step, staleness
 from nano_miles.trainer.reference import ReferencePolicy
-from nano_miles.rollout_command import RolloutCommandConfig, model_folder, selected_tasks
+from nano_miles.job import RolloutCommandConfig, model_folder, selected_tasks
 from nano_miles.rollout.sandbox import check_sandbox, sandbox_factory
 from nano_miles.tasks import training_tasks
 from nano_miles.telemetry import (MetricsLog, check_report_to, memory_gb, parse_report_to, read_metrics, run_summary,
                                   step_metrics)
 from nano_miles.trainer.trainer import OptimConfig, Trainer, TrainerConfig
-from nano_miles.trainer.ranks import (RankCheckpointer, TrainerRanks, is_collective_failure, launch_ranks,
-                                      load_run_checkpoint, rank_device_type, rank_env, run_as_rank)
+from nano_miles.trainer.ranks import (RankCheckpointer, TrainerRanks, check_resumable, is_collective_failure,
+                                      launch_ranks, load_run_checkpoint, rank_device_type, rank_env, run_as_rank)
 from nano_miles.trainer.update import policy_update
 from nano_miles.trainer.weight_sync import SyncConfig, WeightSync, WeightSyncError
 
@@ -65,7 +67,7 @@ MODES = ("sync", "async")
 @dataclass
 class TrainConfig(RolloutCommandConfig):
     """The keys of `nano-miles train`: rollout's (model, tasks, seed, dtype, engine.*, rollout.*) and these."""
-    config_aliases: ClassVar[dict[str, str]] = {  # keys of earlier versions (run.toml files, --set, config.json)
+    renamed_keys: ClassVar[dict[str, str]] = {  # old key -> new: refused with a line naming the new one
         "engine_url": "engine.url", "engine_device": "engine.device",
         "engine_max_running_requests": "engine.max_running_requests",
         "engine_mem_fraction": "engine.kv_cache_memory_fraction",
@@ -379,7 +381,12 @@ class TrainingRun:
                 loop_started = time.monotonic()  # the ETA is the training steps' pace
             self.producer.start(self.start_step + 1)
             for step in range(self.start_step + 1, cfg.steps + 1):
-                metrics = self.step(step)
+                try:
+                    metrics = self.step(step)
+                except NonFiniteWeights as e:  # a training failure: neither skipped nor retried
+                    raise RunFailed(f"stopped at step {step}: {e}. The engines keep the weights they had; lower "
+                                    f"optim.lr (or find what diverged) and continue with --resume {self.run_dir} "
+                                    f"(from step {self.checkpointed + 1})") from None
                 evaluated = self.evaluation.after_step(step, self.engines, self.tokenizer, self.make_sandbox)
                 if self.evaluation.new_best(step, evaluated, self.run_dir / "best"):
                     export_best(self.trainer, self.model_path, self.run_dir / "best", self.run_dir / "checkpoint",
@@ -445,17 +452,36 @@ def add_arguments(p) -> None:
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
 
 
+def saved_config(run_dir: str) -> tuple[dict, list[str]]:
+    """A run directory's config.json less its tasks modules, and those modules. They are code this host
+    would run, and a run directory may come from anyone: they load only if the command line names them."""
+    config_json = Path(run_dir) / "config.json"
+    if not config_json.is_file():
+        raise ConfigError(f"--resume {run_dir}: not a run directory (no config.json)")
+    try:
+        saved = json.loads(config_json.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ConfigError(f"{config_json} cannot be read: {type(e).__name__}: {e}") from None
+    if not isinstance(saved, dict):
+        raise ConfigError(f"{config_json} is not a run's config: a JSON {type(saved).__name__}")
+    modules = saved.pop("tasks_module", None) or []
+    return saved, [str(m) for m in (modules if isinstance(modules, list) else [modules])]
+
+
 def run(args) -> int:
-    saved = None
-    if args.resume:
-        config_json = Path(args.resume) / "config.json"
-        if not config_json.is_file():
-            raise ConfigError(f"--resume {args.resume}: not a run directory (no config.json)")
-        saved = json.loads(config_json.read_text())  # the run's own config, then what this command line sets
+    # the run's own config, then what this command line sets
+    saved, saved_modules = saved_config(args.resume) if args.resume else (None, [])
     cfg = config_from_args(TrainConfig, args, base=saved)
+    unconfirmed = [m for m in saved_modules if m not in cfg.tasks_module]
+    if unconfirmed:
+        raise ConfigError(f"--resume {args.resume}: its config.json loads tasks_module {', '.join(unconfirmed)}, "
+                          "code this host would run, which a run directory is not trusted to ask for: "
+                          f"--set tasks_module={','.join(saved_modules)} resumes with it")
     if args.print_config:
         print(to_toml(cfg), end="")
         return 0
+    if args.resume and (ckpt := checkpoint_folder(Path(args.resume))) is not None:
+        check_resumable(ckpt)  # a checkpoint that cannot be resumed: one line, before any model loads
     ranks = rank_env()
     try:
         if ranks is not None and ranks[1] > 1:  # one of N ranks (torchrun, or launch_ranks below)
@@ -489,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return run(args)
-    except ConfigError as e:
+    except (ConfigError, CheckpointError) as e:
         print(f"nano-miles train: {e}", file=sys.stderr)
         return 2
 

@@ -6,69 +6,260 @@ an episode's commands add up. The host directories a sandbox writes to (its work
 the tiers without namespaces its TMPDIR too: the namespaced tier's /tmp and /dev/shm are size-capped
 tmpfs of its own) are walked while a command runs, and the command is killed once they hold more than
 the limit. A filesystem quota would stop the write itself, but needs a filesystem set up for it and
-privileges the sandbox may not have; the walk works in every tier, as any user.
+privileges the sandbox may not have; the walk works in every tier, as any user. The workspace is a
+host directory the caller reads and brings, so it cannot be swapped for a size-capped tmpfs either.
 
 What is counted: the blocks each file, directory and link really takes (st_blocks: a sparse file counts
-what it holds), each hard-linked inode once, and at least one 4 KiB block per entry, so that millions
-of empty files (the filesystem's inodes) are bounded as well. The check runs 50 ms into a command,
-then every max(100 ms, 10 walks' time), and once when the command ends: a command may overshoot by
-what it writes between two walks. A sandbox left over the limit (that overshoot, or a large workspace
-the caller brought) runs its next command with what it holds as the limit: it is killed if it adds.
+what it holds), a hard-linked inode's blocks shared out over its links, and at least one 4 KiB block
+per entry, so that millions of empty files (the filesystem's inodes) are bounded as well.
+
+How it is kept up to date (Meter): the walk remembers, per directory, what each entry counted, and
+the running total is the sum of that. A pass looks at every directory (one fstat); one whose mtime
+moved is listed again, and only its new entries are looked at (a name with a known inode costs a
+line of getdents, not a stat); a new file is looked at once more on the next pass (unless it held
+some bytes but no more than the block it counts anyway), one seen growing on every pass while it
+grows; and in a refresh cycle, one pass in every ten times its cost, every entry is looked at again
+(a file nothing had watched that starts growing is seen there). So a command making
+many small files is seen at the pace of one listing, not of a stat of every file, and the total moves
+after every directory, not once a walk. Passes run in a thread of their own while a command runs (the
+output drain only reads the total, and never waits for a walk), from 50 ms into it, with a pause of
+ten times what the last pass took, shrinking with the room left under what is allowed (back to back
+at the limit, where a pause lets the most through), and once more when it ends, within its deadline.
+
+What it lets through: what a command writes between two passes (a pass takes longer the more
+directories there are), and, to files it had not been writing to, between two refresh cycles (a
+cycle takes longer the more files there are). A Sandbox
+measures its files when it is made; a command is killed when they take more than the limit, or more
+than they took when it started if that was more (a sandbox left over the limit, or a large workspace
+the caller brought): it is killed for what it adds, so the one that frees the space runs. Files the
+host adds between commands count as the next command's.
 """
 from __future__ import annotations
 
 import errno
+import math
 import os
 import stat
+import threading
 import time
 
 from .workspace import Moved, Replaced, open_subdir, walk
 
 MIN_ENTRY_BYTES = 4096  # an entry costs at least an inode and a block
-FIRST_CHECK_S = 0.05    # commands shorter than this are checked once, at their end
-MIN_INTERVAL_S = 0.1
-WALK_SHARE = 0.1        # at most this share of the time goes into walking, for large trees
+FIRST_CHECK_S = 0.05    # commands shorter than this are measured once, at their end
+MIN_INTERVAL_S = 0.02   # between two passes, and between two looks of the drain at the total
+SETTLE_S = 0.1          # the pass at a command's end may run this long past its deadline
+WALK_SHARE = 0.1        # this share of the time goes into passes (more near the limit), as much into refreshes
+WATCH_S = 2.0           # a file seen growing is looked at on every pass until it stops for this long
+FRESH_NS = 250_000_000  # an mtime this recent is not trusted: timestamps tick coarsely
+CHECK_EVERY = 256       # entries between two looks at whether to stop
+MAX_MOVES = 3           # passes in a row cut short by moving directories before the check gives up
 
 
 def usage(roots: list[str]) -> int:
-    """Bytes the trees under roots take on disk, by the rules above. A command may change its files
-    while they are walked: every directory is opened relative to its parent's fd, follows no link,
-    and must be the one its parent listed (same device and inode), so neither a directory swapped for
-    a link to the host's / nor a path longer than PATH_MAX leads the walk astray. The walk goes down by
-    name and back up by "..", with one directory open at a time, so no depth exhausts our fds. A
-    directory we may not read (a command sharing our uid took our access away) is opened for the walk
-    and given its mode back on the way up; one that is not ours is not entered (only the host can put
-    such a thing there). OSError when directories keep moving under the walk."""
-    for _ in range(3):
+    """Bytes the trees under roots take on disk, by the rules above, measured once in full. A command
+    may change its files while they are walked: every directory is opened relative to its parent's
+    fd, follows no link, and must be the one its parent listed (same device and inode), so neither a
+    directory swapped for a link to the host's / nor a path longer than PATH_MAX leads the walk
+    astray. The walk goes down by name and back up by "..", with one directory open at a time, so no
+    depth exhausts our fds. A directory we may not read (a command sharing our uid took our access
+    away) is opened for the walk and given its mode back on the way up; one that is not ours is not
+    entered (only the host can put such a thing there). OSError when directories keep moving."""
+    meter = Meter()
+    meter.settle(roots)
+    return meter.total
+
+
+class _Dir:
+    """What the Meter remembers of one directory."""
+    __slots__ = ("mtime", "entries", "subdirs", "watch", "total", "refreshed")
+
+    def __init__(self):
+        self.mtime = None            # st_mtime_ns when it was last listed in full; None: list it again
+        self.entries = {}            # name -> (inode, bytes counted)
+        self.subdirs = {}            # name -> (st_dev, st_ino) of those that are directories
+        self.watch = {}              # name -> until when it is looked at again on every pass
+        self.total = 0               # bytes its entries count
+        self.refreshed = -math.inf   # when all of its entries were last looked at
+
+
+class Meter:
+    """The bytes a Sandbox's directories take (total), kept up to date pass after pass (measure), one
+    walker at a time (lock). Trees are per root; a root that comes and goes (the fallback tier's
+    TMPDIR) is forgotten when it goes."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.total = 0
+        self._trees: dict[str, dict[tuple[int, int], _Dir]] = {}  # root -> directory (dev, ino) -> _Dir
+        self._visited: set[tuple[int, int]] = set()               # this pass's directories, of one root
+        self._cut = False                                         # this pass was told to stop
+        self._cycle = None             # when the refresh cycle under way began (None: none is)
+        self._cycle_cost = 0.0         # the time its passes took
+        self._next_cycle = -math.inf   # when the next one is due
+        self.pass_cost = 0.0           # what the last pass outside a refresh cycle took
+        self.moves = 0                 # passes in a row cut short by a directory moving under them
+
+    def settle(self, roots: list[str]) -> None:
+        """Measure until one whole pass, a refresh of every entry, is done (no deadline)."""
+        self._next_cycle = -math.inf
+        while not (self.measure(roots, lambda: False) and self._cycle is None):
+            self.check_moves()
+
+    def check_moves(self) -> None:
+        """OSError once MAX_MOVES passes in a row were cut short by directories moving under them: a
+        command moving them all the time would keep the rest of its tree from being looked at."""
+        if self.moves >= MAX_MOVES:
+            raise OSError(errno.ESTALE, "the sandbox's directories kept moving while they were measured")
+
+    def forget(self, root: str) -> None:
+        for d in self._trees.pop(root, {}).values():
+            self.total -= d.total
+
+    def measure(self, roots: list[str], stop) -> bool:
+        """One pass over roots; False when stop() said to stop first, or a directory moved under it
+        (what it did see is kept). A refresh cycle begins when one is due and ends with a whole pass."""
+        started = time.monotonic()
+        if self._cycle is None and started >= self._next_cycle:
+            self._cycle, self._cycle_cost = started, 0.0
+        cycle = self._cycle
+        complete = True
         try:
-            seen: set[tuple[int, int]] = set()  # hard links across roots count once too
-            return sum(_tree_usage(root, seen) for root in roots)
-        except Moved:
-            continue  # a directory moved to another parent while we were in it: walk again
-    raise OSError(errno.ESTALE, "the sandbox's directories kept moving while they were measured")
+            for root in roots:
+                if not self._measure_root(root, stop):
+                    complete = False
+                    break
+        except Moved:  # a directory moved to another parent while we were in it: what was seen is kept
+            complete = False
+            self.moves += 1
+        else:
+            self.moves = 0 if complete else self.moves
+        if cycle is None:
+            self.pass_cost = time.monotonic() - started
+        else:
+            self._cycle_cost += time.monotonic() - started
+            if complete:
+                self._cycle = None
+                self._next_cycle = time.monotonic() + max(MIN_INTERVAL_S, self._cycle_cost / WALK_SHARE)
+        return complete
 
+    def _measure_root(self, root: str, stop) -> bool:
+        try:
+            fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except (FileNotFoundError, NotADirectoryError):
+            self.forget(root)
+            return True
+        dirs = self._trees.setdefault(root, {})
+        self._visited, self._cut = set(), False
+        try:
+            walk(fd, lambda d: self._visit(dirs, d, stop), self._enter, _leave)
+        finally:
+            os.close(fd)
+        if self._cut:
+            return False
+        for ident in [i for i in dirs if i not in self._visited]:  # gone, or no longer reachable
+            self.total -= dirs.pop(ident).total
+        return True
 
-def _tree_usage(root: str, seen: set) -> int:
-    try:
-        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except (FileNotFoundError, NotADirectoryError):
-        return 0
-    total = 0
-
-    def listing(d: int) -> list:
-        nonlocal total
-        subdirs = []
-        for name, st in _list(d):
-            if st.st_nlink > 1 and not stat.S_ISDIR(st.st_mode):
-                if (st.st_dev, st.st_ino) in seen:
+    def _visit(self, dirs: dict, fd: int, stop) -> list:
+        """The walk's listing: this directory brought up to date; its subdirectories. Stopping, none:
+        the walk goes back up to the root, and each directory opened up for it gets its mode back."""
+        if self._cut or stop():
+            self._cut = True
+            return []
+        fresh_after = time.time_ns() - FRESH_NS
+        st = os.fstat(fd)
+        ident = (st.st_dev, st.st_ino)
+        self._visited.add(ident)
+        d = dirs.get(ident)
+        if d is None:
+            d = dirs[ident] = _Dir()
+        refresh = self._cycle is not None and d.refreshed < self._cycle
+        if refresh or d.mtime != st.st_mtime_ns:
+            if not self._list(dirs, d, fd, refresh, stop):
+                d.mtime, self._cut = None, True
+                return []
+            d.mtime = st.st_mtime_ns if st.st_mtime_ns < fresh_after else None
+        else:  # the same entries as last time: only those being watched are looked at
+            now = time.monotonic()
+            for name in list(d.watch):
+                try:
+                    st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    d.mtime = None  # removed since the fstat: the next pass lists the directory
                     continue
-                seen.add((st.st_dev, st.st_ino))
-            total += max(st.st_blocks * 512, MIN_ENTRY_BYTES)
-            if stat.S_ISDIR(st.st_mode):
-                subdirs.append((name, (st.st_dev, st.st_ino)))
-        return subdirs
+                self._look(dirs, d, name, st, d.entries[name][0], now)
+        return list(d.subdirs.items())
 
-    def enter(name: str, ident, parent: int):
+    def _list(self, dirs: dict, d: _Dir, fd: int, refresh: bool, stop) -> bool:
+        """List the directory again: new entries (and, refreshing, all) looked at, gone ones dropped."""
+        now = time.monotonic()
+        listed = set()
+        with os.scandir(fd) as it:
+            for entry in it:
+                if len(listed) % CHECK_EVERY == CHECK_EVERY - 1 and stop():
+                    return False
+                name = entry.name
+                listed.add(name)
+                known = d.entries.get(name)
+                if known is not None and known[0] == entry.inode() and not refresh and name not in d.watch:
+                    continue
+                try:
+                    st = entry.stat(follow_symlinks=False)  # fstatat on the listed directory's fd
+                except FileNotFoundError:
+                    listed.discard(name)
+                    continue
+                self._look(dirs, d, name, st, entry.inode(), now)
+        for name in [n for n in d.entries if n not in listed]:
+            self._drop(dirs, d, name)
+        if refresh:
+            d.refreshed = now
+        return True
+
+    def _look(self, dirs: dict, d: _Dir, name: str, st: os.stat_result, ino: int, now: float) -> None:
+        """Count what the entry takes now, and decide whether to look at it again on the next pass.
+        ino: the inode its directory lists (overlayfs may list another number than stat says)."""
+        counted = _bytes(st)
+        known = d.entries.get(name)
+        is_dir = stat.S_ISDIR(st.st_mode)
+        if known is None or known[0] != ino:  # new under this name
+            self._prune(dirs, d.subdirs.pop(name, None))
+            if is_dir:
+                d.subdirs[name] = (st.st_dev, st.st_ino)
+            elif st.st_size == 0 or counted > MIN_ENTRY_BYTES:  # once more on the next pass: it may be
+                d.watch[name] = now                              # being written (one block counts as much)
+            known = (ino, 0)
+        elif counted > known[1] and not is_dir:
+            d.watch[name] = now + WATCH_S
+        elif d.watch.get(name, math.inf) <= now:
+            del d.watch[name]
+        d.entries[name] = (ino, counted)
+        d.total += counted - known[1]
+        self.total += counted - known[1]
+
+    def _drop(self, dirs: dict, d: _Dir, name: str) -> None:
+        _, counted = d.entries.pop(name)
+        d.total -= counted
+        self.total -= counted
+        d.watch.pop(name, None)
+        self._prune(dirs, d.subdirs.pop(name, None))
+
+    def _prune(self, dirs: dict, ident) -> None:
+        """Forget a directory no longer under its name and what is below it, at once (not at the end
+        of the pass), unless this pass found it somewhere else already."""
+        stack = [] if ident is None else [ident]
+        while stack:
+            ident = stack.pop()
+            if ident in self._visited or ident not in dirs:
+                continue
+            gone = dirs.pop(ident)
+            self.total -= gone.total
+            stack.extend(gone.subdirs.values())
+
+    def _enter(self, name: str, ident, parent: int):
+        """The walk's enter: the subdirectory listed as ident, opened (None: passed over)."""
+        if self._cut:
+            return None  # on the way back up: the directories left are not entered
         try:
             return open_subdir(name, parent, expect=ident)
         except (FileNotFoundError, NotADirectoryError, PermissionError, Replaced):
@@ -78,70 +269,80 @@ def _tree_usage(root: str, seen: set) -> int:
                 raise
             return None
 
-    def leave(_parent: int, _name: str, d: int, mode) -> None:
-        if mode is not None:  # opened up for the walk: its mode back
-            os.fchmod(d, mode)
 
-    try:
-        walk(fd, listing, enter, leave)
-    finally:
-        os.close(fd)
-    return total
+def _bytes(st: os.stat_result) -> int:
+    held = st.st_blocks * 512
+    if st.st_nlink > 1 and not stat.S_ISDIR(st.st_mode):
+        held //= st.st_nlink  # a hard-linked inode counts once over all its links, wherever they are listed
+    return max(held, MIN_ENTRY_BYTES)
 
 
-def _list(fd: int) -> list[tuple[str, os.stat_result]]:
-    """(name, lstat) of each entry of the open directory fd (fstatat on it: no path resolved again)."""
-    out = []
-    with os.scandir(fd) as it:
-        for entry in it:
-            try:
-                out.append((entry.name, entry.stat(follow_symlinks=False)))
-            except FileNotFoundError:
-                continue
-    return out
+def _leave(_parent: int, _name: str, d: int, mode) -> None:
+    if mode is not None:  # opened up for the walk: its mode back
+        os.fchmod(d, mode)
 
 
 class DiskCheck:
-    """What drain() calls while a command runs: due at next_at, over() says whether the command took
-    the files past what is allowed (then the line its stderr gets), finish() measures at its end.
-    Allowed is the limit, or what the files took when the command started if that was more (a sandbox
-    left over the limit, or a large workspace the caller brought): a command is killed for what it
-    adds, so the one that frees the space runs. baseline: the files' size at the start when known
-    (the last command's finish()), else measured now."""
+    """One command's check, on the Sandbox's Meter: drain() calls over() while the command runs (a
+    line for its stderr when it took the files past what is allowed), finish() at its end. The first
+    over() at FIRST_CHECK_S starts the thread that runs the passes; finish() stops it and measures
+    once more, within the deadline. Allowed is the limit, or what the files took when the command
+    started if that was more."""
 
-    def __init__(self, roots: list[str], limit: int, baseline: int | None = None):
-        self.roots, self.limit = roots, limit
-        self.used = 0
-        if baseline is None:
-            self._measure()  # cannot measure: 0, and the first check kills
-        else:
-            self.used = baseline
-        self.allowed = max(limit, self.used)
-        self.next_at = time.monotonic() + FIRST_CHECK_S
+    def __init__(self, meter: Meter, roots: list[str], limit: int):
+        self.meter, self.roots, self.limit = meter, roots, limit
+        self.allowed = max(limit, meter.total)
         self.killed = False
+        self._start_at = time.monotonic() + FIRST_CHECK_S
+        self._stop = threading.Event()
+        self._thread = None
+        self._failed = None  # why the files cannot be measured: as good as over
 
-    def _measure(self) -> str | None:
-        t0 = time.monotonic()
-        try:
-            self.used = usage(self.roots)
-        except OSError as e:  # EMFILE: nested deeper than our open files; as good as over
-            self.next_at = time.monotonic() + MIN_INTERVAL_S
-            return f"the sandbox's files cannot be measured ({e.strerror})"
-        self.next_at = time.monotonic() + max(MIN_INTERVAL_S, (time.monotonic() - t0) / WALK_SHARE)
-        return None
-
-    def over(self) -> str | None:
-        why = self._measure()
-        if why is None and self.used <= self.allowed:
+    def over(self, now: float) -> str | None:
+        if self._thread is None and now >= self._start_at:
+            self._thread = threading.Thread(target=self._watch, name="nano-openshell-disk", daemon=True)
+            self._thread.start()
+        if self._failed is None and self.meter.total <= self.allowed:
             return None
         self.killed = True
-        why = why or f"the sandbox's files take {self.used} bytes on disk"
+        why = self._failed or f"the sandbox's files take {self.meter.total} bytes on disk"
         return f"nano-openshell: killed: {why}, over Limits.disk_bytes={self.limit}\n"
 
-    def finish(self) -> str | None:
-        """At the command's end: a line for its stderr when the files are over the limit."""
-        why = self._measure()  # after a kill too: the next command starts from what is really there
-        if self.killed or why is not None or self.used <= self.limit:
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            with self.meter.lock:
+                try:
+                    self.meter.measure(self.roots, self._stop.is_set)
+                    self.meter.check_moves()
+                except Exception as e:  # EACCES on a directory that is not ours, EMFILE...: no check, so killed
+                    self._failed = f"the sandbox's files cannot be measured ({getattr(e, 'strerror', None) or e})"
+                    return
+            # ten times what a pass takes, less as the files near what is allowed (back to back there)
+            free = max(0.0, 1.0 - self.meter.total / self.allowed)
+            self._stop.wait(max(MIN_INTERVAL_S, self.meter.pass_cost / WALK_SHARE * free))
+
+    def stop(self) -> None:
+        """The passes stop (within CHECK_EVERY entries; the thread is not waited for)."""
+        self._stop.set()
+
+    def finish(self, deadline: float) -> str | None:
+        """At the command's end (the deadline, or SETTLE_S from now if later): the thread stopped, one
+        more pass, so that the next command starts from what is there; a line for its stderr when the
+        files are over the limit."""
+        deadline = max(deadline, time.monotonic() + SETTLE_S)
+        self.stop()
+        if self._thread is not None:
+            self._thread.join(max(0.0, deadline - time.monotonic()))
+        if self.meter.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            try:
+                while not self.meter.measure(self.roots, lambda: time.monotonic() > deadline):
+                    if time.monotonic() > deadline:
+                        break
+            except OSError:
+                pass  # the next command's passes say so
+            finally:
+                self.meter.lock.release()
+        if self.killed or self._failed is not None or self.meter.total <= self.limit:
             return None
-        return (f"nano-openshell: the sandbox's files take {self.used} bytes on disk, over Limits.disk_bytes="
+        return (f"nano-openshell: the sandbox's files take {self.meter.total} bytes on disk, over Limits.disk_bytes="
                 f"{self.limit}: a command that adds to them is killed\n")

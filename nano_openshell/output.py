@@ -7,6 +7,7 @@ import subprocess
 import time
 
 KILL_GRACE = 0.3  # after a kill, how long we still wait for the pipes to reach EOF
+DISK_TICK_S = 0.02  # how often the disk check's total is looked at
 
 
 class Capped:
@@ -46,8 +47,8 @@ def drain(proc: subprocess.Popen, deadline: float, cap: int, kill, owned=None,
     """Read stdout/stderr until EOF or the deadline; at the deadline kill (the tier's way), give the
     pipes KILL_GRACE to reach EOF (they do once the tree is dead) and stop reading regardless.
     owned: the Sandbox's (track/untrack), so that close() kills the command meanwhile. disk: a
-    disk.DiskCheck, run when due while the command lives (over the limit: killed, not timed out) and
-    once at its end; what it says goes to stderr."""
+    disk.DiskCheck, looked at while the command lives (over the limit: killed, not timed out) and
+    finished at its end, within the deadline; what it says goes to stderr. timed_out comes with -9."""
     out, err = Capped(cap), Capped(cap)
     sinks = {proc.stdout.fileno(): out, proc.stderr.fileno(): err}
     poller = select.poll()  # not selectors: no epoll instance to make and close per command
@@ -62,16 +63,16 @@ def drain(proc: subprocess.Popen, deadline: float, cap: int, kill, owned=None,
         kill()
 
     def check_disk(now: float) -> float:
-        """Kill when the files are over the limit; the time to wake up next."""
+        """Kill when the files are over the limit; the time to look again. The walk runs in a thread of
+        its own (disk.DiskCheck): this only reads its total, so the deadline never waits for a walk."""
         if disk is None or killed:
             return math.inf
-        if now >= disk.next_at:
-            reason = disk.over()
-            if reason is not None:
-                err.add(reason.encode())
-                stop(now)
-                return math.inf
-        return disk.next_at
+        reason = disk.over(now)
+        if reason is not None:
+            err.add(reason.encode())
+            stop(now)
+            return math.inf
+        return now + DISK_TICK_S
 
     try:
         if owned is not None:
@@ -107,12 +108,15 @@ def drain(proc: subprocess.Popen, deadline: float, cap: int, kill, owned=None,
             except subprocess.TimeoutExpired:
                 pass
         proc.wait()
-        line = disk.finish() if disk is not None else None
+        line = disk.finish(deadline) if disk is not None else None
         if line is not None:
             err.add(line.encode())
     finally:
+        if disk is not None:
+            disk.stop()  # its thread, whatever ended the drain
         if owned is not None:
             owned.untrack(kill)
         proc.stdout.close()
         proc.stderr.close()
-    return proc.returncode, out, err, timed_out
+    # killed at the deadline: -9, whatever status a command that ended at that instant left
+    return (-9 if timed_out else proc.returncode), out, err, timed_out

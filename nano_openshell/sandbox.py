@@ -26,12 +26,12 @@ import weakref
 from . import fallback, launcher, namespaced, seccomp
 from .api import ExecResult, Limits, SandboxError, validate_command, validate_timeout
 from .cgroup import SandboxCgroup
-from .disk import DiskCheck
+from .disk import DiskCheck, Meter
 from .forwarder import sandbox_prelude
 from .owned import SANDBOX_UIDS, Owned, close_all, temp_dir  # noqa: F401 (close_all: what a leaving process calls)
 from .probe import TIERS, probe
 from .proxy import PROTOCOL_VERSION, ProxyServer, handshake
-from .workspace import Handover, rmtree
+from .workspace import Handover, remove, remove_later
 
 SAFE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 PASSED_THROUGH = ("LANG", "LC_ALL", "TERM", "TZ")  # harmless supervisor settings the command inherits
@@ -66,7 +66,7 @@ class Sandbox:
                                f"{self.tier!r} tier runs commands in the host's own filesystem, where it cannot "
                                "mount anything (run the task in the workspace instead)")
         self._closed = False
-        self._disk_used = None  # what the files took at the last command's end (disk.py), None = not known
+        self._disk = Meter()  # what the files take on disk, kept up to date by every command (disk.py)
         self._handovers, self._handover_lock = [], threading.Lock()  # as root: the workspace's, each mount's
         self._owned = Owned()  # every Sandbox of the process is known to close_all() from here on
         self._release = weakref.finalize(self, self._owned.release)  # at close() or collection
@@ -91,6 +91,10 @@ class Sandbox:
                 self._owned.add_dir(self._mounts[path])
                 if source is not None:
                     shutil.copytree(os.fspath(source), self._mounts[path], symlinks=True, dirs_exist_ok=True)
+            try:  # what the files take now: a first command over the limit is killed for what it adds
+                self._disk.settle([self.workspace, *self._mounts.values()])
+            except OSError:
+                pass  # the first command's check says why the files cannot be measured, and kills it
             if self.uid is not None:
                 self._handovers = [Handover(root, self.uid) for root in [self.workspace, *sorted(self._mounts.values())]]
                 for h in self._handovers:  # the rest is walked before the first command, on its clock
@@ -201,10 +205,8 @@ class Sandbox:
                               f"command's timeout ({seen} entries looked at); the command did not run\n", True,
                               False, round((time.monotonic() - start) * 1000, 3), self.tier, list(self.gaps))
         if self.tier == "namespaced":
-            disk = self._disk_check([])
-            code, out, err, timed_out = self._exec_namespaced(command, start + timeout, disk)
-            self._disk_used = disk.used  # the next command's starting point: no walk before it
-        else:  # its TMPDIR, counted while it runs, goes with it: the next command measures afresh
+            code, out, err, timed_out = self._exec_namespaced(command, start + timeout, self._disk_check([]))
+        else:
             code, out, err, timed_out = self._exec_init(command, start + timeout)
         return ExecResult(code, out.text(), err.text(), timed_out, out.truncated or err.truncated,
                           round((time.monotonic() - start) * 1000, 3), self.tier, list(self.gaps))
@@ -228,8 +230,7 @@ class Sandbox:
 
     def _disk_check(self, extra_roots: list[str]) -> DiskCheck:
         """Limits.disk_bytes over the host directories the command can write to."""
-        return DiskCheck([self.workspace, *self._mounts.values(), *extra_roots], self.limits.disk_bytes,
-                         self._disk_used)
+        return DiskCheck(self._disk, [self.workspace, *self._mounts.values(), *extra_roots], self.limits.disk_bytes)
 
     def _exec_namespaced(self, command: str, deadline: float, disk: DiskCheck):
         script = self.limits.ulimit_line()
@@ -258,7 +259,14 @@ class Sandbox:
             return fallback.run(command, cfg, self.cgroup.leaf() if self.cgroup else None, SAFE_PATH, deadline,
                                 self.limits.output_bytes, self._owned, self._disk_check([tmpdir]))
         finally:
-            rmtree(tmpdir)
+            with self._disk.lock:  # it goes with the command: no longer counted (drain stopped the passes)
+                self._disk.forget(tmpdir)
+            try:
+                gone = time.monotonic() < deadline and remove(tmpdir, deadline)
+            except OSError:
+                gone = False
+            if not gone:  # it may hold any number of files: the rest in the background
+                remove_later(tmpdir)
 
     def wait_ready(self, timeout: float = 10.0) -> bool:
         """Wait, running nothing, until the first command would not wait for the init's boot (the

@@ -213,8 +213,12 @@ def _opened_up_listing(fd: int, count: list[int], deadline: float) -> list | Non
         os.fchmod(fd, 0o700)
     except OSError:
         pass
+    entries = []
     with os.scandir(fd) as it:
-        entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+        for e in it:  # a directory of millions of files takes a while to list alone
+            if len(entries) % CHECK_EVERY == CHECK_EVERY - 1 and time.monotonic() > deadline:
+                return None
+            entries.append((e.name, e.is_dir(follow_symlinks=False)))
     subdirs = []
     for name, is_dir in entries:
         count[0] += 1

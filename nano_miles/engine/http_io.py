@@ -7,10 +7,15 @@ however large, stalls the others.
 
 Errors: /generate and control routes answer 400 with {"error": {"message": ...}}; weight routes
 answer {"success": false, "message": ...} with 400, both as SGLang does.
+
+Every answer is valid JSON (json_response, dumps): a NaN or an infinity, which JSON has no value for
+(log-probs of weights that overflow), goes out as null.
 """
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 import multiprocessing
 import os
 import tempfile
@@ -30,8 +35,31 @@ class BodyTooLarge(RequestError):
     status = 413
 
 
+def _finite(value):
+    """`value` with every NaN and infinity in it replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def dumps(value) -> str:
+    """JSON text of `value`, always valid JSON: non-finite floats become null (walked only when present)."""
+    try:
+        return json.dumps(value, allow_nan=False)
+    except ValueError:
+        return json.dumps(_finite(value), allow_nan=False)
+
+
+def json_response(value, status: int = 200) -> web.Response:
+    return web.json_response(value, status=status, dumps=dumps)
+
+
 def error(message: str, status: int = 400) -> web.Response:
-    return web.json_response({"error": {"message": message}}, status=status)
+    return json_response({"error": {"message": message}}, status=status)
 
 
 def engine_failed(finished) -> web.Response | None:
@@ -46,7 +74,7 @@ def engine_failed(finished) -> web.Response | None:
 
 
 def weight_answer(success: bool, message: str) -> web.Response:
-    return web.json_response({"success": success, "message": message}, status=200 if success else 400)
+    return json_response({"success": success, "message": message}, status=200 if success else 400)
 
 
 def check_length(request: web.Request, limit: int, key: str) -> None:

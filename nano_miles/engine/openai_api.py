@@ -10,17 +10,20 @@ to 4 strings; the text ends before the first one), seed. Refused with a 400 rath
 ignored: tools, non-text response_format, logprobs, penalties, logit_bias. The model field is not
 checked (one model per server, as SGLang). stream=true is answered as server-sent events, but with
 the whole completion in one chunk once it is done: no token-by-token streaming.
+
+A chat too long for the context is refused by its length before it is tokenised (tokenising costs
+seconds per megabyte; rendering the template, milliseconds): see _prompt.
 """
 from __future__ import annotations
 
 import asyncio
-import json
+import functools
 import time
 import uuid
 
 from aiohttp import web
 
-from nano_miles.engine.http_io import engine_failed, json_body
+from nano_miles.engine.http_io import dumps, engine_failed, json_body, json_response
 from nano_miles.engine.protocol import GenerateItem, RequestError, parse_sampling_params
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -92,19 +95,37 @@ class OpenAIRoutes:
         return self.worker.engine
 
     async def models(self, request):
-        return web.json_response({"object": "list", "data": [{
+        return json_response({"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": self.created, "owned_by": "nano-miles",
             "max_model_len": self.engine.max_model_len}]})
 
+    @functools.cached_property
+    def _max_token_chars(self) -> int:
+        """The most characters of text one token can stand for: its longest token's text, added and
+        special tokens included. (Byte-level BPE writes a token as one character per byte, so this
+        counts bytes, never fewer than the characters they encode.)"""
+        tok = self.engine.tokenizer
+        return max(len(t) for t in tok.convert_ids_to_tokens(list(range(len(tok)))) if t)
+
     def _prompt(self, messages: list[dict]) -> list[int]:
+        """The chat through the template, then tokenised (what apply_chat_template(tokenize=True) does),
+        unless its text is too long for ANY tokenisation to fit the context: a prompt of T tokens
+        covers at most T * _max_token_chars characters. Twice that is refused, the 2 for normalisers
+        that merge characters (NFC makes one of a letter and its accents); so what is tokenised, and
+        what a request can cost before its 400, is bounded by the context, not by the body."""
         tok = self.engine.tokenizer
         if tok is None:
             raise RequestError("this model folder has no tokenizer, so no chat template: use /generate with input_ids")
         try:
-            return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                return_dict=True)["input_ids"])
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # no template, or one that refuses this chat (e.g. roles out of order)
             raise RequestError(f"the model's chat template cannot render these messages: {e}") from None
+        context = self.engine.max_model_len
+        most = 2 * context * self._max_token_chars
+        if len(text) > most:
+            raise RequestError(f"the chat is {len(text)} characters once templated; a prompt of at most {context} "
+                               f"tokens (the model's context) holds at most {most} with this tokenizer: shorten it")
+        return list(tok(text, add_special_tokens=False)["input_ids"])
 
     async def chat_completions(self, request):
         body = await json_body(request)
@@ -137,7 +158,7 @@ class OpenAIRoutes:
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         answer = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
                   "choices": choices, "usage": usage}
-        return await self._stream(request, answer, body) if stream else web.json_response(answer)
+        return await self._stream(request, answer, body) if stream else json_response(answer)
 
     def _choice(self, index: int, fin, stop: list[str]) -> dict:
         ids, reason = fin.output_ids, fin.finish_reason.get("type")
@@ -155,7 +176,7 @@ class OpenAIRoutes:
         head = {k: answer[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
 
         async def send(data) -> None:
-            await response.write(f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode())
+            await response.write(f"data: {data if isinstance(data, str) else dumps(data)}\n\n".encode())
 
         for c in answer["choices"]:
             delta = {"role": "assistant", "content": c["message"]["content"]}

@@ -31,7 +31,7 @@ from nano_miles.config import add_config_arguments, config_from_args, to_dict, t
 from nano_miles.dtypes import dtype_name
 from nano_miles.engine.engine import Engine, EngineConfig
 from nano_miles.engine.http_io import (MiB, BodyParser, check_length, engine_failed, error, is_large, json_body,
-                                      release)
+                                      json_response, release)
 from nano_miles.engine.openai_api import OpenAIRoutes
 from nano_miles.engine.protocol import API_KEY_ENV, RequestError, parse_generate
 from nano_miles.engine.weight_receiver import LARGE_BODY_ROUTES, WeightReceiver
@@ -189,7 +189,7 @@ class Server:
         if failed is not None:
             return failed
         out = [self._response(it, fin, version, oldest) for it, (fin, version, oldest) in zip(items, results)]
-        return web.json_response(out if batched else out[0])
+        return json_response(out if batched else out[0])
 
     def _response(self, item, fin, version, oldest_version) -> dict:
         ids = fin.output_ids
@@ -258,10 +258,10 @@ class Server:
         }
 
     async def model_info(self, request):
-        return web.json_response(self._info())
+        return json_response(self._info())
 
     async def weight_version(self, request):
-        return web.json_response({"weight_version": self.engine.weight_version})
+        return json_response({"weight_version": self.engine.weight_version})
 
     async def server_info(self, request):
         def state(eng):
@@ -273,9 +273,9 @@ class Server:
         keys = to_dict(self.cfg)  # flat, as SGLang's server_args: the engine's keys beside the server's
         keys.pop("api_key")
         args = {**{k: v for k, v in keys.items() if not isinstance(v, dict)}, **keys["engine"]}
-        return web.json_response({**args, **self._info(), "max_total_num_tokens": internal["num_kv_blocks"] *
-                                  internal["block_size"], "internal_states": [internal],
-                                  "version": "nano-miles", "uptime_s": round(time.time() - self.started, 1)})
+        return json_response({**args, **self._info(), "max_total_num_tokens": internal["num_kv_blocks"] *
+                              internal["block_size"], "internal_states": [internal],
+                              "version": "nano-miles", "uptime_s": round(time.time() - self.started, 1)})
 
     # --- control ---
     async def flush_cache(self, request):
@@ -288,7 +288,7 @@ class Server:
         ok = await self.worker.call(flush)
         if not ok:
             return error("cannot flush the cache while requests are running or waiting", 400)
-        return web.json_response({"success": True, "message": "Cache flushed."})
+        return json_response({"success": True, "message": "Cache flushed."})
 
     async def pause_generation(self, request):
         body = await json_body(request, default={})
@@ -296,12 +296,12 @@ class Server:
         if mode not in PAUSE_MODES:
             raise RequestError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
         n = await self.worker.pause(mode)
-        return web.json_response({"message": "Generation paused successfully.", "status": "ok",
-                                  "mode": mode, "num_aborted": n})
+        return json_response({"message": "Generation paused successfully.", "status": "ok",
+                              "mode": mode, "num_aborted": n})
 
     async def continue_generation(self, request):
         await self.worker.resume()
-        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+        return json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def abort_request(self, request):
         body = await json_body(request, default={})
@@ -311,7 +311,7 @@ class Server:
         if not abort_all and not rid:
             raise RequestError("give a rid, or abort_all=true")
         n = await self.worker.abort(None if abort_all else rid)
-        return web.json_response({"success": True, "message": f"aborted {n} request(s)", "num_aborted": n})
+        return json_response({"success": True, "message": f"aborted {n} request(s)", "num_aborted": n})
 
 
 # ----------------------------------------------------------------------------- main

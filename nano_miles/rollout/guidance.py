@@ -2,18 +2,15 @@
 task's scripted solution as one of its samples.
 
 A group whose samples all fail has a GRPO advantage of 0 everywhere: the policy never learns a task
-it cannot already solve now and then (in the 2026-12-02 runs train accuracy stalled at 0.42-0.46,
-with 85-91% of late groups all solved or all failed). With guidance one sample of such a group (one
-the sandbox lost, if any, else the last) is replaced by an episode played from the task's scripted
-solution (TaskInstance.solution, the one `nano-miles tasks check` plays):
-each command as a <bash> turn in the same sandbox set-up (same seed, same files), then the answer
-read back from the last observation. It is tokenized and rewarded exactly as a sampled episode, so
-it gets a positive advantage against the failed samples beside it, and the update raises its
-likelihood: off-policy guidance in the spirit of LUFFY (Yan et al., 2025), without its policy
-shaping. A scripted episode the verifier does not accept is thrown away, and the group stays as
-it was: a task without a scripted solution, with one that fails here, or with one longer than
-`env.max_turns`, is never guided. Such a task is named on stderr the first time (once a process,
-with which of the three) and counted in `groups_guide_rejected`.
+it cannot already solve now and then. With guidance one sample of such a group (one the sandbox lost,
+if any, else the last) is replaced by an episode played from the task's scripted solution
+(episode.ScriptedPolicy: the commands `nano-miles tasks check` plays, in the same sandbox set-up, same
+seed), tokenized and rewarded exactly as a sampled episode: it gets a positive advantage against the
+failed samples beside it, and the update raises its likelihood (off-policy guidance in the spirit of
+LUFFY, Yan et al., 2025, without its policy shaping). A scripted episode the verifier does not accept
+is thrown away and the group stays as it was: a task without a scripted solution, with one that fails
+here, or with one longer than `env.max_turns`, is never guided; it is named on stderr once a process
+and counted in `groups_guide_rejected`.
 
 A scripted sample has no sampling log-probs: the update takes the trainer's own for it (its TIS
 weight is then 1) and leaves it out of the train/inference parity metrics; the step's reward,
@@ -29,31 +26,8 @@ import sys
 from nano_miles.rollout.batch import Trajectory
 from nano_miles.rollout.chat_format import ChatFormat
 from nano_miles.rollout.episode import RolloutConfig, group_key, run_episode
-from nano_miles.tasks.check import answer_from
 
-SCRIPTED_VERSION = "scripted"  # the weight version its turns report (the rollout clears them after)
 _named_rejected: set[str] = set()  # tasks whose scripted episode failed, already named on stderr
-
-
-class ScriptedPolicy:
-    """Answers the rollout's /generate calls like an engine, from the episode's scripted solution:
-    its commands one by one, then <answer> with TaskInstance.solution_answer or, when there is none,
-    the last observation's output (stderr and status line left out), as `tasks check` does."""
-
-    def __init__(self, fmt: ChatFormat, env):
-        self.fmt, self.env = fmt, env
-        self.commands = list(env.instance.solution)
-
-    async def generate(self, input_ids=None, sampling_params=None, return_logprob=True, rid=None) -> dict:
-        if self.commands:
-            text = f"<bash>{self.commands.pop(0)}</bash>"
-        else:
-            answer = self.env.instance.solution_answer
-            text = f"<answer>{answer_from(self.env.last_observation) if answer is None else answer}</answer>"
-        ids = self.fmt.tokenizer.encode(text, add_special_tokens=False)
-        return {"output_ids": ids,
-                "meta_info": {"output_token_logprobs": [[0.0, i, None] for i in ids],
-                              "finish_reason": {"type": "stop"}, "weight_version": SCRIPTED_VERSION}}
 
 
 def unsolved(group: list[Trajectory]) -> bool:
@@ -108,9 +82,8 @@ def guide_unsolved(trajs: list[Trajectory], tasks: list, seed: int, tokenizer, c
     if not wanted:
         return trajs, [], 0
     fmt = tokenizer if isinstance(tokenizer, ChatFormat) else ChatFormat(tokenizer)
-    scripted = asyncio.run(play_scripted(wanted, fmt, cfg, sandbox_factory))
     replaced, rejected = [], 0
-    for (_, _, group_id), demo in zip(wanted, scripted):
+    for (_, _, group_id), demo in zip(wanted, asyncio.run(play_scripted(wanted, fmt, cfg, sandbox_factory))):
         if demo.reward_components.get("correct", 0) <= 0:
             rejected += 1
             name_rejected(demo)

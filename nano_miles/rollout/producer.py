@@ -19,8 +19,8 @@ from itertools import zip_longest
 from tqdm import tqdm
 
 from nano_miles.rollout.dynamic_sampling import SamplingTally, TrainRolloutConfig, has_signal, split_groups
-from nano_miles.rollout.guidance import guide_unsolved
 from nano_miles.rollout.episode import rollout_groups
+from nano_miles.rollout.guidance import guide_unsolved
 
 
 class TaskStream:
@@ -96,10 +96,6 @@ class StepRollout:
         return [t for t in self.trajectories + self.dropped if not t.scripted]
 
     @property
-    def episodes(self) -> int:
-        return len(self.generated) + self.setup_failures
-
-    @property
     def lost(self) -> list:
         """Trajectories cut short by a sandbox failure (setup failures have none: they are counted)."""
         return [t for t in self.generated if t.finish_reason == "infra_error"]
@@ -112,7 +108,8 @@ class StepRollout:
     @property
     def all_lost(self) -> bool:
         """Every episode failed for infrastructure reasons: nothing the policy did is in this step."""
-        return self.episodes > 0 and self.setup_failures + len(self.lost) == self.episodes
+        episodes = len(self.generated) + self.setup_failures
+        return episodes > 0 and self.setup_failures + len(self.lost) == episodes
 
     @property
     def skip_reason(self) -> str | None:
@@ -136,14 +133,10 @@ def staleness(traj, policy_version: int) -> int:
     return policy_version - min(_version(v) for v in traj.weight_versions) if traj.weight_versions else 0
 
 
-def episode_seed(run_seed: int, step: int) -> int:
-    return run_seed * 1_000_003 + step  # fresh task instances every step, reproducible per run
-
-
 def round_seed(run_seed: int, step: int, round_index: int) -> int:
-    """The episode seed of a step's rollout round: the first round's is episode_seed (dynamic sampling
-    off: nothing changes), later rounds get instances of their own."""
-    return episode_seed(run_seed, step) + round_index * 7_919_000_003
+    """The episode seed of a step's rollout round: fresh task instances every step and round,
+    reproducible per run."""
+    return run_seed * 1_000_003 + step + round_index * 7_919_000_003
 
 
 def roll_out_step(step: int, stream: TaskStream, tasks_per_step: int, engines, tokenizer,
@@ -151,7 +144,7 @@ def roll_out_step(step: int, stream: TaskStream, tasks_per_step: int, engines, t
     """Take the step's tasks from `stream` and roll out a group of each on `engines` (URLs or an
     EnginePool), with a progress bar (episodes done, ETA) on stderr. With cfg.dynamic_sampling, groups
     without a learning signal are dropped and more tasks taken, round after round, until the batch has
-    `tasks_per_step` groups or cfg.max_sampling_rounds rounds ran (nano_miles/rollout/dynamic_sampling.py).
+    `tasks_per_step` groups or cfg.max_sampling_rounds rounds ran (dynamic_sampling.py).
     On any failure the stream is put back, so that a retry takes the same tasks with the same seeds."""
     before = stream.state()
     tally = SamplingTally(cfg.dynamic_sampling, tasks_per_step, max_rounds=cfg.max_sampling_rounds)
@@ -212,17 +205,13 @@ class SyncProducer:
     def __init__(self, roll_out):
         self.roll_out = roll_out  # roll_out(step, desc) -> StepRollout
 
-    def start(self, first_step: int) -> None:
-        pass
-
     def get(self, step: int) -> StepRollout:
         return self.roll_out(step, f"step {step} rollout")
 
-    def restart(self, step: int) -> None:
-        pass
-
-    def stop(self) -> None:
-        pass
+    # nothing runs between steps: nothing to start, restart or stop
+    def start(self, first_step: int) -> None: pass
+    def restart(self, step: int) -> None: pass
+    def stop(self) -> None: pass
 
 
 class AsyncProducer:

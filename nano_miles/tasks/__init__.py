@@ -1,18 +1,10 @@
 """Which tasks there are and which to run: the built-in catalog, ALFA, and the user's own tasks.
 
-A task is a setup that prepares an episode's sandbox, an instruction, and a verifier (the API is in
-task_api.py and re-exported here). Ground truth is never hard-coded: each setup runs real commands
-in the episode's sandbox and keeps their output as the expected answer, with every parameter drawn
-from a per-episode seed, so answers cannot be memorised. A task also carries a scripted solution
-(real commands; the last one prints the answer): `nano-miles tasks check` and the tests run it
-through the environment to prove the task solvable.
-
-    nano-miles tasks list  [--split SEL] [--tasks-module PATH.py|package.module|FILE.toml ...] [--json]
-    nano-miles tasks check [--tasks SEL] [--tasks-module ...] [--jobs N]
-
-A selection (SEL) is a comma-separated list of: a split (train, heldout, benchmark), seed (the four
-original tasks), all (every task but the benchmark ones), a family ("text"; "alfa" covers "alfa/fs1"
-to "alfa/fs5") or a task id. ALFA (InterCode-ALFA, from the icalfa package) is loaded when named.
+A task is a setup that prepares an episode's sandbox, an instruction, and a verifier (the public API,
+in api.py, is re-exported here for users' modules). A selection is a comma-separated list of: a
+split (train, heldout, benchmark), seed (the four original tasks), all (every task but the benchmark
+ones), a family ("text"; "alfa" covers "alfa/fs1" to "alfa/fs5") or a task id. ALFA (InterCode-ALFA,
+from the icalfa package) is registered the first time a selection names it.
 """
 from __future__ import annotations
 
@@ -22,15 +14,13 @@ import importlib.util
 import os
 import sys
 
-from nano_miles.tasks import catalog  # noqa: F401  (registers the built-in tasks)
-from nano_miles.tasks import catalog_train  # noqa: F401  (registers 20 more training tasks)
-from nano_miles.tasks import toml_file
 from nano_miles.config import ConfigError
-# the public task API, re-exported: a user's module imports it from here
+from nano_miles.tasks import alfa, catalog, toml_file  # noqa: F401  (catalog registers the built-in tasks)
 from nano_miles.tasks.api import (KINDS, SPLITS, TASKS, Attempt, SetupError, Task, TaskInstance,  # noqa: F401
-                                 TaskUnavailable, Workspace, loading, normalize, q, register, task, verify)
+                                  TaskUnavailable, Workspace, loading, normalize, q, register, task, verify)
 
 _LOADED: dict[str, list[str]] = {}  # user modules and task files loaded -> their report (loaded once)
+RENAMED = {"nano_miles.task_catalog_skills": "nano_miles.tasks.catalog_skills"}
 
 
 def load_task_modules(specs) -> list[str]:
@@ -39,13 +29,12 @@ def load_task_modules(specs) -> list[str]:
     does not import) raises ConfigError naming it: no command runs without the tasks it was given.
     Returns one line per problem with a task, naming the file and the task ("my_tasks.py: task 'x':
     duplicate id ..."); the file's other tasks are loaded all the same."""
-    errors = []
-    for spec in specs:
-        errors += _load_one(spec.strip())
-    return errors
+    return [line for spec in specs for line in _load_one(spec.strip())]
 
 
 def _load_one(spec: str) -> list[str]:
+    if spec in RENAMED:
+        raise ConfigError(f"{spec} is now {RENAMED[spec]}")
     is_file = spec.endswith((".py", ".toml")) or os.sep in spec
     key = os.path.realpath(spec) if is_file else spec
     if key in _LOADED:
@@ -90,6 +79,18 @@ def one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
+def add_tasks_module_argument(p) -> None:
+    p.add_argument("--tasks-module", action="append", default=[], metavar="PATH.py|package.module|FILE.toml",
+                   help="load your own tasks from this module or TOML task file (repeatable); see docs/tasks.md")
+
+
+def report_load_errors(specs, prog: str = "nano-miles") -> None:
+    """Load the user's task modules; print one line per problem with a task (the module's other
+    tasks load all the same). A module that cannot be loaded raises ConfigError (exit 2)."""
+    for line in load_task_modules(specs):
+        print(f"{prog}: {line}", file=sys.stderr)
+
+
 # ---- selection ----------------------------------------------------------------------------------
 
 def all_tasks() -> list[Task]:
@@ -98,7 +99,7 @@ def all_tasks() -> list[Task]:
 
 
 def get_task(task_id: str) -> Task:
-    _load_benchmarks_for([task_id])
+    _register_alfa_if_named([task_id])
     if task_id not in TASKS:
         raise KeyError(f"unknown task {task_id!r}; known: {', '.join(sorted(TASKS)[:60])}"
                        + (f" ... ({len(TASKS)} in all: nano-miles tasks list)" if len(TASKS) > 60 else ""))
@@ -112,7 +113,7 @@ def in_family(t: Task, family: str) -> bool:
 def select_tasks(which: str) -> list[Task]:
     """The tasks a selection names (see the module docstring), in registry order, each once."""
     items = [i.strip() for i in which.split(",") if i.strip()]
-    _load_benchmarks_for(items)
+    _register_alfa_if_named(items)
     chosen: dict[str, Task] = {}
     for item in items:
         tasks = list(TASKS.values())
@@ -142,23 +143,7 @@ def training_tasks(which: str) -> list[Task]:
     return tasks
 
 
-def _load_benchmarks_for(items: list[str]) -> None:
+def _register_alfa_if_named(items: list[str]) -> None:
     """ALFA registers itself the first time a selection names it (the icalfa package must be installed)."""
     if any(i == "alfa" or i.startswith(("alfa/", "alfa_")) for i in items):
-        from nano_miles.tasks import alfa# here, not at the top: only selections that name ALFA need icalfa
-
         alfa.register_alfa()
-
-
-# ---- CLI ------------------------------------------------------------------------------------------
-
-def add_tasks_module_argument(p) -> None:
-    p.add_argument("--tasks-module", action="append", default=[], metavar="PATH.py|package.module|FILE.toml",
-                   help="load your own tasks from this module or TOML task file (repeatable); see docs/tasks.md")
-
-
-def report_load_errors(specs, prog: str = "nano-miles") -> None:
-    """Load the user's task modules; print one line per problem with a task (the module's other
-    tasks load all the same). A module that cannot be loaded raises ConfigError (exit 2)."""
-    for line in load_task_modules(specs):
-        print(f"{prog}: {line}", file=sys.stderr)

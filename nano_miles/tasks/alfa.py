@@ -1,30 +1,17 @@
 """InterCode-ALFA in our sandbox: 300 natural-language-to-bash tasks, scored by execution, no judge.
 
-The icalfa package (MIT, `pip install icalfa==0.3.6`, the project's `alfa` extra) ships the tasks
-(a query and a gold command each) over five filesystem set-ups, with a set-up script per set-up.
-Nothing of it is copied here: its files are read from the installed package, which is never
-imported (it pulls in docker, openai and scikit-learn at import time).
-
-Each task is `alfa_<setup>_<index>` (alfa_fs1_0 ... alfa_fs5_17, the index within its set-up, as
-icalfa numbers them), family "alfa/<setup>", split "benchmark": evaluated, never trained on.
-An episode's sandbox gets the set-up's directories (/testbed, /system, /workspace + /backup) as
-fresh mounts, and the set-up script runs once in it. As in InterCode, the policy acts with bash
-commands (<bash> turns, starting in /, as in the benchmark's containers) and then submits (any
-<answer>); the last command it ran counts. A policy that ran none but answered with a command
-(<answer>COMMAND</answer>, NL2SH style) has that command run. Scoring by execution, as the
-benchmark's own reward does, without its LLM judge: the gold command runs in a fresh copy of the
-same set-up, and the episode is correct when the counted command's output matches the gold output
-(whitespace normalised) AND the files changed in the policy's copy match the gold's changes (added,
-modified and deleted paths, with content hashes and modes).
-The benchmark's three-part score (icalfa BashEnv.get_reward: 0.01 +
-0.33 file-set diff + 0.33 content hashes of common changes + 0.33 output, with exact output
-equality standing in for the judge) is recorded as well, as reward components alfa_*.
-
-A task whose gold command cannot run here is unavailable (TaskUnavailable, with the reason) and
-left out of every score: a tool missing, a write outside the task's directories (the sandbox's /
-is read-only), the network, a file of the Docker image's root, or an output that differs between
-two fresh set-ups (time, process or machine state, which no policy could match).
-The reference (gold run twice, in two fresh copies) is computed once per task, again after 5 minutes.
+The tasks (a query and a gold command each, over five filesystem set-ups, with a set-up script per
+set-up) are read from the installed icalfa package (`pip install icalfa==0.3.6`, the `alfa` extra),
+which is never imported: it pulls in docker, openai and scikit-learn. Task `alfa_<setup>_<index>`,
+family "alfa/<setup>", split "benchmark": evaluated, never trained on. An episode's sandbox gets the
+set-up's directories as fresh mounts and runs its script; the policy acts with <bash> turns (starting
+in /) and submits; the last command it ran counts (or, when it ran none, the command it answered).
+Correct: that command's output (whitespace normalised) and the files it changed match those of the
+gold command run in a fresh copy of the same set-up. The benchmark's own three-part score (icalfa
+BashEnv.get_reward, exact output standing in for its LLM judge) is recorded too, as alfa_* components.
+A task whose gold command cannot run here (a tool missing, a write outside the task's directories, the
+network, a file of the Docker image, an output that differs between two fresh set-ups) is unavailable
+and left out of every score. docs/tasks.md has the details.
 """
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""What a task is, what its setup sees, how an answer is judged, and the registry tasks join.
-
-This is the public API for writing tasks; the built-in catalog (task_catalog.py), the ALFA family
-(alfa.py), a user's module (`--tasks-module my_tasks.py`) and a TOML task file all register
-through it the same way:
+"""The public API for writing tasks: what a task is, what its setup sees, how an answer is judged,
+and the registry every task joins (the built-in catalog, ALFA, a user's module or TOML file alike):
 
     from nano_miles.tasks import TaskInstance, Workspace, q, task
 
@@ -14,7 +11,6 @@ through it the same way:
 
 Ground truth is never typed in: a setup computes it by running real commands in the episode's
 sandbox (ws.run), with every parameter drawn from the episode's seeded rng.
-This module imports nothing of the catalog, so the catalog and tasks.py both import it (no cycle).
 """
 from __future__ import annotations
 
@@ -135,8 +131,7 @@ class Workspace:
 def normalize(answer: str, kind: str) -> str | None:
     """Canonical form of an answer for comparison; None if it cannot be read as `kind`."""
     a = answer.strip()
-    # Tolerate one layer of quoting/code formatting around a bare value.
-    for q in ("```", "`", '"', "'"):
+    for q in ("```", "`", '"', "'"):  # one layer of quoting or code formatting around a bare value
         if len(a) >= 2 * len(q) and a.startswith(q) and a.endswith(q):
             a = a[len(q):-len(q)].strip()
     if kind == "int":
@@ -144,17 +139,13 @@ def normalize(answer: str, kind: str) -> str | None:
             return str(int(a.replace(",", "")))
         except ValueError:
             return None
-    if kind in ("lower", "hex"):
-        return a.lower()
-    return a
+    return a.lower() if kind in ("lower", "hex") else a
 
 
 def verify(inst: TaskInstance, answer: str | None, ws: Workspace) -> bool:
     """True when the answer matches the ground truth and the workspace passes the task's check."""
-    if answer is None:
-        return False
-    got = normalize(answer, inst.kind)
-    if got is None or got == "" or got != normalize(inst.expected, inst.kind):
+    got = None if answer is None else normalize(answer, inst.kind)
+    if not got or got != normalize(inst.expected, inst.kind):
         return False
     return inst.check is None or ws.ok(inst.check)
 
@@ -171,8 +162,7 @@ def in_workdir(cmd: str, workdir: str | None) -> str:
 # ---- the registry -------------------------------------------------------------------------------
 
 TASKS: dict[str, Task] = {}
-# While a user's module or file loads (tasks.load_task_modules): its name, and the list its
-# registration errors go to instead of being raised.
+# While a user's module or file loads (`loading`): its name, and the list its registration errors go to.
 _loading: list[tuple[str, list[str]]] = []
 
 
@@ -217,11 +207,15 @@ def task(id: str, family: str, split: str, summary: str, seed_task: bool = False
          mounts: tuple[str, ...] = (), workdir: str | None = None):
     """Decorator: register `setup(ws, rng) -> TaskInstance` as a task."""
     def decorate(fn):
-        source = _loading[-1][0] if _loading else fn.__module__
         register(Task(id=id, family=family, split=split, summary=summary, setup=fn, seed_task=seed_task,
-                      mounts=tuple(mounts), workdir=workdir, source=source))
+                      mounts=tuple(mounts), workdir=workdir, source=source_of(fn.__module__)))
         return fn
     return decorate
+
+
+def source_of(module: str) -> str:
+    """What a task registered now names as its source: the user's module or file loading, else `module`."""
+    return _loading[-1][0] if _loading else module
 
 
 @contextlib.contextmanager

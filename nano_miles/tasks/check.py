@@ -11,18 +11,8 @@ import concurrent.futures
 import json
 import time
 
-from nano_miles.rollout.env import EnvConfig, OpenShellEnv
+from nano_miles.rollout.env import EnvConfig, OpenShellEnv, answer_from
 from nano_miles.tasks.api import SetupError, Task, TaskUnavailable
-
-STATUS_LINE = "\n[exit code "
-
-
-def answer_from(observation: str | None) -> str:
-    """What a policy would answer after reading the observation: the output, without the status line
-    and without stderr."""
-    text = "\n" + (observation or "")
-    text = text[:text.rfind(STATUS_LINE)] if STATUS_LINE in text else text
-    return text.split("\n[stderr]\n", 1)[0].strip()
 
 
 def play_solution(task: Task, seed: int = 7, sandbox_factory=None) -> dict:
@@ -33,19 +23,14 @@ def play_solution(task: Task, seed: int = 7, sandbox_factory=None) -> dict:
     try:
         try:
             env.reset()
-        except TaskUnavailable as e:
-            return {**row, "status": "unavailable", "reason": str(e)}
-        except SetupError as e:
-            return {**row, "status": "failed", "reason": str(e)}
+        except SetupError as e:  # TaskUnavailable is a SetupError: cannot run here, not a failure
+            return {**row, "status": "unavailable" if isinstance(e, TaskUnavailable) else "failed", "reason": str(e)}
         t1 = time.monotonic()
-        obs = None
         for cmd in env.instance.solution:
-            step = env.step(f"<bash>{cmd}</bash>")
-            if step.done:
+            if env.step(f"<bash>{cmd}</bash>").done:
                 return {**row, "status": "failed", "reason": f"episode ended at {cmd!r}: {env.finish_reason}"}
-            obs = step.observation
         answer = env.instance.solution_answer
-        env.step(f"<answer>{answer_from(obs) if answer is None else answer}</answer>")
+        env.step(f"<answer>{answer_from(env.last_observation) if answer is None else answer}</answer>")
         row.update(setup_s=round(t1 - t0, 3), solve_s=round(time.monotonic() - t1, 3))
         if env.components["infra_failures"]:
             return {**row, "status": "failed", "reason": f"sandbox failure: {env.infra_error}"}
@@ -62,17 +47,13 @@ def check_tasks(tasks: list[Task], jobs: int = 1, as_json: bool = False, sandbox
     with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
         rows = list(pool.map(lambda t: play_solution(t, sandbox_factory=sandbox_factory), tasks))
     for r in rows:
-        if as_json:
-            print(json.dumps(r))
-        else:
-            print(f"{r['status'].upper() if r['status'] != 'solved' else 'solved':<12} {r['id']:<24} "
-                  + (r["reason"] if r["reason"] else f"setup {r['setup_s']:.2f}s, solution+verify {r['solve_s']:.2f}s"))
+        print(json.dumps(r) if as_json else f"{r['status'].upper() if r['status'] != 'solved' else 'solved':<12} "
+              f"{r['id']:<24} " + (r["reason"] or f"setup {r['setup_s']:.2f}s, solution+verify {r['solve_s']:.2f}s"))
     solved = [r for r in rows if r["status"] == "solved"]
-    n_unavailable = sum(r["status"] == "unavailable" for r in rows)
     n_failed = sum(r["status"] == "failed" for r in rows)
-    mean = (lambda key: sum(r[key] for r in solved) / len(solved)) if solved else (lambda key: 0.0)
     if not as_json:
-        print(f"{len(rows)} tasks: {len(solved)} solved by their scripted solution, {n_unavailable} cannot run "
-              f"here (left out), {n_failed} FAILED; mean setup {mean('setup_s'):.2f}s, "
-              f"solution+verify {mean('solve_s'):.2f}s per episode")
+        mean = {k: sum(r[k] for r in solved) / max(1, len(solved)) for k in ("setup_s", "solve_s")}
+        print(f"{len(rows)} tasks: {len(solved)} solved by their scripted solution, "
+              f"{sum(r['status'] == 'unavailable' for r in rows)} cannot run here (left out), {n_failed} FAILED; "
+              f"mean setup {mean['setup_s']:.2f}s, solution+verify {mean['solve_s']:.2f}s per episode")
     return 1 if n_failed else 0

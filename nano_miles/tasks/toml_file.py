@@ -1,27 +1,11 @@
 """Declarative tasks: a TOML file of [[task]] tables, for users who write no Python.
 
-    [[task]]
-    id = "count_lines"                      # stable: results refer to it
-    family = "text"
-    split = "train"                         # train | heldout | benchmark
-    summary = "lines in a generated file"   # optional
-    instruction = "How many lines does {name}.txt contain? Answer with the number."
-    setup = ["seq 1 {n} > {name}.txt"]      # run in the episode's sandbox, in order
-    answer = "wc -l < {name}.txt"           # its stdout is the expected answer
-    kind = "int"                            # text | int | lower | hex (default text)
-    check = "test -f {name}.txt"            # optional: must exit 0 for success (workspace state)
-    solution = ["wc -l < {name}.txt"]       # optional scripted solution (default: the answer command)
-    mounts = ["/testbed"]                   # optional: fixed paths, each a fresh directory per episode
-    workdir = "/testbed"                    # optional: where the policy's commands start
-    [task.params]                           # drawn from the episode's seed, in this order
-    n = { int = [10, 99] }                  # an integer in [10, 99]
-    name = { choice = ["notes", "log"] }    # one of these
-    tag = { token = 8 }                     # 8 random characters of [a-z0-9]
-
-`{name}` is replaced by the parameter's value wherever a declared parameter is named; other braces
-(awk '{print $1}', ${HOME}) are left alone. Values go in as they are: quote them in commands when
-they need it. The ground truth is always the output of the answer command, never typed in, exactly
-as in the built-in catalog.
+Each table has an id, family, split, instruction and answer command, and optionally a summary,
+setup commands, kind, check, solution, mounts, workdir and [task.params] (int = [lo, hi],
+choice = [...] or token = N, drawn from the episode's seed in order). `{name}` is replaced by the
+parameter's value wherever a declared parameter is named; other braces (awk '{print $1}', ${HOME})
+are left alone. The ground truth is always the answer command's output, never typed in.
+The format, with a complete example (examples/tasks.toml), is in docs/tasks.md.
 """
 from __future__ import annotations
 
@@ -38,7 +22,7 @@ TOKEN_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789"
 
 
 def load_task_file(path: str) -> None:
-    """Register every valid task of the file; each invalid one is reported (task_api.report_problem)
+    """Register every valid task of the file; each invalid one is reported (api.report_problem)
     and left out. A file that is not TOML, or has no [[task]] tables, raises ValueError."""
     with open(path, "rb") as f:
         try:

@@ -3,8 +3,14 @@
 checkpoint/ holds
   model.safetensors  the FP32 master weights by HF name: exactly the weights final/ exports, so the
                      final/model.safetensors of a finished run is a hard link to it (one copy on disk)
-  optimizer.pt       AdamW's state (both moments, step counts): torch.save(optimizer.state_dict())
+  config.json, the tokenizer's files, generation_config.json: as final/, so that checkpoint/ is a HF
+                     model folder too (`nano-miles eval --model RUN/checkpoint` of a run that never ended)
+  optimizer.pt       AdamW's state (both moments, step counts): torch.save(optimizer.state_dict()), read
+                     back with torch.load(weights_only=True) only
   state.json         step, data position, weight version, RNG states, the trainer's step and dtype
+Nothing in a checkpoint is unpickled: a run directory may come from anyone (a shared disk, a download).
+A checkpoint of format 1 (the trainer's state as one pickle, trainer.pt) is refused, and a file that
+cannot be read is a CheckpointError naming it: `nano-miles train` prints that one line and exits 2.
 A checkpoint is a folder written whole under checkpoint.tmp/ and renamed into place, so a run killed at
 any moment (even mid-write) leaves either the previous checkpoint or the new one, never half of one.
 
@@ -22,6 +28,7 @@ train further restarts AdamW's moments from zero, and says so.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -29,13 +36,14 @@ import shutil
 import struct
 import threading
 import time
+import zipfile
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from transformers import AutoTokenizer
 
-FORMAT = 2  # 1: a single trainer.pt (still read)
+FORMAT = 2  # 1: a single trainer.pt, a pickle: never read (it could run any code)
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
               torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
 
@@ -62,6 +70,13 @@ def write_safetensors(path: Path, named_tensors, metadata: dict | None = None) -
         f.flush()
         os.fsync(f.fileno())
     return 8 + len(raw) + offset
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed (corrupt, or of a format that is not read); one line naming the file."""
+
+    def __init__(self, message: str):
+        super().__init__(" ".join(str(message).split()))
 
 
 def checkpoint_bytes(num_params: int) -> int:
@@ -131,6 +146,7 @@ def save_checkpoint(run_dir: Path, trainer, state: dict, background: bool = Fals
         tmp.mkdir(parents=True)
         try:
             write_safetensors(tmp / "model.safetensors", masters)
+            write_model_files(trainer.model.config, trainer.cfg.model, tmp)  # `eval --model RUN/checkpoint`
             if optimizer_state is not None:
                 torch.save(optimizer_state, tmp / "optimizer.pt")
             (tmp / "state.json").write_text(json.dumps(state))
@@ -206,38 +222,130 @@ def _replace(tmp: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _checkpoint_dir(run_dir: Path) -> Path | None:
-    ckpt = run_dir / "checkpoint"
-    if not (ckpt / "state.json").exists():
-        old = run_dir / "checkpoint.old"  # killed between the two renames
-        if not (old / "state.json").exists():
-            return None
-        old.rename(ckpt)
+def checkpoint_folder(run_dir: Path) -> Path | None:
+    """run_dir's checkpoint folder, None when it has none yet."""
+    ckpt, old = run_dir / "checkpoint", run_dir / "checkpoint.old"
+    if not ckpt.exists() and (old / "state.json").exists():
+        old.rename(ckpt)  # killed between the two renames of a save
+    if not ckpt.exists():
+        return None
+    if not (ckpt / "state.json").is_file():  # a checkpoint is renamed into place with it: a damaged one
+        raise CheckpointError(f"{ckpt}/state.json is missing: {ckpt} cannot be resumed")
     return ckpt
+
+
+def read_json(ckpt: Path) -> dict:
+    """A checkpoint's state.json as it is."""
+    path = Path(ckpt) / "state.json"
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{path} cannot be read: {type(e).__name__}: {e}") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path} is not a checkpoint's state: a JSON {type(state).__name__}")
+    return state
+
+
+def read_state(ckpt: Path) -> dict:
+    """A checkpoint's state.json, checked for what a resume reads (step, data position, RNG)."""
+    path, state = Path(ckpt) / "state.json", read_json(ckpt)
+    if not (_is_count(state.get("step")) and _is_position(state.get("stream", state.get("data_position")))):
+        raise CheckpointError(f"{path} is not a checkpoint's state: no step and data position")
+    rng_states(path, state)
+    return state
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_position(value) -> bool:
+    """The task stream's state() ({"position", "passes"}), or a bare position."""
+    if isinstance(value, dict):
+        return _is_count(value.get("position")) and isinstance(value.get("passes"), dict)
+    return _is_count(value)
+
+
+def rng_states(path: Path, state: dict) -> tuple:
+    """state.json's RNG states, as random.setstate and torch.set_rng_state take them (checked)."""
+    try:
+        py = state["rng"]["python"]
+        py_state = (py[0], tuple(py[1]), py[2])
+        random.Random().setstate(py_state)  # refuses a malformed state, leaving ours alone
+        torch_state = torch.tensor(state["rng"]["torch"], dtype=torch.uint8)
+        if torch_state.shape != torch.get_rng_state().shape:
+            raise ValueError(f"{torch_state.numel()} bytes of torch RNG state")
+    except (KeyError, IndexError, TypeError, ValueError, OverflowError, RuntimeError) as e:
+        raise CheckpointError(f"{path} is not a checkpoint's state: its RNG states do not restore "
+                              f"({type(e).__name__}: {e})") from None
+    return py_state, torch_state
+
+
+def restore_rng(ckpt: Path, state: dict) -> None:
+    py_state, torch_state = rng_states(Path(ckpt) / "state.json", state)
+    random.setstate(py_state)
+    torch.set_rng_state(torch_state)
+
+
+def check_single_process(ckpt: Path, state: dict) -> None:
+    """What a resume of a single-process checkpoint reads, checked without reading the tensors: its
+    format, the weights file's header and index, the optimizer state's container."""
+    if state.get("sharded"):  # N ranks' checkpoint: its shards are indexed by .metadata
+        raise CheckpointError(f"{ckpt}/.metadata is missing: {ckpt} cannot be resumed")
+    fmt = state.get("format", 1)
+    if fmt != FORMAT:
+        raise CheckpointError(f"{ckpt} cannot be resumed: its state.json says format {fmt!r}; only format {FORMAT} "
+                              "is read (format 1 keeps the trainer's state as a pickle, trainer.pt, which could run "
+                              "any code)")
+    if not _is_count(state.get("trainer_step")):
+        raise CheckpointError(f"{ckpt}/state.json is not a checkpoint's state: no trainer_step")
+    weights = ckpt / "model.safetensors"
+    try:
+        with safe_open(str(weights), framework="pt"):
+            pass
+    except Exception as e:  # truncated, not safetensors, missing
+        raise CheckpointError(f"{weights} cannot be read: {one_line(e)}") from None
+    optimizer = ckpt / "optimizer.pt"
+    if state.get("optimizer") and optimizer.exists() and not zipfile.is_zipfile(optimizer):
+        raise CheckpointError(f"{optimizer} cannot be read: not a whole torch.save file (truncated?)")
+
+
+def one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())[:300]
 
 
 def load_checkpoint(run_dir: Path, trainer, echo=print) -> dict | None:
     """Restore the trainer and the RNG from run_dir/checkpoint; returns its state.json, or None."""
-    ckpt = _checkpoint_dir(Path(run_dir))
+    ckpt = checkpoint_folder(Path(run_dir))
     if ckpt is None:
         return None
-    state = json.loads((ckpt / "state.json").read_text())
-    if state.get("format", 1) == 1:
-        trainer.load_state_dict(torch.load(ckpt / "trainer.pt", map_location=trainer.device, weights_only=False))
+    state = read_state(ckpt)
+    check_single_process(ckpt, state)
+    with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:  # tensor by tensor
+        masters = {name: f.get_tensor(name) for name in f.keys()}
+    optimizer = None
+    if state.get("optimizer") and (ckpt / "optimizer.pt").exists():
+        optimizer = load_optimizer(ckpt / "optimizer.pt", trainer.device)
     else:
-        with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:  # tensor by tensor
-            masters = {name: f.get_tensor(name) for name in f.keys()}
-        optimizer = None
-        if state.get("optimizer") and (ckpt / "optimizer.pt").exists():
-            optimizer = torch.load(ckpt / "optimizer.pt", map_location=trainer.device, weights_only=True)
-        else:
-            echo("the checkpoint keeps no AdamW state (the run had completed; keep_optimizer_state=true keeps "
-                 "it): AdamW's moments restart from zero")
+        echo("the checkpoint keeps no AdamW state (the run had completed; keep_optimizer_state=true keeps "
+             "it): AdamW's moments restart from zero")
+    try:
         trainer.load_state_dict({"masters": masters, "optimizer": optimizer, "step": state["trainer_step"]})
-    py_state = state["rng"]["python"]
-    random.setstate((py_state[0], tuple(py_state[1]), py_state[2]))
-    torch.set_rng_state(torch.tensor(state["rng"]["torch"], dtype=torch.uint8))
+    except (KeyError, TypeError, ValueError) as e:  # a state that does not fit this model or this optimizer
+        raise CheckpointError(f"{ckpt} cannot be resumed: {type(e).__name__}: {one_line(e)}") from None
+    restore_rng(ckpt, state)
     return state
+
+
+def load_optimizer(path: Path, device, **kw) -> dict:
+    """optimizer.pt: tensors and plain containers only (torch.load's weights_only unpickler)."""
+    try:
+        saved = torch.load(path, map_location=device, weights_only=True, **kw)
+    except Exception as e:  # truncated, or naming something that is not a tensor or a container
+        raise CheckpointError(f"{path} cannot be read: {type(e).__name__}: {one_line(e)}") from None
+    if not (isinstance(saved, dict) and isinstance(saved.get("state"), dict) and saved.get("param_groups")):
+        raise CheckpointError(f"{path} is not an optimizer's state")
+    return saved
 
 
 def finish_checkpoint(run_dir: Path, keep_optimizer: bool) -> None:
@@ -261,19 +369,31 @@ def export_model(trainer, tokenizer_dir: str, out_dir: Path, checkpoint_dir: Pat
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    trainer.model.config.save_pretrained(tmp)
-    config = json.loads((tmp / "config.json").read_text())
-    config["dtype" if "torch_dtype" not in config else "torch_dtype"] = "float32"
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
     if not _link_checkpoint_weights(trainer, checkpoint_dir, tmp / "model.safetensors"):
         write_safetensors(tmp / "model.safetensors", trainer.named_weights(torch.float32))
-    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp)
-    gen = Path(tokenizer_dir) / "generation_config.json"
-    if gen.exists():
-        shutil.copy(gen, tmp / "generation_config.json")
+    write_model_files(trainer.model.config, tokenizer_dir, tmp)
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
     return out_dir
+
+
+def write_model_files(model_config, tokenizer_dir: str, folder: Path) -> None:
+    """What makes a folder holding the FP32 masters as model.safetensors a HF model folder: config.json
+    (dtype float32), the tokenizer's files and the generation config."""
+    model_config.save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["dtype" if "torch_dtype" not in config else "torch_dtype"] = "float32"
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    _tokenizer(str(tokenizer_dir)).save_pretrained(folder)
+    gen = Path(tokenizer_dir) / "generation_config.json"
+    if gen.exists():
+        shutil.copy(gen, folder / "generation_config.json")
+
+
+@functools.lru_cache(maxsize=1)
+def _tokenizer(folder: str):
+    """The run's tokenizer, loaded once (seconds for a real one): every checkpoint writes it."""
+    return AutoTokenizer.from_pretrained(folder)
 
 
 def export_best(trainer, tokenizer_dir: str, best_dir: Path, checkpoint_dir: Path, best: dict) -> Path:

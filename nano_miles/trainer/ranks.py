@@ -42,9 +42,11 @@ import torch
 import torch.distributed as dist
 
 from nano_miles.trainer import dist_checkpoint
-from nano_miles.trainer.checkpoint import Checkpointer, load_checkpoint
+from nano_miles.trainer.checkpoint import (Checkpointer, check_single_process, checkpoint_folder, load_checkpoint,
+                                   read_state, restore_rng)
 from nano_miles.config import to_toml
 from nano_miles.trainer.distributed import DistError, check_nproc, describe_failures, launch, leave, main_guard, run_rank
+from nano_miles.engine.weights import NonFiniteWeights
 from nano_miles.trainer.reference import ReferencePolicy
 from nano_miles.trainer.sharded import ShardedTrainer
 from nano_miles.telemetry import memory_gb
@@ -358,6 +360,8 @@ class Follower:
             self.trainer.train_step(batch, advantages, old_logprobs, ref_logprobs)
         except FloatingPointError:
             pass  # the gradient norm is global: rank 0 skips this update too, and says so
+        except NonFiniteWeights:
+            pass  # every rank found it (sharded_trainer's all-reduce): rank 0 stops the run and says why
 
     def on_freeze_reference(self):
         self.reference = ReferencePolicy(self.trainer)
@@ -421,29 +425,37 @@ def with_rng(state: dict, world_size: int) -> dict:
 
 def load_run_checkpoint(run_dir: Path, trainer, echo=print) -> dict | None:
     """Load run_dir/checkpoint into `trainer` (one process, or TrainerRanks), whichever number of
-    ranks wrote it; returns its state.json (step, data position, ...) or None when there is none."""
-    ckpt, old = Path(run_dir) / "checkpoint", Path(run_dir) / "checkpoint.old"
-    if not ckpt.exists() and (old / "state.json").exists():
-        old.rename(ckpt)  # killed between the two renames of a save
+    ranks wrote it; returns its state.json (step, data position, ...) or None when there is none.
+    A checkpoint that cannot be resumed is a CheckpointError naming the file."""
+    ckpt = checkpoint_folder(Path(run_dir))
+    if ckpt is None:
+        return None
+    state = check_resumable(ckpt)
     if not (ckpt / ".metadata").exists():
-        if not isinstance(trainer, TrainerRanks) or not (ckpt / "state.json").exists():
+        if not isinstance(trainer, TrainerRanks):
             return load_checkpoint(Path(run_dir), trainer, echo)
         # Written by one process: every rank reads its rows of it (dist_checkpoint.load_single_process).
-        state = json.loads((ckpt / "state.json").read_text())
         if not (state.get("optimizer") and (ckpt / "optimizer.pt").exists()):
             echo("the checkpoint keeps no AdamW state (the run had completed; keep_optimizer_state=true keeps "
                  "it): AdamW's moments restart from zero")
-    else:
-        state = json.loads((ckpt / "state.json").read_text())
     if isinstance(trainer, TrainerRanks):
         trainer.load_checkpoint(ckpt)
     else:
         with warnings.catch_warnings():  # DCP's note that it loads in one process: that is the point here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dist_checkpoint.load(trainer, ckpt)
-    py_state = state["rng"]["python"]
-    random.setstate((py_state[0], tuple(py_state[1]), py_state[2]))
-    torch.set_rng_state(torch.tensor(state["rng"]["torch"], dtype=torch.uint8))
+    restore_rng(ckpt, state)
+    return state
+
+
+def check_resumable(ckpt: Path) -> dict:
+    """What resuming from the checkpoint folder `ckpt` reads, checked without reading its tensors (so a
+    bad one is refused before any model loads): its state.json, returned, and the index of its tensors."""
+    state = read_state(ckpt)
+    if (ckpt / ".metadata").exists():
+        dist_checkpoint.read_metadata(ckpt)
+    else:
+        check_single_process(ckpt, state)
     return state
 
 

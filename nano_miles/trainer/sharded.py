@@ -44,6 +44,7 @@ from nano_miles.trainer import heap
 from nano_miles.trainer.loss import loss_normalizer, policy_loss
 from nano_miles.trainer.distributed import DistEnv
 from nano_miles.dtypes import DTYPES
+from nano_miles.engine.weights import NonFiniteWeights, non_finite
 from nano_miles.trainer.lr_schedule import set_lr
 from nano_miles.trainer.trainer import Trainer, TrainerConfig
 
@@ -385,8 +386,20 @@ class ShardedTrainer(Trainer):
         set_lr(self.optimizer, self.cfg.optim, self.step)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self._check_weights_finite()
         self.step += 1
         return norm
+
+    def _check_weights_finite(self) -> None:
+        """Trainer's check over this rank's shards; one all-reduce of a flag makes every rank raise
+        together (a NaN may sit in one rank's shards only)."""
+        bad = non_finite(zip(self.names, (m.to_local() for m in self.masters)))
+        flag = torch.tensor(float(bad is not None), device=self.device)
+        if not self.one_rank:
+            dist.all_reduce(flag)
+        if flag.item():
+            raise NonFiniteWeights(f"optimizer step {self.step + 1} left NaN or infinite values in "
+                                   f"{bad or 'the weights (on another rank)'}")
 
     # ------------------------------------------------------------------ weights
 

@@ -40,6 +40,7 @@ from nano_miles.trainer.loss import LossConfig, loss_normalizer, policy_loss
 from nano_miles.config import filled_in
 from nano_miles.dtypes import DTYPES, TRAINABLE
 from nano_miles.engine.model import CausalLM
+from nano_miles.engine.weights import NonFiniteWeights, non_finite
 from nano_miles.trainer.logprob_head import head_logprobs
 from nano_miles.trainer.lr_schedule import SCHEDULES, set_lr
 from nano_miles.engine.shared_weights import SharedWeights
@@ -340,9 +341,18 @@ class Trainer:
         set_lr(self.optimizer, self.cfg.optim, self.step)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self._check_weights_finite()
         self._copy_masters_to_model()
         self.step += 1
         return norm
+
+    def _check_weights_finite(self) -> None:
+        """After an optimizer step. A finite gradient can still step the weights to NaN or inf (an
+        absurd lr overflows AdamW's step); every later step would be lost and every engine would serve
+        them: NonFiniteWeights, for the run to stop on."""
+        bad = non_finite(zip(self.names, self.masters))
+        if bad is not None:
+            raise NonFiniteWeights(f"optimizer step {self.step + 1} left NaN or infinite values in {bad}")
 
     @torch.no_grad()
     def _copy_masters_to_model(self):

@@ -22,7 +22,10 @@ previous one finished) and free it after the engines acknowledge; distributed fl
 persistent send buffer (the broadcast has finished reading it when it returns). An engine whose
 parameters are packed in the trainer's order applies a whole bucket with one copy (see
 nano_miles/engine/flat_params.py). With verify=True each engine's per-tensor sha256 is compared with
-the trainer's own; any difference raises WeightSyncError.
+the trainer's own; any difference raises WeightSyncError. Weights holding a NaN or an infinity are
+never sent: sync() raises NonFiniteWeights (a training failure, not a transport one) before the
+first byte goes out; a sharded trainer's weights, gathered a bucket at a time, are checked as each
+bucket arrives (its trainer checks them after every step already, sharded_trainer.py).
 
 sync() reports where the time went (CPU wall time per phase, ms; GPU work still queued when a phase
 ends is waited for in a later one): prepare (the named tensors and the bucket split), pack (flatten
@@ -193,7 +196,7 @@ class WeightSync:
         self._engine_timings = []
         if self.transport == "shared":
             return self._sync_shared(version, t0)
-        buckets = _Buckets(self._bucket_source(), self._phases, checksum=self.cfg.verify)
+        buckets = _Buckets(self._bucket_source(version), self._phases, checksum=self.cfg.verify)
         self._phases["prepare"] += (time.perf_counter() - t0) * 1000.0
         send = {"ipc": self._send_tensor, "staged": self._send_tensor,
                 "distributed": self._send_distributed, "disk": self._send_disk}[self.transport]
@@ -227,6 +230,7 @@ class WeightSync:
             self._on_all(lambda c: c.release_memory_occupation(["kv_cache"]))
 
     def _sync_shared(self, version: str, t0: float) -> dict:
+        _refuse_non_finite(self.named_tensors(), version)  # (the trainer's own tensors: no copy)
         shared = self.source.share_weights(self.engine_dtype)  # the first call moves them into shared memory
         t = self._phase("prepare", t0)
         try:
@@ -249,14 +253,16 @@ class WeightSync:
                 "weight_version": version, "engines": len(self.urls), "phases_ms": {k: round(v, 3) for k, v in self._phases.items()},
                 "engine_ms": answer.get("timings_ms"), "fast_path": True}
 
-    def _bucket_source(self):
-        """The weights in buckets of about bucket_mb. A trainer sharded over ranks gathers them a
-        bucket at a time (iter_full_weights: no rank ever holds them all, nor an FP32 copy); a whole
-        model is split here."""
+    def _bucket_source(self, version: str):
+        """The weights in buckets of about bucket_mb, checked finite. A trainer sharded over ranks
+        gathers them a bucket at a time (iter_full_weights: no rank ever holds them all, nor an FP32
+        copy); a whole model is checked whole, then split here."""
         bucket_bytes = int(self.cfg.bucket_mb * 2**20)
         if hasattr(self.source, "iter_full_weights"):
-            return self.source.iter_full_weights(self.engine_dtype, bucket_bytes)
-        return W.bucket_by_bytes(self.named_tensors(), bucket_bytes)
+            return _checked(self.source.iter_full_weights(self.engine_dtype, bucket_bytes), version)
+        named = self.named_tensors()
+        _refuse_non_finite(named, version)
+        return W.bucket_by_bytes(named, bucket_bytes)
 
     def _phase(self, name: str, since: float) -> float:
         now = time.perf_counter()
@@ -434,6 +440,24 @@ class WeightSync:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _refuse_non_finite(named, version: str) -> None:
+    bad = W.non_finite(named)
+    if bad is not None:
+        raise W.NonFiniteWeights(f"the weights for version {version} hold NaN or infinite values in {bad}; "
+                                 "not sent to the engines")
+
+
+def _checked(buckets, version: str):
+    """Gathered buckets, each refused if it holds a NaN or an infinity. Closing this closes `buckets`
+    (a gather stopped early must still be finished with the other ranks)."""
+    try:
+        for bucket in buckets:
+            _refuse_non_finite(bucket, version)
+            yield bucket
+    finally:
+        buckets.close()
 
 
 class _Buckets:

@@ -28,6 +28,8 @@ UNKNOWN_MODEL = "unknown model 'no-such-model': not a folder, a hub id (org/name
     (["train", "--set", "report_to=tensorboard,mlflow"], "nano-miles train: report_to: unknown 'mlflow'"),
     (["train", "--set", "max_infra_failed_steps=0"], "nano-miles train: max_infra_failed_steps must be >= 1"),
     (["rollout", "--set", "sandbox.min_tier=none"], "nano-miles rollout: sandbox.min_tier must be one of"),
+    (["eval", "--samples"], "nano-miles eval: argument --samples: expected one argument"),
+    (["nope"], "nano-miles: argument COMMAND: invalid choice: 'nope'"),
 ])
 def test_bad_input_is_one_line_exit_2_and_leaves_nothing_behind(argv, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # where train would put runs/<timestamp>/
@@ -38,9 +40,27 @@ def test_bad_input_is_one_line_exit_2_and_leaves_nothing_behind(argv, message, c
     assert list(tmp_path.iterdir()) == []  # no stray runs/<ts>/config.json, no model built
 
 
+def test_an_old_key_name_is_refused_in_one_line_naming_the_new_one(capsys, tmp_path):
+    """run.toml files, --set lines and the config.json of earlier runs may use the keys train had before
+    the trainer and the engine got sections of their own: each is refused (exit 2) with one line naming
+    the new key, never mapped silently."""
+    old_run = tmp_path / "old-run"
+    old_run.mkdir()
+    (old_run / "config.json").write_text(json.dumps({"model": "tiny-random-qwen2", "logprob_chunk": 64,
+                                                     "rollout": {"group_size": 4}}))
+    (tmp_path / "run.toml").write_text("engine_mem_fraction = 0.3\n")
+    for argv, old, new in ((["--set", "engine_url=http://h:1"], "engine_url", "engine.url"),
+                           (["--config", str(tmp_path / "run.toml")], "engine_mem_fraction",
+                            "engine.kv_cache_memory_fraction"),
+                           (["--resume", str(old_run)], "logprob_chunk", "trainer.logprob_chunk")):
+        assert cli.main(["train", *argv]) == 2
+        assert capsys.readouterr().err == f"nano-miles train: config key {old!r} is now {new!r}\n"
+
+
 def test_cuda_memory_is_allocated_in_expandable_segments_unless_the_user_chose(monkeypatch, capsys):
     """Every command (and the ranks and engines it starts, which inherit the environment) runs the CUDA
-    caching allocator with expandable segments: the default held 78 GB for a trainer's 51 GB peak."""
+    caching allocator with expandable segments: the default holds far more than it allocates
+    (docs/benchmarks.md)."""
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "to be restored")
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
     assert cli.main(["tasks", "list", "--split", "seed"]) == 0

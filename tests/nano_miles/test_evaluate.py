@@ -2,7 +2,7 @@
 (tiny-random-qwen2, real engine, real sandbox) writes eval columns into metrics.jsonl, TensorBoard
 and the PNG curves, and the evaluations never move the training data position.
 
-Task instances (`nano-miles eval --instances`, train's `eval_instances`): each task runs on several
+Task instances (`nano-miles eval --set instances=N`, train's `eval_instances`): each task runs on several
 seeded draws of its files and ground truth; pass@1 averages over all of them, pass@k over the
 per-instance estimators."""
 import json
@@ -13,13 +13,16 @@ from safetensors import safe_open
 
 from nano_miles import cli
 from nano_miles.rollout.batch import Trajectory
+from nano_miles.trainer.checkpoint import save_checkpoint
 from nano_miles.config import ConfigError, load_config, parse_set
+from nano_miles.engine.weights import checksums
 from nano_miles.evaluate import RunEvaluation, alfa_subset, lost, pass_at_k, per_family, solved_by_task
 from nano_miles.models.prepare import load_tokenizer
 from nano_miles.rollout.producer import TaskStream
 from nano_miles.tasks import select_tasks
 from nano_miles.telemetry import read_metrics
 from nano_miles.train import TrainConfig, TrainingRun
+from tests.nano_miles.trainer.test_checkpoint import _batch, _trainer
 from tests.nano_miles.test_telemetry import tensorboard_scalars
 
 FAST = ["model=tiny-random-qwen2", "rollout.max_new_tokens=16", "rollout.env.max_turns=1", "rollout.group_size=2",
@@ -142,9 +145,8 @@ def test_pass_at_1_averages_all_samples_and_pass_at_k_the_instances_estimators()
 
 
 def test_episodes_the_sandbox_or_engine_broke_are_left_out_and_said():
-    """An engine that ran out of memory on the device aborted 323 of 736 held-out episodes
-    (2026-12-02); scored as failures they took the base model from 0.144 to 0.094. Such episodes say
-    nothing about the model: they are left out of pass@k and counted in one line."""
+    """An engine that runs out of memory aborts episodes; scored as failures they would pull the model's
+    pass@k down. Such episodes say nothing about the model: they are left out and counted in one line."""
     tasks = select_tasks("kernel_name,md5_file")
     broken = Trajectory([1], [2], [-1.0], [True], reward_components={"infra_failures": 1, "error": "engine error: "
                         "OutOfMemoryError: CUDA out of memory"}, finish_reason="infra_error", task_id="kernel_name",
@@ -159,10 +161,10 @@ def test_episodes_the_sandbox_or_engine_broke_are_left_out_and_said():
 
 def test_eval_runs_every_task_on_its_instances_and_says_on_what(engine_server, tiny_model_path, tmp_path, capsys):
     out, results = tmp_path / "e.jsonl", tmp_path / "results.jsonl"
+    sets = ("instances=2", "seed=3", "rollout.env.max_turns=1", "rollout.max_new_tokens=8", "rollout.temperature=0.7")
     assert cli.main(["eval", "--model", str(tiny_model_path), "--engine-url", engine_server.url, "--tasks",
-                     "kernel_name,md5_file", "--instances", "2", "--samples", "2", "--seed", "3", "--max-turns", "1",
-                     "--max-new-tokens", "8", "--temperature", "0.7", "--out", str(out),
-                     "--results-jsonl", str(results)]) == 0
+                     "kernel_name,md5_file", "--samples", "2", *(a for kv in sets for a in ("--set", kv)),
+                     "--out", str(out), "--results-jsonl", str(results)]) == 0
     printed = capsys.readouterr().out
     assert f"{tiny_model_path} on kernel_name,md5_file: 2 tasks x 2 instances x 2 samples in " in printed
     assert "(seed 3, temperature 0.7)" in printed
@@ -180,7 +182,7 @@ def test_eval_runs_every_task_on_its_instances_and_says_on_what(engine_server, t
 
 
 def test_instances_below_one_are_one_line_and_exit_2(capsys):
-    assert cli.main(["eval", "--instances", "0"]) == 2
+    assert cli.main(["eval", "--set", "instances=0"]) == 2
     err = capsys.readouterr().err
     assert err == "nano-miles eval: instances must be >= 1, got 0\n"
     with pytest.raises(ValueError, match="eval_samples and eval_instances >= 1"):
@@ -200,3 +202,41 @@ def test_the_run_evaluates_each_eval_task_on_eval_instances_instances(engine_ser
     assert evaluated["eval_task_count"] == 2 and set(evaluated["eval_by_task"]) == {"kernel_name", "md5_file"}
     assert all(v in (0.0, 0.5, 1.0) for v in evaluated["eval_by_task"].values())  # the mean of 2 instances' samples
     assert printed[0].startswith("eval after step 1: 2 instance(s) x 1 sample(s) a task, 2 tasks pass@1 ")
+
+
+# ---- a run's folders as --model -------------------------------------------------------------------
+
+def test_eval_takes_a_runs_checkpoint_as_its_model(engine_server, restore_engine_weights, tmp_path, capsys):
+    """A run stopped before final/ leaves checkpoint/: the engine loads its weights as a model folder's,
+    and eval takes it as --model (its tokenizer, its name), as it takes final/."""
+    trainer = _trainer()
+    trainer.train_step(*_batch(1))
+    save_checkpoint(tmp_path / "run", trainer, {"step": 1, "data_position": 2})
+    ckpt = tmp_path / "run" / "checkpoint"
+    client = engine_server.client()
+    client.update_weights_from_disk(ckpt)
+    served = client.weights_checksum()["checksums"]
+    assert served == checksums((n, m) for n, m in zip(trainer.names, trainer.masters) if n in served)
+    client.close()
+    assert cli.main(["eval", "--model", str(ckpt), "--engine-url", engine_server.url, "--tasks", "kernel_name",
+                     "--samples", "1", "--max-turns", "1", "--max-new-tokens", "4"]) == 0
+    assert f"{ckpt} on kernel_name: 1 tasks x 1 instances x 1 samples in " in capsys.readouterr().out
+
+
+def test_a_run_directory_or_a_sharded_checkpoint_as_the_model_names_the_folders_that_are_models(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoint").mkdir(parents=True)  # what N trainer ranks write: shards, no model config
+    (run_dir / "checkpoint" / "state.json").write_text("{}")
+    (run_dir / "config.json").write_text("{}")  # the run's config, not a model's
+    for model in (run_dir, run_dir / "checkpoint"):
+        assert cli.main(["eval", "--model", str(model)]) == 2
+        assert capsys.readouterr().err.endswith(": it has no model folder yet (final/ at the end of the run, best/ "
+                                                "with keep_best, checkpoint/ when one process trains)\n")
+    (run_dir / "best").mkdir()
+    (run_dir / "best" / "config.json").write_text("{}")
+    assert cli.main(["eval", "--model", str(run_dir / "checkpoint")]) == 2
+    assert capsys.readouterr().err == (f"nano-miles eval: {run_dir / 'checkpoint'} is a checkpoint of sharded trainer "
+                                       f"ranks, not a model: its models are {run_dir / 'best'}\n")
+    assert cli.main(["eval", "--model", str(run_dir)]) == 2
+    assert capsys.readouterr().err == (f"nano-miles eval: {run_dir} is a training run's directory, not a model: its "
+                                       f"models are {run_dir / 'best'}\n")

@@ -1,6 +1,7 @@
-"""`nano-miles rollout` and `eval` take the same config keys as `train` (docs/config.md): their flags
-are aliases of keys, `--config` / `--set` set any key, `--print-config` shows the result. Before
-either loads a model, the sandbox must reach `sandbox.min_tier`; while they run, a progress bar."""
+"""`nano-miles rollout` and `eval` take the same config keys as `train` (docs/config.md): their few
+flags are shorthands of keys, `--config` / `--set` set any key, `--print-config` shows the result,
+and a flag they do not have says in one line how to set its key. Before either loads a model, the
+sandbox must reach `sandbox.min_tier`; while they run, a progress bar."""
 import os
 import re
 import subprocess
@@ -12,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from nano_miles import cli
-from nano_miles.rollout.dynamic_sampling import TrainRolloutConfig
 from nano_miles.evaluate import EvalConfig
+from nano_miles.job import RolloutCommandConfig
+from nano_miles.rollout.dynamic_sampling import TrainRolloutConfig
 from nano_miles.rollout.episode import RolloutConfig
-from nano_miles.rollout_command import RolloutCommandConfig
 from nano_miles.train import TrainConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,21 +30,33 @@ def _printed_config(capsys, argv) -> dict:
 def test_flags_set_the_same_keys_as_set(capsys, tmp_path):
     by_flags = _printed_config(capsys, [
         "rollout", "--model", "tiny-random-qwen2", "--tasks", "kernel_name", "--group-size", "3", "--max-turns", "2",
-        "--max-new-tokens", "16", "--max-total-tokens", "512", "--temperature", "0.5", "--seed", "7",
-        "--max-concurrency", "4", "--request-timeout", "30", "--device", "cpu", "--dtype", "float32",
-        "--engine-url", "http://a:1", "--engine-url", "http://b:2"])
+        "--engine-url", "http://a:1", "--engine-url", "http://b:2", "--tasks-module", "a.py", "--tasks-module", "b"])
     path = tmp_path / "rollout.toml"
-    path.write_text('model = "tiny-random-qwen2"\ntasks = "kernel_name"\nseed = 7\ndtype = "float32"\n'
-                    '[engine]\nurl = "http://a:1,http://b:2"\ndevice = "cpu"\n'
-                    '[rollout]\ngroup_size = 3\nmax_new_tokens = 16\ntemperature = 0.5\nmax_concurrency = 4\n'
-                    'request_timeout = 30.0\n[rollout.env]\nmax_turns = 2\nmax_total_tokens = 512\n')
+    path.write_text('model = "tiny-random-qwen2"\ntasks = "kernel_name"\ntasks_module = ["a.py", "b"]\n'
+                    '[engine]\nurl = "http://a:1,http://b:2"\n[rollout]\ngroup_size = 3\n[rollout.env]\nmax_turns = 2\n')
     assert _printed_config(capsys, ["rollout", "--config", str(path)]) == by_flags
     by_set = _printed_config(capsys, ["rollout", *(a for kv in (
         "model=tiny-random-qwen2", "tasks=kernel_name", "rollout.group_size=3", "rollout.env.max_turns=2",
-        "rollout.max_new_tokens=16", "rollout.env.max_total_tokens=512", "rollout.temperature=0.5", "seed=7",
-        "rollout.max_concurrency=4", "rollout.request_timeout=30", "engine.device=cpu", "dtype=float32",
-        "engine.url=http://a:1,http://b:2") for a in ("--set", kv))])
+        "engine.url=http://a:1,http://b:2", "tasks_module=a.py,b") for a in ("--set", kv))])
     assert by_set == by_flags
+    assert _printed_config(capsys, ["eval", "--model", "m", "--tasks", "seed", "--samples", "8"]) == \
+        _printed_config(capsys, ["eval", "--set", "model=m", "--set", "tasks=seed", "--set", "rollout.group_size=8"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["rollout", "--max-new-tokens", "16"],
+     "--max-new-tokens is not a flag of rollout: use --set rollout.max_new_tokens=16"),
+    (["rollout", "--temperature=0.5"], "--temperature is not a flag of rollout: use --set rollout.temperature=0.5"),
+    (["rollout", "--seed", "7"], "--seed is not a flag of rollout: use --set seed=7"),
+    (["rollout", "--device", "cpu"], "--device is not a flag of rollout: use --set engine.device=cpu"),
+    (["eval", "--instances", "8"], "--instances is not a flag of eval: use --set instances=8"),
+    (["eval", "--max-turns", "1"], "--max-turns is not a flag of eval: use --set rollout.env.max_turns=1"),
+    (["train", "--steps", "5"], "--steps is not a flag of train: use --set steps=5"),
+    (["rollout", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+])
+def test_a_flag_a_command_does_not_have_names_the_set_form_of_its_key(capsys, argv, message):
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err == f"nano-miles {argv[0]}: {message}\n"
 
 
 def test_one_default_per_key_across_commands(capsys):
@@ -64,7 +77,7 @@ def test_one_default_per_key_across_commands(capsys):
     (["rollout", "--group-size", "0"], "group_size must be >= 1, got 0"),
     (["eval", "--samples", "two"], "rollout.group_size: expected an integer, got 'two'"),
     (["rollout", "--max-turns", "0"], "max_turns must be >= 1"),
-    (["eval", "--dtype", "fp8"], "dtype must be one of"),
+    (["eval", "--set", "dtype=fp8"], "dtype must be one of"),
     (["rollout", "--set", "rollout.group_sise=2"], "did you mean 'rollout.group_size'?"),
 ])
 def test_bad_values_are_one_line_and_exit_2(capsys, argv, message):
@@ -97,7 +110,7 @@ def test_rollout_on_the_fallback_tier_when_asked_with_a_progress_bar(tmp_path, t
     Progress (episodes done, ETA) goes to stderr while they run."""
     out = tmp_path / "r.jsonl"
     proc = _under_denied_namespaces(["rollout", "--model", str(tiny_model_path), "--tasks", "kernel_name,md5_file",
-                                     "--group-size", "2", "--max-turns", "1", "--max-new-tokens", "8",
+                                     "--group-size", "2", "--max-turns", "1", "--set", "rollout.max_new_tokens=8",
                                      "--set", "sandbox.min_tier=fallback", "--out", str(out)], dict(os.environ))
     assert proc.returncode == 0, proc.stderr
     assert "2 tasks x 2 samples = 4 episodes" in proc.stdout and "infra failures 0" in proc.stdout

@@ -102,7 +102,7 @@ def test_the_run_ends_with_a_summary_of_what_it_did_and_where_the_files_are(tmp_
 
 def test_the_summary_says_which_training_tasks_still_teach_the_policy_anything(tmp_path):
     """train_by_task ([solved, samples] a task rolled out) summed over the last 10 steps: a task always
-    solved or never solved gives dynamic sampling nothing to keep (2026-12-02: 85-91% of groups)."""
+    solved or never solved gives dynamic sampling nothing to keep."""
     rows = [_metrics(1, train_by_task={"a": [0, 8], "old": [8, 8]})] + \
            [_metrics(step, train_by_task={"a": [8, 8], "b": [0, 8], "c": [step % 2 * 8, 8]}) for step in range(2, 12)]
     summary = run_summary(rows, 60.0, tmp_path)

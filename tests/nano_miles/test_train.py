@@ -5,12 +5,12 @@ import argparse
 import functools
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-import tomllib
 from pathlib import Path
 
 import pytest
@@ -27,7 +27,9 @@ from nano_miles.rollout.producer import TaskStream
 from nano_miles.tasks import select_tasks
 from nano_miles.telemetry import REQUIRED_KEYS, read_metrics
 from nano_miles.train import RunFailed, TrainConfig, TrainingRun
+from nano_miles.trainer_ranks import with_rng
 from nano_openshell import Sandbox
+from tests.nano_miles.test_checkpoint import CreatesFile, damaged_copies, format_1_run
 
 REPO = Path(__file__).resolve().parents[2]
 DENY_NAMESPACES = [sys.executable, "-c", "import sys; from nano_openshell.seccomp import main; sys.exit(main())",
@@ -120,6 +122,28 @@ def test_two_step_run_writes_the_run_directory_and_advances_the_engine(tmp_path)
     with start_engine_process(str(run_dir / "final"), dtype="float32") as served:
         reply = EngineClient(served.url).generate([1, 2, 3], {"max_new_tokens": 2, "temperature": 0})
         assert len(reply["output_ids"]) == 2
+
+
+def test_a_step_that_makes_the_weights_nan_stops_the_run_in_one_line(tmp_path):
+    """optim.lr=1e38: the first optimizer step overflows the weights to inf/NaN. The run stops at that
+    step with one line saying so, and the engine (served by somebody else) never got them. (Not with
+    sync.transport=shared, which `auto` picks here: its engine maps the trainer's own memory.)"""
+    model = resolve_model("tiny-random-qwen2")
+    with start_engine_process(str(model), dtype="float32") as engine:
+        client = EngineClient(engine.url)
+        served = client.weights_checksum()  # (with its weight_version)
+        run_dir = tmp_path / "run"
+        proc = _train(["--set", "steps=2", "--set", "optim.lr=1e38", "--set", f"run_dir={run_dir}",
+                       "--set", "sync.transport=distributed", "--engine-url", engine.url], api_key=engine.api_key)
+        out, _ = proc.communicate(timeout=240)
+        assert proc.returncode == 1, out
+        assert client.weights_checksum() == served
+        assert client.generate([1, 2, 3], {"max_new_tokens": 2})["output_ids"]
+    said = [line for line in out.splitlines() if line.startswith("nano-miles train:")]
+    assert len(said) == 1 and "Traceback" not in out, out
+    assert said[0].startswith("nano-miles train: stopped at step 1: optimizer step 1 left NaN or infinite values in ")
+    assert said[0].endswith(f"lower optim.lr (or find what diverged) and continue with --resume {run_dir} (from step 1)")
+    assert read_metrics(run_dir / "metrics.jsonl") == [] and not (run_dir / "final").exists()
 
 
 @pytest.fixture
@@ -267,11 +291,10 @@ def _served_engine(layout) -> EngineConfig:
 
 def test_engine_keys_reach_the_engine_process():
     """train's engine.* keys are serve's: the layout passes the ones that differ from the engine's
-    defaults. On one shared GPU the KV share is 0.35 unless engine.kv_cache_memory_fraction (or its
-    old name engine_mem_fraction) says otherwise; on a GPU of its own the engine's default stands."""
-    for sets, fraction in (([], 0.35), (["engine.kv_cache_memory_fraction=0.3"], 0.3),
-                           (["engine_mem_fraction=0.25"], 0.25)):
-        cfg = load_config(TrainConfig, overrides=parse_set(sets), note=lambda _: None)
+    defaults. On one shared GPU the KV share is 0.35 unless engine.kv_cache_memory_fraction says
+    otherwise; on a GPU of its own the engine's default stands."""
+    for sets, fraction in (([], 0.35), (["engine.kv_cache_memory_fraction=0.3"], 0.3)):
+        cfg = load_config(TrainConfig, overrides=parse_set(sets))
         shared = plan_layout(cfg.dtype, cfg.engine, cfg.trainer_device, gpus=1)
         assert _served_engine(shared).kv_cache_memory_fraction == fraction
     own = plan_layout("auto", EngineLaunchConfig(), "auto", gpus=2)
@@ -304,30 +327,6 @@ def test_bad_command_lines_are_clear_errors(tmp_path):
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 2 and err.count("\n") == 1 and message in err, (args, err)
     assert not run_dir.exists()
-
-
-def test_old_key_names_still_work_and_say_their_new_name(tmp_path):
-    """run.toml files, --set lines and the config.json of earlier runs use the keys train had before
-    the trainer and the engine got sections of their own."""
-    def print_config(*args):
-        proc = subprocess.run([sys.executable, "-m", "nano_miles.cli", "train", *args, "--print-config"], cwd=REPO,
-                              capture_output=True, text=True, timeout=60)
-        assert proc.returncode == 0, proc.stderr
-        return tomllib.loads(proc.stdout), proc.stderr
-
-    cfg, err = print_config("--set", "micro_batch_size=2", "--set", "engine_mem_fraction=0.3",
-                            "--set", "engine_url=http://127.0.0.1:1")
-    assert cfg["trainer"]["micro_batch_size"] == 2 and cfg["engine"]["kv_cache_memory_fraction"] == 0.3
-    assert cfg["engine"]["url"] == "http://127.0.0.1:1" and "micro_batch_size" not in cfg
-    assert "config key 'micro_batch_size' is now 'trainer.micro_batch_size'" in err
-    # An earlier run's config.json resumes with its values, silently; this command line still wins.
-    run_dir = tmp_path / "old-run"
-    run_dir.mkdir()
-    (run_dir / "config.json").write_text(json.dumps({"model": "tiny-random-qwen2", "logprob_chunk": 64,
-                                                     "engine_device": "cpu", "rollout": {"group_size": 4}}))
-    cfg, err = print_config("--resume", str(run_dir), "--set", "rollout.group_size=2")
-    assert (cfg["trainer"]["logprob_chunk"], cfg["engine"]["device"], cfg["rollout"]["group_size"]) == (64, "cpu", 2)
-    assert err == ""
 
 
 def test_a_sandbox_below_min_tier_refuses_the_run_before_any_model_loads(tmp_path):
@@ -375,3 +374,44 @@ def test_a_run_that_trained_on_nothing_writes_no_final_policy(tmp_path):
     assert message.startswith("trained on nothing: no step updated the policy (every episode failed for "
                               "infrastructure reasons (sandbox)), so it is still the base model and no final/ was written")
     assert not (tmp_path / "run" / "final").exists() and "summary: 1 step," in printed
+
+
+def test_resume_runs_no_code_from_the_run_directory_and_refuses_a_damaged_checkpoint_in_one_line(tmp_path):
+    """A run directory may come from anyone (a shared disk, a download). Before any model loads, resume
+    refuses a crafted pickle (never run), a damaged checkpoint file (named) and a tasks module only its
+    config.json asks for (Python this host would import); nothing in the directory changes."""
+    marker = tmp_path / "marker"
+    damaged = damaged_copies(tmp_path / "damaged")
+    sharded = tmp_path / "sharded" / "checkpoint"
+    sharded.mkdir(parents=True)
+    (sharded / "state.json").write_text(json.dumps(with_rng({"step": 1, "data_position": 2}, world_size=2)))
+    (sharded / ".metadata").write_bytes(pickle.dumps(CreatesFile(marker)))
+    plugin = tmp_path / "plugin" / "tasks.py"
+    plugin.parent.mkdir()
+    plugin.write_text(f"open({str(marker)!r}, 'w')\nraise SystemExit(3)\n")  # imported, it would run
+    format_1, truncated = format_1_run(tmp_path / "format1", marker), damaged["truncated weights"][0]
+    refused = {  # run directory: the start of the one line it gets
+        format_1: f"{format_1}/checkpoint cannot be resumed: its state.json says format 1",
+        sharded.parent: f"{sharded}/.metadata cannot be loaded: UnpicklingError",
+        truncated: f"{truncated}/checkpoint/model.safetensors cannot be read: ",
+        plugin.parent: f"--resume {plugin.parent}: its config.json loads tasks_module {plugin}, code this host would "
+                       f"run, which a run directory is not trusted to ask for: --set tasks_module={plugin} resumes "
+                       "with it"}
+    for run_dir in refused:
+        (run_dir / "config.json").write_text(json.dumps({"model": "tiny-random-qwen2"}))
+    (plugin.parent / "config.json").write_text(json.dumps({"model": "tiny-random-qwen2",
+                                                           "tasks_module": [str(plugin)]}))
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    commands = [["--resume", str(run_dir)] for run_dir in refused]
+    commands.append(["--resume", str(plugin.parent), "--set", f"tasks_module={plugin}", "--print-config"])
+    # all at once: each spends its time importing torch, not waiting on the others
+    procs = [subprocess.Popen([sys.executable, "-m", "nano_miles.cli", "train", *args], cwd=REPO, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for args in commands]
+    outputs = [proc.communicate(timeout=300) for proc in procs]
+    for (run_dir, message), proc, (out, err) in zip(refused.items(), procs, outputs):
+        assert proc.returncode == 2 and err.count("\n") == 1, (run_dir, out, err)
+        assert err.startswith(f"nano-miles train: {message}"), err
+    out, err = outputs[-1]  # the tasks module named on the command line: taken
+    assert procs[-1].returncode == 0 and tomllib.loads(out)["tasks_module"] == [str(plugin)], err
+    assert not marker.exists()
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before

@@ -8,6 +8,7 @@ came from, and stops (Moved) when it is not; the removal then reports it unfinis
 """
 
 import os
+import time
 
 from nano_openshell import workspace as workspace_mod
 
@@ -53,17 +54,51 @@ def test_the_disk_walk_measures_again_when_a_directory_moves_under_it(tmp_path, 
     tree, outside = _tree_with_neighbour(tmp_path)
     (outside / "big").write_bytes(b"x" * (1 << 20))  # counted only if the walk strayed into outside/
     b_ident = os.stat(tree / "a" / "b").st_ino
-    real_list = disk._list
+    real_list = disk.Meter._list
     moves = []
 
-    def list_then_the_command_moves_a(fd):
-        entries = real_list(fd)
+    def list_then_the_command_moves_a(self, dirs, d, fd, *args):
+        listed = real_list(self, dirs, d, fd, *args)
         if os.fstat(fd).st_ino == b_ident and not moves:  # once, while the walk is in tree/a/b
             os.rename(tree / "a", outside / "a")
             moves.append(1)
-        return entries
+        return listed
 
-    monkeypatch.setattr(disk, "_list", list_then_the_command_moves_a)
+    monkeypatch.setattr(disk.Meter, "_list", list_then_the_command_moves_a)
     used = disk.usage([str(tree)])
     assert moves == [1]
     assert used == 8 * disk.MIN_ENTRY_BYTES  # the second walk: tree/k0..k7, nothing of outside/
+
+
+def test_the_disk_walk_gives_up_on_directories_that_keep_moving(tmp_path, monkeypatch):
+    """A command that moves a directory between two parents all the time cuts every pass short there,
+    and what the walk would reach after it would never be looked at: after three passes in a row the
+    check gives up (the command is killed: the files cannot be measured)."""
+    import errno
+
+    import pytest
+
+    from nano_openshell import disk
+
+    (tmp_path / "p" / "a").mkdir(parents=True)
+    (tmp_path / "q").mkdir()
+    a_ident = os.stat(tmp_path / "p" / "a").st_ino
+    real_visit = disk.Meter._visit
+
+    def visit_then_the_command_moves_a(self, dirs, fd, *args):
+        subdirs = real_visit(self, dirs, fd, *args)
+        if os.fstat(fd).st_ino == a_ident:  # the walk is in a: over to the other parent
+            here, there = ("p", "q") if (tmp_path / "p" / "a").exists() else ("q", "p")
+            os.rename(tmp_path / here / "a", tmp_path / there / "a")
+        return subdirs
+
+    monkeypatch.setattr(disk.Meter, "_visit", visit_then_the_command_moves_a)
+    with pytest.raises(OSError) as e:
+        disk.usage([str(tmp_path)])
+    assert e.value.errno == errno.ESTALE
+    check = disk.DiskCheck(disk.Meter(), [str(tmp_path)], 1 << 30)  # a command's check, its passes in a thread
+    end = time.monotonic() + 30
+    while (line := check.over(time.monotonic())) is None and time.monotonic() < end:
+        time.sleep(0.01)
+    check.finish(time.monotonic())
+    assert line is not None and "kept moving" in line and "killed" in line, line

@@ -88,6 +88,29 @@ def test_what_it_cannot_do_is_a_clear_400(engine_server, extra, needle):
         openai_client(engine_server).chat.completions.create(**{"model": "any", "messages": CHAT, **extra})
 
 
+def test_an_oversized_message_is_refused_by_its_length_before_any_tokenising(engine_server, engine_client):
+    """4 MB of text cannot fit a 4096-token context: refused for its length (the answer counts
+    characters, not tokens: nothing was tokenised), and the server serves on."""
+    context = engine_client.model_info()["max_model_len"]
+    huge = [{"role": "user", "content": "a few plain words. " * 200_000}]
+    with pytest.raises(openai.BadRequestError) as refused:
+        openai_client(engine_server).chat.completions.create(model="any", messages=huge, max_tokens=1)
+    message = refused.value.body["message"]
+    assert message.startswith("the chat is 3800") and "characters once templated" in message, message
+    assert f"a prompt of at most {context} tokens" in message
+    assert openai_client(engine_server).chat.completions.create(model="any", messages=CHAT, max_tokens=1).choices
+
+
+def test_more_characters_than_the_context_has_tokens_can_still_fit(engine_server, engine_client, tok):
+    """The length rule refuses only what cannot fit: a token may stand for many characters (here a
+    13-character special token), so a chat longer in characters than the context in tokens is served."""
+    context = engine_client.model_info()["max_model_len"]
+    long = [{"role": "user", "content": "<|endoftext|>" * (context // 4)}]
+    assert len(long[0]["content"]) > context and len(template_ids(tok, long)) < context
+    reply = openai_client(engine_server).chat.completions.create(model="any", messages=long, max_tokens=1)
+    assert reply.usage.prompt_tokens == len(template_ids(tok, long))
+
+
 def test_the_api_key_is_required(engine_server):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=engine_server.url + "/v1", api_key="wrong", max_retries=0).models.list()

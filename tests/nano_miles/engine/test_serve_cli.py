@@ -17,7 +17,7 @@ from nano_miles.engine.server import FLAGS, SWITCHES, ServerConfig, add_argument
 def parse(*argv) -> ServerConfig:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    return config_from_args(ServerConfig, parser.parse_args(list(argv)), note=lambda _: None)
+    return config_from_args(ServerConfig, parser.parse_args(list(argv)))
 
 
 def serve(*argv, timeout=120) -> subprocess.CompletedProcess:

@@ -1,6 +1,7 @@
 """The engine server over real HTTP (the session's `nano-miles serve` on CPU with tiny-random-qwen2):
 SGLang's /generate shapes, batching, concurrency, stop tokens, the logprob contract, prefix caching,
 pause/abort, and every bad input answered with 400 while the server keeps serving."""
+import json
 import threading
 import time
 
@@ -294,6 +295,37 @@ def test_bad_generate_input_is_400_and_server_keeps_serving(engine_server, body,
     assert r.status_code == 400, r.text
     assert needle in r.json()["error"]["message"]
     assert post(engine_server, "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}).ok
+
+
+def strict_json(text: str):
+    """JSON as RFC 8259 defines it: NaN and Infinity are not JSON (Python's json.loads takes them)."""
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_the_servers_json_encoder_writes_null_for_nan_and_infinities():
+    from nano_miles.engine.http_io import dumps, json_response
+
+    value = {"lp": [[float("nan"), 3, None], (float("-inf"), 1.5)], "t": {"ms": float("inf")}, "n": 2}
+    assert strict_json(dumps(value)) == {"lp": [[None, 3, None], [None, 1.5]], "t": {"ms": None}, "n": 2}
+    assert strict_json(json_response([float("nan")], status=400).text) == [None]
+    assert dumps({"x": 0.1}) == '{"x": 0.1}'
+
+
+def test_non_finite_logprobs_are_null_in_valid_json(engine_server, engine_client, restore_engine_weights):
+    """Finite weights can still overflow (a norm weight of 3e38 makes the hidden states inf and the
+    logits NaN): the answer stays valid JSON, with null where a log-prob is not a number."""
+    from nano_miles.engine import weights as W
+
+    norm = [("model.norm.weight", torch.full((64,), 3e38))]
+    engine_client.update_weights_from_tensor(W.serialize(norm), load_format="direct")
+    r = post(engine_server, "/generate", {"input_ids": PROMPT, "return_logprob": True,
+                                          "sampling_params": {"max_new_tokens": 3, "temperature": 0}})
+    assert r.status_code == 200
+    out = strict_json(r.text)
+    assert [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]] == [None] * len(out["output_ids"]) != []
 
 
 @pytest.mark.parametrize("raw", [b"{not json", b"", b"[1, 2]", b"\xff\xfe"])

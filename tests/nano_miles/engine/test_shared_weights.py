@@ -80,6 +80,29 @@ def test_a_manifest_that_does_not_fit_is_refused_and_changes_nothing(engine_clie
     assert engine_client.weights_checksum() == before
 
 
+def test_shared_weights_holding_nan_are_refused(engine_client, tiny_model_path, restore_engine_weights):
+    """Mapped for the first time, NaN weights are refused and the engine keeps its own copy. Once
+    mapped, the trainer's in-place writes are served as they are (there is no older copy to keep):
+    the version then stays where it was and the engine says why."""
+    trainer = make_trainer(tiny_model_path)
+    shared = trainer.share_weights(torch.float32)
+    name = trainer.names[1]
+    before, version = engine_client.weights_checksum(), engine_client.weight_version()
+    with torch.no_grad():
+        trainer.params[1].view(-1)[0] = float("nan")
+    with pytest.raises(EngineRequestError, match=f"{name} holds NaN or infinite values"):
+        engine_client.update_weights_from_shared(shared.path, shared.manifest, weight_version="nan-1")
+    assert engine_client.weights_checksum() == before and engine_client.weight_version() == version
+    with torch.no_grad():
+        trainer.params[1].view(-1)[0] = 0.0
+    engine_client.update_weights_from_shared(shared.path, shared.manifest, weight_version="mapped")
+    with torch.no_grad():
+        trainer.params[1].view(-1)[0] = float("inf")
+    with pytest.raises(EngineRequestError, match=f"{name} holds NaN or infinite values"):
+        engine_client.update_weights_from_shared(shared.path, shared.manifest, weight_version="inf-1")
+    assert engine_client.weight_version() == "mapped"
+
+
 def test_sharing_moves_the_tensors_in_place_and_the_views_are_read_only(tiny_model_path):
     trainer = make_trainer(tiny_model_path)
     params = list(trainer.params)

@@ -1,16 +1,24 @@
-"""Bad weight updates: every malformed, mismatched or hostile payload on each route is a 400 that
+"""Bad weight updates: every malformed, mismatched, non-finite or hostile payload on each route is a 400 that
 leaves the served weights and weight_version as they were (and runs nothing: an evil pickle)."""
 import base64
+import math
 import os
 import pickle
+from concurrent.futures import ThreadPoolExecutor
+import socket
+import threading
+from multiprocessing import resource_sharer
 
 import pytest
 import torch
 from safetensors.torch import save_file
+from torch.multiprocessing import reductions
 
 from nano_miles.engine.client import EngineRequestError
+from nano_miles.engine import weight_group as G
 from nano_miles.engine import weights as W
-from tests.nano_miles.engine.test_weight_updates import direct, folder_state, free_port, served_checksums, version
+from tests.nano_miles.engine.test_weight_updates import (direct, engine_order, folder_state, free_port,
+                                                       served_checksums, version)
 
 pytestmark = pytest.mark.usefixtures("restore_engine_weights")
 
@@ -85,3 +93,123 @@ def test_bad_disk_and_distributed_requests_are_400(engine_client, tiny_model_pat
     with pytest.raises(EngineRequestError, match="rank_offset"):
         engine_client.init_weights_update_group("127.0.0.1", free_port(), 0, 2, "g")
     assert version(engine_client) == before_version and served_checksums(engine_client) == before
+
+
+POISONED = "model.layers.0.mlp.up_proj.weight"  # a tensor in the middle of the engine's packed layout
+
+
+def poisoned_state(folder, value: float) -> dict:
+    """The tiny model's weights, finite but for ONE element of POISONED."""
+    state = {n: t.clone() for n, t in folder_state(folder).items()}
+    state[POISONED][3, 5] = value
+    return state
+
+
+def _send_tensor_route(client, folder, state, how):
+    if how == "direct":
+        return client.update_weights_from_tensor(direct(state.items()), load_format="direct")
+    named = engine_order(folder, state)
+    if how == "per-tensor bucket":  # another order than the engine's: validated tensor by tensor
+        named = named[::-1]
+    payload, bucket = W.serialize_bucket(named)  # "one-copy bucket": the engine's own layout
+    return client.update_weights_from_tensor(payload, load_format="flattened_bucket", weight_version="poisoned")
+
+
+def assert_unchanged(client, before_version, before):
+    assert version(client) == before_version and served_checksums(client) == before
+    out = client.generate([1, 2, 3], {"max_new_tokens": 4, "temperature": 0}, return_logprob=True)
+    assert all(math.isfinite(lp) for lp, _, _ in out["meta_info"]["output_token_logprobs"])
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("how", ["disk", "direct", "one-copy bucket", "per-tensor bucket"])
+def test_non_finite_weights_are_refused_on_the_tensor_and_disk_routes(engine_client, tiny_model_path, tmp_path,
+                                                                      how, value):
+    before_version, before = version(engine_client), served_checksums(engine_client)
+    state = poisoned_state(tiny_model_path, value)
+    with pytest.raises(EngineRequestError, match="HTTP 400") as e:
+        if how == "disk":
+            save_file(state, str(tmp_path / "model.safetensors"))
+            engine_client.update_weights_from_disk(tmp_path, weight_version="poisoned")
+        else:
+            _send_tensor_route(engine_client, tiny_model_path, state, how)
+    assert f"{POISONED} holds NaN or infinite values" in str(e.value) and e.value.body["success"] is False
+    assert_unchanged(engine_client, before_version, before)
+
+
+def test_a_checkpoint_beyond_the_engines_dtype_is_refused(engine_client, tiny_model_path, tmp_path):
+    """Disk checkpoints are cast to the engine's dtype: float64 values past float32's range become inf."""
+    before_version, before = version(engine_client), served_checksums(engine_client)
+    state = {n: t.double() for n, t in folder_state(tiny_model_path).items()}
+    state[POISONED][0, 0] = 1e300
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(EngineRequestError, match=f"{POISONED} holds NaN or infinite values"):
+        engine_client.update_weights_from_disk(tmp_path)
+    assert_unchanged(engine_client, before_version, before)
+
+
+@pytest.mark.parametrize("load_format", ["flattened_bucket", None])
+def test_non_finite_weights_are_refused_on_the_distributed_route(engine_client, tiny_model_path, load_format):
+    """The broadcast completes (the group stays in step and usable), the update is refused."""
+    before_version, before = version(engine_client), served_checksums(engine_client)
+    group, port = f"nan-group-{load_format}", free_port()
+    with ThreadPoolExecutor(2) as pool:
+        joined = pool.submit(engine_client.init_weights_update_group, "127.0.0.1", port, 1, 2, group, "gloo")
+        pg = G.init_weight_update_group("127.0.0.1", port, 0, 2, group, "gloo", timeout_s=30)
+        assert joined.result()["success"] is True
+        try:
+            for state in (poisoned_state(tiny_model_path, float("nan")), folder_state(tiny_model_path)):
+                named = engine_order(tiny_model_path, state)
+                done = pool.submit(engine_client.update_weights_from_distributed, [n for n, _ in named],
+                                   [t.dtype for _, t in named], [t.shape for _, t in named], group,
+                                   load_format, "gloo-after")
+                G.broadcast_weights(pg, named, load_format, timeout_s=30)
+                if torch.isnan(state[POISONED]).any():
+                    with pytest.raises(EngineRequestError, match=f"{POISONED} holds NaN or infinite values"):
+                        done.result()
+                    assert_unchanged(engine_client, before_version, before)
+                else:  # the same group takes the next (finite) update
+                    assert done.result()["success"] is True and version(engine_client) == "gloo-after"
+        finally:
+            assert engine_client.destroy_weights_update_group(group)["success"] is True
+            G.destroy_weight_update_group(pg)
+class SharedByFd:
+    """Pickles like a CPU tensor shared by torch's file_descriptor strategy (torch.multiprocessing's
+    default on Linux): the receiver fetches the fd by connecting to the address the payload names."""
+
+    def __init__(self, address: str):
+        self.fd = resource_sharer.DupFd.__new__(resource_sharer.DupFd)
+        self.fd._id = (address, 1)
+
+    def __reduce__(self):
+        return reductions.rebuild_storage_fd, (torch.UntypedStorage, self.fd, 256)
+
+
+def test_a_payload_cannot_make_the_engine_connect_where_it_says(engine_client, tmp_path):
+    """An fd shared by file descriptor is fetched from the sending process's address, which the payload
+    names: the engine would connect wherever a payload said (and to no producer of ours: another process's
+    fds never reach it that way). Refused before any connection."""
+    connections = []
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(str(tmp_path / "l"))
+        listener.listen()
+
+        def accept():  # records who connects, and hangs up at once
+            try:
+                conn, _ = listener.accept()
+                connections.append(conn)
+                conn.close()
+            except OSError:  # the listener closed: nobody came
+                pass
+
+        watcher = threading.Thread(target=accept, daemon=True)
+        watcher.start()
+        before_version, before = version(engine_client), served_checksums(engine_client)
+        with pytest.raises(EngineRequestError, match="HTTP 400") as e:
+            engine_client.update_weights_from_tensor([_b64([("model.norm.weight", SharedByFd(str(tmp_path / "l")))])])
+        assert ("refusing to unpickle torch.multiprocessing.reductions.rebuild_storage_fd: CPU tensors shared by "
+                "file descriptor are not taken; share them with torch.multiprocessing's file_system strategy"
+                in str(e.value))
+        assert version(engine_client) == before_version and served_checksums(engine_client) == before
+    watcher.join(timeout=10)
+    assert connections == []

@@ -4,7 +4,7 @@ bound, in both producer modes.
 
 A random model never answers, so every group it plays has equal rewards. The groups with a signal
 come from a scripted engine: a real HTTP server speaking SGLang's /generate whose replies are
-scripted per task (the model side of the test, as ScriptedPolicy in test_rollout.py); the rollout,
+scripted per task (the model side of the test, as ScriptedPolicy in test_episode.py); the rollout,
 the sandbox, the environment and its verifier are the real ones. The end-to-end run uses the real
 engine with tiny-random-qwen2."""
 import json

@@ -164,8 +164,9 @@ def test_cancelled_twice_leaks_no_sandbox(engine_server, tok, private_tmp):
 
 class ScriptedPolicy:
     """A deterministic policy answering in SGLang's /generate reply format: each call 'samples' the
-    next scripted action as its token ids (log-prob -0.5 each). It is the model side of the test,
-    like the scripted solver in test_tasks.py; the env, the sandbox and the rollout are the real ones."""
+    next scripted action as its token ids (log-prob -0.5 each). It is the model side of the test, like
+    the scripted solver of tests/nano_miles/tasks/test_catalog.py; the env, the sandbox and the rollout
+    are the real ones."""
 
     def __init__(self, tok, actions):
         self.tok, self.actions, self.inputs, self.outputs, self.params = tok, list(actions), [], [], []
@@ -302,8 +303,8 @@ def test_rollout_and_eval_cli(engine_server, tiny_model_path, tmp_path, capsys):
     from nano_miles import cli
 
     out, results = tmp_path / "r.jsonl", tmp_path / "results.jsonl"
-    common = ["--model", str(tiny_model_path), "--engine-url", engine_server.url, "--max-turns", "2",
-              "--max-new-tokens", "16", "--results-jsonl", str(results)]
+    common = ["--model", str(tiny_model_path), "--engine-url", engine_server.url, "--set", "rollout.env.max_turns=2",
+              "--set", "rollout.max_new_tokens=16", "--results-jsonl", str(results)]
     assert cli.main(["rollout", *common, "--tasks", "kernel_name,md5_file", "--group-size", "2",
                      "--out", str(out)]) == 0
     printed = capsys.readouterr().out
@@ -330,7 +331,7 @@ def test_rollout_cli_starts_its_own_engine(tmp_path, capsys):
 
     out = tmp_path / "r.jsonl"
     assert cli.main(["rollout", "--model", "tiny-random-qwen2", "--tasks", "kernel_name", "--group-size", "1",
-                     "--max-turns", "1", "--max-new-tokens", "8", "--out", str(out)]) == 0
+                     "--max-turns", "1", "--set", "rollout.max_new_tokens=8", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "starting an engine" in printed and "pass rate" in printed
     assert len(out.read_text().splitlines()) == 1

@@ -123,7 +123,7 @@ def test_the_fallback_tier_cannot_mount_the_set_up_directories():
 def test_eval_gives_pass_at_k_per_set_up_and_the_three_part_score(engine_server, tiny_model_path, capsys):
     assert cli.main(["eval", "--model", str(tiny_model_path), "--engine-url", engine_server.url,
                      "--tasks", "alfa_fs5_0,alfa_fs5_2,alfa_fs4_0,alfa_fs1_16", "--samples", "2",
-                     "--max-turns", "1", "--max-new-tokens", "8", "--json"]) == 0
+                     "--set", "rollout.env.max_turns=1", "--set", "rollout.max_new_tokens=8", "--json"]) == 0
     out, err = capsys.readouterr()
     assert ("rollout: 1 of 4 task(s) cannot run here and are left out of every score:\n  icalfa: task 'alfa_fs1_16': "
             "reads setup_nl2b_fs_1.sh") in err

@@ -77,7 +77,7 @@ def test_scripted_policy_solves_and_verifier_discriminates(task):
 
 def scripted_policy_solves_and_verifier_discriminates(task, seed: int = 7) -> None:
     """The task's scripted solution, played through the env, is judged right; wrong or early answers are not.
-    (Also run on the opt-in modules' tasks: test_task_catalog_skills.py.)"""
+    (Also run on the opt-in skills set: test_catalog_skills.py.)"""
     env = OpenShellEnv(task, seed=seed, config=EnvConfig(max_turns=10))
     try:
         env.reset()

@@ -121,6 +121,11 @@ def test_a_module_by_dotted_name(tmp_path, monkeypatch):
         load_task_modules(["acme_tasks.nope"])
 
 
+def test_the_skills_set_under_its_old_flat_name_says_its_new_name():
+    with pytest.raises(ConfigError, match=r"^nano_miles.task_catalog_skills is now nano_miles.tasks.catalog_skills$"):
+        load_task_modules(["nano_miles.task_catalog_skills"])
+
+
 def broken_modules(tmp_path) -> dict[str, str]:
     """Each way a task module fails to load -> the one line that names it."""
     raises = write(tmp_path, "raises.py", """
@@ -196,8 +201,8 @@ def test_duplicate_ids_name_the_file_and_the_task_and_the_rest_loads(tmp_path):
             return TaskInstance("Answer 1.", ws.run("echo 1"), "int", solution=["echo 1"])
     """)
     assert load_task_modules([dup]) == [
-        f"{dup}: task 'sha256_string': duplicate id (already defined by nano_miles.tasks.catalog)"]
-    assert TASKS["sha256_string"].source == "nano_miles.tasks.catalog"   # the catalog's task is untouched
+        f"{dup}: task 'sha256_string': duplicate id (already defined by nano_miles.tasks.catalog.hashing)"]
+    assert TASKS["sha256_string"].source == "nano_miles.tasks.catalog.hashing"   # the catalog's task is untouched
     assert [t.id for t in select_tasks("mine")] == ["mine_ok"]
     copy = write(tmp_path, "copy.toml", open(EXAMPLE_TOML).read())
     assert load_task_modules([EXAMPLE_TOML, copy]) == [
@@ -382,8 +387,8 @@ def test_rollout_and_eval_take_tasks_modules(engine_server, tiny_model_path, tmp
     is one line on stderr and the run goes on with the rest."""
     broken = write(tmp_path, "broken.toml", "[[task]]\nid = 'half'\n")
     out = tmp_path / "r.jsonl"
-    common = ["--model", str(tiny_model_path), "--engine-url", engine_server.url, "--max-turns", "1",
-              "--max-new-tokens", "8", "--tasks-module", EXAMPLE_PY, "--tasks-module", broken]
+    common = ["--model", str(tiny_model_path), "--engine-url", engine_server.url, "--set", "rollout.env.max_turns=1",
+              "--set", "rollout.max_new_tokens=8", "--tasks-module", EXAMPLE_PY, "--tasks-module", broken]
     assert cli.main(["rollout", *common, "--tasks-module", EXAMPLE_TOML, "--tasks", "log_errors,inventory_total",
                      "--group-size", "2", "--out", str(out)]) == 0
     captured = capsys.readouterr()

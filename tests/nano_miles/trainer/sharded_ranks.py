@@ -17,6 +17,7 @@ from nano_miles.trainer import dist_checkpoint
 from nano_miles.trainer.loss import AdvantageConfig, LossConfig
 from nano_miles.rollout.batch import Trajectory
 from nano_miles.trainer.distributed import main_guard, run_rank
+from nano_miles.engine.weights import NonFiniteWeights
 from nano_miles.trainer.reference import ReferencePolicy
 from nano_miles.trainer.sharded import ShardedTrainer
 from nano_miles.trainer.trainer import OptimConfig, TrainerConfig
@@ -110,6 +111,23 @@ def _scenarios(env, out: str, model: str) -> None:
             pending = dist_checkpoint.save(trainer, Path(out) / "ckpt")
             update(trainer, name)  # changes every master while the checkpoint is being written
             pending.wait()
+    _nan_on_one_rank(env, out, model)
+
+
+def _nan_on_one_rank(env, out: str, model: str) -> None:
+    """Rank 1's second optimizer step alone turns weights NaN (a negative second moment in its shard of
+    the first tensor); each rank writes whether it stopped there, and with which message."""
+    trainer = ShardedTrainer(trainer_config(model), env)
+    update(trainer, "even")
+    if env.rank == 1:
+        state = trainer.optimizer.state[trainer.masters[0]]
+        state["exp_avg_sq"].to_local().view(-1)[0] = -1.0  # (to_local() is the shard's own storage)
+    try:
+        update(trainer, "even")
+        outcome = "went on"
+    except NonFiniteWeights as e:
+        outcome = str(e)
+    (Path(out) / f"nan_rank{env.rank}.txt").write_text(outcome)
 
 
 def scenarios(out: str, model: str, device_type: str = "cpu") -> None:

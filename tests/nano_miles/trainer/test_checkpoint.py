@@ -1,4 +1,5 @@
-"""Checkpoints are whole or absent, written in the background without a copy, and resume exactly.
+"""Checkpoints are whole or absent, written in the background without a copy, and resume exactly;
+resuming one runs no code from it and names a damaged file in one line; a checkpoint is a model folder.
 
 Real tiny-random-qwen2 trainers on CPU. A crash mid-write is a real one: a child process whose file
 size limit (RLIMIT_FSIZE) kills it with SIGXFSZ inside the second checkpoint's weights file.
@@ -6,6 +7,7 @@ size limit (RLIMIT_FSIZE) kills it with SIGXFSZ inside the second checkpoint's w
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,13 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nano_miles.rollout.batch import Trajectory, build_rollout_batch
-from nano_miles.trainer.checkpoint import (Checkpointer, export_model, finish_checkpoint, load_checkpoint, save_checkpoint,
-                                   write_safetensors)
+from nano_miles.trainer.checkpoint import (CheckpointError, Checkpointer, export_model, finish_checkpoint, load_checkpoint,
+                                   save_checkpoint, write_safetensors)
 from nano_miles.models.prepare import resolve_model
 from nano_miles.trainer.trainer import OptimConfig, Trainer, TrainerConfig
+from nano_miles.trainer.ranks import load_run_checkpoint
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -208,3 +211,95 @@ def test_a_completed_runs_last_checkpoint_keeps_no_adamw_state_unless_asked(tmp_
     kept.save({"step": 2, "data_position": 4})
     kept.finish()
     assert (tmp_path / "kept" / "checkpoint" / "optimizer.pt").exists()
+
+
+# ---- nothing runs from a run directory; a damaged checkpoint is one line naming its file -----------
+
+class CreatesFile:
+    """Unpickled, it creates `marker` (the pickle calls open(marker, "w")): any command could run there."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def format_1_run(run_dir: Path, marker: Path) -> Path:
+    """A run directory whose checkpoint is of format 1: the trainer's state as one pickle, trainer.pt,
+    here a crafted one."""
+    ckpt = run_dir / "checkpoint"
+    ckpt.mkdir(parents=True)
+    torch.save(CreatesFile(marker), ckpt / "trainer.pt")
+    (ckpt / "state.json").write_text(json.dumps({
+        "format": 1, "step": 1, "data_position": 2,
+        "rng": {"python": list(random.getstate()), "torch": torch.get_rng_state().tolist()}}))
+    return run_dir
+
+
+def test_a_format_1_checkpoint_is_refused_and_its_pickle_never_runs(tmp_path):
+    marker = tmp_path / "marker"
+    run_dir = format_1_run(tmp_path / "run", marker)
+    trainer = _trainer()
+    with pytest.raises(CheckpointError) as refused:
+        load_checkpoint(run_dir, trainer)
+    assert not marker.exists()
+    assert str(refused.value) == (f"{run_dir / 'checkpoint'} cannot be resumed: its state.json says format 1; only "
+                                  "format 2 is read (format 1 keeps the trainer's state as a pickle, trainer.pt, "
+                                  "which could run any code)")
+    with pytest.raises(CheckpointError, match="format 1"):
+        load_run_checkpoint(run_dir, trainer)  # what `train --resume` calls
+    assert not marker.exists() and trainer.step == 0
+
+
+def damaged_copies(tmp_path: Path) -> dict:
+    """A whole checkpoint, copied once per damage: {what is damaged: (run dir, the file to name)}."""
+    a = _trainer()
+    a.train_step(*_batch(6))
+    save_checkpoint(tmp_path / "whole", a, {"step": 1, "data_position": 2})
+    damage = {
+        "truncated weights": ("model.safetensors", lambda f: f.write_bytes(f.read_bytes()[:f.stat().st_size // 2])),
+        "weights of another format": ("model.safetensors", lambda f: f.write_bytes(b"\x00" * 64)),
+        "truncated optimizer state": ("optimizer.pt", lambda f: f.write_bytes(f.read_bytes()[:1000])),
+        "state.json not JSON": ("state.json", lambda f: f.write_text('{"step": 1, "data_pos')),
+        "state.json without a step": ("state.json", lambda f: f.write_text('{"data_position": 2}')),
+        "state.json with a broken RNG": ("state.json", lambda f: f.write_text(json.dumps(
+            dict(json.loads(f.read_text()), rng={"python": [3, [1, 2], None], "torch": [0]})))),
+        "no state.json": ("state.json", lambda f: f.unlink()),
+    }
+    copies = {}
+    for i, (what, (name, damage_it)) in enumerate(damage.items()):
+        run_dir = tmp_path / f"damaged{i}"
+        shutil.copytree(tmp_path / "whole", run_dir)
+        damage_it(run_dir / "checkpoint" / name)
+        copies[what] = (run_dir, run_dir / "checkpoint" / name)
+    return copies
+
+
+def test_a_damaged_checkpoint_is_one_line_naming_its_file(tmp_path):
+    for what, (run_dir, damaged) in damaged_copies(tmp_path).items():
+        before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+        for load in (load_checkpoint, load_run_checkpoint):
+            with pytest.raises(CheckpointError) as refused:
+                load(run_dir, _trainer())
+            message = str(refused.value)
+            assert str(damaged) in message and "\n" not in message, (what, message)
+        assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before, what  # nothing lost
+
+
+def test_a_checkpoint_is_a_model_folder(tmp_path):
+    """A run stopped before final/ leaves checkpoint/: it holds what final/ holds (config, tokenizer,
+    the FP32 masters), so whatever takes a model takes it."""
+    a = _trainer()
+    a.train_step(*_batch(7))
+    save_checkpoint(tmp_path, a, {"step": 1, "data_position": 2}, background=True)
+    a.wait_for_save()
+    ckpt = tmp_path / "checkpoint"
+    assert resolve_model(ckpt) == ckpt
+    hf = AutoModelForCausalLM.from_pretrained(ckpt)
+    assert hf.dtype == torch.float32
+    for name, master in zip(a.names, a.masters):
+        assert torch.equal(dict(hf.named_parameters())[name], master), name
+    base = AutoTokenizer.from_pretrained(resolve_model("tiny-random-qwen2"))
+    assert AutoTokenizer.from_pretrained(ckpt)("ls -la /tmp").input_ids == base("ls -la /tmp").input_ids
+    assert load_checkpoint(tmp_path, _trainer())["step"] == 1  # and it still resumes

@@ -1,15 +1,22 @@
 """Sharded checkpoints through torch.distributed.checkpoint (nano_miles/trainer/dist_checkpoint.py): saved by
 2 ranks in the background, resumed by 1 rank (sharded or the single-process Trainer) exactly; and a
-single-process checkpoint resumed by 2 ranks exactly."""
+single-process checkpoint resumed by 2 ranks exactly. Loading one runs no code from it: crafted
+pickles where DCP unpickles (.metadata, object entries) are refused, and a damaged one is one line."""
+import io
+import pickle
+
 import pytest
 import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from nano_miles.trainer import dist_checkpoint
-from nano_miles.trainer.checkpoint import save_checkpoint
+from nano_miles.trainer.checkpoint import CheckpointError, save_checkpoint
 from nano_miles.trainer.distributed import launch
 from nano_miles.trainer.sharded import ShardedTrainer
 from nano_miles.trainer.trainer import Trainer
 from tests.nano_miles.trainer import sharded_ranks
+from tests.nano_miles.trainer.test_checkpoint import CreatesFile
 
 CHECKPOINTED = sharded_ranks.CHECKPOINTED
 
@@ -90,3 +97,47 @@ def test_loading_a_folder_that_is_no_checkpoint_says_so(tmp_path, tiny_model_pat
     trainer = Trainer(sharded_ranks.trainer_config(str(tiny_model_path)))
     with pytest.raises(FileNotFoundError, match="not a distributed checkpoint"):
         dist_checkpoint.load(trainer, tmp_path)
+
+
+def test_a_crafted_metadata_pickle_never_runs(tmp_path, tiny_model_path):
+    """DCP's own reader unpickles .metadata with pickle.load: a crafted one ran any code."""
+    marker = tmp_path / "marker"
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / ".metadata").write_bytes(pickle.dumps(CreatesFile(marker)))
+    trainer = Trainer(sharded_ranks.trainer_config(str(tiny_model_path)))
+    with pytest.raises(CheckpointError) as refused:
+        dist_checkpoint.load(trainer, ckpt)
+    assert not marker.exists()
+    assert str(refused.value).startswith(f"{ckpt / '.metadata'} cannot be loaded: UnpicklingError: it names ")
+
+
+def test_a_crafted_object_entry_never_runs(tmp_path, tiny_model_path):
+    """Genuine metadata, but the trainer's step (an object entry, not a tensor) points at a crafted
+    pickle: DCP's default planner loads such entries with torch.load(weights_only=False)."""
+    marker = tmp_path / "marker"
+    trainer = Trainer(sharded_ranks.trainer_config(str(tiny_model_path)))
+    dist_checkpoint.save(trainer, tmp_path / "ckpt", background=False)
+    crafted = io.BytesIO()
+    torch.save(CreatesFile(marker), crafted)
+    (tmp_path / "ckpt" / "crafted.distcp").write_bytes(crafted.getvalue())
+    metadata = dist_checkpoint.read_metadata(tmp_path / "ckpt")
+    metadata.storage_data[MetadataIndex("trainer.step")] = _StorageInfo("crafted.distcp", 0, len(crafted.getvalue()))
+    (tmp_path / "ckpt" / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(CheckpointError, match=f"^{tmp_path / 'ckpt'} cannot be loaded: UnpicklingError: "):
+        dist_checkpoint.load(Trainer(sharded_ranks.trainer_config(str(tiny_model_path))), tmp_path / "ckpt")
+    assert not marker.exists()
+
+
+def test_a_damaged_sharded_checkpoint_is_one_line_naming_it(tmp_path, tiny_model_path):
+    trainer = Trainer(sharded_ranks.trainer_config(str(tiny_model_path)))
+    dist_checkpoint.save(trainer, tmp_path / "ckpt", background=False)
+    shards = next((tmp_path / "ckpt").glob("*.distcp"))
+    shards.write_bytes(shards.read_bytes()[:shards.stat().st_size // 2])
+    with pytest.raises(CheckpointError) as refused:
+        dist_checkpoint.load(trainer, tmp_path / "ckpt")
+    assert str(refused.value).startswith(f"{tmp_path / 'ckpt'} cannot be loaded: ") and "\n" not in str(refused.value)
+    metadata = tmp_path / "ckpt" / ".metadata"
+    metadata.write_bytes(metadata.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=f"^{metadata} cannot be loaded: "):
+        dist_checkpoint.load(trainer, tmp_path / "ckpt")

@@ -55,6 +55,15 @@ def test_two_ranks_make_the_update_of_one_process(two_rank_run, one_process_resu
         assert m["kl_ref"] > 1e-6 and m["kl_ref"] == pytest.approx(metrics["kl_ref"], abs=1e-8)
 
 
+def test_a_nan_in_one_ranks_shards_stops_every_rank_at_that_step(two_rank_run):
+    """Only rank 1's shards went NaN (sharded_ranks._nan_on_one_rank); rank 0 stops too (the check
+    ends in an all-reduce), so no rank goes on alone into collectives the other never joins."""
+    assert (two_rank_run / "nan_rank0.txt").read_text() == \
+        "optimizer step 2 left NaN or infinite values in the weights (on another rank)"
+    assert (two_rank_run / "nan_rank1.txt").read_text() == \
+        "optimizer step 2 left NaN or infinite values in model.embed_tokens.weight"
+
+
 @pytest.mark.parametrize("name", ["uneven_mb2", "minibatches", "bf16", "kl"])
 def test_one_sharded_rank_makes_the_update_of_one_process(world_of_one, one_process_results, tiny_model_path, name):
     """With one rank the sharded trainer skips what only sharing needs (one FSDP group; the model stays

@@ -7,6 +7,7 @@ from transformers import AutoModelForCausalLM
 
 from nano_miles.trainer.loss import LossConfig
 from nano_miles.rollout.batch import Trajectory, build_rollout_batch
+from nano_miles.engine.weights import NonFiniteWeights
 from nano_miles.models.prepare import resolve_model
 from nano_miles.trainer.trainer import OptimConfig, Trainer, TrainerConfig
 
@@ -249,6 +250,15 @@ def test_a_non_finite_gradient_skips_the_update_with_a_clear_error(model_path):
     assert trainer.step == 0 and not trainer.optimizer.state  # no moment was touched
     assert all(torch.equal(a, b) for a, b in zip(before, trainer.masters))
     assert all(m.grad is None for m in trainer.masters)
+
+
+def test_a_step_that_leaves_non_finite_weights_is_a_clear_error(model_path):
+    """A finite gradient, an absurd lr (1e38: AdamW's step overflows float32): the weights become
+    inf/NaN. The trainer says which and does not count the step; the run stops on it (test_train.py)."""
+    trainer = make_trainer(model_path, optim=OptimConfig(lr=1e38))
+    with pytest.raises(NonFiniteWeights, match=r"^optimizer step 1 left NaN or infinite values in model\."):
+        trainer.train_step(make_batch(seed=6), torch.tensor([1.0, -1.0, 0.5, -0.5]))
+    assert trainer.step == 0
 
 
 @pytest.mark.parametrize("temperature", [0.6, 1.4])

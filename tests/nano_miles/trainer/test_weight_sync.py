@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from nano_miles.rollout.batch import Trajectory, build_rollout_batch
-from nano_miles.engine.weights import checksums
+from nano_miles.engine.weights import NonFiniteWeights, checksums
+from nano_miles.trainer.sharded import ShardedTrainer
 from nano_miles.trainer.trainer import OptimConfig, Trainer, TrainerConfig
 from nano_miles.trainer.weight_sync import SyncConfig, WeightSync, WeightSyncError, choose_transport
 
@@ -126,6 +127,35 @@ def test_a_refused_update_raises_and_the_engine_keeps_its_weights(engine_server,
         SyncConfig(transport="nccl")
     with pytest.raises(ValueError, match="bucket_mb"):
         SyncConfig(bucket_mb=0)
+
+
+@pytest.mark.parametrize("transport", ["ipc", "distributed", "disk", "shared"])
+def test_non_finite_weights_are_never_sent(transport, engine_server, engine_client, tiny_model_path,
+                                           restore_engine_weights):
+    """Weights holding a NaN (here in the LAST tensor, past several buckets) are a training failure:
+    sync sends none of them, on any transport, and the engine keeps its weights and version."""
+    trainer = Trainer(TrainerConfig(model=str(tiny_model_path)))
+    with torch.no_grad():
+        trainer.masters[-1].view(-1)[0] = float("nan")
+    before, version = engine_client.weights_checksum(), engine_client.weight_version()
+    with WeightSync(trainer, engine_server.url, transport=transport, bucket_mb=0.1) as ws:
+        with pytest.raises(NonFiniteWeights, match=f"version nan-1 hold NaN or infinite values in {trainer.names[-1]}"):
+            ws.sync("nan-1")
+    assert engine_client.weights_checksum() == before and engine_client.weight_version() == version
+
+
+def test_a_sharded_trainers_gathered_buckets_are_checked_as_they_come(world_of_one, engine_server, engine_client,
+                                                                       tiny_model_path, restore_engine_weights):
+    """A sharded trainer's weights are gathered a bucket at a time: each is checked before it is sent
+    (and the gather is still finished with the other ranks)."""
+    trainer = ShardedTrainer(TrainerConfig(model=str(tiny_model_path)), world_of_one)
+    with torch.no_grad():
+        trainer.masters[0].to_local().view(-1)[0] = float("inf")
+    before, version = engine_client.weights_checksum(), engine_client.weight_version()
+    with WeightSync(trainer, engine_server.url, transport="distributed", bucket_mb=0.1) as ws:
+        with pytest.raises(NonFiniteWeights, match=f"NaN or infinite values in {trainer.names[0]}"):
+            ws.sync("inf-1")
+    assert engine_client.weights_checksum() == before and engine_client.weight_version() == version
 
 
 def test_auto_transport_follows_the_layout():
