@@ -5,7 +5,7 @@ drains its output until EOF or the deadline. At the deadline or at close() the t
 cgroup.kill, or without a cgroup by kill_descendants with the init frozen meanwhile.
 """
 
-import json
+import marshal
 import os
 import signal
 import subprocess
@@ -44,7 +44,7 @@ class Init:
         try:
             if leaf is not None:
                 leaf.add(self.proc.pid)  # before the config: the init forks nothing until it has it
-            self.proc.stdin.write(json.dumps({**cfg, "ended_fd": ended_w}).encode())  # the same fd number there
+            self.proc.stdin.write(marshal.dumps({**cfg, "ended_fd": ended_w}))  # the same fd number there
             self.proc.stdin.close()
         except BrokenPipeError:
             pass
