@@ -23,15 +23,14 @@ from .proxy import ProxyServer
 from .sandbox import Sandbox
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2
-        print(f"nano-openshell: error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
 def _fail(message: str, code: int = 2) -> int:
     print(f"nano-openshell: error: {message}", file=sys.stderr)
     return code
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2
+        sys.exit(_fail(message))
 
 
 def _cmd_exec(args) -> int:
@@ -60,7 +59,7 @@ def _cmd_exec(args) -> int:
     return 0
 
 
-def _cmd_probe(args) -> int:
+def _cmd_probe(_args) -> int:
     print(json.dumps(probe(), indent=2))
     return 0
 
@@ -97,16 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     px.add_argument("--socket", required=True)
     px.add_argument("--audit", default=None)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    if args.cmd == "exec":
-        if not [w for w in args.command if w != "--"]:
-            return _fail("empty command")
-        return _cmd_exec(args)
-    if args.cmd == "probe":
-        return _cmd_probe(args)
-    if args.cmd == "proxy":
-        return _cmd_proxy(args)
-    parser.print_help(sys.stderr)
-    return 2
+    if args.cmd is None:
+        parser.print_help(sys.stderr)
+        return 2
+    if args.cmd == "exec" and not [w for w in args.command if w != "--"]:
+        return _fail("empty command")
+    return {"exec": _cmd_exec, "probe": _cmd_probe, "proxy": _cmd_proxy}[args.cmd](args)
 
 
 if __name__ == "__main__":

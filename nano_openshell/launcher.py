@@ -1,13 +1,12 @@
-"""The supervisor's side of a namespaced Sandbox: its one bwrap, the init inside, each command.
+"""The supervisor's side of a namespaced Sandbox: its one bwrap, the init inside (nsinit.c, or
+nsinit.py without a C compiler), each command.
 
-Namespaces.get() starts `[uid drop] bwrap <layout> --as-pid-1 -- INIT FD` and returns at once; INIT is
-nsinit.c compiled (init_build.py; the sandbox execs the file we pass it) or nsinit.py. A command sent
-before the init boots waits in the socket; a dead init is replaced at the next get(). Every bwrap
-starts from one long-lived thread of ours: --die-with-parent is PR_SET_PDEATHSIG, which fires when
-the THREAD that started it ends. close() closes the socket: the init exits, the kernel kills its pid
-namespace. The init runs beside the commands, under their uid: what it reports is parsed as
-untrusted, no deadline depends on it, and a command it does not report gone within KILL_WAIT of a
-kill request gets the whole sandbox killed.
+Namespaces.get() starts `[uid drop] bwrap <layout> --as-pid-1 -- INIT FD` and returns at once (a
+command sent before the init boots waits in the socket). Every bwrap starts from one long-lived
+thread: --die-with-parent fires when the THREAD that started it ends. close() closes the socket: the
+init exits, and the kernel kills its pid namespace. The init runs beside the commands, under their
+uid: what it reports is untrusted, no deadline depends on it, and a command it does not report gone
+within KILL_WAIT of a kill request gets the whole sandbox killed.
 """
 
 import array
@@ -69,9 +68,9 @@ class Namespaces:
         argv = (namespaced.base_argv(bwrap, tmp_bytes, uid is not None) + namespaced.workspace_args(workspace_fd)
                 + namespaced.mount_args(mounts))
         drop = namespaced.uid_drop_argv(uid) if uid is not None else None
-        self._argv, self._user = (drop + argv if drop else argv), (uid if uid is not None and not drop else None)
-        self._fds = (workspace_fd,) + ((socket_fd,) if socket_fd is not None else ())
-        self._socket_fd, self._seccomp, self._leaf, self._path = socket_fd, seccomp_program, cgroup_leaf, path
+        self.argv, self.user = (drop + argv if drop else argv), (uid if uid is not None and not drop else None)
+        self.fds = (workspace_fd,) + ((socket_fd,) if socket_fd is not None else ())
+        self.socket_fd, self.seccomp, self.leaf, self.env = socket_fd, seccomp_program, cgroup_leaf, {"PATH": path}
         self._lock, self._init, self._closed = threading.Lock(), None, False
 
     def get(self) -> "Init":
@@ -82,16 +81,7 @@ class Namespaces:
                 raise InitDied("the sandbox is closed")
             if self._init is not None:
                 self._init.close()
-            prog_r, prog_w = os.pipe()
-            try:
-                os.write(prog_w, self._seccomp)  # a few hundred bytes: fits the pipe buffer
-                os.close(prog_w)
-                argv = self._argv + namespaced.command_args(prog_r, self._socket_fd)[:-1]  # Init adds "--"
-            except BaseException:
-                os.close(prog_r)
-                raise
-            self._init = Init(argv, self.python, {"PATH": self._path}, self._fds, self._user, self._leaf,
-                              own_fds=(prog_r,), binary=self.init_binary)
+            self._init = Init(self)
             return self._init
 
     def ready(self, deadline: float) -> bool:
@@ -109,37 +99,40 @@ class Namespaces:
 
 def encode(msg: tuple) -> bytes:
     """("run", id, argv, env) | ("kill", id) | ("ping",), as both inits parse it (nsinit.c's header)."""
-    if msg[0] == "run":
-        _, cid, argv, env = msg
-        strings = [os.fsencode(a) for a in argv] + [os.fsencode(f"{k}={v}") for k, v in env.items()]
-        if any(b"\0" in x for x in strings):
-            raise ValueError("a command's argv and environment cannot hold NUL bytes")
-        return b"r" + struct.pack("<QII", cid, len(argv), len(env)) + b"".join(x + b"\0" for x in strings)
-    if msg[0] == "kill":
-        return b"k" + struct.pack("<Q", msg[1])
-    if msg[0] == "ping":
+    kind, *args = msg
+    if kind == "kill":
+        return b"k" + struct.pack("<Q", *args)
+    if kind == "ping":
         return b"p"
-    raise ValueError(f"unknown init message {msg[0]!r}")
+    cid, argv, env = args
+    strings = [os.fsencode(a) for a in argv] + [os.fsencode(f"{k}={v}") for k, v in env.items()]
+    if any(b"\0" in x for x in strings):
+        raise ValueError("a command's argv and environment cannot hold NUL bytes")
+    return b"r" + struct.pack("<QII", cid, len(argv), len(env)) + b"".join(x + b"\0" for x in strings)
 
 
 class Init:
-    def __init__(self, argv: list[str], python: str, env: dict[str, str], pass_fds: tuple[int, ...],
-                 user: int | None = None, cgroup_leaf=None, own_fds: tuple[int, ...] = (),
-                 binary: str | None = None):
-        """argv: [uid drop] bwrap <layout>; binary: the C init, else python runs nsinit.py; own_fds:
-        passed to bwrap, closed once it started. Returns before bwrap runs (the spawner thread starts it).
-        cgroup_leaf: moving a process into a fresh cgroup waits out an RCU grace period, so bwrap
-        reports its child on --info-fd and a thread moves both while the init boots; no command is sent
-        before they are in, and the init forks nothing before its first: every command is born inside."""
+    def __init__(self, spec: Namespaces):
+        """Returns before bwrap runs (the spawner thread starts it). With a cgroup leaf: moving into a
+        fresh cgroup waits out an RCU grace period, so a thread moves bwrap and its child (--info-fd)
+        while the init boots; no command is sent before they are in, and the init forks nothing before
+        its first: every command is born inside."""
+        prog_r, prog_w = os.pipe()
+        try:
+            os.write(prog_w, spec.seccomp)  # a few hundred bytes: fits the pipe buffer
+        finally:
+            os.close(prog_w)
+        argv = spec.argv + namespaced.command_args(prog_r, spec.socket_fd)[:-1]  # "--" comes below
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         err_r, err_w = os.pipe()
+        binary = spec.init_binary
         if binary is not None:  # its file, open: the sandbox cannot see our cache, but can exec an fd
             src_r, src_w = init_build.open_binary(), None
             init_argv = [f"/proc/self/fd/{src_r}", str(theirs.fileno()), str(src_r)]
         else:
             src_r, src_w = os.pipe()  # the init's program (init_build.PYTHON_BOOT reads it)
-            init_argv = [python, "-I", "-S", "-c", init_build.PYTHON_BOOT, str(theirs.fileno())]
-        info_r, info_w = os.pipe() if cgroup_leaf is not None else (None, None)
+            init_argv = [spec.python, "-I", "-S", "-c", init_build.PYTHON_BOOT, str(theirs.fileno())]
+        info_r, info_w = os.pipe() if spec.leaf is not None else (None, None)
         self._sock, self._err, self._ids = ours, err_r, iter(range(1, 1 << 62))
         self.dead: str | None = None  # why, once the init is known to be gone
         self.closed = self._answered = False
@@ -148,14 +141,14 @@ class Init:
         info = (info_w,) if info_w is not None else ()
         full = argv + (["--info-fd", str(info_w)] if info else []) + ["--as-pid-1", "--"] + init_argv
         popen = dict(stdin=subprocess.DEVNULL if binary is not None else src_r, stdout=subprocess.DEVNULL,
-                     stderr=err_w, env=env, pass_fds=pass_fds + own_fds + (theirs_fd,) + info
+                     stderr=err_w, env=spec.env, pass_fds=spec.fds + (prog_r, theirs_fd) + info
                      + ((src_r,) if binary is not None else ()))
-        if user is not None:
-            popen.update(user=user, group=user, extra_groups=[])
-        self._started = _pool("bwrap", 1).submit(self._start, full, popen, (theirs_fd, err_w, src_r) + own_fds + info,
+        if spec.user is not None:
+            popen.update(user=spec.user, group=spec.user, extra_groups=[])
+        self._started = _pool("bwrap", 1).submit(self._start, full, popen, (prog_r, theirs_fd, err_w, src_r) + info,
                                                  src_w)
-        if cgroup_leaf is not None:
-            self._joining = _pool("cgroup", 16).submit(self._join_cgroup, cgroup_leaf, info_r)
+        if spec.leaf is not None:
+            self._joining = _pool("cgroup", 16).submit(self._join_cgroup, spec.leaf, info_r)
         os.set_blocking(err_r, False)
         ours.setblocking(False)
 
@@ -194,9 +187,8 @@ class Init:
             os.close(info_r)
 
     def ready(self, deadline: float) -> bool:
-        """Has the init booted (in its cgroup, answering a ping)? Runs nothing in the sandbox and, unlike
-        spawn(), kills no sandbox slow to boot: False at the deadline or once it is dead. After one
-        answer, only whether it is still alive."""
+        """Has the init booted (in its cgroup, answering a ping)? Unlike spawn(), kills no sandbox slow to
+        boot: False at the deadline or once it is dead."""
         if not self._answered:
             try:
                 if self._joining is not None:

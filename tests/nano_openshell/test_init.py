@@ -252,7 +252,7 @@ def test_a_bwrap_that_cannot_start_fails_the_command_clearly(ns):
     """bwrap is started on the spawner thread after Sandbox() returned: a bwrap that cannot start is
     that init's death, said by the command (a SandboxError naming why), never a hang."""
     assert ns.exec("true", timeout=10).exit_code == 0
-    ns._namespaces._argv = ["/nonexistent/nano-openshell-bwrap"]  # the next init cannot start
+    ns._namespaces.argv = ["/nonexistent/nano-openshell-bwrap"]  # the next init cannot start
     ns._namespaces._init.abort("test: the next command needs a new init")
     t0 = time.monotonic()
     with pytest.raises(SandboxError, match="init died.*bwrap could not be started.*FileNotFoundError"):
