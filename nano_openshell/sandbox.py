@@ -11,7 +11,9 @@ timeout, closes stdin, caps the output kept and the files' disk use (disk.py), a
 an allowlisted environment. As root, each Sandbox runs its commands under an unprivileged uid of its
 own and hands the workspace to it before every exec (workspace.Handover): the workspace's parents
 must be world-traversable. Where the host lets us (cgroup.py), a cgroup caps memory and processes for
-the sandbox as a whole. What a Sandbox does not protect here is listed in its `gaps`.
+the sandbox as a whole. A namespaced Sandbox keeps its namespaces (and /tmp) for its life; each
+command gets a fresh TMPDIR. What a Sandbox does not protect here is listed in its `gaps`. A process
+leaving without its atexit handlers (os._exit, a fatal signal) calls close_all() first (owned.py).
 """
 
 import asyncio
