@@ -1,18 +1,15 @@
 """A cgroup per Sandbox: one kill for everything its commands started, and memory and process caps for
-the sandbox as a whole (not per process).
+the sandbox as a whole (docs/design.md, Cgroups).
 
     cg, why = SandboxCgroup.create(memory_bytes, processes)   # None and the reason where we cannot
     leaf = cg.leaf(); leaf.add(pid)    # before pid starts anything: its descendants stay inside
     leaf.kill(); leaf.close()          # one command (or one bwrap); cg.close(): kill all, remove
 
-Under the supervisor's own cgroup (never above it, except into its parent where that one already
-hands controllers down and is ours to write): on cgroup v2, <base>/nano-openshell-<pid>-<start>-<n>/
-with memory.max, memory.swap.max = 0 and pids.max, and processes only in its leaves c<k>/ (v2's "no
-internal processes"); on a hybrid host whose memory or pids controller is on v1, a group of the same
-name there, which every process joins too. The v2 tree is required: kill() writes cgroup.kill
-(Linux 5.14+), or without it SIGKILLs what cgroup.procs lists until it lists nothing. A command
-cannot move itself out: the files are not its uid's, or Landlock keeps /sys read-only. A supervisor
-killed with SIGKILL leaves its empty cgroups: the first create() of a later one removes them.
+Made under the supervisor's own cgroup v2 (or its parent, where that one hands controllers down and
+is ours to write), processes only in its leaves; a hybrid host's v1 memory or pids controller gets a
+group of the same name. kill() writes cgroup.kill, or before Linux 5.14 SIGKILLs cgroup.procs until
+it is empty. A command cannot move itself out: the files are not its uid's, or Landlock keeps /sys
+read-only.
 """
 
 import itertools

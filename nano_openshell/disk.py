@@ -1,20 +1,12 @@
 """The disk a sandbox's files take, and the check that kills a command taking it past Limits.disk_bytes.
 
-RLIMIT_FSIZE caps one file only. The host directories a sandbox writes to (workspace, mounts, and in
-the tiers without namespaces its TMPDIR) are measured while a command runs, and it is killed once they
-hold more than the limit: unlike a quota this needs no filesystem set up for it, nor privileges.
-Counted: the blocks each entry really holds (st_blocks), a hard-linked inode's shared out over its
-links, and at least one 4 KiB block per entry (millions of empty files are bounded too).
-
-Meter keeps the total up to date, remembering what each entry of each directory counted: a pass
-fstats every directory and lists again only those whose mtime moved, looking only at new names; a
-new file is looked at on the next pass again, one seen growing on every pass while it grows; a
-refresh cycle (one pass in ten times its cost) looks at every entry. Passes run in a thread of
-their own while a command runs (the drain only reads the total), from FIRST_CHECK_S into it, paced by
-what a pass costs and the room left, and once more at its end, within its deadline. What gets
-through: what is written between two passes, or to a file nobody watched between two refreshes.
-A command is killed when the files take more than the limit, or than they took when it started if
-that was more (it is killed for what it adds, so the one that frees the space runs).
+The host directories a sandbox writes to (workspace, mounts; in the tiers without namespaces its
+TMPDIR) are measured while a command runs, and it is killed once they hold more than the limit, or
+than they held when it started if that was more (a command is killed for what it adds). Counted:
+the blocks each entry holds, a hard-linked inode's shared out over its links, at least 4 KiB an
+entry. Meter keeps the total up to date in passes that list again only directories whose mtime
+moved and stat only new or growing files, with a refresh cycle looking at every entry; they run in
+a thread of their own, so no walk holds a deadline up. docs/design.md (Disk) says what gets through.
 """
 from __future__ import annotations
 

@@ -1,19 +1,9 @@
-"""pid 1 of a namespaced Sandbox, in Python: where no C compiler works (nsinit.c does the same job).
+"""pid 1 of a namespaced Sandbox, in Python, where no C compiler works: nsinit.c's job and protocol
+(its header says both).
 
-Started once per Sandbox as `python3 -I -S -c <init_build.PYTHON_BOOT> FD` inside its bwrap; the
-sandbox may not see this package, so this file comes on stdin, and it imports only modules built
-into the interpreter (its start is Python's own start-up and nothing more).
-Protocol, on the SOCK_SEQPACKET socket FD (the bytes are in nsinit.c's header; launcher.encode):
-  ("run", id, argv, env) + SCM_RIGHTS [status, stdout, stderr(, script)]: start a command in its own
-      session, stdin /dev/null, cwd /workspace, a fresh private TMPDIR in /tmp (removed once it is
-      reported, for up to REMOVE_BUDGET), a script memfd as its fd 3
-  ("kill", id): kill that command's whole tree;  ("ping",) + [status]: answered b"R\n"
-The status pipe gets b"X<code>\n" once the command and all it started are gone (128+N for a signal
-N, -9 when killed on request), or b"E<why>\n" when it could not start. EOF on FD: the supervisor is
-gone; the init exits and the kernel kills the rest of the pid namespace. As pid 1 the init reaps
-every orphan and no process of the sandbox can signal it. When a command's main process exits, what
-no running command owns is killed: with none running, everything but the init (kill(-1)); else every
-process outside the running commands' trees, so a daemon that left its command's tree dies then.
+Started as `python3 -I -S -c <init_build.PYTHON_BOOT> FD` inside the Sandbox's bwrap: the sandbox
+may not see this package, so this file comes on stdin, and it imports only modules built into the
+interpreter (its start is Python's own start-up and nothing more).
 """
 
 import _signal

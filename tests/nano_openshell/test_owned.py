@@ -25,9 +25,12 @@ def own_registry(monkeypatch):
 def test_close_all_releases_every_sandbox_nobody_closed_and_refuses_new_ones(own_registry, make_sandbox):
     sandboxes = [make_sandbox() for _ in range(2)]
     result = {}
-    running = threading.Thread(target=lambda: result.update(r=sandboxes[0].exec("sleep 30", timeout=60)))
+    running = threading.Thread(target=lambda: result.update(r=sandboxes[0].exec("touch running; sleep 30",
+                                                                               timeout=60)))
     running.start()
-    time.sleep(0.5)  # the command is in flight
+    end = time.monotonic() + 10
+    while not os.path.exists(os.path.join(sandboxes[0].workspace, "running")) and time.monotonic() < end:
+        time.sleep(0.01)  # until the command is in flight
     t0 = time.monotonic()
     owned_mod.close_all()
     running.join(timeout=20)
