@@ -19,7 +19,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench.results import git_commit, save, utc_now  # noqa: E402
-from nano_miles.engine.client import AsyncEngineClient, start_engine_process  # noqa: E402
+from nano_miles.engine.client import AsyncEngineClient  # noqa: E402
+from nano_miles.engine.process import start_engine_process  # noqa: E402
 from nano_miles.engine.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 
 QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,

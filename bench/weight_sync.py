@@ -37,7 +37,7 @@ import torch
 from bench.results import git_commit, save, utc_now
 from bench.train_step import SHAPES, make_model
 from nano_miles.rollout.batch import Trajectory, build_rollout_batch
-from nano_miles.engine.client import start_engine_process
+from nano_miles.engine.process import start_engine_process
 from nano_miles.trainer.trainer import Trainer, TrainerConfig
 from nano_miles.trainer.weight_sync import WeightSync
 
@@ -149,7 +149,7 @@ def main():
     ap.add_argument("--engines", type=int, default=1, help="engine processes; M > 1 also measures the sync to all M")
     ap.add_argument("--engine-devices", default="", help="comma-separated, one per engine (cycled); "
                     "default: --engine-device for every engine")
-    ap.add_argument("--transports", default="disk,distributed,auto,ipc,staged")
+    ap.add_argument("--transports", default="disk,distributed,auto,ipc")
     ap.add_argument("--bucket-mb", type=float, default=1024.0)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--label", default="")

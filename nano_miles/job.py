@@ -18,7 +18,8 @@ from transformers import AutoTokenizer
 
 from nano_miles.config import ConfigError, add_config_arguments
 from nano_miles.dtypes import DTYPE_NAMES
-from nano_miles.engine.handle import EngineHandle, EngineLaunchConfig, plan_layout
+from nano_miles.engine.layout import EngineLaunchConfig, plan_layout
+from nano_miles.engine.pool import EnginePool
 from nano_miles.models.prepare import ModelError, resolve_model
 from nano_miles.rollout.episode import RolloutConfig, rollout_groups
 from nano_miles.rollout.sandbox import SandboxConfig, check_sandbox, sandbox_factory
@@ -81,7 +82,7 @@ def collect(cfg: RolloutCommandConfig, tasks, desc: str = "rollout"):
     layout = plan_layout(cfg.dtype, cfg.engine, trainer_device=None)
     if not cfg.engine.urls:
         print(f"starting an engine for {cfg.model} on {layout.engine_device} ...", flush=True)
-    with EngineHandle(cfg.engine, layout, model_path, ready_timeout=900) as urls:
+    with EnginePool(cfg.engine, layout, model_path, ready_timeout=900) as urls:
         t0, stats = time.monotonic(), {}
         trajs = roll_out(urls, tok, tasks, cfg.rollout, cfg.seed, desc, stats=stats,
                          sandbox_factory=sandbox_factory(cfg.sandbox))

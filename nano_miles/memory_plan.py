@@ -123,7 +123,7 @@ def _in_flight(cfg) -> int:
 
 
 def estimate(cfg, layout, model_path: str, shared: bool) -> MemoryPlan:
-    """The plan for a TrainConfig `cfg` whose devices are `layout` (engine/handle.py's plan_layout), for
+    """The plan for a TrainConfig `cfg` whose devices are `layout` (engine/layout.py's plan_layout), for
     a model of P parameters. A CPU trainer's weights are shared with a colocated CPU engine (`shared`);
     with trainer.nproc = N ranks the sharded state counts once, the runtime and activations once a rank."""
     mc = ModelConfig.from_pretrained(model_path)

@@ -3,7 +3,7 @@
     nano-miles train [--config FILE.toml] [--set key=value ...] [--engine-url URL ...] [--resume RUN_DIR]
     torchrun --nproc-per-node N -m nano_miles.train [the same arguments]
 
-Where things run (nano_miles/engine/handle.py): the trainer on cuda:0 (its ranks on cuda:0..N-1 with
+Where things run (nano_miles/engine/layout.py): the trainer on cuda:0 (its ranks on cuda:0..N-1 with
 trainer.nproc=N, nano_miles/trainer/ranks.py), the engine replicas (engine.replicas) on the GPUs after
 them, or beside them, or everything on the CPU. Engines are separate processes (`nano-miles serve`)
 that this loop starts, restarts when they die, and stops at the end; or `--engine-url` (repeatable)
@@ -45,7 +45,8 @@ from nano_miles.trainer.distributed import DistError
 from nano_miles.dtypes import TRAINABLE
 from nano_miles.rollout.dynamic_sampling import TrainRolloutConfig
 from nano_miles.engine.weights import NonFiniteWeights
-from nano_miles.engine.handle import EngineHandle, train_layout
+from nano_miles.engine.layout import train_layout
+from nano_miles.engine.pool import EnginePool
 from nano_miles.evaluate import RunEvaluation
 from nano_miles.memory_plan import plan_memory, uses_shared_weights
 from nano_miles.rollout.producer import AsyncProducer, StepRollout, SyncProducer, TaskStream, roll_out_step, staleness
@@ -194,7 +195,7 @@ class TrainingRun:
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         # The engines start before the trainer so that, on a shared GPU, they size their KV caches first.
-        self.engines = EngineHandle(cfg.engine, self.layout, self.model_path, self.run_dir)
+        self.engines = EnginePool(cfg.engine, self.layout, self.model_path, self.run_dir)
         self.engines.start()
         try:
             self._load(tasks, resume_dir)
@@ -243,11 +244,8 @@ class TrainingRun:
         if self.syncer is not None:
             self.syncer.close()
         self.syncer = None
-        sync_cfg = self.cfg.sync
-        if sync_cfg.pause_mode == "auto":  # async: rollouts are in flight at every sync; don't wait them out
-            sync_cfg = dataclasses.replace(sync_cfg, pause_mode="in_place" if self.cfg.mode == "async" else "drain")
         self.synced_replicas = self.engines.to_sync()
-        self.syncer = WeightSync.from_config(self.trainer, [r.url for r in self.synced_replicas], sync_cfg,
+        self.syncer = WeightSync.from_config(self.trainer, [r.url for r in self.synced_replicas], self.cfg.sync,
                                              allow_shared=self.cfg.mode == "sync")
 
     def _recover(self, err: Exception, attempt: int, what: str) -> None:

@@ -5,8 +5,9 @@ Namespaces.get() starts `[uid drop] bwrap <layout> --as-pid-1 -- INIT FD` and re
 command sent before the init boots waits in the socket). Every bwrap starts from one long-lived
 thread: --die-with-parent fires when the THREAD that started it ends. close() closes the socket: the
 init exits, and the kernel kills its pid namespace. The init runs beside the commands, under their
-uid: what it reports is untrusted, no deadline depends on it, and a command it does not report gone
-within KILL_WAIT of a kill request gets the whole sandbox killed.
+uid: what it reports is untrusted, no deadline depends on it (when it says a command ended decides
+only whether that command's result is a timeout), and a command it does not report gone within
+KILL_WAIT of a kill request gets the whole sandbox killed.
 """
 
 import array
@@ -286,11 +287,12 @@ class Init:
 
 
 class Command:
-    """One command in the init: what output.drain needs of a Popen."""
+    """One command in the init: what output.drain needs of a Popen, and ended: (exit code,
+    time.monotonic()) of its main process as the init reaped it, before killing what it left."""
 
     def __init__(self, init: Init, cid: int, status_fd: int):
         self._init, self._cid, self._status, self._buf = init, cid, status_fd, b""
-        self.returncode, self._killed_at = None, None
+        self.returncode, self._killed_at, self.ended = None, None, None
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is not None:
@@ -319,16 +321,25 @@ class Command:
         return self.returncode
 
     def _line(self, timeout):
-        """The status line; False at the timeout, None at EOF without one."""
+        """The next status line but D lines (each goes into ended); False at the timeout; at EOF,
+        what came without a newline, or None."""
         end = None if timeout is None else time.monotonic() + timeout
-        while b"\n" not in self._buf:
-            if not _ready(self._status, select.POLLIN, None if end is None else max(0.0, end - time.monotonic())):
-                return False
-            data = os.read(self._status, _MAX_STATUS)
-            if not data:
-                return self._buf or None
-            self._buf = (self._buf + data)[-_MAX_STATUS:]
-        return self._buf.split(b"\n", 1)[0]
+        while True:
+            while b"\n" not in self._buf:
+                if not _ready(self._status, select.POLLIN, None if end is None else max(0.0, end - time.monotonic())):
+                    return False
+                data = os.read(self._status, _MAX_STATUS)
+                if not data:
+                    return self._buf or None
+                self._buf = (self._buf + data)[-_MAX_STATUS:]
+            line, self._buf = self._buf.split(b"\n", 1)
+            if not line.startswith(b"D"):
+                return line
+            try:
+                code, ns = line[1:].split()
+                self.ended = int(code), int(ns) / 1e9
+            except (ValueError, OverflowError):  # not what the init writes: as if it had said nothing
+                pass
 
     def kill(self) -> None:
         if self.returncode is None and self._killed_at is None:
@@ -361,7 +372,10 @@ def run(start_init, script: str, env: dict[str, str], deadline: float, output_by
             if fd is not None:
                 os.close(fd)
     proc.stdout, proc.stderr = open(out_r, "rb", buffering=0), open(err_r, "rb", buffering=0)
-    return drain(proc, deadline, output_bytes, proc.kill, disk=disk)
+    code, out, err, timed_out = drain(proc, deadline, output_bytes, proc.kill, disk=disk)
+    if timed_out and proc.ended is not None and proc.ended[1] < deadline:  # only its leftovers' kill ran late
+        code, timed_out = proc.ended[0], False
+    return code, out, err, timed_out
 
 
 def _write_all(fd: int, data: bytes) -> None:

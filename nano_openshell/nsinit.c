@@ -11,12 +11,14 @@ Messages (launcher.encode builds them):
       /tmp (removed once it is reported, for a bounded time), a script memfd as its fd 3
   'k' u64 id: kill that command's whole tree
   'p' + SCM_RIGHTS [status]: answered "R\n"
-Status lines: "X<code>\n" once the command and all it started are gone (128+N for a signal N, -9 when
-killed on request), "E<why>\n" when it could not start. EOF on CTL: the supervisor is gone; the init
-exits and the kernel kills the rest of the pid namespace. As pid 1 it reaps every orphan and no
-process of the sandbox can signal it. When a command's main process exits, what no running command
-owns is killed: with none running, everything but the init (kill(-1)); else every process outside
-the running commands' trees, so a daemon that left its command's tree dies then. */
+Status lines: "D<code> <ns>\n" as soon as the command's main process is reaped (its code, and
+CLOCK_MONOTONIC then: a deadline passing while what it left is killed is not its own), "X<code>\n"
+once the command and all it started are gone (128+N for a signal N, -9 when killed on request),
+"E<why>\n" when it could not start. EOF on CTL: the supervisor is gone; the init exits and the kernel
+kills the rest of the pid namespace. As pid 1 it reaps every orphan and no process of the sandbox
+can signal it. When a command's main process exits, what no running command owns is killed: with
+none running, everything but the init (kill(-1)); else every process outside the running commands'
+trees, so a daemon that left its command's tree dies then. */
 #define _GNU_SOURCE
 #include <dirent.h>
 #include <errno.h>
@@ -344,8 +346,14 @@ static void receive(void) {  /* every message waiting (one wakeup may bring seve
 
 /* ---- exits ---------------------------------------------------------------------------------- */
 
-/* reap every exited child without blocking; finished commands move to done[]. Returns whether any
-   child is left. */
+static int exit_code(const struct command *cmd) {  /* as bash reports it; -9 when killed on request */
+    int s = cmd->exit_status;
+    return cmd->killed ? -9 : WIFSIGNALED(s) ? 128 + WTERMSIG(s) : WEXITSTATUS(s);
+}
+
+/* reap every exited child without blocking; finished commands move to done[], each told at once
+   that it ended (before what it left is killed: a deadline passing meanwhile is not its own).
+   Returns whether any child is left. */
 static int reap(struct command *done, size_t *n_done) {
     for (;;) {
         int status;
@@ -355,6 +363,7 @@ static int reap(struct command *done, size_t *n_done) {
         for (size_t i = 0; i < n_running; i++) {
             if (running[i].pid != pid) continue;
             running[i].exit_status = status;
+            write_line(running[i].status_fd, "D%d %lld", exit_code(&running[i]), (long long)now_ns());
             done[(*n_done)++] = running[i];
             running[i] = running[--n_running];
             break;
@@ -382,9 +391,7 @@ static void settle(void) {
     }
     if (!n_running && others) { kill_all(); reap_all(); }  /* nothing runs: everything but us goes */
     for (size_t i = 0; i < n_done; i++) {
-        int s = done[i].exit_status;
-        int code = done[i].killed ? -9 : WIFSIGNALED(s) ? 128 + WTERMSIG(s) : WEXITSTATUS(s);  /* as bash reports it */
-        write_line(done[i].status_fd, "X%d", code);
+        write_line(done[i].status_fd, "X%d", exit_code(&done[i]));
         close(done[i].status_fd);
     }
     /* after the reports: a TMPDIR full of files must not delay its command's result */

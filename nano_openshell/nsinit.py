@@ -154,13 +154,7 @@ class Init:
             _kill_all()
             _reap_all()
         for cmd, status in done:
-            if cmd.killed:
-                code = -9
-            elif os.WIFSIGNALED(status):  # as bash reports a signal death, in every tier
-                code = 128 + os.WTERMSIG(status)
-            else:
-                code = os.WEXITSTATUS(status)
-            _quiet(os.write, cmd.status_fd, b"X%d\n" % code)
+            _quiet(os.write, cmd.status_fd, b"X%d\n" % _exit_code(cmd, status))
             os.close(cmd.status_fd)
         # after the reports: a TMPDIR full of files must not delay its command's result; what is not
         # gone within the budget stays in /tmp (the Sandbox's own) until the Sandbox closes
@@ -171,7 +165,8 @@ class Init:
 
     def reap(self) -> tuple[list, bool]:
         """Reap every exited child without blocking: (the commands whose main process it was, whether
-        any child is left)."""
+        any child is left). Each such command is told at once that it ended (before what it left is
+        killed: a deadline passing meanwhile is not its own)."""
         done = []
         while True:
             try:
@@ -183,7 +178,16 @@ class Init:
             cmd = self.running.pop(pid, None)
             if cmd is not None:
                 del self.by_id[cmd.id]
+                _quiet(os.write, cmd.status_fd, b"D%d %d\n" % (_exit_code(cmd, status), time.monotonic_ns()))
                 done.append((cmd, status))
+
+
+def _exit_code(cmd: _Command, status: int) -> int:
+    if cmd.killed:
+        return -9
+    if os.WIFSIGNALED(status):  # as bash reports a signal death, in every tier
+        return 128 + os.WTERMSIG(status)
+    return os.WEXITSTATUS(status)
 
 
 def _quiet(func, *args, **kw) -> None:

@@ -37,7 +37,7 @@ def tiny_model_path():
 
 @pytest.fixture(scope="session")
 def engine_server(tiny_model_path):
-    from nano_miles.engine.client import start_engine_process
+    from nano_miles.engine.process import start_engine_process
 
     proc = start_engine_process(str(tiny_model_path), device="cpu", dtype="float32", extra_args=ENGINE_ARGS,
                                 ready_timeout=180)

@@ -1,18 +1,14 @@
-"""The CUDA backend of nano_miles/engine/batch_invariant.py: triton kernels with ONE launch configuration each.
+"""Triton kernels with ONE launch configuration each: the CUDA backend of batch_invariant.py.
 
-A GPU library picks its kernel (tile shape, split-K, instruction) from the problem's shape, so the
-same row of a GEMM or a reduction is rounded differently at batch 1 and batch 64. Here every kernel
-has a single configuration, whatever the number of rows, and each output row is produced by one
-program (or one row of a fixed tile) whose reduction order depends only on the row's own data:
-
-- linear: BM x BN output tiles, K walked in BK steps from 0 (no split-K); the row count M is not a
-  compile-time specialisation (do_not_specialize), so every M runs the same compiled kernel;
-- silu_mul: elementwise, one kernel (each element's arithmetic is the same wherever it sits);
-- rms_norm, log_softmax: one program per row (log_softmax walks the vocabulary in fixed chunks with
-  per-lane accumulators, then one tl.sum);
-- paged_attention: one program per (query row, KV head) with its G query heads, online softmax over
-  the row's keys in tiles of KEY_BLOCK keys from position 0: decode, chunked prefill and the trainer's
-  contiguous sequences run the very same loop (the trainer's sequence is one page of L keys).
+A GPU library picks its kernel (tile, split-K, instruction) from the problem's shape, so the same row
+of a GEMM or a reduction rounds differently at batch 1 and batch 64. Here every kernel has a single
+configuration whatever the number of rows, and each output row comes from one program (or one row
+of a fixed tile) whose reduction order depends only on the row's own data: linear walks K in BK steps
+from 0 (no split-K; the row count M is not specialised, so every M runs the same compiled kernel);
+rms_norm and log_softmax run one program per row; attention runs one program per (query row, KV
+head) over the row's keys in tiles from position 0 (decode, chunked prefill and the trainer's whole
+sequences run the very same loop). The same attention kernel is the engine's fast decode attention
+(engine.attention_backend=triton): it reads the KV pages where they lie instead of gathering them.
 """
 from __future__ import annotations
 
@@ -177,6 +173,11 @@ def log_softmax(logits):
     if x2.shape[0]:
         _log_softmax_kernel[(x2.shape[0],)](x2, y, x2.stride(0), y.stride(0), V, BLOCK=LOG_SOFTMAX_BLOCK, num_warps=8)
     return y.view(logits.shape)
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, positions):
+    """The engine's fast decode attention: one query row per sequence, tiles sized to the head_dim."""
+    return paged_attention(q, k_cache, v_cache, block_tables, positions, 1, max(16, min(64, 4096 // q.shape[-1])))
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, positions, rows_per_table, key_block):

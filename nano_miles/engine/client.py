@@ -1,22 +1,10 @@
-"""Clients of an SGLang-protocol engine (ours or a real SGLang server).
+"""Clients of an SGLang-protocol engine (ours or a real SGLang server): EngineClient (blocking,
+requests) and AsyncEngineClient (aiohttp, awaited), whose routes are both defined ONCE, in `Routes`.
 
-    eng = start_engine_process("tiny-random-qwen2", device="cpu")   # engine_process.py, re-exported here
-    c = EngineClient(eng.url)
-    out = c.generate([1, 2, 3], {"max_new_tokens": 8})               # SGLang's response dict
-    eng.stop()
-
-Every route is defined ONCE, in `Routes`: each method builds the HTTP call and hands it to
-`self._send`, which is a blocking call in EngineClient (requests) and a coroutine in
-AsyncEngineClient (aiohttp), whose methods are therefore awaited. The two clients cannot drift.
-
-The api key (`serve --api-key`, sent as "Authorization: Bearer KEY"): the one given, else that of the
-engine this process started at that URL (start_engine_process generates one; so rollouts and weight
-sync, which pass only URLs around, reach the engines a command started), else $NANO_MILES_API_KEY.
-
-Errors: HTTP 400 raises EngineRequestError carrying the server's message (the server keeps serving);
-other HTTP errors raise EngineError (a 500 from /generate: the engine failed in a step, dropped the
-request and serves on); a refused or dropped connection raises EngineUnavailable, which is how
-rollouts and training notice a dead engine.
+The api key sent: the one given, else that of the engine this process started at that URL (process.py
+remembers it: rollouts and weight sync pass only URLs around), else $NANO_MILES_API_KEY. HTTP 400
+raises EngineRequestError with the server's message, other statuses EngineError; no answer (refused,
+dropped, timed out) or 503 raises EngineUnavailable: how callers notice a dead engine.
 """
 from __future__ import annotations
 
@@ -33,7 +21,7 @@ from nano_miles.engine.protocol import API_KEY_ENV, DEFAULT_GROUP_NAME
 
 DEFAULT_TIMEOUT = 600.0
 HEALTH_TIMEOUT = 5.0
-_launched_keys: dict[str, str] = {}  # url -> api key of an engine this process started (engine_process.py)
+_launched_keys: dict[str, str] = {}  # url -> api key of an engine this process started
 
 
 def remember_api_key(url: str, api_key: str | None) -> None:
@@ -44,15 +32,9 @@ def remember_api_key(url: str, api_key: str | None) -> None:
         _launched_keys[url.rstrip("/")] = api_key
 
 
-def resolve_api_key(url: str, api_key: str | None = None) -> str:
-    """The key a client of `url` sends (module docstring); "" for none."""
-    if api_key is not None:
-        return api_key
-    return _launched_keys.get(url.rstrip("/")) or os.environ.get(API_KEY_ENV, "")
-
-
-def auth_headers(api_key: str) -> dict:
-    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+def auth_headers(url: str, api_key: str | None = None) -> dict:
+    key = api_key if api_key is not None else _launched_keys.get(url.rstrip("/")) or os.environ.get(API_KEY_ENV, "")
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 class EngineError(RuntimeError):
@@ -71,38 +53,9 @@ class EngineUnavailable(EngineError):
     """No answer: connection refused or dropped, or a timeout."""
 
 
-def _message(body, text: str) -> str:
-    if isinstance(body, dict):
-        if isinstance(body.get("error"), dict) and "message" in body["error"]:
-            return str(body["error"]["message"])
-        if "message" in body:
-            return str(body["message"])
-        if "detail" in body:  # FastAPI's HTTPException (a real SGLang server)
-            return str(body["detail"])
-    return text.strip() or "(empty body)"
-
-
-def _answer(call: "Call", status: int, text: str):
-    """What a route method returns for this HTTP answer, or the error it raises."""
-    if call.probe:
-        return status == 200
-    try:
-        data = json.loads(text) if text else None
-    except ValueError:
-        data = None
-    if status != 200:
-        msg = f"{call.path}: HTTP {status}: {_message(data, text)}"
-        error = {400: EngineRequestError, 503: EngineUnavailable}.get(status, EngineError)
-        raise error(msg, status, data)
-    if data is None:
-        return text
-    return data[call.pick] if call.pick else data
-
-
 @dataclass
 class Call:
     """One HTTP call of a route method, whichever client sends it."""
-
     method: str
     path: str
     body: dict | list | None = None
@@ -110,9 +63,23 @@ class Call:
     probe: bool = False           # answer True/False (is it 200?) instead of raising (health)
     pick: str | None = None       # return only this key of the JSON answer
 
-
-def _tensor_dtypes(dtypes) -> list[str]:
-    return [str(d).removeprefix("torch.") for d in dtypes]
+    def answer(self, status: int, text: str):
+        """What the route method returns for this HTTP answer, or the error it raises."""
+        if self.probe:
+            return status == 200
+        try:
+            data = json.loads(text) if text else None
+        except ValueError:
+            data = None
+        if status == 200:
+            return text if data is None else data[self.pick] if self.pick else data
+        message = text.strip() or "(empty body)"
+        if isinstance(data, dict):  # ours and SGLang's error shapes; "detail": FastAPI's
+            error = data.get("error")
+            message = str(error["message"] if isinstance(error, dict) and "message" in error
+                          else data.get("message", data.get("detail", message)))
+        raise {400: EngineRequestError, 503: EngineUnavailable}.get(status, EngineError)(
+            f"{self.path}: HTTP {status}: {message}", status, data)
 
 
 class Routes:
@@ -121,18 +88,17 @@ class Routes:
     def _send(self, call: Call):
         raise NotImplementedError
 
-    # --- generation ---
+    def _post(self, path: str, timeout: float | None = None, /, **body):
+        return self._send(Call("POST", path, body, timeout=timeout))
+
     def generate(self, input_ids, sampling_params=None, rid=None, return_logprob=True, **extra):
         """One request (input_ids: list[int]) -> SGLang's response dict; a batch (list of lists) -> list."""
         body = {"input_ids": input_ids, "sampling_params": sampling_params or {}, "return_logprob": return_logprob}
-        if rid is not None:
-            body["rid"] = rid
-        return self._send(Call("POST", "/generate", {**body, **extra}))
+        return self._send(Call("POST", "/generate", {**body, **({} if rid is None else {"rid": rid}), **extra}))
 
     def generate_batch(self, batch_input_ids, sampling_params=None, rids=None, return_logprob=True):
         return self.generate(list(batch_input_ids), sampling_params, rids, return_logprob)
 
-    # --- health and info ---
     def health(self):
         """True when /health answers 200; False otherwise, also when nothing answers."""
         return self._send(Call("GET", "/health", timeout=HEALTH_TIMEOUT, probe=True))
@@ -146,43 +112,35 @@ class Routes:
     def weight_version(self):
         return self._send(Call("GET", "/model_info", pick="weight_version"))
 
-    # --- control ---
     def pause(self, mode: str = "abort"):
-        return self._send(Call("POST", "/pause_generation", {"mode": mode}))
+        return self._post("/pause_generation", mode=mode)
 
     def resume(self):
-        return self._send(Call("POST", "/continue_generation", {}))
-
-    def pause_generation(self, mode: str = "abort"):  # SGLang's route name
-        return self.pause(mode)
-
-    def continue_generation(self):  # SGLang's route name
-        return self.resume()
+        return self._post("/continue_generation")
 
     def abort(self, rid: str = "", abort_all: bool = False):
-        return self._send(Call("POST", "/abort_request", {"rid": rid, "abort_all": abort_all}))
+        return self._post("/abort_request", rid=rid, abort_all=abort_all)
 
     def flush_cache(self):
         return self._send(Call("POST", "/flush_cache"))
 
-    # --- weights (each answers {"success", "message", ...}; a refused update raises EngineRequestError) ---
+    # Weight routes: each answers {"success", "message", ...}; a refused update raises EngineRequestError.
     def update_weights_from_tensor(self, serialized_named_tensors, load_format=None, weight_version=None,
                                    abort_all_requests=False, flush_cache=True):
         if isinstance(serialized_named_tensors, str):
             serialized_named_tensors = [serialized_named_tensors]
-        return self._send(Call("POST", "/update_weights_from_tensor", {
-            "serialized_named_tensors": serialized_named_tensors, "load_format": load_format,
-            "weight_version": weight_version, "abort_all_requests": abort_all_requests, "flush_cache": flush_cache}))
+        return self._post("/update_weights_from_tensor", serialized_named_tensors=serialized_named_tensors,
+                          load_format=load_format, weight_version=weight_version,
+                          abort_all_requests=abort_all_requests, flush_cache=flush_cache)
 
     def update_weights_from_disk(self, model_path, weight_version=None, abort_all_requests=False):
-        return self._send(Call("POST", "/update_weights_from_disk", {
-            "model_path": str(model_path), "weight_version": weight_version, "abort_all_requests": abort_all_requests}))
+        return self._post("/update_weights_from_disk", model_path=str(model_path), weight_version=weight_version,
+                          abort_all_requests=abort_all_requests)
 
     def update_weights_from_shared(self, path, manifest, weight_version=None, abort_all_requests=False):
-        """nano-miles extension: serve a CPU trainer's shared-memory weights (nano_miles/engine/shared_weights.py)."""
-        return self._send(Call("POST", "/update_weights_from_shared", {
-            "path": path, "manifest": manifest, "weight_version": weight_version,
-            "abort_all_requests": abort_all_requests}))
+        """nano-miles extension: serve a CPU trainer's shared-memory weights (shared_weights.py)."""
+        return self._post("/update_weights_from_shared", path=path, manifest=manifest, weight_version=weight_version,
+                          abort_all_requests=abort_all_requests)
 
     def release_memory_occupation(self, tags=None):
         """SGLang's route: free the engine's memory while a colocated trainer updates (ours: a CPU KV cache)."""
@@ -193,20 +151,20 @@ class Routes:
 
     def init_weights_update_group(self, master_address, master_port, rank_offset, world_size,
                                   group_name=DEFAULT_GROUP_NAME, backend="gloo", timeout=None):
-        return self._send(Call("POST", "/init_weights_update_group", {
-            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
-            "world_size": world_size, "group_name": group_name, "backend": backend}, timeout=timeout))
+        return self._post("/init_weights_update_group", timeout, master_address=master_address,
+                          master_port=master_port, rank_offset=rank_offset, world_size=world_size,
+                          group_name=group_name, backend=backend)
 
     def update_weights_from_distributed(self, names, dtypes, shapes, group_name=DEFAULT_GROUP_NAME,
                                         load_format=None, weight_version=None, abort_all_requests=False,
                                         flush_cache=True, timeout=None):
-        return self._send(Call("POST", "/update_weights_from_distributed", {
-            "names": list(names), "dtypes": _tensor_dtypes(dtypes), "shapes": [list(s) for s in shapes],
-            "group_name": group_name, "load_format": load_format, "weight_version": weight_version,
-            "abort_all_requests": abort_all_requests, "flush_cache": flush_cache}, timeout=timeout))
+        return self._post("/update_weights_from_distributed", timeout, names=list(names),
+                          dtypes=[str(d).removeprefix("torch.") for d in dtypes], shapes=[list(s) for s in shapes],
+                          group_name=group_name, load_format=load_format, weight_version=weight_version,
+                          abort_all_requests=abort_all_requests, flush_cache=flush_cache)
 
     def destroy_weights_update_group(self, group_name=DEFAULT_GROUP_NAME):
-        return self._send(Call("POST", "/destroy_weights_update_group", {"group_name": group_name}))
+        return self._post("/destroy_weights_update_group", group_name=group_name)
 
     def weights_checksum(self, names=None):
         """{"weight_version", "dtype", "algorithm", "checksums": {name: sha256}} (nano-miles extension)."""
@@ -217,10 +175,9 @@ class EngineClient(Routes):
     """Blocking client (requests). One thread per client."""
 
     def __init__(self, url: str, timeout: float = DEFAULT_TIMEOUT, api_key: str | None = None):
-        self.url = url.rstrip("/")
-        self.timeout = timeout
+        self.url, self.timeout = url.rstrip("/"), timeout
         self.session = requests.Session()
-        self.session.headers.update(auth_headers(resolve_api_key(self.url, api_key)))
+        self.session.headers.update(auth_headers(self.url, api_key))
 
     def _send(self, call: Call):
         try:
@@ -230,18 +187,15 @@ class EngineClient(Routes):
             if call.probe:
                 return False
             raise EngineUnavailable(f"{call.path}: engine at {self.url} unavailable: {type(e).__name__}: {e}") from None
-        return _answer(call, r.status_code, r.text)
+        return call.answer(r.status_code, r.text)
 
-    def wait_until_ready(self, timeout: float = 300.0, poll: float = 0.2, process=None) -> None:
-        """Until /health answers 200; `process` (a Popen) dying first raises at once."""
+    def wait_until_ready(self, timeout: float = 300.0, poll: float = 0.2) -> None:
+        """Until /health answers 200."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.health():
-                return
-            if process is not None and process.poll() is not None:
-                raise EngineUnavailable(f"engine process exited with code {process.returncode} before ready")
+        while not self.health():
+            if time.monotonic() > deadline:
+                raise EngineUnavailable(f"engine at {self.url} not ready after {timeout:.0f}s")
             time.sleep(poll)
-        raise EngineUnavailable(f"engine at {self.url} not ready after {timeout:.0f}s")
 
     def close(self):
         self.session.close()
@@ -253,42 +207,21 @@ class AsyncEngineClient(Routes):
 
     def __init__(self, url: str, timeout: float = DEFAULT_TIMEOUT, max_connections: int = 1024,
                  api_key: str | None = None):
-        self.url = url.rstrip("/")
-        self.timeout = timeout
+        self.url, self.timeout = url.rstrip("/"), timeout
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=max_connections),
                                              timeout=aiohttp.ClientTimeout(total=timeout),
-                                             headers=auth_headers(resolve_api_key(self.url, api_key)))
+                                             headers=auth_headers(self.url, api_key))
 
     async def _send(self, call: Call):
-        timeout = aiohttp.ClientTimeout(total=call.timeout) if call.timeout else None
+        timeout = {"timeout": aiohttp.ClientTimeout(total=call.timeout)} if call.timeout else {}
         try:
-            async with self.session.request(call.method, self.url + call.path, json=call.body,
-                                            **({"timeout": timeout} if timeout else {})) as r:
-                text = await r.text()
-                status = r.status
+            async with self.session.request(call.method, self.url + call.path, json=call.body, **timeout) as r:
+                text, status = await r.text(), r.status
         except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
             if call.probe:
                 return False
             raise EngineUnavailable(f"{call.path}: engine at {self.url} unavailable: {type(e).__name__}: {e}") from None
-        return _answer(call, status, text)
-
-    async def wait_until_ready(self, timeout: float = 300.0, poll: float = 0.2) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if await self.health():
-                return
-            await asyncio.sleep(poll)
-        raise EngineUnavailable(f"engine at {self.url} not ready after {timeout:.0f}s")
+        return call.answer(status, text)
 
     async def close(self):
         await self.session.close()
-
-
-def __getattr__(name):
-    # The launcher lives in engine_process.py and uses these clients; re-exported lazily (an import
-    # at the top would be circular) because README and callers name nano_miles.engine.client.start_engine_process.
-    if name in ("start_engine_process", "EngineProcess"):
-        from nano_miles.engine import process as engine_process
-
-        return getattr(engine_process, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

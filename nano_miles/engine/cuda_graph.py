@@ -1,10 +1,8 @@
-"""CUDA graphs for decode steps.
-
-A decode step launches ~1000 small kernels; replaying a captured graph removes their launch cost.
-Graphs are captured lazily, one per (batch-size bucket, block-table-width bucket), over static input
-buffers; the engine pads a decode batch to its bucket (padded rows write into the trash block) and
-the runner copies it in and replays. All graphs share one memory pool and one logits buffer: they are
-replayed one at a time and the engine consumes the logits before the next replay.
+"""CUDA graphs for decode steps: replaying a captured graph removes the launch cost of a step's many
+small kernels. One graph per (batch-size bucket, block-table-width bucket), captured lazily over static
+input buffers; the engine pads a decode batch to its bucket (padded rows write into the trash block).
+All graphs share one memory pool and one logits buffer: replayed one at a time, the logits consumed
+before the next replay.
 """
 
 import torch

@@ -7,15 +7,15 @@
 
 Single-threaded by design: the caller serialises add/step/abort/load_weights.
 """
-
 import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from nano_miles.engine import batch_invariant
 from nano_miles.dtypes import DTYPE_NAMES, resolve_dtype
+from nano_miles.engine import batch_invariant, batch_invariant_triton
+from nano_miles.engine.cuda_graph import DecodeGraphs
 from nano_miles.engine.flat_params import FlatParameters, wait_for_copies
 from nano_miles.engine.kv_cache import BlockManager, KVCache
 from nano_miles.engine.model import Batch, CausalLM, ModelConfig, load_safetensors, skip_weight_name
@@ -49,22 +49,21 @@ class EngineConfig:
         try:
             device = torch.device(self.device)
         except (RuntimeError, ValueError):
-            raise ValueError(f"engine.device must be cpu, cuda or cuda:N, got {self.device!r}") from None
+            device = torch.device("meta")
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"engine.device must be cpu, cuda or cuda:N, got {self.device!r}")
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"engine.device={self.device}: this torch ({torch.__version__}) sees no CUDA GPU; "
                              "use --device cpu, or install a CUDA build of torch on a machine with a GPU")
         if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
             raise ValueError(f"engine.device={self.device}: only {torch.cuda.device_count()} CUDA device(s) are visible")
-        if device.type not in ("cpu", "cuda"):
-            raise ValueError(f"engine.device must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"engine.attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
         if not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError(f"engine.kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
         for key in ("max_running_requests", "block_size", "max_num_batched_tokens", "num_kv_blocks", "max_model_len"):
-            value = getattr(self, key)
-            if value is not None and value < 1:
-                raise ValueError(f"engine.{key} must be >= 1, got {value}")
+            if getattr(self, key) is not None and getattr(self, key) < 1:
+                raise ValueError(f"engine.{key} must be >= 1, got {getattr(self, key)}")
 
 
 @dataclass
@@ -72,7 +71,7 @@ class FinishedRequest:
     rid: str
     output_ids: list
     output_logprobs: list | None
-    finish_reason: dict                 # {"type": "stop", "matched": id or stop string} | {"type": "length", "length": n} | {"type": "abort", "message": s, "status_code": None or 500}
+    finish_reason: dict  # {"type": "stop", "matched": id or string} | {"type": "length", "length": n} | {"type": "abort", "message": s, "status_code": None or 500}
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
@@ -90,20 +89,21 @@ class Engine:
         if not os.path.isdir(config.model):
             raise FileNotFoundError(f"model folder {config.model!r} does not exist")
         self.model_config = mc = ModelConfig.from_pretrained(config.model)
-        self.vocab_size = mc.vocab_size
-        self.eos_token_ids = list(mc.eos_token_ids)
+        self.vocab_size, self.eos_token_ids = mc.vocab_size, list(mc.eos_token_ids)
         self.max_model_len = min(config.max_model_len or 32768, mc.max_position_embeddings)
         self.weight_version = "default"
-        self.tokenizer = self._load_tokenizer(config.model)
+        self.tokenizer = None
+        if any(os.path.exists(os.path.join(config.model, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+            from transformers import AutoTokenizer  # deferred: heavy, and a folder may have no tokenizer
+            self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         self._token_texts: dict[int, str] = {}  # token id -> its text alone (stop strings)
-
         with torch.device(self.device):
             self.model = CausalLM(mc).to(self.dtype)
         if config.true_on_policy:
             self.model.use_batch_invariant_ops()
         load_safetensors(self.model, config.model)
         self.model.eval().requires_grad_(False)
-        self.weight_specs = {n: (tuple(p.shape), p.dtype) for n, p in self.model.named_parameters()}  # name -> (shape, dtype)
+        self.weight_specs = {n: (tuple(p.shape), p.dtype) for n, p in self.model.named_parameters()}
         # One flat buffer behind every parameter, so a matching weight-update bucket is one copy.
         self.flat_params = FlatParameters(self.model) if FlatParameters.packable(self.model) else None
         if self.flat_params is not None and self.device.type == "cuda":
@@ -111,62 +111,44 @@ class Engine:
         self.model.init_rope(self.max_model_len, self.device, self.dtype)
         self.model.refresh_lm_head_fp32()
         if self.dtype != torch.float32 and self.device.type == "cuda":
-            # The FP32 lm_head matmul takes bf16-valued inputs, which TF32 represents exactly: TF32
-            # tensor cores give the FP32-accumulated result at bf16-like speed. No other FP32 matmul
-            # runs in a bf16 engine.
+            # The FP32 lm_head matmul takes bf16-valued inputs, which TF32 represents exactly: the
+            # FP32-accumulated result at bf16-like speed. No other FP32 matmul runs in a bf16 engine.
             torch.set_float32_matmul_precision("high")
-        self.attention_backend = self._pick_attention_backend(config.attention_backend)
+        D = mc.head_dim
+        usable = batch_invariant_triton.available() and self.device.type == "cuda" and D >= 16 and D & (D - 1) == 0
+        if config.attention_backend == "triton" and not usable:
+            raise ValueError("attention_backend='triton' needs triton, a CUDA device and a power-of-two head_dim >= 16")
+        self.attention_backend = "triton" if usable and config.attention_backend != "torch" else "torch"
         if self.attention_backend == "triton":
-            from nano_miles.engine.triton_attention import paged_decode_attention
-            self.model.decode_attention = paged_decode_attention
-
+            self.model.decode_attention = batch_invariant_triton.paged_decode_attention
         self.num_kv_blocks = config.num_kv_blocks or self._auto_num_blocks()
         self.kv = KVCache(mc.num_layers, self.num_kv_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
                           self.dtype, self.device)
         self.blocks = BlockManager(self.num_kv_blocks, config.block_size)
         self.scheduler = Scheduler(self.blocks, config.max_running_requests, config.max_num_batched_tokens)
         self.seqs: dict[str, Sequence] = {}
-        self.pending: list[FinishedRequest] = []     # aborted requests, returned by the next step()
+        self.pending: list[FinishedRequest] = []  # aborted requests, returned by the next step()
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.graphs = None
         if config.cuda_graph and self.device.type == "cuda":
-            from nano_miles.engine.cuda_graph import DecodeGraphs
             self.graphs = DecodeGraphs(self)
-
-    # ---- setup helpers -------------------------------------------------------------------------
-    @staticmethod
-    def _load_tokenizer(folder):
-        if not any(os.path.exists(os.path.join(folder, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
-            return None
-        from transformers import AutoTokenizer
-        return AutoTokenizer.from_pretrained(folder)
-
-    def _pick_attention_backend(self, wanted: str) -> str:
-        from nano_miles.engine import triton_attention
-        D = self.model_config.head_dim
-        usable = triton_attention.available(self.device) and D >= 16 and D & (D - 1) == 0
-        if wanted == "triton" and not usable:
-            raise ValueError("attention_backend='triton' needs triton, a CUDA device and a power-of-two head_dim >= 16")
-        return "triton" if wanted == "triton" or (wanted == "auto" and usable) else "torch"
 
     def _auto_num_blocks(self) -> int:
         mc, bs = self.model_config, self.config.block_size
         per_block = KVCache.bytes_per_block(mc.num_layers, bs, mc.num_kv_heads, mc.head_dim, self.dtype)
-        wanted = self.config.max_running_requests * ((self.max_model_len + bs - 1) // bs)
+        wanted = self.config.max_running_requests * -(-self.max_model_len // bs)
+        budget = self.config.cpu_kv_cache_bytes
         if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
             # leave room for activations, logits of a full prefill chunk, sampling and CUDA graphs
             reserve = 4 * self.config.max_num_batched_tokens * mc.vocab_size + (2 << 30)
-            budget = int(free * self.config.kv_cache_memory_fraction) - reserve
-        else:
-            budget = self.config.cpu_kv_cache_bytes
+            budget = int(torch.cuda.mem_get_info(self.device)[0] * self.config.kv_cache_memory_fraction) - reserve
         return max(1, min(wanted, budget // per_block))
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, rid: str, input_ids: list, params: SamplingParams, return_logprob: bool = True):
-        """Queue a request. Its input is validated where it comes in (protocol.py for HTTP); here only
-        asserts guard the invariants a bad in-process call would break. A request that can never fit
-        the KV cache raises ValueError (only the engine knows its size)."""
+        """Queue a request. Its input is validated where it comes in (protocol.py for HTTP); here asserts
+        guard the invariants a bad in-process call would break. ValueError for a request that can never
+        fit the KV cache (only the engine knows its size)."""
         assert isinstance(rid, str) and rid and rid not in self.seqs, f"rid {rid!r} is empty or already running"
         assert input_ids and all(isinstance(t, int) and 0 <= t < self.vocab_size for t in input_ids), \
             "input_ids must be token ids in [0, vocab_size)"
@@ -199,23 +181,18 @@ class Engine:
         return True
 
     def abort_all(self, message: str = "aborted by request", status_code: int | None = None) -> int:
-        rids = list(self.seqs)
-        for rid in rids:
-            self.abort_request(rid, message, status_code)
-        return len(rids)
+        return sum(self.abort_request(rid, message, status_code) for rid in list(self.seqs))
 
     # ---- weights ---------------------------------------------------------------------------------
     def named_parameters(self):
         return self.model.named_parameters()
 
     def load_weights(self, named_tensors) -> None:
-        """Copy (name, tensor) pairs into the parameters (floats of any dtype are cast), then flush
-        every KV block. Payloads are validated where they come in (weights.check_against, in the
-        server's weight_receiver.py); here asserts guard the invariants, all before the first copy,
-        so a bad call changes nothing. A tied checkpoint's lm_head.weight is skipped, as SGLang does.
-        Returns once the copies are complete (the sources may be another process's GPU memory)."""
-        params = dict(self.model.named_parameters())
-        todo = []
+        """Copy (name, tensor) pairs into the parameters (floats of any dtype are cast), then flush every
+        KV block. Payloads are validated where they come in (weight_receiver.py); here asserts guard the
+        invariants, all before the first copy. A tied checkpoint's lm_head.weight is skipped, as SGLang
+        does. Returns once the copies are complete (the sources may be another process's GPU memory)."""
+        params, todo = dict(self.model.named_parameters()), []
         for name, t in named_tensors:
             if name not in params and skip_weight_name(name, self.model_config):
                 continue
@@ -231,8 +208,8 @@ class Engine:
         self.flush_cache()
 
     def load_flat(self, start: int, buffer: torch.Tensor) -> None:
-        """Apply a bucket already matched against flat_params (FlatParameters.match: validated, it
-        reproduces bytes [start, start + len) of the packed parameters exactly) with ONE copy."""
+        """Apply a bucket matched against flat_params (FlatParameters.match: it reproduces bytes
+        [start, start + len) of the packed parameters exactly) with ONE copy."""
         if self.flat_params is None:
             raise ValueError("this engine's parameters are not packed; use load_weights")
         self.flat_params.load(start, buffer)
@@ -254,18 +231,17 @@ class Engine:
             logits = self.graphs.run(self._prepare(work, *pad))[:len(work)]
         else:
             logits = self.model(self._prepare(work), self.kv.k, self.kv.v).float()
-        sampled_rows = []
+        rows = []
         for i, (seq, n) in enumerate(work):
             seq.num_computed_tokens += n
             self.blocks.publish(seq)
             if seq.num_computed_tokens == len(seq.token_ids):
-                sampled_rows.append(i)
-        if not sampled_rows:
+                rows.append(i)  # its prompt is done: it samples a token
+        if not rows:
             return finished
-        seqs = [work[i][0] for i in sampled_rows]
-        if len(sampled_rows) < len(work):
-            logits = logits[torch.tensor(sampled_rows, device=self.device)]
-        tokens, logprobs = self._sample(logits, seqs)
+        seqs = [work[i][0] for i in rows]
+        tokens, logprobs = self._sample(logits if len(rows) == len(work) else
+                                        logits[torch.tensor(rows, device=self.device)], seqs)
         for seq, tok, lp in zip(seqs, tokens, logprobs):
             seq.token_ids.append(tok)
             if seq.return_logprob:
@@ -282,36 +258,25 @@ class Engine:
     def _prepare(self, work, rows: int | None = None, blocks: int | None = None) -> Batch:
         """Pad `work` ([(seq, num_new_tokens)]) into a Batch of `rows` x max-new-tokens queries over
         `blocks`-wide block tables. Padding writes into the trash block and reads position 0."""
-        bs, trash = self.config.block_size, self.kv.trash_block
-        Q = max(n for _, n in work)
-        N = blocks or self._num_blocks(work)
-        R = rows or len(work)
-        ids = np.zeros((R, Q), dtype=np.int64)
-        pos = np.zeros((R, Q), dtype=np.int64)
+        bs, trash, Q, R = self.config.block_size, self.kv.trash_block, max(n for _, n in work), rows or len(work)
+        ids, pos = np.zeros((R, Q), dtype=np.int64), np.zeros((R, Q), dtype=np.int64)
         slots = np.full((R, Q), trash * bs, dtype=np.int64)
-        tables = np.full((R, N), trash, dtype=np.int64)
+        tables = np.full((R, blocks or self._num_blocks(work)), trash, dtype=np.int64)
         last = np.zeros(R, dtype=np.int64)
         for i, (seq, n) in enumerate(work):
             start, table = seq.num_computed_tokens, seq.block_table
             used = (start + n + bs - 1) // bs
-            tables[i, :used] = table[:used]
-            last[i] = n - 1
+            tables[i, :used], last[i] = table[:used], n - 1
             if n == 1:  # decode: the common case, kept cheap
                 ids[i, 0], pos[i, 0], slots[i, 0] = seq.token_ids[start], start, table[start // bs] * bs + start % bs
             else:
-                ids[i, :n] = seq.token_ids[start:start + n]
                 p = np.arange(start, start + n)
-                pos[i, :n] = p
-                slots[i, :n] = tables[i, p // bs] * bs + p % bs
-
-        def t(x):
-            return torch.from_numpy(x).to(self.device, non_blocking=True)
-        return Batch(t(ids), t(pos), t(slots), t(tables), t(last))
+                ids[i, :n], pos[i, :n], slots[i, :n] = seq.token_ids[start:start + n], p, tables[i, p // bs] * bs + p % bs
+        return Batch(*(torch.from_numpy(x).to(self.device, non_blocking=True) for x in (ids, pos, slots, tables, last)))
 
     def _sample(self, logits, seqs):
         for i, seq in enumerate(seqs):
-            p = seq.params
-            # ignore_eos turns every stop token off (as in SGLang), so there is nothing to mask then
+            p = seq.params  # ignore_eos turns every stop token off (as in SGLang): nothing to mask then
             if not p.ignore_eos and len(seq.output_ids) < p.min_new_tokens:
                 logits[i, list(p.stop_token_ids or []) + self.eos_token_ids] = float("-inf")
         tokens, logprobs = sample(logits, [s.params.temperature for s in seqs], [s.params.top_p for s in seqs],
@@ -321,32 +286,27 @@ class Engine:
         return [int(x) for x in out[0].tolist()], out[1].tolist()
 
     def _finish_reason(self, seq, tok):
-        p = seq.params
-        n_out = len(seq.token_ids) - seq.num_prompt_tokens
+        p, n_out = seq.params, len(seq.token_ids) - seq.num_prompt_tokens
         if n_out >= p.max_new_tokens:
             return {"type": "length", "length": p.max_new_tokens}
         if not p.ignore_eos and (tok in (p.stop_token_ids or ()) or tok in self.eos_token_ids):
             return {"type": "stop", "matched": tok}
-        if p.stop and n_out >= p.min_new_tokens:
-            matched = self._completed_stop_string(seq, tok)
-            if matched is not None:
-                return {"type": "stop", "matched": matched}
-        if len(seq.token_ids) >= self.max_model_len:
-            return {"type": "length", "length": n_out}
-        return None
+        matched = self._completed_stop_string(seq, tok) if p.stop and n_out >= p.min_new_tokens else None
+        if matched is not None:
+            return {"type": "stop", "matched": matched}
+        return {"type": "length", "length": n_out} if len(seq.token_ids) >= self.max_model_len else None
 
     def _completed_stop_string(self, seq, tok) -> str | None:
         """The stop string the newest token completes (SGLang's rule: it is in the decoded tail of the
-        output), else None. Checked after every token, so a match must end inside the newest token's
-        text: the tail is decoded only when that text holds the string's last character."""
+        output), else None. A match must end inside the newest token's text, so the tail is decoded
+        only when that text holds the string's last character."""
         piece = self._token_texts.get(tok)
         if piece is None:
             piece = self._token_texts[tok] = self.tokenizer.decode([tok])
         for s in seq.params.stop:
             # a non-ASCII character may span several byte tokens; a lone token's text may drop its spaces
             if s[-1] in piece or not s[-1].isascii() or s[-1].isspace():
-                # a character of the match takes at most 4 byte-level tokens
-                start = max(seq.num_prompt_tokens, len(seq.token_ids) - 4 * len(s) - 1)
+                start = max(seq.num_prompt_tokens, len(seq.token_ids) - 4 * len(s) - 1)  # <= 4 byte tokens a char
                 if s in self.tokenizer.decode(seq.token_ids[start:]):
                     return s
         return None
@@ -354,7 +314,5 @@ class Engine:
     def _finish(self, seq, reason) -> FinishedRequest:
         del self.seqs[seq.rid]
         out = list(seq.output_ids)
-        return FinishedRequest(rid=seq.rid, output_ids=out,
-                               output_logprobs=list(seq.output_logprobs) if seq.return_logprob else None,
-                               finish_reason=reason, prompt_tokens=seq.num_prompt_tokens,
-                               completion_tokens=len(out), cached_tokens=seq.num_cached_tokens)
+        return FinishedRequest(seq.rid, out, list(seq.output_logprobs) if seq.return_logprob else None, reason,
+                               seq.num_prompt_tokens, len(out), seq.num_cached_tokens)

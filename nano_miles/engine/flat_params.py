@@ -1,17 +1,10 @@
 """The engine's parameters as views into ONE flat buffer, so a weight update can be ONE copy.
 
-A trainer's flattened bucket (weights.FlattenedTensorBucket) concatenates its tensors' bytes in HF
-named_parameters order, the order bucket_by_bytes walks. If the engine keeps all of its parameters
-(one dtype) packed in that same order, a bucket whose metadata describes exactly a contiguous run of
-the packed buffer (same names, shapes, dtype, byte offsets) is applied with one `copy_`: one
-cross-GPU copy for a CUDA IPC bucket, one local copy for a received broadcast, instead of one copy
-(and, across GPUs, two event round trips) per tensor. Anything else takes the per-tensor path.
-
-Packing happens once, at load time, before anything holds a parameter (it replaces the Parameter
-objects); their storage never moves afterwards, so captured CUDA graphs (which read parameters by
-address) stay valid. All parameters share the flat buffer's version counter: any weight write moves
-every param._version.
-A tied lm_head is no parameter of its own here (the logits read model.embed_tokens.weight).
+A trainer's flattened bucket concatenates its tensors' bytes in HF named_parameters order; packed
+in that same order, a bucket describing exactly a run of the buffer is applied with one `copy_`
+(one cross-GPU copy for a CUDA IPC bucket) instead of one copy per tensor. Packed once, at load, the
+storage never moves, so captured CUDA graphs stay valid; all parameters share the buffer's version
+counter, so any weight write moves every param._version.
 """
 from __future__ import annotations
 
@@ -19,9 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-# On CUDA every packed parameter must start at a multiple of this many bytes: kernels pick their
-# fast vectorised paths from pointer alignment. A model whose packed offsets are not aligned (odd
-# tensor sizes) stays unpacked and updates take the per-tensor path.
+# On CUDA every packed parameter must start at a multiple of this many bytes: kernels pick their fast
+# vectorised paths from pointer alignment. A model whose offsets would not be aligned stays unpacked.
 CUDA_ALIGN_BYTES = 16
 
 
@@ -38,27 +30,23 @@ class FlatParameters:
 
     def __init__(self, model: torch.nn.Module):
         named = list(model.named_parameters())
-        if not named:
-            raise ValueError("the model has no parameters")
-        dtypes = {p.dtype for _, p in named}
-        devices = {p.device for _, p in named}
+        dtypes, devices = {p.dtype for _, p in named}, {p.device for _, p in named}
         if len(dtypes) != 1 or len(devices) != 1:
-            raise ValueError(f"cannot pack parameters of several dtypes/devices: {dtypes}, {devices}")
+            raise ValueError(f"cannot pack parameters of several dtypes/devices (or none): {dtypes}, {devices}")
         self.dtype, self.device = dtypes.pop(), devices.pop()
-        itemsize = self.dtype.itemsize
+        size = self.dtype.itemsize
         self.slots, offset = [], 0
         for name, p in named:
-            self.slots.append(Slot(name, tuple(p.shape), offset * itemsize, (offset + p.numel()) * itemsize))
+            self.slots.append(Slot(name, tuple(p.shape), offset * size, (offset + p.numel()) * size))
             offset += p.numel()
         flat = torch.empty(offset, dtype=self.dtype, device=self.device)
         packed = {}
         with torch.no_grad():
             for (_, p), slot in zip(named, self.slots):
-                view = flat[slot.start // itemsize: slot.end // itemsize].view(p.shape)
+                view = flat[slot.start // size: slot.end // size].view(p.shape)
                 view.copy_(p)
-                # A new Parameter made from the view, not `p.data = view`: only a view shares the
-                # buffer's version counter, so a write through the flat buffer still moves
-                # param._version (what caches of derived weights, e.g. the FP32 lm_head, watch).
+                # A new Parameter of the view, not `p.data = view`: only a view shares the buffer's
+                # version counter, which caches of derived weights (the FP32 lm_head) watch.
                 packed[id(p)] = torch.nn.Parameter(view, requires_grad=p.requires_grad)
         for module in model.modules():  # every module holding one (a shared parameter stays shared)
             for key, p in list(module._parameters.items()):
@@ -70,42 +58,32 @@ class FlatParameters:
     @staticmethod
     def packable(model: torch.nn.Module) -> bool:
         """One dtype, one device, and (on CUDA) every packed offset aligned."""
-        named = list(model.named_parameters())
-        if not named or len({p.dtype for _, p in named}) != 1 or len({p.device for _, p in named}) != 1:
+        params = list(model.parameters())
+        if not params or len({p.dtype for p in params}) != 1 or len({p.device for p in params}) != 1:
             return False
-        if named[0][1].device.type != "cuda":
-            return True
-        offset = 0
-        for _, p in named:
-            if offset % CUDA_ALIGN_BYTES:
-                return False
-            offset += p.numel() * p.element_size()
-        return True
+        offsets = torch.tensor([0] + [p.numel() * p.element_size() for p in params[:-1]]).cumsum(0)
+        return params[0].device.type != "cuda" or bool((offsets % CUDA_ALIGN_BYTES == 0).all())
 
     def match(self, metadata) -> tuple[int, int] | None:
         """Bytes [start, end) of the packed buffer that a bucket with this metadata (a list of
-        FlattenedTensorMetadata: name, shape, dtype, start_idx, end_idx, numel) reproduces exactly,
-        or None if it does not (other order, shape, dtype, offsets, a gap, an unknown name...)."""
+        FlattenedTensorMetadata) reproduces exactly, or None (another order, shape, dtype, offset, a gap...)."""
         try:
-            if not metadata:
-                return None
-            first = self.index.get(metadata[0].name)
+            first = self.index.get(metadata[0].name) if metadata else None
             if first is None or first + len(metadata) > len(self.slots):
                 return None
             base = self.slots[first].start
             for slot, meta in zip(self.slots[first:first + len(metadata)], metadata):
                 if (meta.name != slot.name or meta.dtype != self.dtype or tuple(meta.shape) != slot.shape
-                        or meta.start_idx != slot.start - base or meta.end_idx != slot.end - base
-                        or meta.numel != slot.end - slot.start):
+                        or (meta.start_idx, meta.end_idx, meta.numel)
+                        != (slot.start - base, slot.end - base, slot.end - slot.start)):
                     return None
             return base, self.slots[first + len(metadata) - 1].end
         except (AttributeError, TypeError):  # malformed metadata: the per-tensor path reports it
             return None
 
     def load(self, start: int, buffer: torch.Tensor) -> None:
-        """Copy `buffer` (1-D uint8, e.g. another GPU's memory) into bytes [start, start + len) and
-        return once the copy is complete: the buffer may belong to another process, which frees it
-        as soon as we answer."""
+        """Copy `buffer` (1-D uint8, e.g. another GPU's memory) into bytes [start, start + len); return
+        once it is complete: the buffer may be another process's, freed as soon as we answer."""
         if buffer.dtype != torch.uint8 or buffer.dim() != 1 or start + buffer.numel() > self.bytes.numel():
             raise ValueError("the buffer does not fit the packed parameters")
         with torch.no_grad():
@@ -114,10 +92,8 @@ class FlatParameters:
 
 
 def wait_for_copies(device: torch.device, sources) -> None:
-    """Block until copies into `device` from `sources` are done. A cross-GPU copy_ runs on the
-    SOURCE device's current stream (the destination's stream only waits on it), so both ends are
-    synchronised; CPU copies are synchronous already."""
-    devices = {device} | {t.device for t in sources}
-    for d in devices:
+    """Block until copies into `device` from `sources` are done. A cross-GPU copy_ runs on the SOURCE
+    device's stream, so both ends are synchronised; CPU copies are synchronous already."""
+    for d in {device} | {t.device for t in sources}:
         if d.type == "cuda":
             torch.cuda.synchronize(d)

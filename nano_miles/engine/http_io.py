@@ -1,15 +1,12 @@
 """Request bodies in, JSON answers out: what every route of the engine server shares.
 
-A body is read with a cap (the route's: weight routes may take large bodies, the others not) and
-refused with 413 before it is read when its Content-Length is over it. A small body is parsed on
-the event loop; a large one in a child process (json_parser.py says why), so that no request,
-however large, stalls the others.
+A body is read under its route's cap (weight routes take large bodies, the others not), refused with
+413 before it is read when its Content-Length is over it. A small body is parsed on the event loop,
+a large one in a child process (json_parser.py says why), so that no request stalls the others.
 
 Errors: /generate and control routes answer 400 with {"error": {"message": ...}}; weight routes
-answer {"success": false, "message": ...} with 400, both as SGLang does.
-
-Every answer is valid JSON (json_response, dumps): a NaN or an infinity, which JSON has no value for
-(log-probs of weights that overflow), goes out as null.
+{"success": false, "message": ...} with 400, both as SGLang does. Every answer is valid JSON: a NaN
+or an infinity (log-probs of weights that overflow) goes out as null.
 """
 from __future__ import annotations
 
@@ -28,7 +25,7 @@ from nano_miles.engine import json_parser
 from nano_miles.engine.protocol import RequestError
 
 MiB = 1 << 20
-INLINE_PARSE_BYTES = 1 * MiB  # parsed on the event loop (~5 ms at most); larger bodies in the child
+INLINE_PARSE_BYTES = 1 * MiB  # parsed on the event loop (a few ms at most); larger bodies in the child
 
 
 class BodyTooLarge(RequestError):
@@ -41,9 +38,7 @@ def _finite(value):
         return value if math.isfinite(value) else None
     if isinstance(value, dict):
         return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
+    return [_finite(v) for v in value] if isinstance(value, (list, tuple)) else value
 
 
 def dumps(value) -> str:
@@ -62,10 +57,13 @@ def error(message: str, status: int = 400) -> web.Response:
     return json_response({"error": {"message": message}}, status=status)
 
 
+def weight_answer(success: bool, message: str) -> web.Response:
+    return json_response({"success": success, "message": message}, status=200 if success else 400)
+
+
 def engine_failed(finished) -> web.Response | None:
     """HTTP 500 with the reason when the engine failed in a step while it held one of these requests
-    (worker.py aborts them with status_code 500), as SGLang answers a non-streaming request its
-    scheduler aborted; None when none was."""
+    (worker.py aborts them with status_code 500), as SGLang answers a request its scheduler aborted."""
     for fin in finished:
         status = fin.finish_reason.get("status_code")
         if fin.finish_reason["type"] == "abort" and isinstance(status, int) and status >= 500:
@@ -73,25 +71,18 @@ def engine_failed(finished) -> web.Response | None:
     return None
 
 
-def weight_answer(success: bool, message: str) -> web.Response:
-    return json_response({"success": success, "message": message}, status=200 if success else 400)
-
-
 def check_length(request: web.Request, limit: int, key: str) -> None:
     """413 at once for a declared Content-Length over `limit` (nothing of the body is read)."""
-    length = request.content_length
-    if length is not None and length > limit:
-        raise BodyTooLarge(f"the body is {length / MiB:.1f} MiB; {request.path} takes at most "
+    if request.content_length is not None and request.content_length > limit:
+        raise BodyTooLarge(f"the body is {request.content_length / MiB:.1f} MiB; {request.path} takes at most "
                            f"{limit / MiB:g} MiB (config key {key})")
 
 
 class _Body:
-    """A request body as it arrives: in memory while small, spooled to a file once large (the child
-    parser reads it there, json_parser.py)."""
+    """A body as it arrives: in memory while small, spooled to a file once large (for the child)."""
 
     def __init__(self):
-        self.data, self.size = bytearray(), 0
-        self.path, self._fd = None, None
+        self.data, self.size, self.path, self._fd = bytearray(), 0, None, None
 
     def add(self, chunk: bytes) -> None:
         self.size += len(chunk)
@@ -99,12 +90,12 @@ class _Body:
             self._fd, self.path = tempfile.mkstemp(prefix="nano-miles-body-", suffix=".json")
             os.write(self._fd, self.data)
             self.data = bytearray()
-        if self._fd is not None:
-            view = memoryview(chunk)
-            while view:
-                view = view[os.write(self._fd, view):]
-        else:
+        if self._fd is None:
             self.data += chunk
+            return
+        view = memoryview(chunk)
+        while view:
+            view = view[os.write(self._fd, view):]
 
     def done(self) -> None:
         if self._fd is not None:
@@ -116,22 +107,6 @@ class _Body:
         if self.path is not None:
             os.unlink(self.path)
             self.path = None
-
-
-async def _read(request: web.Request, limit: int, key: str) -> _Body:
-    """The body, at most `limit` bytes."""
-    body = _Body()
-    try:
-        async for chunk in request.content.iter_chunked(MiB):
-            if body.size + len(chunk) > limit:
-                raise BodyTooLarge(f"the body is over {limit / MiB:g} MiB, the most {request.path} takes "
-                                   f"(config key {key})")
-            body.add(chunk)
-        body.done()
-    except BaseException:
-        body.remove()
-        raise
-    return body
 
 
 class BodyParser:
@@ -153,9 +128,15 @@ class BodyParser:
     async def json(self, request: web.Request, limit: int, key: str, default=None) -> dict:
         """The body as a JSON object of at most `limit` bytes; `default` for an empty body if given."""
         check_length(request, limit, key)
-        raw = await _read(request, limit, key)
-        request["body_bytes"] = raw.size
+        raw = _Body()
         try:
+            async for chunk in request.content.iter_chunked(MiB):
+                if raw.size + len(chunk) > limit:
+                    raise BodyTooLarge(f"the body is over {limit / MiB:g} MiB, the most {request.path} takes "
+                                       f"(config key {key})")
+                raw.add(chunk)
+            raw.done()
+            request["body_bytes"] = raw.size
             if raw.path is None and (not raw.data or raw.data.isspace()):
                 if default is not None:
                     return default
@@ -182,8 +163,7 @@ class BodyParser:
 
 async def json_body(request: web.Request, default=None) -> dict:
     """The request's JSON object, read under the cap the server's middleware chose for its route."""
-    limit, key = request["body_limit"]
-    return await request.config_dict["body_parser"].json(request, limit, key, default)
+    return await request.config_dict["body_parser"].json(request, *request["body_limit"], default)
 
 
 def is_large(request: web.Request) -> bool:

@@ -1,15 +1,18 @@
 """Paged KV cache: the tensors, and a block manager with prefix caching.
 
 A block holds `block_size` consecutive tokens of one sequence. A FULL block is identified by a chain
-hash of (hash of the previous block, its token ids), so two sequences sharing a prefix share blocks
-(refcounted). Freed blocks keep their hash until they are reused for something else, so a later
-request with the same prefix can revive them. `flush()` forgets every hash: nothing computed before a
-weight update can be found again.
+hash of (the previous block's hash, its token ids), so sequences sharing a prefix share blocks
+(refcounted). Freed blocks keep their hash until reused, so a later request with the same prefix can
+revive them. `flush()` forgets every hash: nothing computed before a weight update is found again.
 """
 
+import ctypes
+import mmap
 from collections import OrderedDict
 
 import torch
+
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def block_hash(prev_hash: int, token_ids) -> int:
@@ -22,22 +25,34 @@ class KVCache:
 
     def __init__(self, num_layers, num_blocks, block_size, kv_heads, head_dim, dtype, device):
         shape = (num_layers, num_blocks + 1, block_size, kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k, self.v = torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
         self.trash_block = num_blocks
 
     @staticmethod
     def bytes_per_block(num_layers, block_size, kv_heads, head_dim, dtype) -> int:
         return 2 * num_layers * block_size * kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
+    def drop_pages(self) -> int:
+        """Hand the whole pages of a CPU cache back to the kernel (madvise MADV_DONTNEED): they read
+        as zeros again, as torch.zeros left them, and come back as generation writes them. Only once
+        nothing cached is wanted (flush the prefix cache first). Returns the bytes dropped."""
+        dropped = 0
+        for t in (self.k, self.v):
+            start = t.data_ptr()
+            first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+            last = (start + t.numel() * t.element_size()) // mmap.PAGESIZE * mmap.PAGESIZE
+            if last > first and _libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), 4) != 0:
+                raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) failed")
+            dropped += max(0, last - first)
+        return dropped
+
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int):
-        self.num_blocks = num_blocks
-        self.block_size = block_size
+        self.num_blocks, self.block_size = num_blocks, block_size
         self.ref_count = [0] * num_blocks
-        self.block_hash = [None] * num_blocks         # hash of the full block's content, or None
-        self.block_tokens = [None] * num_blocks       # its token ids, to rule out hash collisions
+        self.block_hash = [None] * num_blocks    # hash of the full block's content, or None
+        self.block_tokens = [None] * num_blocks  # its token ids, to rule out hash collisions
         self.hash_to_block: dict[int, int] = {}
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU first
         self.epoch = 0  # bumped by flush(); sequences from an older epoch never publish hashes
@@ -51,22 +66,17 @@ class BlockManager:
 
     def _take_free(self) -> int:
         block, _ = self.free.popitem(last=False)
-        self._forget(block)
+        h = self.block_hash[block]
+        if h is not None and self.hash_to_block.get(h) == block:  # its cached content is forgotten
+            del self.hash_to_block[h]
+        self.block_hash[block] = self.block_tokens[block] = None
         self.ref_count[block] = 1
         return block
-
-    def _forget(self, block: int):
-        h = self.block_hash[block]
-        if h is not None and self.hash_to_block.get(h) == block:
-            del self.hash_to_block[h]
-        self.block_hash[block] = None
-        self.block_tokens[block] = None
 
     def match_prefix(self, token_ids) -> list[int]:
         """Cached blocks for the longest full-block prefix of token_ids[:-1] (the last token is always
         computed: its logits are needed). Does not take references."""
-        blocks, h = [], 0
-        usable = len(token_ids) - 1
+        blocks, h, usable = [], 0, len(token_ids) - 1
         for start in range(0, usable - usable % self.block_size, self.block_size):
             chunk = token_ids[start:start + self.block_size]
             h = block_hash(h, chunk)
@@ -79,8 +89,7 @@ class BlockManager:
     def can_allocate(self, token_ids, reserve: int = 0) -> bool:
         cached = self.match_prefix(token_ids)
         revived = sum(1 for b in cached if self.ref_count[b] == 0)
-        need = self.blocks_needed(len(token_ids)) - len(cached) + revived
-        return need + reserve <= self.num_free
+        return self.blocks_needed(len(token_ids)) - len(cached) + revived + reserve <= self.num_free
 
     def allocate(self, seq) -> int:
         """Give `seq` blocks for all its tokens, reusing cached prefix blocks. Returns the number of
@@ -132,11 +141,9 @@ class BlockManager:
             if self.ref_count[b] == 0:
                 self.free[b] = None
         seq.block_table = []
-        seq.num_computed_tokens = 0
-        seq.num_hashed_blocks = 0
+        seq.num_computed_tokens = seq.num_hashed_blocks = 0
 
     def flush(self) -> None:
         self.hash_to_block.clear()
-        self.block_hash = [None] * self.num_blocks
-        self.block_tokens = [None] * self.num_blocks
+        self.block_hash, self.block_tokens = [None] * self.num_blocks, [None] * self.num_blocks
         self.epoch += 1

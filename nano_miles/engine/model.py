@@ -1,21 +1,17 @@
-"""Qwen2 / Llama decoder over a paged KV cache.
+"""Qwen2 / Llama decoder over a paged KV cache, with Hugging Face's module and parameter names
+(model.layers.0.self_attn.q_proj.weight, ...), so a trainer's named_parameters() and safetensors
+files load by name.
 
-Module and parameter names follow the Hugging Face checkpoints exactly (model.layers.0.self_attn.q_proj
-.weight, ...), so a trainer's named_parameters() load 1:1 and safetensors files load by name.
+One forward serves prefill and decode: the batch is padded to [B, Q] (Q = 1 for decode); every query
+token writes its K/V into the cache at `slot_mapping`, then attends over its sequence's pages through
+`block_tables`, masked by key position <= its position. Padded rows use position 0 and write into a
+spare "trash" block, so shapes stay static for CUDA graphs and no row is ever fully masked.
 
-One forward serves prefill and decode. The batch is padded to [B, Q] (Q = 1 for decode): every query
-token writes its K/V into the cache at `slot_mapping`, then attends over its sequence's pages gathered
-through `block_tables`, masked by `key_index <= position` (causal and length mask in one).
-Padded query rows use position 0 and write into a spare "trash" block, so shapes stay static for CUDA
-graphs and no row is ever fully masked.
-
-True on-policy mode (`use_batch_invariant_ops()`): every linear, RMSNorm, SiLU, the attention and the
-FP32 logits go through nano_miles/engine/batch_invariant.py, whose results do not depend on the batch or on
-how a sequence was split. The trainer runs this same module over whole sequences (`forward_sequences`,
-with the trainer's own parameters bound in by `sharing_parameters`), so its log-probs equal the
-engine's bit for bit.
+True on-policy mode (`use_batch_invariant_ops`): every op goes through batch_invariant.py, whose
+results do not depend on the batch or on how a sequence was split; the trainer runs this same module
+over whole sequences (`forward_sequences`, over its own parameters: `sharing_parameters`), so its
+log-probs equal the engine's bit for bit.
 """
-
 import json
 import os
 from dataclasses import dataclass
@@ -23,10 +19,12 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from nano_miles.engine import batch_invariant
+from nano_miles.engine.batch_invariant import FastOps
 
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
 
@@ -55,8 +53,7 @@ class ModelConfig:
             raise FileNotFoundError(f"no config.json in model folder {folder!r}")
         with open(path) as f:
             c = json.load(f)
-        eos = c.get("eos_token_id")
-        gen_path = os.path.join(folder, "generation_config.json")
+        eos, gen_path = c.get("eos_token_id"), os.path.join(folder, "generation_config.json")
         if os.path.isfile(gen_path):  # generation_config's eos list (e.g. <|im_end|>) is the one generate uses
             with open(gen_path) as f:
                 eos = json.load(f).get("eos_token_id", eos)
@@ -66,64 +63,35 @@ class ModelConfig:
     def from_dict(cls, c: dict, architecture: str | None = None, eos_token_id=None) -> "ModelConfig":
         """From a config.json dict (or a transformers config's to_dict())."""
         arch = architecture or (c.get("architectures") or ["?"])[0]
+        rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported architecture {arch!r}; supported: {SUPPORTED_ARCHITECTURES}")
-        rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"unsupported rope_type {rope_type!r} (only 'default')")
-        rope_theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise ValueError(f"unsupported rope_type {rope.get('rope_type', rope.get('type'))!r} (only 'default')")
         if c.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {c.get('hidden_act')!r} (only 'silu')")
-        heads = c["num_attention_heads"]
-        is_qwen2 = arch == "Qwen2ForCausalLM"
-        if is_qwen2 and c.get("use_sliding_window") and c.get("sliding_window"):
+        if arch == "Qwen2ForCausalLM" and c.get("use_sliding_window") and c.get("sliding_window"):
             raise ValueError("sliding-window attention is not supported")
-        eos = c.get("eos_token_id") if eos_token_id is None else eos_token_id
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        eos, heads = c.get("eos_token_id") if eos_token_id is None else eos_token_id, c["num_attention_heads"]
         return cls(
-            architecture=arch,
-            vocab_size=c["vocab_size"],
-            hidden_size=c["hidden_size"],
-            intermediate_size=c["intermediate_size"],
-            num_layers=c["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=c.get("num_key_value_heads") or heads,
-            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta),
-            attention_bias=True if is_qwen2 else bool(c.get("attention_bias", False)),
+            architecture=arch, vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
+            intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"], num_heads=heads,
+            num_kv_heads=c.get("num_key_value_heads") or heads, head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 1e4))),
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(c.get("attention_bias", False)),
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
             max_position_embeddings=c.get("max_position_embeddings", 2048),
-            eos_token_ids=eos_ids,
-        )
+            eos_token_ids=tuple(eos) if isinstance(eos, list) else (eos,) if eos is not None else ())
 
 
 @dataclass
 class Batch:
-    """Inputs of one forward. All tensors live on the model's device."""
-    input_ids: torch.Tensor      # [B, Q] int64
-    positions: torch.Tensor      # [B, Q] int64, absolute position of each query token
-    slot_mapping: torch.Tensor   # [B, Q] int64, flat cache slot (block * block_size + offset) to write
-    block_tables: torch.Tensor   # [B, N] int64, the sequence's blocks (padding: the trash block)
-    last_index: torch.Tensor     # [B] int64, which query column to take logits from
-
-
-class FastOps:
-    """The engine's ordinary kernels (library GEMMs, fused reductions): the default ops of every module."""
-    linear = staticmethod(F.linear)
-
-    @staticmethod
-    def rms_norm(x, weight, eps):
-        # Same op order as HF: normalise in fp32, cast back, then scale.
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-        return weight * x.to(dtype)
-
-    @staticmethod
-    def silu_mul(gate, up):
-        return F.silu(gate) * up
+    """Inputs of one forward, on the model's device."""
+    input_ids: torch.Tensor     # [B, Q] int64
+    positions: torch.Tensor     # [B, Q] int64, absolute position of each query token
+    slot_mapping: torch.Tensor  # [B, Q] int64, flat cache slot (block * block_size + offset) to write
+    block_tables: torch.Tensor  # [B, N] int64, the sequence's blocks (padding: the trash block)
+    last_index: torch.Tensor    # [B] int64, which query column to take logits from
 
 
 class RMSNorm(nn.Module):
@@ -131,8 +99,7 @@ class RMSNorm(nn.Module):
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
 
     def forward(self, x):
         return self.ops.rms_norm(x, self.weight, self.eps)
@@ -149,55 +116,50 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.group = cfg.num_heads // cfg.num_kv_heads
-        bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        H, KV, D, bias = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, H * D, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, KV * D, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, KV * D, bias=bias)
+        self.o_proj = nn.Linear(H * D, cfg.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, attend):
         """attend(q [B, Q, H, D], k, v [B, Q, KV, D]) -> [B, Q, H * D]: paged (engine) or whole-sequence (trainer)."""
         B, Q, _ = x.shape
-        H, KV, D = self.num_heads, self.num_kv_heads, self.head_dim
         lin = self.ops.linear
-        q = lin(x, self.q_proj.weight, self.q_proj.bias).view(B, Q, H, D)
-        k = lin(x, self.k_proj.weight, self.k_proj.bias).view(B, Q, KV, D)
-        v = lin(x, self.v_proj.weight, self.v_proj.bias).view(B, Q, KV, D)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        return lin(attend(q, k, v), self.o_proj.weight)
+        q = lin(x, self.q_proj.weight, self.q_proj.bias).view(B, Q, self.num_heads, self.head_dim)
+        k = lin(x, self.k_proj.weight, self.k_proj.bias).view(B, Q, self.num_kv_heads, self.head_dim)
+        v = lin(x, self.v_proj.weight, self.v_proj.bias).view(B, Q, self.num_kv_heads, self.head_dim)
+        return lin(attend(q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v), self.o_proj.weight)
 
 
-def paged_attention(q, k, v, batch: "Batch", k_cache, v_cache, attn_info, decode_attention=None, exact=False):
-    """The engine's attention: write this step's keys/values into the cache, then read the pages.
-    k_cache: [num_blocks, block_size, KV, D]."""
+def paged_attention(q, k, v, batch: Batch, k_cache, v_cache, attn_info, decode_attention=None, exact=False):
+    """The engine's attention: write this step's keys/values into the cache ([num_blocks, block_size,
+    KV, D]), then read the pages."""
     B, Q, H, D = q.shape
     KV = k.shape[2]
-    G = H // KV
     slots = batch.slot_mapping.reshape(-1)
     k_cache.view(-1, KV, D).index_copy_(0, slots, k.reshape(-1, KV, D).to(k_cache.dtype))
     v_cache.view(-1, KV, D).index_copy_(0, slots, v.reshape(-1, KV, D).to(v_cache.dtype))
     if exact:  # every query row, prefill or decode, through the same batch-invariant loop over its pages
-        out = batch_invariant.paged_attention(q.reshape(B * Q, H, D), k_cache, v_cache, batch.block_tables,
-                                              batch.positions.reshape(-1), queries_per_table=Q)
-        return out.view(B, Q, H * D)
-    if decode_attention is not None:  # Q == 1: read the pages in place (see triton_attention.py)
+        return batch_invariant.paged_attention(q.reshape(B * Q, H, D), k_cache, v_cache, batch.block_tables,
+                                               batch.positions.reshape(-1), queries_per_table=Q).view(B, Q, H * D)
+    if decode_attention is not None:  # Q == 1: read the pages in place (batch_invariant_triton.py)
         return decode_attention(q.view(B, H, D), k_cache, v_cache, batch.block_tables, attn_info).view(B, Q, H * D)
-    N = batch.block_tables.shape[1]
+    N, G = batch.block_tables.shape[1], H // KV
     keys = k_cache[batch.block_tables].view(B, N * k_cache.shape[1], KV, D).transpose(1, 2)
     vals = v_cache[batch.block_tables].view(B, N * v_cache.shape[1], KV, D).transpose(1, 2)
-    # GQA without repeating K/V: fold each KV head's G query heads into the query-length axis,
-    # rows ordered (query token, head in group), so one SDPA call covers prefill and decode.
+    # GQA without repeating K/V: each KV head's G query heads folded into the query axis, rows ordered
+    # (query token, head in group), so one SDPA call covers prefill and decode.
     q = q.view(B, Q, KV, G, D).permute(0, 2, 1, 3, 4).reshape(B, KV, Q * G, D)
     out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=attn_info)
     return out.view(B, KV, Q, G, D).permute(0, 2, 1, 3, 4).reshape(B, Q, H * D)
 
 
-def sequence_attention(q, k, v):
-    """The trainer's attention in true on-policy mode: causal over whole right-padded sequences."""
+def sequence_attention(q, k, v, exact: bool = False):
+    """The trainer's attention: causal over whole right-padded sequences."""
     B, L, H, D = q.shape
-    return batch_invariant.causal_attention(q, k, v).reshape(B, L, H * D)
+    attend = batch_invariant.causal_attention if exact else FastOps.causal_attention
+    return attend(q, k, v).reshape(B, L, H * D)
 
 
 class MLP(nn.Module):
@@ -217,8 +179,7 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.self_attn, self.mlp = Attention(cfg), MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -240,20 +201,18 @@ class CausalLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.config = cfg
-        self.model = DecoderModel(cfg)
+        self.config, self.model = cfg, DecoderModel(cfg)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rope_cache = None  # (cos, sin) [max_pos, D], built on the right device by init_rope
+        self.rope_cache = None        # (cos, sin) [max_pos, D], built on the right device by init_rope
         self.decode_attention = None  # optional paged kernel for Q == 1 batches (set by the engine)
         self.batch_invariant = False  # true on-policy mode: see use_batch_invariant_ops
-        self._lm_head_fp32 = None     # FP32 copy of the output projection (see lm_head_fp32)
-        self._lm_head_version = None
+        self._lm_head_fp32 = self._lm_head_version = None  # FP32 copy of the output projection
 
     @classmethod
     def sharing_parameters(cls, hf_model: nn.Module) -> "CausalLM":
-        """This module over a transformers Qwen2/Llama model's OWN parameters (the same tensors, by
-        HF name): what the trainer runs in true on-policy mode, so gradients land in the HF model."""
+        """This module over a transformers Qwen2/Llama model's OWN parameters (the same tensors, by HF
+        name): what the trainer runs in true on-policy mode, so gradients land in the HF model."""
         cfg = ModelConfig.from_dict(hf_model.config.to_dict(), architecture=type(hf_model).__name__)
         with torch.device("meta"):
             model = cls(cfg)
@@ -268,7 +227,7 @@ class CausalLM(nn.Module):
         return model
 
     def use_batch_invariant_ops(self) -> "CausalLM":
-        """Switch every op to nano_miles/engine/batch_invariant.py (true on-policy mode)."""
+        """Switch every op to batch_invariant.py (true on-policy mode)."""
         self.batch_invariant = True
         for module in self.modules():
             if hasattr(module, "ops"):
@@ -278,27 +237,24 @@ class CausalLM(nn.Module):
         return self
 
     def init_rope(self, max_positions: int, device, dtype):
-        D = self.config.head_dim
+        D, theta = self.config.head_dim, self.config.rope_theta
         if self.batch_invariant:
-            cos, sin = batch_invariant.rope_table(max_positions, D, self.config.rope_theta)
-            self.rope_cache = (cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype))
-            return
-        inv_freq = 1.0 / (self.config.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64, device=device).float() / D))
-        t = torch.arange(max_positions, device=device, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.rope_cache = (emb.cos().to(dtype), emb.sin().to(dtype))
+            cos, sin = batch_invariant.rope_table(max_positions, D, theta)
+        else:
+            inv_freq = 1.0 / (theta ** (torch.arange(0, D, 2, dtype=torch.int64, device=device).float() / D))
+            freqs = torch.outer(torch.arange(max_positions, device=device, dtype=torch.float32), inv_freq)
+            cos, sin = torch.cat((freqs, freqs), dim=-1).cos(), torch.cat((freqs, freqs), dim=-1).sin()
+        self.rope_cache = (cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype))
 
     def lm_head_weight(self):
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
     def refresh_lm_head_fp32(self) -> torch.Tensor:
-        """The output projection in FP32, refreshed (in place: CUDA graphs hold its address) whenever
-        the weight changed. Logits are computed in FP32 from the bf16 hidden state and weight: a bf16
-        logit is rounded to 8 bits of mantissa (0.06 at a logit of 16), and two processes whose hidden
-        states differ in the last bit then round to different logits. The trainer does the same, so
-        train/inference parity is not lost to that rounding. Call it outside graph capture, before a
-        forward: tensor._version moves with every in-place write, weight updates included."""
+        """The output projection in FP32, refreshed in place (CUDA graphs hold its address) whenever the
+        weight changed (tensor._version moves with every in-place write). Logits are FP32 from the bf16
+        hidden state and weight: a bf16 logit keeps 8 bits of mantissa, and two processes whose hidden
+        states differ in the last bit would round to different logits; the trainer does the same.
+        Call it outside graph capture, before a forward."""
         w = self.lm_head_weight()
         if w.dtype == torch.float32 or self.batch_invariant:  # batch-invariant logits read the bf16 weight itself
             return w
@@ -313,46 +269,39 @@ class CausalLM(nn.Module):
         """FP32 logits of final-normed hidden states [..., hidden]."""
         if self.batch_invariant:  # bf16 operands, FP32 products and sums: the same values as the FP32 copy
             return batch_invariant.linear(hidden, self.lm_head_weight(), out_dtype=torch.float32)
-        w = self._lm_head_fp32 if self._lm_head_fp32 is not None else self.refresh_lm_head_fp32()
-        return F.linear(hidden.float(), w)
+        return F.linear(hidden.float(), self._lm_head_fp32 if self._lm_head_fp32 is not None
+                        else self.refresh_lm_head_fp32())
 
     def forward(self, batch: Batch, k_caches, v_caches) -> torch.Tensor:
-        """Returns FP32 logits [B, V] of the query column `batch.last_index` of each row."""
-        cos, sin = self.rope_cache
-        cos = cos[batch.positions].unsqueeze(2)  # [B, Q, 1, D], broadcast over heads
-        sin = sin[batch.positions].unsqueeze(2)
+        """FP32 logits [B, V] of the query column `batch.last_index` of each row."""
+        cos = self.rope_cache[0][batch.positions].unsqueeze(2)  # [B, Q, 1, D], broadcast over heads
+        sin = self.rope_cache[1][batch.positions].unsqueeze(2)
         B, Q = batch.input_ids.shape
         decode_attention = self.decode_attention if Q == 1 and not self.batch_invariant else None
         if decode_attention is not None:
-            attn_info = batch.positions[:, 0] + 1  # the paged kernel takes context lengths, not a mask
+            attn_info = batch.positions[:, 0]  # the paged kernel masks by position itself
         elif self.batch_invariant:
             attn_info = None  # the batch-invariant loop masks by batch.positions itself
-        else:
-            L = batch.block_tables.shape[1] * k_caches[0].shape[1]
-            G = self.config.num_heads // self.config.num_kv_heads
-            key_pos = torch.arange(L, device=batch.positions.device)
-            # [B, 1, Q*G, L]: query row (token q, head g) sees keys at positions <= positions[q]
-            attn_info = (key_pos.view(1, 1, L) <= batch.positions.unsqueeze(-1))
+        else:  # [B, 1, Q*G, L]: query row (token q, head g) sees keys at positions <= positions[q]
+            L, G = batch.block_tables.shape[1] * k_caches[0].shape[1], self.config.num_heads // self.config.num_kv_heads
+            attn_info = torch.arange(L, device=batch.positions.device).view(1, 1, L) <= batch.positions.unsqueeze(-1)
             attn_info = attn_info.unsqueeze(2).expand(B, Q, G, L).reshape(B, 1, Q * G, L)
         x = self.model.embed_tokens(batch.input_ids)
         for layer, kc, vc in zip(self.model.layers, k_caches, v_caches):
-            attend = partial(paged_attention, batch=batch, k_cache=kc, v_cache=vc, attn_info=attn_info,
-                             decode_attention=decode_attention, exact=self.batch_invariant)
-            x = layer(x, cos, sin, attend)
-        x = x[torch.arange(B, device=x.device), batch.last_index]  # [B, hidden]
-        return self.logits(self.model.norm(x))
+            x = layer(x, cos, sin, partial(paged_attention, batch=batch, k_cache=kc, v_cache=vc, attn_info=attn_info,
+                                           decode_attention=decode_attention, exact=self.batch_invariant))
+        return self.logits(self.model.norm(x[torch.arange(B, device=x.device), batch.last_index]))
 
     def forward_sequences(self, input_ids: torch.Tensor, checkpoint_layers: bool = False) -> torch.Tensor:
         """The trainer's forward: final-normed hidden states [B, L, hidden] of whole right-padded
-        sequences (no cache; causal attention, so a real token never sees the padding after it).
+        sequences (no cache; causal, so a real token never sees the padding after it).
         checkpoint_layers recomputes each layer in backward instead of keeping its activations."""
         B, L = input_ids.shape
         if self.rope_cache is None or self.rope_cache[0].shape[0] < L:
             p = self.model.embed_tokens.weight
             self.init_rope(max(L, self.config.max_position_embeddings), p.device, p.dtype)
-        cos = self.rope_cache[0][:L].view(1, L, 1, -1)
-        sin = self.rope_cache[1][:L].view(1, L, 1, -1)
-        attend = sequence_attention if self.batch_invariant else _fast_sequence_attention
+        cos, sin = (c[:L].view(1, L, 1, -1) for c in self.rope_cache)
+        attend = partial(sequence_attention, exact=self.batch_invariant)
         x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
             if checkpoint_layers and torch.is_grad_enabled():
@@ -362,40 +311,29 @@ class CausalLM(nn.Module):
         return self.model.norm(x)
 
 
-def _fast_sequence_attention(q, k, v):
-    B, L, H, D = q.shape
-    return batch_invariant._causal_attention_fast(q, k, v).reshape(B, L, H * D)
-
-
 def load_safetensors(model: CausalLM, folder: str):
     """Load every *.safetensors in `folder` into `model` by HF name; missing or unexpected names raise."""
-    from safetensors import safe_open
-
     files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {folder!r}")
-    params = dict(model.named_parameters())
-    seen = set()
+    params, seen = dict(model.named_parameters()), set()
     with torch.no_grad():
         for fname in files:
             with safe_open(os.path.join(folder, fname), framework="pt") as f:
                 for name in f.keys():
+                    if name not in params and skip_weight_name(name, model.config):
+                        continue
                     if name not in params:
-                        if skip_weight_name(name, model.config):
-                            continue
                         raise ValueError(f"unexpected weight {name!r} in {fname}")
                     t = f.get_tensor(name)
                     if tuple(t.shape) != tuple(params[name].shape):
                         raise ValueError(f"weight {name!r}: shape {tuple(t.shape)} != {tuple(params[name].shape)}")
                     params[name].copy_(t)
                     seen.add(name)
-    missing = set(params) - seen
-    if missing:
-        raise ValueError(f"weights missing from {folder!r}: {sorted(missing)[:5]}...")
+    if set(params) - seen:
+        raise ValueError(f"weights missing from {folder!r}: {sorted(set(params) - seen)[:5]}...")
 
 
 def skip_weight_name(name: str, cfg: ModelConfig) -> bool:
     """Names a checkpoint may carry that have no parameter here (SGLang skips the same)."""
-    if "rotary_emb.inv_freq" in name:
-        return True
-    return cfg.tie_word_embeddings and name == "lm_head.weight"
+    return "rotary_emb.inv_freq" in name or (cfg.tie_word_embeddings and name == "lm_head.weight")

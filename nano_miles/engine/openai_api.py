@@ -1,18 +1,14 @@
-"""OpenAI-compatible routes, so a served model (a trained `final/` folder too) works from any OpenAI
-client: /v1/models and /v1/chat/completions.
+"""OpenAI-compatible routes, /v1/models and /v1/chat/completions, so a served model (a trained
+`final/` folder too) works from any OpenAI client:
 
     client = openai.OpenAI(base_url="http://127.0.0.1:30000/v1", api_key=KEY)  # KEY: serve's --api-key
     client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=32)
 
-The messages go through the served model's own chat template (its tokenizer's), then the engine
-generates like /generate. Taken: temperature, top_p, max_tokens (max_completion_tokens), n, stop (up
-to 4 strings; the text ends before the first one), seed. Refused with a 400 rather than silently
-ignored: tools, non-text response_format, logprobs, penalties, logit_bias. The model field is not
-checked (one model per server, as SGLang). stream=true is answered as server-sent events, but with
-the whole completion in one chunk once it is done: no token-by-token streaming.
-
-A chat too long for the context is refused by its length before it is tokenised (tokenising costs
-seconds per megabyte; rendering the template, milliseconds): see _prompt.
+The messages go through the model's own chat template, then the engine generates as for /generate.
+Taken: temperature, top_p, max_tokens (max_completion_tokens), n, stop (up to 4 strings), seed.
+Refused with a 400 rather than ignored: tools, non-text response_format, logprobs, penalties,
+logit_bias. The model field is not checked (one model per server, as SGLang). stream=true is
+answered as server-sent events with the whole completion in one chunk, once it is done.
 """
 from __future__ import annotations
 
@@ -27,8 +23,7 @@ from nano_miles.engine.http_io import dumps, engine_failed, json_body, json_resp
 from nano_miles.engine.protocol import GenerateItem, RequestError, parse_sampling_params
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-MAX_N = 128
-MAX_STOPS = 4  # OpenAI's limit
+MAX_N, MAX_STOPS = 128, 4  # MAX_STOPS: OpenAI's limit
 # Keys that ask for something this server does not do, with the value that means "nothing asked".
 _REFUSED = {"tools": None, "tool_choice": None, "functions": None, "function_call": None, "logprobs": False,
             "top_logprobs": None, "frequency_penalty": 0, "presence_penalty": 0, "logit_bias": None, "audio": None}
@@ -48,11 +43,9 @@ def _messages(messages) -> list[dict]:
                        for p in content):
                 raise RequestError(f"messages[{i}].content: only text parts are supported")
             content = "".join(p["text"] for p in content)
-        if content is None:
-            content = ""
-        if not isinstance(content, str):
+        if not isinstance(content, (str, type(None))):
             raise RequestError(f"messages[{i}].content must be a string or a list of text parts")
-        out.append({"role": m["role"], "content": content})
+        out.append({"role": m["role"], "content": content or ""})
     return out
 
 
@@ -74,12 +67,10 @@ def _check_request(body: dict) -> tuple[int, list[str], bool]:
     stream = body.get("stream") or False
     if not isinstance(stream, bool):
         raise RequestError("stream must be true or false")
+    seed = body.get("seed")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise RequestError(f"seed must be an integer, got {seed!r}")
     return n, stop, stream
-
-
-def _cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
-    cuts = [i for i in (text.find(s) for s in stop) if i >= 0]
-    return (text[:min(cuts)], True) if cuts else (text, False)
 
 
 class OpenAIRoutes:
@@ -101,18 +92,16 @@ class OpenAIRoutes:
 
     @functools.cached_property
     def _max_token_chars(self) -> int:
-        """The most characters of text one token can stand for: its longest token's text, added and
-        special tokens included. (Byte-level BPE writes a token as one character per byte, so this
-        counts bytes, never fewer than the characters they encode.)"""
+        """The most characters one token can stand for: its longest token's text, added and special
+        tokens included (byte-level BPE writes one character per byte: never fewer than they encode)."""
         tok = self.engine.tokenizer
         return max(len(t) for t in tok.convert_ids_to_tokens(list(range(len(tok)))) if t)
 
     def _prompt(self, messages: list[dict]) -> list[int]:
-        """The chat through the template, then tokenised (what apply_chat_template(tokenize=True) does),
-        unless its text is too long for ANY tokenisation to fit the context: a prompt of T tokens
-        covers at most T * _max_token_chars characters. Twice that is refused, the 2 for normalisers
-        that merge characters (NFC makes one of a letter and its accents); so what is tokenised, and
-        what a request can cost before its 400, is bounded by the context, not by the body."""
+        """The chat through the template, then tokenised, unless its text is too long for ANY
+        tokenisation to fit the context (T tokens cover at most T * _max_token_chars characters; twice
+        that is refused, for normalisers that merge characters): what a request costs before its 400
+        is bounded by the context, not by the body (tokenising takes seconds per megabyte)."""
         tok = self.engine.tokenizer
         if tok is None:
             raise RequestError("this model folder has no tokenizer, so no chat template: use /generate with input_ids")
@@ -131,30 +120,24 @@ class OpenAIRoutes:
         body = await json_body(request)
         n, stop, stream = _check_request(body)
         prompt = await asyncio.to_thread(self._prompt, _messages(body.get("messages")))
-        sampling = {"temperature": body.get("temperature"), "top_p": body.get("top_p"),
-                    "stop": stop}  # the engine ends generation at the token that completes one
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        sampling["max_new_tokens"] = max_tokens  # none: up to the context length, as OpenAI's API does
-        seed = body.get("seed")
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-            raise RequestError(f"seed must be an integer, got {seed!r}")
-        eng, rid = self.engine, f"chatcmpl-{uuid.uuid4().hex}"
-        items = []
-        for i in range(n):  # n samples of one prompt: distinct seeds, else n equal answers
-            params = parse_sampling_params({**sampling, "sampling_seed": None if seed is None else seed + i},
-                                           len(prompt), eng.vocab_size, eng.max_model_len)
-            items.append(GenerateItem(rid=f"{rid}-{i}", input_ids=prompt, sampling=params))
+        # no max_tokens: up to the context length, as OpenAI's API; the engine stops at a stop string
+        sampling = {"temperature": body.get("temperature"), "top_p": body.get("top_p"), "stop": stop,
+                    "max_new_tokens": body.get("max_completion_tokens", body.get("max_tokens"))}
+        eng, rid, seed = self.engine, f"chatcmpl-{uuid.uuid4().hex}", body.get("seed")
+        items = [GenerateItem(f"{rid}-{i}", prompt, parse_sampling_params(  # n samples: distinct seeds
+            {**sampling, "sampling_seed": None if seed is None else seed + i}, len(prompt), eng.vocab_size,
+            eng.max_model_len)) for i in range(n)]
         try:
             results = await asyncio.gather(*self.worker.add(items))
         except asyncio.CancelledError:  # the client went away: free the engine
             for it in items:
                 self.worker.abort(it.rid, "client disconnected")
             raise
-        failed = engine_failed(fin for fin, *_versions in results)
+        failed = engine_failed(fin for fin, *_ in results)
         if failed is not None:
             return failed
-        choices = [self._choice(i, fin, stop) for i, (fin, *_versions) in enumerate(results)]
-        usage = {"prompt_tokens": len(prompt), "completion_tokens": sum(fin.completion_tokens for fin, *_versions in results)}
+        choices = [self._choice(i, fin, stop) for i, (fin, *_) in enumerate(results)]
+        usage = {"prompt_tokens": len(prompt), "completion_tokens": sum(fin.completion_tokens for fin, *_ in results)}
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         answer = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
                   "choices": choices, "usage": usage}
@@ -165,25 +148,23 @@ class OpenAIRoutes:
         if reason == "stop" and isinstance(fin.finish_reason.get("matched"), int) and ids:
             ids = ids[:-1]  # the end-of-turn token is not part of the text (a stop string is cut below)
         text = self.engine.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
-        text, stopped = _cut_at_stop(text, stop)
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                "finish_reason": "stop" if stopped else reason}
+        cuts = [i for i in (text.find(s) for s in stop) if i >= 0]
+        return {"index": index, "message": {"role": "assistant", "content": text[:min(cuts)] if cuts else text},
+                "logprobs": None, "finish_reason": "stop" if cuts else reason}
 
     async def _stream(self, request, answer: dict, body: dict) -> web.StreamResponse:
         """The completion as server-sent events: per choice its text in one chunk, then [DONE]."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         head = {k: answer[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
-
-        async def send(data) -> None:
-            await response.write(f"data: {data if isinstance(data, str) else dumps(data)}\n\n".encode())
-
+        chunks = []
         for c in answer["choices"]:
             delta = {"role": "assistant", "content": c["message"]["content"]}
-            await send({**head, "choices": [{"index": c["index"], "delta": delta, "finish_reason": None}]})
-            await send({**head, "choices": [{"index": c["index"], "delta": {}, "finish_reason": c["finish_reason"]}]})
+            chunks.append({**head, "choices": [{"index": c["index"], "delta": delta, "finish_reason": None}]})
+            chunks.append({**head, "choices": [{"index": c["index"], "delta": {}, "finish_reason": c["finish_reason"]}]})
         if (body.get("stream_options") or {}).get("include_usage"):
-            await send({**head, "choices": [], "usage": answer["usage"]})
-        await send("[DONE]")
+            chunks.append({**head, "choices": [], "usage": answer["usage"]})
+        for data in [*map(dumps, chunks), "[DONE]"]:
+            await response.write(f"data: {data}\n\n".encode())
         await response.write_eof()
         return response

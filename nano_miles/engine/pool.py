@@ -1,22 +1,15 @@
 """The engine replicas of a command, and how a rollout's episodes are routed over them.
 
-`EnginePool` holds M replicas: `nano-miles serve` processes it starts (engine.replicas, on the
-devices plan_layout chose), restarts when they die and stops at the end; or engines somebody else
-runs (engine.url, one or more), which it checks are engines and never restarts.
+`EnginePool` holds M replicas: `nano-miles serve` processes it starts (on the devices plan_layout
+chose), restarts when they die and stops at the end; or engines somebody else runs (engine.url),
+checked to be engines and never restarted. A replica is serving; restarting (ours, died); stale
+(restarted with the base weights: it serves again once the loop's next weight sync reached it); or
+down (not ours, or its restart failed: left out until it answers again). A dead replica costs a
+rollout only the episodes in flight on it, which run again on another one.
 
-A replica's state:
-  serving     takes rollouts
-  restarting  died; a new process is starting in the background (ours only)
-  stale       restarted, serving the base weights: the training loop syncs it at its next weight
-              sync (nano_miles/train.py), and only then does it take rollouts again
-  down        died and not ours (or its restart failed): left out until it answers again
-So a dead replica costs the rollout only the episodes that were in flight on it (they run again,
-from their start, on another replica); the step is not lost and the others keep serving.
-
-`GroupRouter` routes one rollout (nano_miles/rollout/episode.py): all samples of a group go to one replica,
-so its prefix cache serves their shared prompt; the replica is chosen when the group's first episode
-starts, as the serving one with the fewest outstanding episodes (then the fewest requests). A group
-whose replica fails moves, whole, to another.
+`GroupRouter` routes one rollout: all samples of a group go to one replica, whose prefix cache then
+serves their shared prompt: the serving one with the fewest outstanding episodes when the group's
+first episode starts. A group whose replica fails moves, whole, to another.
 """
 from __future__ import annotations
 
@@ -29,16 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nano_miles.engine.client import AsyncEngineClient, EngineClient, EngineError, EngineUnavailable
-from nano_miles.engine.protocol import API_KEY_ENV
 from nano_miles.engine.process import EngineProcess, start_engine_process
+from nano_miles.engine.protocol import API_KEY_ENV
 
 
 def check_engine(url: str, timeout: float = 60.0) -> dict:
     """The /model_info of the engine at `url`, waiting up to `timeout` for one that is starting.
-    Raises RuntimeError (one line) for what answers but is not an engine, EngineUnavailable when
-    nothing answers in time."""
-    client = EngineClient(url, timeout=10.0)
-    deadline = time.monotonic() + timeout
+    RuntimeError (one line) for what answers but is not an engine; EngineUnavailable when nothing does."""
+    client, deadline = EngineClient(url, timeout=10.0), time.monotonic() + timeout
     try:
         while True:
             try:
@@ -77,8 +68,8 @@ class Replica:
 
 class EnginePool:
     def __init__(self, cfg, layout, model_path: str, run_dir: Path | None = None, ready_timeout: float = 300.0):
-        """cfg: the engine.* keys (nano_miles.engine.handle.EngineLaunchConfig: url, replicas); layout:
-        the devices, dtype and flags of the engines started here (engine_handle.Layout)."""
+        """cfg: the engine.* keys (layout.EngineLaunchConfig: url, replicas); layout: the devices,
+        dtype and flags of the engines started here (layout.Layout)."""
         self.cfg, self.layout, self.model_path, self.run_dir = cfg, layout, model_path, run_dir
         self.given_urls = list(cfg.urls) if cfg is not None else []
         self.ready_timeout = ready_timeout
@@ -86,8 +77,8 @@ class EnginePool:
         self.restarts = 0
         self._lock = threading.Lock()
         self._changed = False  # a replica came back since the last wait_restarts()
-        # Engines are started and restarted on these threads, which live as long as the pool: an engine
-        # gets its parent-death signal when the THREAD that started it exits (engine_process.py).
+        # Engines start on these threads, which live as long as the pool: an engine gets its
+        # parent-death signal when the THREAD that started it exits.
         count = len(layout.engine_devices) if layout is not None else 1
         self._threads = ThreadPoolExecutor(max_workers=max(1, count), thread_name_prefix="engine")
         self._restarting: dict[int, object] = {}  # replica index -> its restart's future
@@ -95,7 +86,7 @@ class EnginePool:
 
     @classmethod
     def of(cls, urls: list[str]) -> "EnginePool":
-        """A pool over engines somebody else runs, taken as they are (rollout_groups given URLs)."""
+        """A pool over engines somebody else runs, taken as they are."""
         pool = cls(None, None, "")
         pool.given_urls = list(urls)
         pool.replicas = [Replica(i, u.rstrip("/")) for i, u in enumerate(urls)]
@@ -105,20 +96,17 @@ class EnginePool:
 
     def start(self) -> list[str]:
         if self.given_urls:
-            for i, url in enumerate(self.given_urls):
-                info = check_engine(url)
-                self.replicas.append(Replica(i, url.rstrip("/"), str(info.get("device", ""))))
+            self.replicas = [Replica(i, url.rstrip("/"), str(check_engine(url).get("device", "")))
+                             for i, url in enumerate(self.given_urls)]
             return self.urls
         devices = self.layout.engine_devices or [self.layout.engine_device]
         starting = [self._threads.submit(self._launch, i, d) for i, d in enumerate(devices)]
         errors = []
         for i, (device, future) in enumerate(zip(devices, starting)):
             try:
-                process = future.result()
+                self.replicas.append(Replica(i, (process := future.result()).url, device, process))
             except Exception as e:
                 errors.append(f"replica {i} on {device}: {e}")
-                continue
-            self.replicas.append(Replica(i, process.url, device, process))
         if errors:
             self.stop()
             raise EngineUnavailable("engine start failed: " + "; ".join(errors))
@@ -193,8 +181,11 @@ class EnginePool:
             if replica.process is None:
                 replica.state = "down"
                 return
-            replica.state = "restarting"
-            self._restarting[replica.index] = self._threads.submit(self._restart, replica)
+            self._restart_later(replica)
+
+    def _restart_later(self, replica: Replica) -> None:
+        replica.state = "restarting"
+        self._restarting[replica.index] = self._threads.submit(self._restart, replica)
 
     def _restart(self, replica: Replica) -> None:
         replica.process.stop()  # whatever is left of it
@@ -226,16 +217,14 @@ class EnginePool:
                 self.fail(r, r.generation, EngineUnavailable(f"{r.url} does not answer /health"))
             elif not alive and r.process is not None:  # ours, down after a failed restart: try again
                 with self._lock:
-                    r.state = "restarting"
-                    self._restarting[r.index] = self._threads.submit(self._restart, r)
+                    self._restart_later(r)
             elif alive and r.state == "down":
                 with self._lock:
                     r.state, self._changed = "stale", True
 
     def wait_restarts(self) -> bool:
         """Wait for the restarts under way; True when the set of live replicas changed since the last
-        call (the weight sync then needs a new connection). Raises EngineUnavailable when no replica is
-        left to serve."""
+        call (the weight sync then needs a new connection). EngineUnavailable when none is left."""
         for index, future in list(self._restarting.items()):
             future.result()
             with self._lock:
@@ -267,8 +256,7 @@ class GroupRouter:
             serving = self.pool.serving()
             if not serving:
                 raise EngineUnavailable("no engine replica is serving: " + ", ".join(self.pool.urls))
-            replica = min(serving, key=lambda r: (r.outstanding, r.requests, r.index))
-            self.groups[group_id] = replica
+            replica = self.groups[group_id] = min(serving, key=lambda r: (r.outstanding, r.requests, r.index))
         replica.outstanding += 1
         return replica, replica.generation
 

@@ -1,10 +1,9 @@
 """Sampling parameters, and sampling of one token per row with its log-prob.
 
-The log-prob returned is SGLang's: log_softmax(logits / temperature) in FP32 at the sampled token,
-WITHOUT renormalising over the top-p/top-k survivors (SGLang computes it the same way). At
-temperature 1 with no top-p/top-k that is exactly the model's log-prob, which is what RL needs.
-Temperature 0 is greedy (argmax); like SGLang (which turns it into temperature 1 + top_k 1) its
-log-prob is the plain log_softmax(logits).
+The log-prob is SGLang's: log_softmax(logits / temperature) in FP32 at the sampled token, WITHOUT
+renormalising over the top-p/top-k survivors; at temperature 1 with neither, exactly the model's
+log-prob, which is what RL needs. Temperature 0 is greedy, its log-prob log_softmax(logits) (SGLang
+turns it into temperature 1 + top_k 1).
 """
 
 from dataclasses import dataclass, field
@@ -14,9 +13,7 @@ import torch
 
 @dataclass
 class SamplingParams:
-    """Validated where requests come in (protocol.parse_sampling_params for HTTP); the engine only
-    guards its invariants with asserts."""
-
+    """Validated where requests come in (protocol.parse_sampling_params); the engine only asserts."""
     max_new_tokens: int = 128
     temperature: float = 1.0
     top_p: float = 1.0

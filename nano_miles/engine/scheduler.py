@@ -1,10 +1,9 @@
 """Continuous batching: which sequences run in the next forward, and with how many tokens.
 
-Every step is either a PREFILL step (sequences with more than one uncomputed token, chunked under a
-token budget) or a DECODE step (every running sequence computes its one newest token). Requests join
-the running set as soon as blocks allow and leave the moment they finish. When decode runs out of
-blocks, the most recently admitted sequence is preempted: its blocks are freed and it goes back to
-the front of the queue to be recomputed (its generated tokens are kept).
+A step is a PREFILL step (sequences with more than one uncomputed token, chunked under a token
+budget) or a DECODE step (every running sequence computes its newest token). Requests join as soon
+as blocks allow and leave the moment they finish. When decode runs out of blocks, the latest
+admitted sequence is preempted: its blocks are freed and it is recomputed later, tokens kept.
 """
 
 from collections import deque
@@ -42,9 +41,7 @@ class Sequence:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_running: int, max_batched_tokens: int):
-        self.blocks = blocks
-        self.max_running = max_running
-        self.max_batched_tokens = max_batched_tokens
+        self.blocks, self.max_running, self.max_batched_tokens = blocks, max_running, max_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0

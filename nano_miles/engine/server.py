@@ -1,12 +1,9 @@
 """`nano-miles serve`: the engine behind SGLang's HTTP protocol (aiohttp).
 
-Threads: the aiohttp event loop parses requests and answers them; ONE engine thread owns the Engine
-and loops step(). Handlers talk to it through a queue of commands and await futures that the engine
-thread resolves with loop.call_soon_threadsafe. Weight updates, cache flushes and checksums run ON the
-engine thread between two steps, so the engine is never touched by two threads.
-
-Weight routes live in weight_receiver.py, the OpenAI-compatible ones in openai_api.py; request bodies
-and answers in http_io.py. With an api key, every route but /health needs "Authorization: Bearer KEY".
+The event loop parses requests and answers them; ONE engine thread owns the Engine (worker.py).
+Weight routes live in weight_receiver.py, the OpenAI-compatible ones in openai_api.py, request
+bodies and answers in http_io.py. With an api key, every route but /health needs
+"Authorization: Bearer KEY".
 """
 from __future__ import annotations
 
@@ -38,7 +35,7 @@ from nano_miles.engine.weight_receiver import LARGE_BODY_ROUTES, WeightReceiver
 from nano_miles.engine.worker import EngineWorker
 from nano_miles.models.prepare import resolve_model
 
-PAUSE_MODES = ("abort", "retract", "in_place")
+PAUSE_MODES = ("abort", "retract", "in_place")  # SGLang's pause_generation modes
 
 
 @dataclass
@@ -69,7 +66,6 @@ class ServerConfig:
 
 
 CONFIG = ServerConfig
-
 # SGLang's flags and our older ones: each sets the key it names (one name and one default per knob).
 FLAGS = {"--model": "engine.model", "--model-path": "engine.model", "--device": "engine.device",
          "--dtype": "engine.dtype", "--host": "host", "--port": "port",
@@ -88,25 +84,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p, ServerConfig, FLAGS, switches=SWITCHES)
 
 
-# ----------------------------------------------------------------------------- HTTP
-
-
-def is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
 class Server:
     def __init__(self, cfg: ServerConfig, model_path, api_key: str = ""):
-        self.cfg = cfg
+        self.cfg, self.model_path = cfg, str(model_path)
         self.authorization = f"Bearer {api_key}".encode() if api_key else None
-        self.model_path = str(model_path)
         self.model_name = cfg.served_model_name or cfg.engine.model
         self.started = time.time()
 
-    # --- setup ---
     def make_engine(self) -> Engine:
         if self.cfg.threads:
             torch.set_num_threads(self.cfg.threads)  # called from the engine thread, which runs every forward
@@ -119,20 +103,19 @@ class Server:
         app = web.Application(client_max_size=int(self.cfg.max_weight_body_mb * MiB), middlewares=[self._errors])
         app["body_parser"] = self.body_parser = BodyParser()
         r = app.router
-        r.add_post("/generate", self.generate)
-        r.add_put("/generate", self.generate)
+        r.add_route("POST", "/generate", self.generate)
+        r.add_route("PUT", "/generate", self.generate)
         r.add_get("/health", self.health)
         r.add_get("/health_generate", self.health_generate)
-        for path in ("/model_info", "/get_model_info"):
-            r.add_get(path, self.model_info)
+        r.add_get("/model_info", self.model_info)
+        r.add_get("/get_model_info", self.model_info)
         r.add_get("/get_weight_version", self.weight_version)
         r.add_get("/get_server_info", self.server_info)
         r.add_route("*", "/flush_cache", self.flush_cache)
         r.add_post("/pause_generation", self.pause_generation)
         r.add_post("/continue_generation", self.continue_generation)
         r.add_post("/abort_request", self.abort_request)
-        self.weights = WeightReceiver(self.worker, self.cfg.dist_timeout, self.cfg.dist_connect_timeout)
-        self.weights.add_routes(r)
+        WeightReceiver(self.worker, self.cfg.dist_timeout, self.cfg.dist_connect_timeout).add_routes(r)
         OpenAIRoutes(self.worker, self.model_name, self.started).add_routes(r)
         return app
 
@@ -145,15 +128,14 @@ class Server:
             return error("the model is still loading", 503)
         if self.worker.error is not None and request.path != "/health":
             return error(f"the engine failed to start: {self.worker.error}", 503)
+        large = request.path in LARGE_BODY_ROUTES
+        request["body_limit"] = (int((self.cfg.max_weight_body_mb if large else self.cfg.max_body_mb) * MiB),
+                                 "max_weight_body_mb" if large else "max_body_mb")
         try:
-            if request.path in LARGE_BODY_ROUTES:
-                request["body_limit"] = (int(self.cfg.max_weight_body_mb * MiB), "max_weight_body_mb")
-            else:
-                request["body_limit"] = (int(self.cfg.max_body_mb * MiB), "max_body_mb")
             check_length(request, *request["body_limit"])  # before the handler: it may not read the body
             return await handler(request)
         except RequestError as e:
-            return error(str(e), getattr(e, "status", 400))
+            return error(str(e), e.status)
         except web.HTTPException:
             raise
         except Exception as e:  # a bug: say so, keep serving
@@ -164,41 +146,38 @@ class Server:
     def engine(self):
         return self.worker.engine
 
-    # --- generation ---
     async def generate(self, request):
         body = await json_body(request)
         try:
-            return await self._generate(request, body)
+            args = (body, self.engine.vocab_size, self.engine.max_model_len)
+            # A large body's checks walk every token id: in a thread, so the event loop keeps answering.
+            items, batched = await asyncio.to_thread(parse_generate, *args) if is_large(request) else parse_generate(*args)
+            if self.engine.tokenizer is None and any(it.sampling.stop for it in items):
+                raise RequestError("stop strings need a tokenizer and this model folder has none: use stop_token_ids")
+            results = await self._run(items)
+            failed = engine_failed(fin for fin, *_ in results)
+            if failed is not None:
+                return failed
+            out = [self._response(it, *result) for it, result in zip(items, results)]
+            return json_response(out if batched else out[0])
         finally:
             await release(request, body)
 
-    async def _generate(self, request, body):
-        args = (body, self.engine.vocab_size, self.engine.max_model_len)
-        # A large body's checks walk every token id: in a thread, so the event loop keeps answering.
-        items, batched = await asyncio.to_thread(parse_generate, *args) if is_large(request) else parse_generate(*args)
-        if self.engine.tokenizer is None and any(it.sampling.stop for it in items):
-            raise RequestError("stop strings need a tokenizer and this model folder has none: use stop_token_ids")
-        futs = self.worker.add(items)
+    async def _run(self, items) -> list:
+        """(FinishedRequest, weight_version, oldest_weight_version) of each item."""
         try:
-            results = await asyncio.gather(*futs)
+            return await asyncio.gather(*self.worker.add(items))
         except asyncio.CancelledError:  # the client went away: free the engine
             for it in items:
                 self.worker.abort(it.rid, "client disconnected")
             raise
-        failed = engine_failed(fin for fin, *_versions in results)
-        if failed is not None:
-            return failed
-        out = [self._response(it, fin, version, oldest) for it, (fin, version, oldest) in zip(items, results)]
-        return json_response(out if batched else out[0])
 
     def _response(self, item, fin, version, oldest_version) -> dict:
-        ids = fin.output_ids
-        text_ids = ids
+        ids = text_ids = fin.output_ids
         matched = fin.finish_reason.get("matched") if fin.finish_reason.get("type") == "stop" else None
         if isinstance(matched, int) and not item.no_stop_trim and ids:
             text_ids = ids[:-1]  # SGLang trims the matched stop token from text only
-        tok = self.engine.tokenizer
-        text = ""
+        tok, text = self.engine.tokenizer, ""
         if tok is not None and text_ids:
             try:
                 text = tok.decode(text_ids, skip_special_tokens=item.skip_special_tokens,
@@ -207,21 +186,14 @@ class Server:
                 text = tok.decode(text_ids, skip_special_tokens=item.skip_special_tokens)
         if isinstance(matched, str) and not item.no_stop_trim and matched in text:
             text = text[:text.index(matched)]  # a stop string is cut from the text with what follows it
-        meta = {
-            "id": fin.rid,
-            "finish_reason": fin.finish_reason,
-            "prompt_tokens": fin.prompt_tokens,
-            "completion_tokens": fin.completion_tokens,
-            "cached_tokens": fin.cached_tokens,
-            "weight_version": version,
-            "oldest_weight_version": oldest_version,  # ours: the weights its first tokens were sampled with
-        }
+        meta = {"id": fin.rid, "finish_reason": fin.finish_reason, "prompt_tokens": fin.prompt_tokens,
+                "completion_tokens": fin.completion_tokens, "cached_tokens": fin.cached_tokens,
+                "weight_version": version,
+                "oldest_weight_version": oldest_version}  # ours: the weights its first tokens were sampled with
         if item.return_logprob:
-            lps = fin.output_logprobs or []
-            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, ids)]
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(fin.output_logprobs or [], ids)]
         return {"text": text, "output_ids": list(ids), "meta_info": meta}
 
-    # --- health and info ---
     async def health(self, request):
         if not self.worker.loaded.is_set() or self.worker.error is not None:
             return web.Response(status=503, text="loading" if self.worker.error is None else self.worker.error)
@@ -244,18 +216,10 @@ class Server:
 
     def _info(self) -> dict:
         eng = self.engine
-        return {
-            "model_path": self.model_path,
-            "tokenizer_path": self.model_path,
-            "is_generation": True,
-            "served_model_name": self.model_name,
-            "weight_version": eng.weight_version,
-            "device": str(eng.device),
-            "dtype": dtype_name(eng.dtype),
-            "max_model_len": eng.max_model_len,
-            "vocab_size": eng.vocab_size,
-            "eos_token_ids": list(eng.eos_token_ids),
-        }
+        return {"model_path": self.model_path, "tokenizer_path": self.model_path, "is_generation": True,
+                "served_model_name": self.model_name, "weight_version": eng.weight_version, "device": str(eng.device),
+                "dtype": dtype_name(eng.dtype), "max_model_len": eng.max_model_len, "vocab_size": eng.vocab_size,
+                "eos_token_ids": list(eng.eos_token_ids)}
 
     async def model_info(self, request):
         return json_response(self._info())
@@ -264,20 +228,17 @@ class Server:
         return json_response({"weight_version": self.engine.weight_version})
 
     async def server_info(self, request):
-        def state(eng):
-            return {"running": len(eng.scheduler.running), "waiting": len(eng.scheduler.waiting),
-                    "paused": self.worker.paused, "pause_mode": self.worker.pause_mode,
-                    "num_kv_blocks": eng.num_kv_blocks, "block_size": eng.config.block_size}
-
-        internal = await self.worker.call(state)
+        state = await self.worker.call(lambda eng: {
+            "running": len(eng.scheduler.running), "waiting": len(eng.scheduler.waiting),
+            "paused": self.worker.paused, "pause_mode": self.worker.pause_mode,
+            "num_kv_blocks": eng.num_kv_blocks, "block_size": eng.config.block_size})
         keys = to_dict(self.cfg)  # flat, as SGLang's server_args: the engine's keys beside the server's
         keys.pop("api_key")
         args = {**{k: v for k, v in keys.items() if not isinstance(v, dict)}, **keys["engine"]}
-        return json_response({**args, **self._info(), "max_total_num_tokens": internal["num_kv_blocks"] *
-                              internal["block_size"], "internal_states": [internal],
-                              "version": "nano-miles", "uptime_s": round(time.time() - self.started, 1)})
+        return json_response({**args, **self._info(), "max_total_num_tokens": state["num_kv_blocks"] *
+                              state["block_size"], "internal_states": [state], "version": "nano-miles",
+                              "uptime_s": round(time.time() - self.started, 1)})
 
-    # --- control ---
     async def flush_cache(self, request):
         def flush(eng):
             if eng.has_unfinished() or self.worker.parked:
@@ -285,19 +246,17 @@ class Server:
             eng.flush_cache()
             return True
 
-        ok = await self.worker.call(flush)
-        if not ok:
+        if not await self.worker.call(flush):
             return error("cannot flush the cache while requests are running or waiting", 400)
         return json_response({"success": True, "message": "Cache flushed."})
 
     async def pause_generation(self, request):
-        body = await json_body(request, default={})
-        mode = body.get("mode", "abort") or "abort"
+        mode = (await json_body(request, default={})).get("mode") or "abort"
         if mode not in PAUSE_MODES:
             raise RequestError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
         n = await self.worker.pause(mode)
-        return json_response({"message": "Generation paused successfully.", "status": "ok",
-                              "mode": mode, "num_aborted": n})
+        return json_response({"message": "Generation paused successfully.", "status": "ok", "mode": mode,
+                              "num_aborted": n})
 
     async def continue_generation(self, request):
         await self.worker.resume()
@@ -314,17 +273,11 @@ class Server:
         return json_response({"success": True, "message": f"aborted {n} request(s)", "num_aborted": n})
 
 
-# ----------------------------------------------------------------------------- main
-
-
 async def _serve(cfg: ServerConfig, model_path, api_key: str) -> int:
     loop = asyncio.get_running_loop()
     server = Server(cfg, model_path, api_key)
-    app = server.app(loop)
-    try:  # a client that disconnects cancels its handler, which aborts its requests (aiohttp >= 3.9)
-        runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=5)
-    except TypeError:
-        runner = web.AppRunner(app, access_log=None)
+    # a client that disconnects cancels its handler, which aborts its requests
+    runner = web.AppRunner(server.app(loop), access_log=None, handler_cancellation=True, shutdown_timeout=5)
     await runner.setup()
     server.body_parser.start()
     try:
@@ -336,7 +289,6 @@ async def _serve(cfg: ServerConfig, model_path, api_key: str) -> int:
         await runner.cleanup()
         server.body_parser.close()
         return 1
-    port = runner.addresses[0][1]
     server.worker.thread.start()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -348,8 +300,8 @@ async def _serve(cfg: ServerConfig, model_path, api_key: str) -> int:
         rc = 1
     else:
         eng = server.engine
-        print(f"nano-miles serve: ready on http://{cfg.host}:{port} (model {model_path}, {eng.device}, "
-              f"{dtype_name(eng.dtype)}, weight_version {eng.weight_version})", flush=True)
+        print(f"nano-miles serve: ready on http://{cfg.host}:{runner.addresses[0][1]} (model {model_path}, "
+              f"{eng.device}, {dtype_name(eng.dtype)}, weight_version {eng.weight_version})", flush=True)
         await stop.wait()
         await server.worker.abort(None, "the server is shutting down")  # lets open /generate calls answer
     server.worker.stop()
@@ -371,7 +323,11 @@ def run(args) -> int:
         print("nano-miles serve: which model? give --model NAME|FOLDER (or --set engine.model=...)", file=sys.stderr)
         return 2
     api_key = cfg.api_key or os.environ.get(API_KEY_ENV, "")
-    if not api_key and not is_loopback(cfg.host) and not cfg.allow_unauthenticated:
+    try:
+        loopback = ipaddress.ip_address(cfg.host).is_loopback
+    except ValueError:
+        loopback = cfg.host == "localhost"
+    if not api_key and not loopback and not cfg.allow_unauthenticated:
         print(f"nano-miles serve: --host {cfg.host} lets other machines in: give --api-key KEY (or ${API_KEY_ENV}), "
               "or --allow-unauthenticated if that is really meant", file=sys.stderr)
         return 2

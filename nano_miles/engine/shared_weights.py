@@ -1,23 +1,12 @@
 """One copy of the weights for a CPU trainer and a CPU engine on one machine, in shared memory.
 
-Without it a CPU-only machine holds the model twice (2 GB each in FP32 for Qwen2.5-0.5B: the
-trainer's parameters and the engine's) and every sync copies it across. Here, as in slime's colocated
-mode and verl's hybrid engine, the trainer's tensors that the engine serves live in ONE anonymous
-shared-memory file (a memfd), which the engine maps read-only in place of its own copy. The trainer's
-in-place optimizer step then IS the weight update, and a "sync" is a version bump plus a KV-cache
-flush (weight_sync's `shared` transport, the engine's /update_weights_from_shared route).
-
-That is only right while the engine never generates during the trainer's writes: `mode=sync`, where
-each step's rollouts finish before its update. `mode=async` rolls out during the update and needs a
-real copy (the other transports).
-
-Both ends are here, as in engine/weights.py. The trainer side (`SharedWeights`) moves the tensors into
-the memfd (rebinding `tensor.data`, so the Parameter objects, the optimizer's references and tied
-weights stay as they are) and names it to the engine as /proc/<pid>/fd/<n>. The memfd is freed when
-the last process holding it (open or mapped) exits: a killed run leaves nothing in /dev/shm.
-The engine side (`map_shared`) validates a manifest (name, dtype, shape, byte offset of each tensor)
-against the engine's parameters and returns read-only views: an engine bug that wrote into them would
-fault instead of silently changing the trainer's weights.
+As in slime's colocated mode, the tensors the engine serves live in ONE anonymous shared-memory file
+(a memfd) that the engine maps read-only in place of its own copy: the trainer's in-place optimizer
+step IS the weight update, a sync a version bump and a KV flush (the `shared` transport). Right only
+while the engine never generates during the trainer's writes (train's mode=sync). `SharedWeights`
+rebinds each tensor's `.data` (Parameters, optimizer state and tied weights stay as they are); the
+memory goes with the last process holding it. `map_shared` checks a manifest against the engine's
+parameters and returns read-only views: an engine bug writing into them faults.
 """
 from __future__ import annotations
 
@@ -37,25 +26,18 @@ class SharedWeightsError(ValueError):
     """A manifest or file that cannot be mapped as the engine's weights."""
 
 
-def _aligned(offset: int) -> int:
-    return (offset + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
-
-
 class SharedWeights:
     """The trainer side: (name, tensor) pairs moved into one memfd-backed buffer, in place."""
 
     def __init__(self, named_tensors):
-        named = [(n, t) for n, t in named_tensors]
-        if not named:
-            raise ValueError("nothing to share")
-        if any(t.device.type != "cpu" for _, t in named):
+        named = list(named_tensors)
+        if not named or any(t.device.type != "cpu" for _, t in named):
             raise ValueError("shared weights are for CPU tensors (a GPU trainer syncs over CUDA IPC)")
         self.manifest, offset = [], 0
         for name, t in named:
-            offset = _aligned(offset)
+            offset = -(-offset // ALIGN_BYTES) * ALIGN_BYTES
             self.manifest.append([name, dtype_name(t.dtype), list(t.shape), offset])
             offset += t.numel() * t.element_size()
-        self.nbytes = offset
         self.fd = os.memfd_create("nano-miles-weights", os.MFD_CLOEXEC)
         os.ftruncate(self.fd, max(offset, 1))
         self.buffer = torch.from_file(f"/proc/self/fd/{self.fd}", shared=True, size=max(offset, 1), dtype=torch.uint8)
@@ -81,10 +63,10 @@ class SharedWeights:
 
 def map_shared(path: str, manifest, expected: dict[str, tuple[tuple[int, ...], torch.dtype]],
                skip=lambda name: False) -> dict[str, torch.Tensor]:
-    """The engine side: {name: read-only tensor view} of the file at `path`, laid out as `manifest`
-    ([name, dtype, shape, byte offset] per tensor). Every name in `expected` (name -> (shape, dtype),
-    the engine's parameters) must be there with its shape and dtype; names for which skip(name) is
-    true (what the engine derives itself: a tied lm_head) are left out; anything else is refused."""
+    """The engine side: {name: read-only view} of the file at `path`, laid out as `manifest` ([name,
+    dtype, shape, byte offset] per tensor). Every name of `expected` (the engine's parameters: name ->
+    (shape, dtype)) must be there with its shape and dtype; names skip(name) accepts (a tied lm_head)
+    are left out; anything else is refused."""
     if not isinstance(path, str) or not path:
         raise SharedWeightsError("path (the trainer's shared weights file) is required")
     if not isinstance(manifest, list) or not manifest:
@@ -103,15 +85,13 @@ def map_shared(path: str, manifest, expected: dict[str, tuple[tuple[int, ...], t
             continue
         if name not in expected:
             raise SharedWeightsError(f"unknown parameter name {name!r}")
-        if DTYPES.get(dtype) is None:
-            raise SharedWeightsError(f"{name}: unknown dtype {dtype!r}")
         want_shape, want_dtype = expected[name]
-        if tuple(shape) != tuple(want_shape) or DTYPES[dtype] != want_dtype:
+        if tuple(shape) != tuple(want_shape) or DTYPES.get(dtype) != want_dtype:
             raise SharedWeightsError(f"{name}: {dtype} {shape} in the manifest, the engine has "
                                      f"{dtype_name(want_dtype)} {list(want_shape)}")
-        if start % DTYPES[dtype].itemsize:
+        if start % want_dtype.itemsize:
             raise SharedWeightsError(f"{name}: offset {start} is not aligned to its dtype")
-        entries.append((name, DTYPES[dtype], shape, start))
+        entries.append((name, want_dtype, shape, start, start + torch.Size(shape).numel() * want_dtype.itemsize))
     missing = sorted(set(expected) - seen)
     if missing:
         raise SharedWeightsError(f"the manifest lacks {len(missing)} parameters, e.g. {missing[:3]}")
@@ -121,14 +101,12 @@ def map_shared(path: str, manifest, expected: dict[str, tuple[tuple[int, ...], t
         raise SharedWeightsError(f"cannot open {path}: {e.strerror} (trainer and engine must share a machine)") from None
     try:
         size = os.fstat(fd).st_size
-        end = max(start + torch.Size(shape).numel() * dtype.itemsize for _, dtype, shape, start in entries)
-        if size < end:
-            raise SharedWeightsError(f"{path} holds {size} bytes; the manifest needs {end}")
+        if size < max(end for *_, end in entries):
+            raise SharedWeightsError(f"{path} holds {size} bytes; the manifest needs {max(end for *_, end in entries)}")
         mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
     finally:
         os.close(fd)
     with warnings.catch_warnings():  # "not writable": read-only is the point
         warnings.simplefilter("ignore", UserWarning)
         buffer = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive
-    return {name: buffer[start:start + torch.Size(shape).numel() * dtype.itemsize].view(dtype).view(shape)
-            for name, dtype, shape, start in entries}
+    return {name: buffer[start:end].view(dtype).view(shape) for name, dtype, shape, start, end in entries}

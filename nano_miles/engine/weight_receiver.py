@@ -1,49 +1,45 @@
-"""Receiving weight updates: the server's weight routes, from payload to swapped-in weights.
+"""The server's weight routes, from payload to swapped-in weights.
 
-Weight updates follow SGLang: decode/receive the new tensors first (off the event loop; a broadcast
-lands in a persistent buffer of its group) and validate them, then, unless generation is paused,
-stop admitting new requests and let in-flight ones drain (abort them first with abort_all_requests),
-swap all weights at once, flush every cached KV/prefix block, set weight_version (the given one, else
-+1; a flush_cache=false bucket without a version keeps it, as more buckets follow), and admit what
-queued meanwhile. A payload that does not fit the model, or holds a NaN or an infinity (checked on
-the device before the swap, in the engine's dtype), is refused before anything changes (HTTP 400,
-old weights and version kept). A flattened bucket laid out exactly like a run of the engine's packed
-parameters is swapped in with ONE copy (flat_params.py), anything else tensor by tensor; either way
-the copy is complete and the trainer's buffer released before the answer, which also carries
-timings_ms per phase.
+As SGLang: decode or receive the new tensors first (off the event loop) and validate them, then,
+unless generation is paused, stop admitting requests and let in-flight ones drain (abort them first
+with abort_all_requests), swap all weights at once, flush the KV cache, set weight_version (the given
+one, else +1; a flush_cache=false bucket without one keeps it: more buckets follow) and admit what
+queued meanwhile. A payload that does not fit the model, or holds a NaN or an infinity, is refused
+(400) before anything changes. A bucket laid out like a run of the engine's packed parameters goes in
+with ONE copy (flat_params.py), anything else tensor by tensor; the copy is complete and the
+trainer's buffer released before the answer, which carries timings_ms per phase.
 
-/update_weights_from_shared (a CPU trainer on this machine, nano_miles/engine/shared_weights.py): the first
-call maps the trainer's shared-memory weights read-only in place of the engine's own copy (which is
-freed); from then on the trainer's in-place updates are the engine's weights, and each call only
-flushes the KV cache and sets the version. Any other weight update first gives the engine a private
-copy again ("detach"), so it can never write into the trainer's weights.
-
-/release_memory_occupation and /resume_memory_occupation (SGLang's routes for colocated training):
-on a CPU engine, releasing tag "kv_cache" hands the KV cache's pages back to the kernel (madvise
-MADV_DONTNEED: they read as zeros, the state torch.zeros gave them, and are faulted in again as
-generation uses them) after flushing every cached prefix, so during a colocated trainer's update the
-idle engine holds no KV memory. Resuming is therefore a no-op here.
+/update_weights_from_shared (shared_weights.py): the first call maps the trainer's weights in place of
+the engine's own copy; then each call flushes the KV cache and sets the version. Any other update
+first gives the engine a private copy again. /release_memory_occupation (SGLang's, for colocated
+training) hands a CPU engine's KV-cache pages back to the kernel; resuming is therefore a no-op.
 """
 from __future__ import annotations
 
 import asyncio
-import ctypes
+import functools
 import json
-import mmap
 import threading
 import time
 
 import torch
-from aiohttp import web
 
-from nano_miles import shared_weights as S
 from nano_miles.dtypes import dtype_name
+from nano_miles.engine import shared_weights as S
 from nano_miles.engine import weight_group as G
 from nano_miles.engine import weights as W
 from nano_miles.engine.flat_params import FlatParameters
 from nano_miles.engine.http_io import json_body, json_response, weight_answer
 from nano_miles.engine.model import skip_weight_name
 from nano_miles.engine.protocol import DEFAULT_GROUP_NAME, RequestError
+
+# The routes that may take bodies over max_body_mb (up to max_weight_body_mb): weight payloads.
+LARGE_BODY_ROUTES = ("/update_weights_from_tensor", "/update_weights_from_disk", "/update_weights_from_distributed",
+                     "/init_weights_update_group", "/destroy_weights_update_group")
+
+
+def _ms(start: float, end: float | None = None) -> float:
+    return round(((end or time.perf_counter()) - start) * 1000, 3)
 
 
 def _next_version(current: str, given) -> str:
@@ -54,40 +50,17 @@ def _next_version(current: str, given) -> str:
 
 class _Update:
     """New weights on their way to the engine thread: a bucket matched against the packed parameters
-    (flat = (start byte, buffer), applied with one copy) or validated (name, tensor) pairs. take()
-    hands them over and keeps no reference, so a trainer's CUDA IPC memory is closed on the engine
-    thread right after the copy, before the answer lets the trainer free it."""
+    (flat = (start byte, buffer), one copy) or validated (name, tensor) pairs. take() hands them over
+    and keeps no reference, so a trainer's CUDA IPC memory is closed on the engine thread right after
+    the copy, before the answer lets the trainer free it."""
 
     def __init__(self, named=None, flat=None, count: int | None = None):
-        self.named, self.flat = named, flat
-        self.fast = flat is not None
+        self.named, self.flat, self.fast = named, flat, flat is not None
         self.count = count if count is not None else len(named)
 
     def take(self):
         named, flat, self.named, self.flat = self.named, self.flat, None, None
         return named, flat
-
-
-# The routes that may take bodies over max_body_mb (up to max_weight_body_mb): weight payloads.
-LARGE_BODY_ROUTES = ("/update_weights_from_tensor", "/update_weights_from_disk", "/update_weights_from_distributed",
-                     "/init_weights_update_group", "/destroy_weights_update_group")
-
-_MADV_DONTNEED = 4
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def _drop_pages(tensor: torch.Tensor) -> int:
-    """Give the whole pages inside a CPU tensor's memory back to the kernel; they read as zeros
-    afterwards. Returns the bytes dropped. Only for memory whose contents no longer matter."""
-    page = mmap.PAGESIZE
-    start = tensor.data_ptr()
-    end = start + tensor.numel() * tensor.element_size()
-    first, last = -(-start // page) * page, end // page * page
-    if last <= first:
-        return 0
-    if _libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED) != 0:
-        raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) failed")
-    return last - first
 
 
 class WeightReceiver:
@@ -98,21 +71,35 @@ class WeightReceiver:
         self.worker = worker
         self.dist_timeout_s, self.connect_timeout_s = dist_timeout_s, connect_timeout_s
         self.forming: str | None = None  # the group whose rendezvous is under way
-        self.groups: dict = {}  # group_name -> process group
+        self.groups: dict = {}        # group_name -> process group
         self.group_locks: dict = {}
         self.recv_buffers: dict = {}  # group_name -> persistent uint8 buffer its broadcasts land in
-        self.shared_key = None  # (path, manifest) of the shared weights the parameters map, or None
+        self.shared_key = None        # (path, manifest) of the shared weights the parameters map, or None
 
     def add_routes(self, router) -> None:
-        router.add_post("/update_weights_from_tensor", self.update_from_tensor)
-        router.add_post("/update_weights_from_disk", self.update_from_disk)
-        router.add_post("/init_weights_update_group", self.init_group)
-        router.add_post("/update_weights_from_distributed", self.update_from_distributed)
-        router.add_post("/destroy_weights_update_group", self.destroy_group)
-        router.add_post("/update_weights_from_shared", self.update_from_shared)
-        router.add_post("/release_memory_occupation", self.release_memory)
-        router.add_post("/resume_memory_occupation", self.resume_memory)
+        for path, handler, what in (
+                ("/update_weights_from_tensor", self.update_from_tensor, "update weights from tensor"),
+                ("/update_weights_from_disk", self.update_from_disk, "update weights from disk"),
+                ("/update_weights_from_shared", self.update_from_shared, "update weights from shared memory"),
+                ("/init_weights_update_group", self.init_group, "init the weight update group"),
+                ("/update_weights_from_distributed", self.update_from_distributed,
+                 "update weights from distributed"),
+                ("/destroy_weights_update_group", self.destroy_group, "destroy the weight update group"),
+                ("/release_memory_occupation", self.release_memory, "release memory"),
+                ("/resume_memory_occupation", self.resume_memory, "resume memory")):
+            router.add_post(path, self._refusing(handler, what))
         router.add_route("*", "/weights_checksum", self.weights_checksum)
+
+    @staticmethod
+    def _refusing(handler, what: str):
+        """A refused update is SGLang's {"success": false, "message"} with HTTP 400."""
+        @functools.wraps(handler)
+        async def route(request):
+            try:
+                return await handler(request)
+            except (W.WeightPayloadError, S.SharedWeightsError) as e:
+                return weight_answer(False, f"Failed to {what}: {e}")
+        return route
 
     @property
     def engine(self):
@@ -121,40 +108,33 @@ class WeightReceiver:
     # --- validation and the swap ---
     def _check(self, named, cast: bool = False):
         """Drop the names the engine derives itself (a tied lm_head), cast a checkpoint's floats to the
-        engine's dtype if asked, and refuse anything that does not fit the model."""
+        engine's dtype if asked, and refuse anything that does not fit the model or is not finite."""
         eng = self.engine
         named = [(n, t) for n, t in named if not skip_weight_name(n, eng.model_config)]
         if cast:  # checkpoints on disk may be stored in another float dtype
             named = [(n, t.to(eng.dtype) if t.is_floating_point() else t) for n, t in named]
         W.check_against(named, eng.weight_specs)
-        W.check_finite(named)
         return named
 
     def _bucket_update(self, bucket: W.FlattenedTensorBucket) -> _Update:
         """One copy if the bucket reproduces a run of the packed parameters byte for byte (names,
-        order, shapes, dtype, offsets: see flat_params.py), else the validated per-tensor path."""
+        order, shapes, dtype, offsets), else the validated per-tensor path."""
         flat = self.engine.flat_params
         span = flat.match(bucket.metadata) if flat is not None else None
-        if span is not None and bucket.flattened_tensor.numel() == span[1] - span[0]:
-            self._check_finite_bucket(bucket, flat.dtype)
-            return _Update(flat=(span[0], bucket.flattened_tensor), count=len(bucket.metadata))
-        return _Update(named=self._check(bucket.reconstruct_tensors()))
-
-    @staticmethod
-    def _check_finite_bucket(bucket: W.FlattenedTensorBucket, dtype: torch.dtype) -> None:
-        """A bucket of `dtype` tensors checked whole, as one tensor; cut into its tensors only to name
-        the culprit (or when its start is not aligned for the view)."""
         buffer = bucket.flattened_tensor
-        if buffer.storage_offset() % dtype.itemsize or W.non_finite([("", buffer.view(dtype))]) is not None:
+        if span is None or buffer.numel() != span[1] - span[0]:
+            return _Update(named=self._check(bucket.reconstruct_tensors()))
+        # checked whole, as one tensor; cut into its tensors only to name the culprit (or when unaligned)
+        if buffer.storage_offset() % flat.dtype.itemsize or W.non_finite([("", buffer.view(flat.dtype))]) is not None:
             W.check_finite(bucket.reconstruct_tensors())
+        return _Update(flat=(span[0], buffer), count=len(bucket.metadata))
 
     @staticmethod
     def _update_fields(body):
         """(abort_all_requests, weight_version) of an update body, checked."""
-        abort_first = body.get("abort_all_requests", False)
+        abort_first, given = body.get("abort_all_requests", False), body.get("weight_version")
         if not isinstance(abort_first, bool):
             raise RequestError("abort_all_requests must be a boolean")
-        given = body.get("weight_version")
         if given is not None and not isinstance(given, (str, int)):
             raise RequestError("weight_version must be a string")
         return abort_first, given
@@ -170,78 +150,60 @@ class WeightReceiver:
                 p.data = p.data.clone()
         self.shared_key = None
 
-    async def _apply(self, update: _Update, body, source: str, timings: dict, t0: float) -> web.Response:
-        """Swap in `update` on the engine thread once in-flight work allows; bump the version.
-        Answers with per-phase timings_ms: parse (the JSON body), decode/receive, wait (hand-off to
-        the engine thread and drain), copy (the copy until complete + KV flush), release (dropping
-        the trainer's buffer), answer (back to the event loop), total (handler entry to answer)."""
+    async def _apply(self, update: _Update, body, source: str, timings: dict, t0: float):
+        """Swap `update` in on the engine thread once in-flight work allows; bump the version. Answers
+        with timings_ms: parse, decode or receive, wait (hand-off to the engine thread and drain), copy
+        (until complete, and the KV flush), release (of the trainer's buffer), answer, total."""
         abort_first, given = self._update_fields(body)
-        # flush_cache=false without a weight_version marks one bucket of a multi-bucket sync (more
-        # follow): the version moves once, with the last bucket. The KV cache is flushed regardless,
-        # so nothing computed with older weights is ever reused.
-        partial = given is None and body.get("flush_cache", True) is False
-
-        submitted = time.perf_counter()
-        swapped = [0.0]
+        # flush_cache=false without a weight_version is one bucket of several: the version moves with
+        # the last one. The KV cache is flushed regardless: nothing computed with older weights is reused.
+        partial = body.get("flush_cache") is False and given is None
+        submitted, marks = time.perf_counter(), []
 
         def swap(eng):
-            t = time.perf_counter()
-            timings["wait"] = (t - submitted) * 1000
+            marks.append(time.perf_counter())
             old = eng.weight_version
             self._detach(eng)
             named, flat = update.take()
-            if flat is not None:
-                eng.load_flat(*flat)  # matched already: one copy, complete on return, then a KV flush
-            else:
-                eng.load_weights(named)  # validated already; copies in place, then flushes every KV block
-            timings["copy"] = (time.perf_counter() - t) * 1000
-            t = time.perf_counter()
+            eng.load_flat(*flat) if flat is not None else eng.load_weights(named)  # then a KV flush
+            marks.append(time.perf_counter())
             del named, flat  # the last references: CUDA IPC memory is closed here, before we answer
-            swapped[0] = time.perf_counter()
-            timings["release"] = (swapped[0] - t) * 1000
+            marks.append(time.perf_counter())
             if not partial:
                 eng.weight_version = _next_version(old, given)
             return eng.weight_version
 
         version = await self.worker.update(swap, abort_first)
-        now = time.perf_counter()
-        timings["answer"] = (now - swapped[0]) * 1000  # engine thread -> event loop
-        timings["total"] = (now - t0) * 1000
+        start, copied, released = marks
+        timings.update(wait=_ms(submitted, start), copy=_ms(start, copied), release=_ms(copied, released),
+                       answer=_ms(released), total=_ms(t0))
         return json_response({
-            "success": True, "fast_path": update.fast,
+            "success": True, "fast_path": update.fast, "timings_ms": timings,
             "message": f"Succeeded to update {update.count} tensors from {source}"
-                       f"{' with one copy' if update.fast else ''}. Weight version updated to {version}.",
-            "timings_ms": {k: round(v, 3) for k, v in timings.items()}})
+                       f"{' with one copy' if update.fast else ''}. Weight version updated to {version}."})
 
     # --- tensor and disk ---
     async def update_from_tensor(self, request):
         t0 = time.perf_counter()
         body = await json_body(request)
-        parsed = time.perf_counter()
-        fmt = body.get("load_format")
-        payload = body.get("serialized_named_tensors")
+        parsed, fmt, payload = time.perf_counter(), body.get("load_format"), body.get("serialized_named_tensors")
 
         def decode():
             if fmt == "flattened_bucket":
                 return self._bucket_update(W.decode_bucket(payload))
             return _Update(named=self._check(W.decode_tensor_payload(payload, fmt)))
 
-        try:
-            t = time.perf_counter()
-            update = await asyncio.to_thread(decode)
-        except W.WeightPayloadError as e:
-            return weight_answer(False, f"Failed to update weights from tensor: {e}")
-        timings = {"parse": (parsed - t0) * 1000, "decode": (time.perf_counter() - t) * 1000}
-        return await self._apply(update, body, "tensor", timings, t0)
+        update = await asyncio.to_thread(decode)
+        return await self._apply(update, body, "tensor", {"parse": _ms(t0, parsed), "decode": _ms(parsed)}, t0)
 
     async def update_from_disk(self, request):
         t0 = time.perf_counter()
         body = await json_body(request)
         path = body.get("model_path")
         if not isinstance(path, str) or not path:
-            return weight_answer(False, "model_path (a folder of safetensors files) is required")
+            raise W.WeightPayloadError("model_path (a folder of safetensors files) is required")
         if body.get("load_format") not in (None, "auto", "safetensors"):
-            return weight_answer(False, f"load_format {body.get('load_format')!r} is not supported; use safetensors")
+            raise W.WeightPayloadError(f"load_format {body.get('load_format')!r} is not supported; use safetensors")
 
         def load():
             named = self._check(W.load_safetensors_folder(path), cast=True)
@@ -250,37 +212,25 @@ class WeightReceiver:
                 raise W.WeightPayloadError(f"the checkpoint lacks {len(missing)} parameters, e.g. {missing[:3]}")
             return named
 
-        try:
-            t = time.perf_counter()
-            named = await asyncio.to_thread(load)
-        except W.WeightPayloadError as e:
-            return weight_answer(False, f"Failed to update weights from disk: {e}")
-        timings = {"decode": (time.perf_counter() - t) * 1000}
-        return await self._apply(_Update(named=named), body, f"disk ({path})", timings, t0)
+        t = time.perf_counter()
+        named = await asyncio.to_thread(load)
+        return await self._apply(_Update(named=named), body, f"disk ({path})", {"decode": _ms(t)}, t0)
 
-    # --- shared memory ---
     async def update_from_shared(self, request):
         t0 = time.perf_counter()
         body = await json_body(request)
         abort_first, given = self._update_fields(body)
         path, manifest = body.get("path"), body.get("manifest")
-        key = (path, json.dumps(manifest))
-        views = None
+        key, views, cfg = (path, json.dumps(manifest)), None, self.engine.model_config
         if key != self.shared_key:
-            cfg = self.engine.model_config
-            try:
-                views = await asyncio.to_thread(S.map_shared, path, manifest, self.engine.weight_specs,
-                                                lambda name: skip_weight_name(name, cfg))
-            except S.SharedWeightsError as e:
-                return weight_answer(False, f"Failed to map shared weights: {e}")
-        # Mapped already, the trainer's weights ARE the parameters (its in-place writes are served
-        # as they are, there is no older copy to go back to): a non-finite one keeps the version.
-        named = views.items() if views is not None else self.engine.named_parameters()
-        bad = await asyncio.to_thread(W.non_finite, named)
+            views = await asyncio.to_thread(S.map_shared, path, manifest, self.engine.weight_specs,
+                                            lambda name: skip_weight_name(name, cfg))
+        # Once mapped, the trainer's weights ARE the parameters (no older copy to go back to): a
+        # non-finite one keeps the version where it was.
+        bad = await asyncio.to_thread(W.non_finite, self.engine.named_parameters() if views is None else views.items())
         if bad is not None:
             kept = "the engine keeps its own weights" if views is not None else "weight_version stays"
-            return weight_answer(False, f"Failed to update weights from shared memory: {bad} holds NaN or infinite "
-                                        f"values ({kept})")
+            raise W.WeightPayloadError(f"{bad} holds NaN or infinite values ({kept})")
 
         def swap(eng):
             if views is not None:
@@ -298,12 +248,10 @@ class WeightReceiver:
             return eng.weight_version
 
         version = await self.worker.update(swap, abort_first)
-        ms = (time.perf_counter() - t0) * 1000
         return json_response({
-            "success": True, "attached": views is not None, "bytes_copied": 0,
+            "success": True, "attached": views is not None, "bytes_copied": 0, "timings_ms": {"total": _ms(t0)},
             "message": f"Serving the trainer's shared weights ({path}){' (mapped now)' if views is not None else ''}. "
-                       f"Weight version updated to {version}.",
-            "timings_ms": {"total": round(ms, 3)}})
+                       f"Weight version updated to {version}."})
 
     # --- memory occupation ---
     async def release_memory(self, request):
@@ -312,14 +260,13 @@ class WeightReceiver:
         if not (isinstance(tags, list) and set(tags) <= {"kv_cache", "weights"}):
             raise RequestError('tags must be a list of "kv_cache" and "weights"')
         if self.engine.device.type != "cpu":
-            return weight_answer(False, "release_memory_occupation frees CPU memory only; this engine runs on "
-                                        f"{self.engine.device}")
+            raise W.WeightPayloadError(f"it frees CPU memory only; this engine runs on {self.engine.device}")
         if "kv_cache" not in tags:
             return weight_answer(True, "Nothing released: weights stay resident (shared with the trainer, or ours)")
 
         def release(eng):
             eng.flush_cache()  # every cached prefix is forgotten before its pages are
-            return sum(_drop_pages(t) for t in (eng.kv.k, eng.kv.v))
+            return eng.kv.drop_pages()
 
         freed = await self.worker.update(release, False)  # once nothing runs
         return weight_answer(True, f"Released the KV cache's memory ({freed / 2**20:.0f} MiB); weights stay resident")
@@ -331,24 +278,22 @@ class WeightReceiver:
     # --- distributed ---
     async def init_group(self, request):
         body = await json_body(request)
-        try:
-            addr, port = body["master_address"], body["master_port"]
-            rank, world = body["rank_offset"], body["world_size"]
-        except KeyError as e:
-            return weight_answer(False, f"missing field {e.args[0]}")
-        name = body.get("group_name") or DEFAULT_GROUP_NAME
-        backend = body.get("backend") or "nccl"
+        missing = [k for k in ("master_address", "master_port", "rank_offset", "world_size") if k not in body]
+        if missing:
+            raise W.WeightPayloadError(f"missing field {missing[0]}")
+        addr, port, rank, world = body["master_address"], body["master_port"], body["rank_offset"], body["world_size"]
+        name, backend = body.get("group_name") or DEFAULT_GROUP_NAME, body.get("backend") or "nccl"
         if not (isinstance(addr, str) and all(isinstance(x, int) and not isinstance(x, bool) for x in (port, rank, world))
                 and 1 <= rank < world):
-            return weight_answer(False, "need master_address (str), master_port, rank_offset >= 1, world_size > rank_offset")
+            raise W.WeightPayloadError("need master_address (str), master_port, rank_offset >= 1, "
+                                       "world_size > rank_offset")
         if backend not in ("gloo", "nccl"):
-            return weight_answer(False, f"backend must be gloo or nccl, got {backend!r}")
+            raise W.WeightPayloadError(f"backend must be gloo or nccl, got {backend!r}")
         if backend == "nccl" and self.engine.device.type != "cuda":
-            return weight_answer(False, "backend nccl needs a CUDA engine; this engine runs on CPU: use gloo")
-        if name in self.groups:
-            return weight_answer(False, f"group {name!r} already exists; destroy it first")
-        if self.forming is not None:
-            return weight_answer(False, f"group {self.forming!r} is being formed; one rendezvous at a time")
+            raise W.WeightPayloadError("backend nccl needs a CUDA engine; this engine runs on CPU: use gloo")
+        if name in self.groups or self.forming is not None:
+            raise W.WeightPayloadError(f"group {name!r} already exists; destroy it first" if name in self.groups else
+                                       f"group {self.forming!r} is being formed; one rendezvous at a time")
 
         def init():
             if backend == "nccl":
@@ -360,9 +305,9 @@ class WeightReceiver:
         try:
             self.groups[name] = await asyncio.to_thread(init)
         except TimeoutError as e:
-            return weight_answer(False, f"Failed to init group {name!r}: {e} (config key dist_connect_timeout)")
+            raise W.WeightPayloadError(f"{name!r}: {e} (config key dist_connect_timeout)") from None
         except Exception as e:
-            return weight_answer(False, f"Failed to init group {name!r}: {type(e).__name__}: {e}")
+            raise W.WeightPayloadError(f"{name!r}: {type(e).__name__}: {e}") from None
         finally:
             self.forming = None
         self.group_locks[name] = asyncio.Lock()
@@ -373,30 +318,24 @@ class WeightReceiver:
         t0 = time.perf_counter()
         body = await json_body(request)
         parsed = time.perf_counter()
-        name = body.get("group_name") or DEFAULT_GROUP_NAME
-        if name not in self.groups:
-            return weight_answer(False, f"no weight update group {name!r}; call /init_weights_update_group first")
+        name, fmt = body.get("group_name") or DEFAULT_GROUP_NAME, body.get("load_format")
         names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
-        fmt = body.get("load_format")
-        try:
-            if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
-                    and len(names) == len(dtypes) == len(shapes) and names):
-                raise W.WeightPayloadError("names, dtypes and shapes must be non-empty lists of one length")
-            if fmt not in (None, "flattened_bucket"):
-                raise W.WeightPayloadError(f"load_format must be null or 'flattened_bucket', got {fmt!r}")
-            for s in shapes:
-                if not (isinstance(s, list) and all(isinstance(d, int) and d >= 0 for d in s)):
-                    raise W.WeightPayloadError(f"bad shape {s!r}")
-            dtypes = [W.parse_dtype(d) for d in dtypes]
-        except W.WeightPayloadError as e:
-            return weight_answer(False, f"Failed to update weights from distributed: {e}")
-        # Receive first, even into a mismatching announcement, so the trainer's broadcast completes
-        # and the group stays in step; then check, then swap. The lock is held until the swap is
-        # done: a flattened bucket lands in the group's persistent buffer, which the next broadcast
-        # overwrites.
+        if name not in self.groups:
+            raise W.WeightPayloadError(f"no weight update group {name!r}; call /init_weights_update_group first")
+        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
+                and len(names) == len(dtypes) == len(shapes) and names):
+            raise W.WeightPayloadError("names, dtypes and shapes must be non-empty lists of one length")
+        if fmt not in (None, "flattened_bucket"):
+            raise W.WeightPayloadError(f"load_format must be null or 'flattened_bucket', got {fmt!r}")
+        bad = [s for s in shapes if not (isinstance(s, list) and all(isinstance(d, int) and d >= 0 for d in s))]
+        if bad:
+            raise W.WeightPayloadError(f"bad shape {bad[0]!r}")
+        dtypes = [W.parse_dtype(d) for d in dtypes]
+        # Receive first, even into a mismatching announcement, so the broadcast completes and the group
+        # stays in step; then check, then swap. The lock is held until the swap is done: a flattened
+        # bucket lands in the group's persistent buffer, which the next broadcast overwrites.
         async with self.group_locks[name]:
             try:
-                t = time.perf_counter()
                 update, error = await asyncio.to_thread(self._receive, name, names, dtypes, shapes, fmt)
             except Exception as e:
                 # A broken collective leaves the group in an unknown state: drop it (its teardown may
@@ -404,63 +343,55 @@ class WeightReceiver:
                 pg = self.groups.pop(name)
                 self.recv_buffers.pop(name, None)
                 threading.Thread(target=G.destroy_weight_update_group, args=(pg,), daemon=True).start()
-                return weight_answer(False, f"Failed to receive weights over {name!r}: {type(e).__name__}: {e}; "
-                                            "the group was dropped, call /init_weights_update_group again")
+                raise W.WeightPayloadError(f"receiving over {name!r}: {type(e).__name__}: {e}; the group was "
+                                           "dropped, call /init_weights_update_group again") from None
             if error is not None:
-                return weight_answer(False, f"Failed to update weights from distributed: {error}")
-            timings = {"parse": (parsed - t0) * 1000, "receive": (time.perf_counter() - t) * 1000}
+                raise error
+            timings = {"parse": _ms(t0, parsed), "receive": _ms(parsed)}
             return await self._apply(update, body, f"distributed group {name!r}", timings, t0)
 
     def _receive(self, name, names, dtypes, shapes, fmt):
-        """(update, None) or, for a received payload that does not fit the model, (None, error)."""
+        """(update, None), or (None, the error) for a received payload that does not fit the model."""
         device, pg = self.engine.device, self.groups[name]
         if device.type == "cuda":
             torch.cuda.set_device(device)  # this pool thread's current device is what NCCL uses
-        if fmt != "flattened_bucket":
-            received = G.receive_weights(pg, names, dtypes, shapes, fmt, device, self.dist_timeout_s)
-            try:
-                return _Update(named=self._check(received)), None
-            except W.WeightPayloadError as e:
-                return None, e
-        nbytes = sum(torch.Size(s).numel() * d.itemsize for d, s in zip(dtypes, shapes))
-        buffer = self.recv_buffers.get(name)
-        if buffer is None or buffer.numel() < nbytes:  # allocated once per group (grown if needed)
-            self.recv_buffers[name] = buffer = None  # free the smaller one first
-            self.recv_buffers[name] = buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        bucket = G.receive_bucket(pg, names, dtypes, shapes, device, self.dist_timeout_s, buffer=buffer)
         try:
+            if fmt != "flattened_bucket":
+                received = G.receive_weights(pg, names, dtypes, shapes, fmt, device, self.dist_timeout_s)
+                return _Update(named=self._check(received)), None
+            nbytes = sum(torch.Size(s).numel() * d.itemsize for d, s in zip(dtypes, shapes))
+            buffer = self.recv_buffers.get(name)
+            if buffer is None or buffer.numel() < nbytes:  # allocated once per group (grown if needed)
+                self.recv_buffers[name] = buffer = None  # free the smaller one first
+                self.recv_buffers[name] = buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            bucket = G.receive_bucket(pg, names, dtypes, shapes, device, self.dist_timeout_s, buffer=buffer)
             return self._bucket_update(bucket), None
         except W.WeightPayloadError as e:
             return None, e
 
     async def destroy_group(self, request):
-        body = await json_body(request, default={})
-        name = body.get("group_name") or DEFAULT_GROUP_NAME
+        name = (await json_body(request, default={})).get("group_name") or DEFAULT_GROUP_NAME
         pg = self.groups.pop(name, None)
         if pg is None:
-            return weight_answer(False, f"no weight update group {name!r}")
+            raise W.WeightPayloadError(f"no weight update group {name!r}")
         self.group_locks.pop(name, None)
         self.recv_buffers.pop(name, None)
         try:
             await asyncio.to_thread(G.destroy_weight_update_group, pg)
         except Exception as e:
-            return weight_answer(False, f"Failed to destroy group {name!r}: {type(e).__name__}: {e}")
+            raise W.WeightPayloadError(f"{name!r}: {type(e).__name__}: {e}") from None
         return weight_answer(True, f"Succeeded to destroy custom process group {name!r}.")
 
     # --- verification ---
     async def weights_checksum(self, request):
-        body = await json_body(request, default={}) if request.method == "POST" else {}
-        names = body.get("names")
+        names = (await json_body(request, default={}) if request.method == "POST" else {}).get("names")
         if names is not None:
             if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
                 raise RequestError("names must be a list of parameter names")
             unknown = [n for n in names if n not in self.engine.weight_specs]
             if unknown:
                 raise RequestError(f"unknown parameter names: {unknown[:5]}")
-
-        def compute(eng):
-            return eng.weight_version, W.checksums(eng.named_parameters(), names)
-
-        version, sums = await self.worker.call(compute)
+        version, sums = await self.worker.call(
+            lambda eng: (eng.weight_version, W.checksums(eng.named_parameters(), names)))
         return json_response({"weight_version": version, "dtype": dtype_name(self.engine.dtype),
                               "algorithm": "sha256", "checksums": sums})

@@ -219,7 +219,7 @@ def test_eval_takes_a_runs_checkpoint_as_its_model(engine_server, restore_engine
     assert served == checksums((n, m) for n, m in zip(trainer.names, trainer.masters) if n in served)
     client.close()
     assert cli.main(["eval", "--model", str(ckpt), "--engine-url", engine_server.url, "--tasks", "kernel_name",
-                     "--samples", "1", "--max-turns", "1", "--max-new-tokens", "4"]) == 0
+                     "--samples", "1", "--set", "rollout.env.max_turns=1", "--set", "rollout.max_new_tokens=4"]) == 0
     assert f"{ckpt} on kernel_name: 1 tasks x 1 instances x 1 samples in " in capsys.readouterr().out
 
 

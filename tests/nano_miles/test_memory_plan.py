@@ -15,7 +15,7 @@ import torch
 
 from nano_miles.trainer.checkpoint import disk_line
 from nano_miles.config import load_config, parse_set
-from nano_miles.engine.handle import plan_layout
+from nano_miles.engine.layout import plan_layout
 from nano_miles.memory_plan import GB, MemoryCheckError, estimate, machine_memory, plan_memory, uses_shared_weights
 from nano_miles.models.prepare import resolve_model
 from nano_miles.train import TrainConfig

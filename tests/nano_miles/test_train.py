@@ -16,20 +16,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from nano_miles.engine.client import EngineClient, start_engine_process
+from nano_miles.engine.client import EngineClient
+from nano_miles.engine.process import start_engine_process
 from nano_miles.config import config_from_args, load_config, parse_set
 from nano_miles.engine.engine import EngineConfig
 from nano_miles.engine.protocol import API_KEY_ENV
 from nano_miles.engine.server import ServerConfig, add_arguments
-from nano_miles.engine.handle import EngineLaunchConfig, plan_layout
+from nano_miles.engine.layout import EngineLaunchConfig, plan_layout
 from nano_miles.models.prepare import resolve_model
 from nano_miles.rollout.producer import TaskStream
 from nano_miles.tasks import select_tasks
 from nano_miles.telemetry import REQUIRED_KEYS, read_metrics
 from nano_miles.train import RunFailed, TrainConfig, TrainingRun
-from nano_miles.trainer_ranks import with_rng
+from nano_miles.trainer.ranks import with_rng
 from nano_openshell import Sandbox
-from tests.nano_miles.test_checkpoint import CreatesFile, damaged_copies, format_1_run
+from tests.nano_miles.trainer.test_checkpoint import CreatesFile, damaged_copies, format_1_run
 
 REPO = Path(__file__).resolve().parents[2]
 DENY_NAMESPACES = [sys.executable, "-c", "import sys; from nano_openshell.seccomp import main; sys.exit(main())",

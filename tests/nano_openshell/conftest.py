@@ -5,7 +5,10 @@ finds working here ("namespaced" and/or "fallback"). Every adversarial command p
 sandbox that never started cannot pass a negative test (see `started`).
 """
 
+import ctypes
 import os
+import signal
+import threading
 import time
 import uuid
 
@@ -91,4 +94,35 @@ def wait_gone(text: str, within: float = 2.0) -> list[int]:
         time.sleep(0.05)
 
 
-__all__ = ["MARK", "ISOLATED", "Limits", "started", "token", "sleep_arg", "processes_with", "wait_gone"]
+_PTRACE_SEIZE, _WALL = 0x4206, 0x40000000
+
+
+def exec_held_past_its_deadline(sandbox):
+    """Run a command that exits 3 long before its 1.5 s deadline but whose init's end of command
+    (kill and reap what it left) is held past that deadline: the sleep it leaves is traced by us, so
+    once killed it stays a zombie that only we can reap. Returns the command's ExecResult."""
+    tok = token()
+    sleeping = f"sleep\0{sleep_arg(tok)}"
+    cmd = f"echo {MARK}; sleep {sleep_arg(tok)} & while [ ! -e go ]; do sleep 0.01; done; exit 3"
+    results = []
+    runner = threading.Thread(target=lambda: results.append(sandbox.exec(cmd, timeout=1.5)))
+    runner.start()
+    end = time.monotonic() + 10
+    while not processes_with(sleeping) and time.monotonic() < end:
+        time.sleep(0.01)
+    [leftover] = processes_with(sleeping)
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.ptrace(_PTRACE_SEIZE, leftover, None, None) == 0, os.strerror(ctypes.get_errno())
+    try:
+        with open(os.path.join(sandbox.workspace, "go"), "w"):
+            pass
+        runner.join(timeout=10)
+    finally:
+        os.kill(leftover, signal.SIGKILL)
+        os.waitpid(leftover, _WALL)  # the zombie, released to the init (or to PID 1 once it died)
+    [r] = results
+    return r
+
+
+__all__ = ["MARK", "ISOLATED", "Limits", "started", "token", "sleep_arg", "processes_with", "wait_gone",
+           "exec_held_past_its_deadline"]

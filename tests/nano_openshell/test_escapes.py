@@ -1,6 +1,5 @@
 """Nothing outlives a command: timeouts kill the whole tree, fast, whatever it does to hide."""
 
-import ctypes
 import glob
 import os
 import shutil
@@ -15,7 +14,7 @@ import pytest
 
 from nano_openshell import SandboxError, probe
 
-from .conftest import MARK, Limits, processes_with, sleep_arg, started, token, wait_gone
+from .conftest import MARK, Limits, exec_held_past_its_deadline, processes_with, sleep_arg, started, token, wait_gone
 
 ESCAPES = {
     "background": "sleep {s} &",
@@ -197,36 +196,11 @@ def test_a_racing_tree_left_behind_dies_with_its_command(sandbox):
         assert wait_gone(tok, within=1.0) == [], f"run {run}"
 
 
-_PTRACE_SEIZE, _WALL = 0x4206, 0x40000000
-
-
-def test_a_command_that_ended_in_time_is_not_reported_timed_out(kill_path_sandbox, tier):
+def test_a_command_that_ended_in_time_is_not_reported_timed_out(kill_path_sandbox):
     """The command exits 3 long before its deadline, but the init's end of command (kill and reap
-    what it left) is held past the deadline: the sleep it left is traced by us, so once killed it
-    stays a zombie that only we can reap. The deadline then passes with the command over: the result
-    is its own exit code, not a timeout."""
-    if tier != "fallback":
-        pytest.skip("the fallback tier's init (initproc.py); the namespaced tier's reports its own way")
-    tok = token()
-    sleeping = f"sleep\0{sleep_arg(tok)}"
-    cmd = f"echo {MARK}; sleep {sleep_arg(tok)} & while [ ! -e go ]; do sleep 0.01; done; exit 3"
-    results = []
-    runner = threading.Thread(target=lambda: results.append(kill_path_sandbox.exec(cmd, timeout=1.5)))
-    runner.start()
-    end = time.monotonic() + 10
-    while not processes_with(sleeping) and time.monotonic() < end:
-        time.sleep(0.01)
-    [leftover] = processes_with(sleeping)
-    libc = ctypes.CDLL(None, use_errno=True)
-    assert libc.ptrace(_PTRACE_SEIZE, leftover, None, None) == 0, os.strerror(ctypes.get_errno())
-    try:
-        with open(os.path.join(kill_path_sandbox.workspace, "go"), "w"):
-            pass
-        runner.join(timeout=10)
-    finally:
-        os.kill(leftover, signal.SIGKILL)
-        os.waitpid(leftover, _WALL)  # the zombie, released to the init (or to PID 1 once it died)
-    [r] = results
+    what it left) is held past the deadline (exec_held_past_its_deadline). The deadline then passes
+    with the command over: the result is its own exit code, not a timeout."""
+    r = exec_held_past_its_deadline(kill_path_sandbox)
     assert r.duration_ms >= 1500  # the init was held past the deadline
     assert (started(r).exit_code, r.timed_out) == (3, False)
 

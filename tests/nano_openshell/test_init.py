@@ -26,7 +26,7 @@ import pytest
 from nano_openshell import SandboxError
 from nano_openshell import init_build, launcher
 
-from .conftest import MARK, processes_with, sleep_arg, started, token, wait_gone
+from .conftest import MARK, exec_held_past_its_deadline, processes_with, sleep_arg, started, token, wait_gone
 
 
 @pytest.fixture(params=["c", "python"])
@@ -159,6 +159,28 @@ def test_a_timeout_kills_only_that_command_while_others_run(ns):
     assert wait_gone(sleep_arg(tok)) == []
     r = other.release()
     assert r.stdout == "released\n" and not r.timed_out, r
+
+
+def test_a_command_that_ended_in_time_is_not_timed_out_while_its_leftovers_are_killed(ns):
+    """The init tells when it reaps a command (its code, and the time), before it kills what the
+    command left: a deadline passing during that kill is not the command's (test_escapes.py runs
+    the same on every tier). The init held meanwhile costs the sandbox; the next command gets one."""
+    r = exec_held_past_its_deadline(ns)
+    assert r.duration_ms >= 1500  # the init was held past the deadline
+    assert (started(r).exit_code, r.timed_out) == (3, False)
+    assert "did not stop a command in time" in ns._namespaces._init.dead
+    assert ns.exec("echo back", timeout=10).stdout == "back\n"
+
+
+def test_the_supervisor_reads_when_a_command_ended_and_ignores_a_garbled_report():
+    """What the init says of a command's end is untrusted: lines that are not its format change
+    nothing, and the status line after them still counts."""
+    for said, ended in [(b"D3 1500000000\n", (3, 1.5)), (b"D3\nD 7\nDx y\nD1 " + b"9" * 400 + b"\n", None)]:
+        r, w = os.pipe()
+        os.write(w, said + b"X0\n")
+        os.close(w)
+        command = launcher.Command(None, 1, r)
+        assert (command.wait(timeout=5), command.ended) == (0, ended)
 
 
 def test_escapees_die_when_their_command_ends_while_others_run(ns):

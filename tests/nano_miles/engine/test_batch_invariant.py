@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nano_miles import batch_invariant as bi
+from nano_miles.engine import batch_invariant as bi
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -95,7 +95,7 @@ def test_attention_rows_do_not_depend_on_pages_batch_or_split(dtype):
     L, H, KV, D = 150, 4, 2, 16
     q, k, v = randn(1, L, H, D, dtype=dtype, seed=5), randn(1, L, KV, D, dtype=dtype, seed=6), randn(1, L, KV, D, dtype=dtype, seed=7)
     whole = bi.causal_attention(q, k, v)[0]                     # the trainer: one contiguous sequence
-    ref = bi._causal_attention_fast(q.double(), k.double(), v.double())[0]
+    ref = bi.FastOps.causal_attention(q.double(), k.double(), v.double())[0]
     assert torch.allclose(whole.double(), ref, atol=1e-5 if dtype == torch.float32 else 3e-2)
     positions = torch.arange(L)
     for block_size, seed in ((4, 0), (16, 1), (64, 2)):        # the engine: pages in any order
@@ -126,16 +126,16 @@ def test_gradients_are_the_ordinary_ops_gradients():
         assert torch.allclose(got, want, atol=1e-5)
     nw = randn(48, seed=12).requires_grad_()
     y = F.linear(x, w).detach().requires_grad_()
-    for got, want in zip(grads(lambda a, c: bi.rms_norm(a, c, 1e-6), y, nw), grads(lambda a, c: bi._rms_norm_fast(a, c, 1e-6), y, nw)):
+    for got, want in zip(grads(lambda a, c: bi.rms_norm(a, c, 1e-6), y, nw), grads(lambda a, c: bi.FastOps.rms_norm(a, c, 1e-6), y, nw)):
         assert torch.equal(got, want)  # recomputed by the very expression
-    for got, want in zip(grads(bi.silu_mul, y, y * 3), grads(bi._silu_mul_fast, y, y * 3)):
+    for got, want in zip(grads(bi.silu_mul, y, y * 3), grads(bi.FastOps.silu_mul, y, y * 3)):
         assert torch.equal(got, want)
     for got, want in zip(grads(bi.log_softmax, y), grads(lambda a: torch.log_softmax(a, -1), y)):
         assert torch.allclose(got, want, atol=1e-5)
     q, k, v = (randn(2, 9, *shape, seed=s).requires_grad_() for shape, s in (((4, 8), 13), ((2, 8), 14), ((2, 8), 15)))
     go = randn(2, 9, 4, 8, seed=16)
     got = torch.autograd.grad(bi.causal_attention(q, k, v), (q, k, v), go)
-    want = torch.autograd.grad(bi._causal_attention_fast(q, k, v), (q, k, v), go)
+    want = torch.autograd.grad(bi.FastOps.causal_attention(q, k, v), (q, k, v), go)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 

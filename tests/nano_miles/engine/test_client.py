@@ -19,8 +19,8 @@ from nano_miles.engine.client import (
     EngineRequestError,
     EngineUnavailable,
     Routes,
-    start_engine_process,
 )
+from nano_miles.engine.process import start_engine_process
 
 SMALL = ("--num-kv-blocks", "256", "--max-running-requests", "8")
 
@@ -93,7 +93,7 @@ def test_async_client_generate_batch_and_errors(engine_server):
     async def go():
         client = AsyncEngineClient(engine_server.url)
         try:
-            await client.wait_until_ready(10)
+            assert await client.health()
             one = await client.generate([1, 2, 3], {"max_new_tokens": 3, "temperature": 0}, rid="async-1")
             batch = await client.generate_batch([[1, 2, 3], [4, 5]], {"max_new_tokens": 2, "temperature": 0})
             with pytest.raises(EngineRequestError, match="positive"):
@@ -119,7 +119,8 @@ def test_start_engine_process_serves_and_stops(tiny_model_path):
         t = threading.Thread(target=lambda: box.update(out=engine.client().generate(
             [3, 4, 5], {"max_new_tokens": 3000, "ignore_eos": True})))
         t.start()
-        time.sleep(0.5)
+        while not client.server_info()["internal_states"][0]["running"]:  # the request is in the engine
+            time.sleep(0.01)
         assert engine.stop() == 0  # SIGTERM: a clean exit, not a kill, even with a request running
         t.join(10)
         assert box["out"]["meta_info"]["finish_reason"]["type"] == "abort"  # it got an answer
@@ -134,7 +135,7 @@ def test_bad_model_fails_fast_with_the_reason():
 
 PARENT = """
 import sys
-from nano_miles.engine.client import start_engine_process
+from nano_miles.engine.process import start_engine_process
 engine = start_engine_process(sys.argv[1], extra_args=sys.argv[2:])
 print(engine.process.pid, engine.url, flush=True)
 sys.stdin.read()  # until the test kills us

@@ -5,7 +5,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from nano_miles.engine.client import start_engine_process
+from nano_miles.engine.process import start_engine_process
 
 CHAT = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "List the files."}]
 

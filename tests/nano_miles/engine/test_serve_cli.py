@@ -43,7 +43,7 @@ def test_sglang_flags_are_aliases_of_config_keys():
 
 
 def test_config_file_and_set_reach_the_real_server(tiny_model_path, tmp_path):
-    from nano_miles.engine.client import start_engine_process
+    from nano_miles.engine.process import start_engine_process
 
     (tmp_path / "serve.toml").write_text("threads = 1\nmax_body_mb = 1\n[engine]\nmax_running_requests = 8\n"
                                          "num_kv_blocks = 64\n")

@@ -245,7 +245,7 @@ def test_stop_strings_without_a_tokenizer_are_one_400_line(tiny_model_path, tmp_
     one line, and the server keeps serving requests without stop strings."""
     import shutil
 
-    from nano_miles.engine.client import start_engine_process
+    from nano_miles.engine.process import start_engine_process
     from tests.conftest import ENGINE_ARGS
 
     bare = tmp_path / "no-tokenizer"

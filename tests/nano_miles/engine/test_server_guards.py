@@ -18,7 +18,8 @@ import requests
 import torch
 from safetensors.torch import load_file, save_file
 
-from nano_miles.engine.client import AsyncEngineClient, EngineClient, EngineError, EngineRequestError, start_engine_process
+from nano_miles.engine.client import AsyncEngineClient, EngineClient, EngineError, EngineRequestError
+from nano_miles.engine.process import start_engine_process
 from nano_miles.engine import weight_group as G
 from nano_miles.engine.protocol import API_KEY_ENV
 from nano_miles.engine.server import Server, ServerConfig
@@ -172,12 +173,14 @@ def serve(*argv) -> subprocess.CompletedProcess:
 def test_a_server_others_can_reach_needs_a_key(tiny_model_path):
     # 192.0.2.1 (TEST-NET-1) is no address of this machine: a server that got past the check fails to
     # bind there, so nothing here ever listens beyond loopback or sends a packet.
-    refused = serve("--model", str(tiny_model_path), "--host", "192.0.2.1")
+    # the three command lines side by side: each spends its time importing torch
+    with ThreadPoolExecutor(3) as pool:
+        refused, *allowed = pool.map(lambda extra: serve("--model", str(tiny_model_path), "--host", "192.0.2.1",
+                                                         "--port", "0", *extra),
+                                     ([], ["--allow-unauthenticated"], ["--api-key", "k"]))
     assert refused.returncode == 2
     assert refused.stderr.strip().splitlines() == [
         "nano-miles serve: --host 192.0.2.1 lets other machines in: give --api-key KEY (or $NANO_MILES_API_KEY), "
         "or --allow-unauthenticated if that is really meant"]
-    for extra in (["--allow-unauthenticated"], ["--api-key", "k"]):
-        allowed = serve("--model", str(tiny_model_path), "--host", "192.0.2.1", "--port", "0", *extra)
-        assert allowed.stderr.strip().splitlines()[-1].startswith("nano-miles serve: cannot listen on 192.0.2.1"), \
-            allowed.stderr
+    for run in allowed:
+        assert run.stderr.strip().splitlines()[-1].startswith("nano-miles serve: cannot listen on 192.0.2.1"), run.stderr

@@ -4,9 +4,9 @@ import base64
 import math
 import os
 import pickle
-from concurrent.futures import ThreadPoolExecutor
 import socket
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing import resource_sharer
 
 import pytest
@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import save_file
 from torch.multiprocessing import reductions
 
-from nano_miles.engine.client import EngineRequestError
 from nano_miles.engine import weight_group as G
+from nano_miles.engine.client import EngineRequestError
 from nano_miles.engine import weights as W
 from tests.nano_miles.engine.test_weight_updates import (direct, engine_order, folder_state, free_port,
                                                        served_checksums, version)
@@ -189,18 +189,20 @@ def test_a_payload_cannot_make_the_engine_connect_where_it_says(engine_client, t
     """An fd shared by file descriptor is fetched from the sending process's address, which the payload
     names: the engine would connect wherever a payload said (and to no producer of ours: another process's
     fds never reach it that way). Refused before any connection."""
-    connections = []
+    connections, answered = [], threading.Event()
     with socket.socket(socket.AF_UNIX) as listener:
         listener.bind(str(tmp_path / "l"))
         listener.listen()
+        listener.settimeout(0.05)
 
-        def accept():  # records who connects, and hangs up at once
-            try:
-                conn, _ = listener.accept()
+        def accept():  # records who connects, and hangs up at once, until the engine has answered
+            while not answered.is_set():
+                try:
+                    conn, _ = listener.accept()
+                except OSError:  # nobody yet (a timeout is an OSError)
+                    continue
                 connections.append(conn)
                 conn.close()
-            except OSError:  # the listener closed: nobody came
-                pass
 
         watcher = threading.Thread(target=accept, daemon=True)
         watcher.start()
@@ -211,5 +213,6 @@ def test_a_payload_cannot_make_the_engine_connect_where_it_says(engine_client, t
                 "file descriptor are not taken; share them with torch.multiprocessing's file_system strategy"
                 in str(e.value))
         assert version(engine_client) == before_version and served_checksums(engine_client) == before
-    watcher.join(timeout=10)
+        answered.set()
+        watcher.join()
     assert connections == []

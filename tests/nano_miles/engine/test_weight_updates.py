@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from nano_miles.engine.client import EngineRequestError
+from nano_miles.engine.protocol import API_KEY_ENV
 from nano_miles.engine import weight_group as G
 from nano_miles.engine import weights as W
 from tests.nano_miles.engine.test_server import hf_model, teacher_forced_logprobs
@@ -219,8 +220,8 @@ def test_pause_update_continue_like_slime(engine_server, engine_client, tiny_mod
     assert box["out"]["meta_info"]["oldest_weight_version"] != "slime-1"  # its first tokens: the old weights
 
 
-def test_async_sync_pauses_in_place_instead_of_waiting_for_a_drain(engine_server, engine_client, tiny_model_path):
-    """train's async mode: a sync while a long request runs neither waits for it nor aborts it; the
+def test_a_sync_pauses_in_place_instead_of_waiting_for_a_drain(engine_server, engine_client, tiny_model_path):
+    """A sync while a long request runs (train's async mode) neither waits for it nor aborts it; the
     request then reports the weights its first tokens came from, so staleness is not understated."""
     from nano_miles.trainer.weight_sync import WeightSync
 
@@ -231,8 +232,7 @@ def test_async_sync_pauses_in_place_instead_of_waiting_for_a_drain(engine_server
     gen.start()
     while engine_client.server_info()["internal_states"][0]["running"] == 0:
         time.sleep(0.02)
-    with WeightSync(list(perturbed(tiny_model_path, 8).items()), engine_server.url, transport="ipc",
-                    pause_mode="in_place") as sync:
+    with WeightSync(list(perturbed(tiny_model_path, 8).items()), engine_server.url, transport="ipc") as sync:
         sync.sync("async-1")
     assert "out" not in box, "the sync waited for the running request to finish"
     assert version(engine_client) == "async-1"
@@ -310,14 +310,14 @@ def test_cuda_ipc_bucket_from_another_process_on_the_same_gpu(tiny_model_path):
     import subprocess
     import sys
 
-    from nano_miles.engine.client import start_engine_process
+    from nano_miles.engine.process import start_engine_process
 
     with start_engine_process(str(tiny_model_path), device="cuda:0", dtype="bfloat16",
                               extra_args=("--num-kv-blocks", "256")) as engine:
         out = subprocess.run([sys.executable, "-c", CUDA_TRAINER, engine.url,
                               str(next(tiny_model_path.glob("*.safetensors")))],
                              capture_output=True, text=True, timeout=300,
-                             env={**os.environ, "PYTHONPATH": os.getcwd()})
+                             env={**os.environ, "PYTHONPATH": os.getcwd(), API_KEY_ENV: engine.api_key})
         assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr + engine.log()
 
 
@@ -440,6 +440,4 @@ def test_a_bucket_flattened_into_a_persistent_buffer_equals_a_fresh_one():
     assert out[fresh.flattened_tensor.numel():].eq(7).all()  # the rest of the buffer is untouched
     with pytest.raises(ValueError, match="at least 34 bytes"):
         W.FlattenedTensorBucket(named_tensors=named, out=torch.empty(33, dtype=torch.uint8))
-    assert [(m.name, m.start_idx, m.end_idx) for m in G.bucket_layout(["a", "b", "c"], ["float32", "bfloat16", "float32"],
-                                                                     [[2, 3], [3], [1]])] == \
-        [(m.name, m.start_idx, m.end_idx) for m in fresh.metadata]
+    assert W.bucket_metadata(["a", "b", "c"], ["float32", "bfloat16", "float32"], [[2, 3], [3], [1]]) == fresh.metadata

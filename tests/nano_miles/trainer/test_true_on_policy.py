@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nano_miles.rollout.batch import Trajectory, build_rollout_batch
-from nano_miles.engine.client import start_engine_process
+from nano_miles.engine.process import start_engine_process
 from nano_miles.config import ConfigError, load_config, parse_set
 from nano_miles.engine.engine import Engine, EngineConfig, SamplingParams
 from nano_miles.train import TrainConfig, train_layout

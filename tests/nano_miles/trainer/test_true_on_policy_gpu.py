@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nano_miles import batch_invariant as bi
+from nano_miles.engine import batch_invariant as bi
 from nano_miles.rollout.batch import build_rollout_batch
 from nano_miles.engine.engine import Engine, EngineConfig
 from nano_miles.models.prepare import resolve_model
@@ -37,7 +37,7 @@ def test_triton_kernels_are_row_invariant_and_right(dtype):
     assert torch.allclose(whole.double(), F.linear(x.double(), w.double(), b.double()), rtol=tol, atol=tol)
     norm_w = randn(896, dtype=dtype, seed=3)
     norms = bi.rms_norm(x, norm_w, 1e-6)
-    assert torch.allclose(norms.double(), bi._rms_norm_fast(x.double(), norm_w.double(), 1e-6), rtol=tol, atol=tol)
+    assert torch.allclose(norms.double(), bi.FastOps.rms_norm(x.double(), norm_w.double(), 1e-6), rtol=tol, atol=tol)
     logits = bi.linear(x, w, out_dtype=torch.float32)
     logp = bi.log_softmax(logits)
     assert torch.allclose(logp, torch.log_softmax(logits, -1), atol=1e-4)
@@ -54,7 +54,7 @@ def test_triton_kernels_are_row_invariant_and_right(dtype):
     L, H, KV, D = 700, 14, 2, 64
     q, k, v = randn(1, L, H, D, dtype=dtype, seed=4), randn(1, L, KV, D, dtype=dtype, seed=5), randn(1, L, KV, D, dtype=dtype, seed=6)
     full = bi.causal_attention(q, k, v)[0]
-    ref = bi._causal_attention_fast(q.double(), k.double(), v.double())[0]
+    ref = bi.FastOps.causal_attention(q.double(), k.double(), v.double())[0]
     assert torch.allclose(full.double(), ref, atol=1e-4 if dtype == torch.float32 else 3e-2)
     BS, n = 16, (L + 15) // 16
     order = torch.randperm(n + 5, generator=torch.Generator().manual_seed(0))[:n].cuda()

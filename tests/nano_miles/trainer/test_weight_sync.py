@@ -7,8 +7,9 @@ import psutil
 import pytest
 import torch
 
-from nano_miles.rollout.batch import Trajectory, build_rollout_batch
+from nano_miles import cli
 from nano_miles.engine.weights import NonFiniteWeights, checksums
+from nano_miles.rollout.batch import Trajectory, build_rollout_batch
 from nano_miles.trainer.sharded import ShardedTrainer
 from nano_miles.trainer.trainer import OptimConfig, Trainer, TrainerConfig
 from nano_miles.trainer.weight_sync import SyncConfig, WeightSync, WeightSyncError, choose_transport
@@ -129,6 +130,19 @@ def test_a_refused_update_raises_and_the_engine_keeps_its_weights(engine_server,
         SyncConfig(bucket_mb=0)
 
 
+@pytest.mark.parametrize("key,value,use", [("transport", "staged", "sync.transport=distributed"),
+                                           ("pause_mode", "drain", "sync.pause_mode=in_place"),
+                                           ("pause_mode", "retract", "sync.pause_mode=in_place"),
+                                           ("pause_mode", "abort", "sync.pause_mode=in_place")])
+def test_a_removed_transport_or_pause_mode_is_one_line_naming_what_to_use(key, value, use, capsys):
+    assert cli.main(["train", "--set", f"sync.{key}={value}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(f"sync.{key}={value} is no longer offered: use {use}" + (
+        " (NCCL: what auto picks for a GPU without P2P)" if value == "staged" else "")), err
+    assert len(err.splitlines()) == 1
+    assert SyncConfig(pause_mode="auto").pause_mode == "auto"  # what configs saved before hold: in place
+
+
 @pytest.mark.parametrize("transport", ["ipc", "distributed", "disk", "shared"])
 def test_non_finite_weights_are_never_sent(transport, engine_server, engine_client, tiny_model_path,
                                            restore_engine_weights):
@@ -171,7 +185,7 @@ def test_auto_transport_follows_the_layout():
 
 def test_one_broadcast_updates_two_engines(engine_server, engine_client, tiny_model_path, restore_engine_weights):
     """The distributed transport is the path to many engines: one group, one broadcast per bucket."""
-    from nano_miles.engine.client import start_engine_process
+    from nano_miles.engine.process import start_engine_process
 
     trainer = Trainer(TrainerConfig(model=str(tiny_model_path), optim=OptimConfig(lr=1e-3)))
     with start_engine_process(str(tiny_model_path), device="cpu", dtype="float32",
@@ -190,7 +204,7 @@ def test_one_broadcast_updates_two_engines(engine_server, engine_client, tiny_mo
 @pytest.fixture(scope="module")
 def bf16_engine(tiny_model_path):
     """A second real server, in bfloat16 on CPU: the GPU setting's dtype, where parity is fragile."""
-    from nano_miles.engine.client import start_engine_process
+    from nano_miles.engine.process import start_engine_process
 
     with start_engine_process(str(tiny_model_path), device="cpu", dtype="bfloat16",
                               extra_args=("--num-kv-blocks", "512", "--dist-timeout", "30")) as engine:
@@ -234,7 +248,7 @@ def test_gpu_sync_and_bf16_parity(transport, tiny_model_path):
     """On the device: a bf16 engine on the trainer's GPU (auto -> CUDA IPC; NCCL refuses two ranks on
     one GPU, see the next test); the bf16 trainer scores the engine's samples within 5e-3 nats on
     average, after every sync."""
-    from nano_miles.engine.client import start_engine_process
+    from nano_miles.engine.process import start_engine_process
 
     with start_engine_process(str(tiny_model_path), device="cuda:0", dtype="bfloat16",
                               extra_args=("--num-kv-blocks", "256")) as engine:
@@ -253,7 +267,7 @@ def test_gpu_sync_and_bf16_parity(transport, tiny_model_path):
 
 @pytest.mark.gpu
 def test_gpu_distributed_to_the_trainers_own_gpu_is_a_clear_error(tiny_model_path):
-    from nano_miles.engine.client import start_engine_process
+    from nano_miles.engine.process import start_engine_process
 
     with start_engine_process(str(tiny_model_path), device="cuda:0", dtype="bfloat16",
                               extra_args=("--num-kv-blocks", "64")) as engine:
@@ -263,10 +277,10 @@ def test_gpu_distributed_to_the_trainers_own_gpu_is_a_clear_error(tiny_model_pat
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("transport", ["ipc", "staged", "distributed"])
+@pytest.mark.parametrize("transport", ["ipc", "distributed"])
 def test_gpu_sync_to_an_engine_on_another_gpu(transport, tiny_model_path):
-    """Trainer on cuda:0, engine process on cuda:1 (P2P IPC, one staged copy, or NCCL)."""
-    from nano_miles.engine.client import start_engine_process
+    """Trainer on cuda:0, engine process on cuda:1 (P2P IPC, or NCCL)."""
+    from nano_miles.engine.process import start_engine_process
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")

@@ -1,11 +1,9 @@
-"""Where things run, and the engine.* keys of the commands that start engines.
+"""Where things run (the Layout), and the engine.* keys of the commands that start engines.
 
-`plan_layout` decides the devices from the hardware and the dtype ("auto": nano_miles.dtypes): the
-trainer on cuda:0 (its N ranks on cuda:0..N-1), the engine replicas (engine.replicas) on the GPUs after
-the trainer's, one per GPU and round-robin when there are more replicas than GPUs left (replicas that
-share a GPU split its KV-cache share); with no GPU left over the engines share the trainer's (a
-smaller KV share), and with no GPU at all everything runs on the CPU. It also turns the engine.* keys
-into `nano-miles serve` arguments. `EngineHandle` is the pool of those engines (nano_miles/engine/pool.py).
+`plan_layout`: the trainer on cuda:0 (its N ranks on cuda:0..N-1), the engine replicas on the GPUs
+after the trainer's, round-robin (replicas sharing a GPU split its KV-cache share); with no GPU left
+over they share the trainer's (a smaller KV share), with no GPU at all everything runs on the CPU.
+The engine.* keys become `nano-miles serve` arguments for the pool that starts them (pool.py).
 """
 from __future__ import annotations
 
@@ -19,7 +17,6 @@ import torch
 from nano_miles.config import filled_in
 from nano_miles.dtypes import resolve_dtype_name
 from nano_miles.engine.engine import EngineConfig
-from nano_miles.engine.pool import EnginePool
 
 # A KV cache sized for a GPU of its own would leave the trainer nothing on a shared one.
 SHARED_GPU_KV_FRACTION = 0.35
@@ -28,9 +25,8 @@ AUTO = "auto"
 
 @dataclass
 class EngineLaunchConfig(EngineConfig):
-    """The engine.* keys of rollout, eval and train: the engine's own keys (`nano-miles serve
-    --set engine.KEY=...`, nano_miles/engine/engine.py), plus where the engine is. Its model and dtype
-    are the command's own `model` and `dtype` keys; device and KV share default to the layout's choice."""
+    """The engine.* keys of rollout, eval and train: the engine's own (engine.py) plus where it is.
+    Model and dtype are the command's own keys; device and KV share default to the layout's choice."""
     model: str = field(default="", metadata=filled_in("the command's model key"))
     device: str = AUTO                # auto = the GPUs after the trainer's (cuda:1 beside one on cuda:0), else the trainer's, or cpu without a GPU
     dtype: str = field(default=AUTO, metadata=filled_in("the command's dtype key"))
@@ -59,18 +55,16 @@ class EngineLaunchConfig(EngineConfig):
     def urls(self) -> list[str]:
         return [u.strip() for u in self.url.split(",") if u.strip()]
 
-    def serve_args(self, kv_cache_memory_fraction: float | None) -> list[str]:
-        """`nano-miles serve` arguments for every engine key that differs from the engine's default
-        (model, device and dtype are the layout's, passed as flags)."""
-        args = []
-        for f in dataclasses.fields(EngineConfig):
-            value = kv_cache_memory_fraction if f.name == "kv_cache_memory_fraction" else getattr(self, f.name)
-            if f.name not in ("model", "device", "dtype") and value is not None and value != _ENGINE_DEFAULTS[f.name]:
-                args += ["--set", f"engine.{f.name}={value}"]
-        return args
+    def serve_args(self) -> list[str]:
+        """`nano-miles serve` arguments for every engine key that differs from the engine's default but
+        model, device and dtype (the layout's flags) and the KV share (each replica's own, Layout.args_of)."""
+        return [a for f in dataclasses.fields(EngineConfig) if f.name not in _PER_REPLICA
+                and getattr(self, f.name) != _ENGINE_DEFAULTS[f.name]
+                for a in ("--set", f"engine.{f.name}={getattr(self, f.name)}")]
 
 
 _ENGINE_DEFAULTS = {f.name: getattr(EngineConfig(), f.name) for f in dataclasses.fields(EngineConfig)}
+_PER_REPLICA = ("model", "device", "dtype", "kv_cache_memory_fraction")
 DEFAULT_KV_FRACTION = _ENGINE_DEFAULTS["kv_cache_memory_fraction"]
 
 
@@ -122,11 +116,7 @@ def plan_layout(dtype: str, engine: EngineLaunchConfig, trainer_device: str | No
                 fraction = round(DEFAULT_KV_FRACTION / sharing, 4)
         fractions.append(fraction)
     resolved = resolve_dtype_name(dtype, trainer or devices[0])
-    return Layout(trainer, devices[0], resolved, engine.serve_args(None), devices, fractions)
-
-
-class EngineHandle(EnginePool):
-    """The engines of a command: the name rollout, eval and train know the pool by."""
+    return Layout(trainer, devices[0], resolved, engine.serve_args(), devices, fractions)
 
 
 def train_layout(cfg, ranks=None) -> Layout:
