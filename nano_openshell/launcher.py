@@ -28,20 +28,20 @@ KILL_WAIT = 2.0      # after a kill request, how long the init has to report the
 CLOSE_WAIT = 1.0     # after EOF, how long bwrap has to exit before it is killed
 INLINE_SCRIPT_BYTES = 64 * 1024  # a longer script travels as a memfd (argv strings are capped at 128 KiB)
 _MAX_STATUS = 4096
-_POOLS: dict[tuple[int, str], concurrent.futures.ThreadPoolExecutor] = {}
+_POOLS: dict = {}  # "pid": whose they are; name -> ThreadPoolExecutor
 _POOLS_LOCK = threading.Lock()
 
 
 def _pool(name: str, workers: int) -> concurrent.futures.ThreadPoolExecutor:
     """Long-lived threads of this process ("bwrap": the one every bwrap starts from); a forked child
     has none of its parent's threads and makes its own."""
-    key = (os.getpid(), name)
     with _POOLS_LOCK:
-        if key not in _POOLS:
-            for old in [k for k in _POOLS if k[0] != key[0]]:
-                del _POOLS[old]
-            _POOLS[key] = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix=f"nano-openshell-{name}")
-        return _POOLS[key]
+        if _POOLS.get("pid") != os.getpid():
+            _POOLS.clear()
+            _POOLS["pid"] = os.getpid()
+        if name not in _POOLS:
+            _POOLS[name] = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix=f"nano-openshell-{name}")
+        return _POOLS[name]
 
 
 class InitDied(RuntimeError):
@@ -57,8 +57,7 @@ class NotStarted(RuntimeError):
 
 
 class Namespaces:
-    """A Sandbox's bwrap and init: how to start them (as root under the sandbox's uid: through a
-    uid-drop tool, else Popen(user=uid)) and the one running."""
+    """A Sandbox's bwrap and init: how to start them, and the one running."""
 
     def __init__(self, bwrap: str, tmp_bytes: int, uid: int | None, workspace_fd: int, mounts: dict[str, str],
                  socket_fd: int | None, seccomp_program: bytes, cgroup_leaf, path: str):
@@ -114,10 +113,9 @@ def encode(msg: tuple) -> bytes:
 
 class Init:
     def __init__(self, spec: Namespaces):
-        """Returns before bwrap runs (the spawner thread starts it). With a cgroup leaf: moving into a
-        fresh cgroup waits out an RCU grace period, so a thread moves bwrap and its child (--info-fd)
-        while the init boots; no command is sent before they are in, and the init forks nothing before
-        its first: every command is born inside."""
+        """Returns before bwrap runs. With a cgroup leaf: moving into a fresh cgroup waits out an RCU
+        grace period, so a thread moves bwrap and its child (--info-fd) while the init boots; no command
+        is sent before they are in, and the init forks nothing before it: all are born inside."""
         prog_r, prog_w = os.pipe()
         try:
             os.write(prog_w, spec.seccomp)  # a few hundred bytes: fits the pipe buffer
@@ -154,8 +152,7 @@ class Init:
         ours.setblocking(False)
 
     def _start(self, argv: list[str], popen: dict, closing: tuple[int, ...], src_w: int | None):
-        """On the spawner thread: start bwrap and close our copies of its fds (a failure to start is
-        this init's death: the first command says why). The Python init reads its program as it boots."""
+        """On the spawner thread: start bwrap (a failure is this init's death: the first command says why)."""
         try:
             return subprocess.Popen(argv, **popen)
         except Exception as e:
@@ -173,19 +170,14 @@ class Init:
         return self._started.result()
 
     def _join_cgroup(self, leaf, info_r: int) -> None:
-        """Move bwrap and the init into the leaf; on failure the sandbox is killed (its first command
-        fails clearly, the next one starts a new init)."""
+        """Move bwrap and the init into the leaf; on failure the sandbox is killed."""
         try:
-            report = b""
-            while chunk := os.read(info_r, 4096):  # {"child-pid": N, ...}, closed before the child runs
-                report += chunk
-            child = int(json.loads(report)["child-pid"])
+            with open(info_r, "rb") as info:  # {"child-pid": N, ...}, closed before the child runs
+                child = int(json.loads(info.read())["child-pid"])
             leaf.add(self._proc.pid)
             leaf.add(child)
         except Exception as e:
             self.abort(f"the sandbox could not be moved into its cgroup ({e!r}); it was killed")
-        finally:
-            os.close(info_r)
 
     def ready(self, deadline: float) -> bool:
         """Has the init booted (in its cgroup, answering a ping)? Unlike spawn(), kills no sandbox slow to
@@ -321,8 +313,7 @@ class Command:
         return self.returncode
 
     def _line(self, timeout):
-        """The next status line but D lines (each goes into ended); False at the timeout; at EOF,
-        what came without a newline, or None."""
+        """The next status line but D lines (into ended); False at the timeout; None at a bare EOF."""
         end = None if timeout is None else time.monotonic() + timeout
         while True:
             while b"\n" not in self._buf:
@@ -348,8 +339,7 @@ class Command:
 
 
 def run(start_init, script: str, env: dict[str, str], deadline: float, output_bytes: int, disk=None):
-    """`bash -c script` in the init start_init() returns (live, or a new one), drained until EOF or the
-    deadline (output.drain). A script too long for argv travels as a memfd, read as /dev/fd/3."""
+    """`bash -c script` in start_init()'s init, drained (output.drain); a long script goes as a memfd."""
     script_fd, argv = None, ["/bin/bash", "-c", script]
     if len(script.encode()) > INLINE_SCRIPT_BYTES:
         script_fd = os.memfd_create("nano-openshell-command", 0)
@@ -380,17 +370,14 @@ def run(start_init, script: str, env: dict[str, str], deadline: float, output_by
 
 def _write_all(fd: int, data: bytes) -> None:
     try:
-        while data:
-            data = data[os.write(fd, data):]
+        with open(fd, "wb") as f:
+            f.write(data)
     except OSError:
         pass  # bwrap failed: the first command says why
-    finally:
-        os.close(fd)
 
 
 def _exited(proc: subprocess.Popen, timeout: float) -> bool:
-    """Has proc exited within timeout? Woken by its pidfd the moment it does (Popen.wait sleeps in
-    growing steps)."""
+    """Has proc exited within timeout? Its pidfd wakes us at once (Popen.wait sleeps in growing steps)."""
     if proc.returncode is not None:
         return True
     try:
