@@ -7,8 +7,9 @@
 #   stage NN    copy one carried 50 MB chunk .stage/qwen.NN into /tmp/stage (scripts/stage_model.sh)
 #   prepare     assemble the GGUF parts, prepare-model qwen2.5-coder-0.5b-instruct
 #   checks      GPU tests (true on-policy on the packaged Qwen + its 20-step parity run, engine) and
-#               train_step: FSDP2 --nproc 1 (2 on two GPUs) vs today's single-process step
-#   benches     random-weight benches: FSDP2 memory/speed for the 1.5B, 3B shapes and 7B slices of 4 and 8
+#               train_step: a rank of one (--nproc 1: the plain trainer) vs the same in this process, and
+#               FSDP2 on 2 ranks with two GPUs
+#   benches     random-weight benches: the trainer's memory/speed (FSDP2 on 2 GPUs) for the 1.5B, 3B shapes and 7B slices of 4 and 8
 #               layers (to project 28), true on-policy train step and engine_throughput vs normal
 #   sync|async  phase 1: 40 steps x 64 trajectories, trainer cuda:0 + engine cuda:1, the same seed and lr;
 #               then held-out pass@1 of its final policy (`sync` also evaluates the base model first)

@@ -8,18 +8,18 @@ Without --nproc, compares in the same process:
 Reports median step time, tokens/s, peak GPU memory, and the share of weights that an lr 1e-6 step
 actually changed, after all the steps at lr 1e-6, in what an engine would receive (bf16).
 
-With --nproc N: the FSDP2 ShardedTrainer on N ranks (started through torch.distributed.run's agent,
-one GPU each, or gloo on CPU), the batch's groups split between them: ms/step, tokens/s (of the
-whole batch), peak GiB per rank (GPU: allocated; CPU: the process's peak RSS), and the sharded
-state per rank (FP32 masters + FP32 gradients + AdamW moments = 16 bytes a parameter / N). With
---baseline the single-process Trainer runs first on the same batch, for the N=1 comparison.
+With --nproc N: the trainer on N ranks (started through torch.distributed.run's agent, one GPU each,
+or gloo on CPU; FSDP2 when N > 1, the plain one-process trainer at N = 1), the batch's groups split
+between them: ms/step, tokens/s (of the whole batch), peak GiB per rank (GPU: allocated; CPU: the
+process's peak RSS), and the state per rank (FP32 masters + FP32 gradients + AdamW moments = 16 bytes
+a parameter / N). With --baseline the Trainer runs first in this process on the same batch.
 Prints a table, appends to bench/results.jsonl (and $OUT/train_step.json when $OUT is set).
 
   PYTHONPATH=. python3 bench/train_step.py                                   # the GPU figure (cuda)
   PYTHONPATH=. python3 bench/train_step.py --shapes tiny                     # a CPU smoke run
   PYTHONPATH=. python3 bench/train_step.py --true-on-policy                  # + the same step in true on-policy mode
-  PYTHONPATH=. python3 bench/train_step.py --nproc 1 --baseline              # FSDP2 N=1 vs today's step, and the ratio
-  PYTHONPATH=. python3 bench/train_step.py --nproc 1 --baseline --profile    # + where each step's time goes
+  PYTHONPATH=. python3 bench/train_step.py --nproc 1 --baseline              # a rank of one vs this process, and the ratio
+  PYTHONPATH=. python3 bench/train_step.py --nproc 2 --baseline --profile    # + where each step's time goes
   PYTHONPATH=. python3 bench/train_step.py --nproc 2 --shapes qwen2.5-7b     # 7B on 2 GPUs
   PYTHONPATH=. python3 bench/train_step.py --nproc 1 --shapes qwen2.5-7b --layers 4   # a slice, to project
 
@@ -28,8 +28,8 @@ Projecting a model that does not fit on N=1: the per-rank peak is (state / N) + 
 shrink with N. Measure N=1 with --layers 4 and --layers 8: both parts are linear in the layer count,
 so peak(28 layers, N=1) = p4 + 6 * (p8 - p4) and the 2-rank peak is that minus half the state
 (the table's state column at 28 layers / 2); the step time projects the same way. (At N=1 the
-whole model also stays gathered (one FSDP group), 2 bytes a bf16 parameter that N ranks free after
-each layer's forward: the projection above is that much pessimistic for N=2.)
+whole bf16 compute model is held besides the masters, 2 bytes a parameter that N ranks gather a
+layer at a time: the projection above is that much pessimistic for N=2.)
 """
 from __future__ import annotations
 
@@ -48,7 +48,6 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from bench.results import git_commit, save, utc_now
 from nano_miles.rollout.batch import Trajectory, build_rollout_batch
 from nano_miles.trainer.distributed import DistError, check_nproc, launch, run_rank
-from nano_miles.trainer.sharded import ShardedTrainer
 from nano_miles.trainer.trainer import OptimConfig, Trainer, TrainerConfig
 
 # From the models' HF config.json files (Qwen/Qwen2.5-*-Instruct); all use RoPE theta 1e6, RMSNorm eps 1e-6.
@@ -225,13 +224,13 @@ def single_process(args, device, batch, adv, tokens, with_naive: bool) -> list[d
     return rows
 
 
-def _sharded_rank(env, args: dict) -> dict:
-    """One rank of the FSDP2 trainer: build (random weights), warm up, time the steps."""
+def _rank(env, args: dict) -> dict:
+    """One rank of the trainer: build (random weights), warm up, time the steps."""
     device = env.device
     batch, adv = make_batch(args["seqs"], args["seq_len"], args["prompt_len"], SHAPES[args["shapes"]]["vocab_size"])
-    trainer = ShardedTrainer(TrainerConfig(dtype=args["dtype"], micro_batch_size=args["micro_batch_size"],
-                                           logprob_chunk=args["chunk"], optim=OptimConfig(lr=1e-6)),
-                             env, config=model_config(args["shapes"], args["layers"]))
+    trainer = Trainer(TrainerConfig(dtype=args["dtype"], micro_batch_size=args["micro_batch_size"],
+                                    logprob_chunk=args["chunk"], optim=OptimConfig(lr=1e-6)),
+                      env, config=model_config(args["shapes"], args["layers"]))
     batch.rollout_logprobs = trainer.logprobs(batch)
     reset(device)
     ms = timed(lambda: trainer.train_step(batch, adv), device, args["warmup"], args["steps"])
@@ -243,8 +242,8 @@ def _sharded_rank(env, args: dict) -> dict:
                 profile=profile)
 
 
-def sharded_rank(args: dict) -> dict:
-    return run_rank(_sharded_rank, args, device_type=args["device"], timeout_s=600)
+def rank(args: dict) -> dict:
+    return run_rank(_rank, args, device_type=args["device"], timeout_s=600)
 
 
 def main():
@@ -254,7 +253,7 @@ def main():
     ap.add_argument("--layers", type=int, default=0, help="override the number of decoder layers (projections)")
     ap.add_argument("--dtype", default="", help="compute dtype; default bfloat16, float32 for --nproc on CPU")
     ap.add_argument("--nproc", type=int, default=0,
-                    help="0: the single-process Trainer vs a naive loop; N: the FSDP2 trainer on N ranks")
+                    help="0: the Trainer in this process vs a naive loop; N: the trainer on N ranks")
     ap.add_argument("--baseline", action="store_true", help="with --nproc: the single-process Trainer first")
     ap.add_argument("--threads", type=int, default=1, help="CPU: torch threads per process (ranks and baseline)")
     ap.add_argument("--seqs", type=int, default=8)
@@ -270,7 +269,7 @@ def main():
                     help="profile one more step of each trainer timed (GPU busy vs idle time, top ops)")
     args = ap.parse_args()
     if args.true_on_policy and args.nproc:
-        ap.error("--true-on-policy times the single-process Trainer; the sharded one does not have that mode yet")
+        ap.error("--true-on-policy times the Trainer in this process (true on-policy needs one process)")
     try:
         if args.nproc:
             check_nproc(args.nproc, torch.device(args.device).type)
@@ -301,11 +300,11 @@ def main():
             os.environ["OMP_NUM_THREADS"] = str(args.threads)
             torch.set_num_threads(args.threads)
         rows = single_process(args, device, batch, adv, tokens, with_naive=False) if args.baseline else []
-        ranks = launch(args.nproc, sharded_rank, (vars(args),), device_type=args.device)
+        ranks = launch(args.nproc, rank, (vars(args),), device_type=args.device)
         per_rank = [ranks[r] for r in sorted(ranks)]
         ms = max(r["ms"] for r in per_rank)  # the ranks finish each step together; the slowest's median
         state = 16 * per_rank[0]["params"] / args.nproc / 2**30
-        rows.append(dict(method=f"FSDP2 x {args.nproc} ({args.dtype} + fp32 masters)", ms=ms,
+        rows.append(dict(method=f"{'FSDP2 x ' if args.nproc > 1 else ''}{args.nproc} rank(s) ({args.dtype} + fp32 masters)", ms=ms,
                          tokens_per_s=tokens / ms * 1000, peak_gib=max(r["peak_gib"] for r in per_rank),
                          peak_gib_per_rank=[r["peak_gib"] for r in per_rank], state_gib_per_rank=state,
                          params=per_rank[0]["params"], grad_norm=per_rank[0]["grad_norm"],
@@ -318,7 +317,7 @@ def main():
             state = f"{r['state_gib_per_rank']:15.2f}" if "state_gib_per_rank" in r else f"{'':15s}"
             print(f"{r['method']:40s} {r['ms']:9.1f} {r['tokens_per_s']:9.0f} {r['peak_gib']:18.2f} {state}")
         if args.baseline:
-            print(f"FSDP2 x {args.nproc} / single process, step time: {rows[-1]['vs_single_process']:.3f}"
+            print(f"{args.nproc} rank(s) / this process, step time: {rows[-1]['vs_single_process']:.3f}"
                   f" (goal at N=1: <= 1.10)")
     profiles = "\n".join(f"--- {r['method']}\n{r.pop('profile')}" for r in rows if r.get("profile"))
     if profiles:

@@ -17,7 +17,7 @@ import stat
 import threading
 import time
 
-from .workspace import Moved, Replaced, open_subdir, walk
+from .workspace import Moved, Replaced, dir_ident, open_subdir, walk
 
 MIN_ENTRY_BYTES = 4096  # an entry costs at least an inode and a block
 FIRST_CHECK_S = 0.05    # commands shorter than this are measured once, at their end
@@ -42,7 +42,7 @@ def usage(roots: list[str]) -> int:
 
 class _Dir:
     """What the Meter remembers of one directory."""
-    __slots__ = ("mtime", "entries", "subdirs", "watch", "total", "refreshed")
+    __slots__ = ("mtime", "entries", "subdirs", "watch", "total", "refreshed", "own")
 
     def __init__(self):
         self.mtime = None            # st_mtime_ns when it was last listed in full; None: list it again
@@ -51,6 +51,7 @@ class _Dir:
         self.watch = {}              # name -> until when it is looked at again on every pass
         self.total = 0               # bytes its entries count
         self.refreshed = -math.inf   # when all of its entries were last looked at
+        self.own = 0                 # the directory's own blocks, from its fstat at every visit
 
 
 class Meter:
@@ -69,6 +70,7 @@ class Meter:
         self._next_cycle = -math.inf   # when the next one is due
         self.pass_cost = 0.0           # what the last pass outside a refresh cycle took
         self.moves = 0                 # passes in a row cut short by a directory moving under them
+        self._root = None              # (dev, ino) of the root being walked
 
     def settle(self, roots: list[str]) -> None:
         """Measure until one whole pass, a refresh of every entry, is done (no deadline)."""
@@ -120,7 +122,7 @@ class Meter:
             self.forget(root)
             return True
         dirs = self._trees.setdefault(root, {})
-        self._visited, self._cut = set(), False
+        self._visited, self._cut, self._root = set(), False, dir_ident(fd)
         try:
             walk(fd, lambda d: self._visit(dirs, d, stop), self._enter, _leave)
         finally:
@@ -144,6 +146,12 @@ class Meter:
         d = dirs.get(ident)
         if d is None:
             d = dirs[ident] = _Dir()
+        # A directory's own blocks grow with its entries while its parent, whose mtime does not
+        # change, is not listed again: so they are counted here, from every visit's fstat.
+        own = 0 if ident == self._root else _bytes(st)  # (a root is the caller's, as before)
+        d.total += own - d.own
+        self.total += own - d.own
+        d.own = own
         refresh = self._cycle is not None and d.refreshed < self._cycle
         if refresh or d.mtime != st.st_mtime_ns:
             if not self._list(dirs, d, fd, refresh, stop):
@@ -189,9 +197,9 @@ class Meter:
     def _look(self, dirs: dict, d: _Dir, name: str, st: os.stat_result, ino: int, now: float) -> None:
         """Count what the entry takes now, and decide whether to look at it again on the next pass.
         ino: the inode its directory lists (overlayfs may list another number than stat says)."""
-        counted = _bytes(st)
-        known = d.entries.get(name)
         is_dir = stat.S_ISDIR(st.st_mode)
+        counted = 0 if is_dir else _bytes(st)  # a directory counts its own blocks when visited (_visit)
+        known = d.entries.get(name)
         if known is None or known[0] != ino:  # new under this name
             self._prune(dirs, d.subdirs.pop(name, None))
             if is_dir:

@@ -8,7 +8,6 @@ The engine.* keys become `nano-miles serve` arguments for the pool that starts t
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
@@ -117,17 +116,3 @@ def plan_layout(dtype: str, engine: EngineLaunchConfig, trainer_device: str | No
         fractions.append(fraction)
     resolved = resolve_dtype_name(dtype, trainer or devices[0])
     return Layout(trainer, devices[0], resolved, engine.serve_args(), devices, fractions)
-
-
-def train_layout(cfg, ranks=None) -> Layout:
-    """plan_layout for a training run (cfg: its TrainConfig; ranks: its TrainerRanks when it has
-    several, which take this host's first GPUs). true_on_policy turns the engine's side on too (an
-    engine given by engine.url must have been started with `serve --true-on-policy`)."""
-    if ranks is None:
-        layout = plan_layout(cfg.dtype, cfg.engine, cfg.trainer_device)
-    else:
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world_size))
-        layout = plan_layout(cfg.dtype, cfg.engine, str(ranks.env.device), trainer_ranks=local_ranks)
-    if cfg.true_on_policy:
-        layout.engine_args.append("--true-on-policy")
-    return layout

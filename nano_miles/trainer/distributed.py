@@ -1,14 +1,11 @@
 """The trainer's process group: N ranks, one device each, started by torchrun or by `launch`.
 
 A rank learns its place from the environment torchrun's elastic agent sets (RANK, WORLD_SIZE,
-LOCAL_RANK, MASTER_ADDR, MASTER_PORT), so `torchrun --nproc-per-node N -m ...` and `launch(N, ...)`
-start the same thing. NCCL on GPUs (one per local rank), gloo on CPU. Every group is created with a
-timeout, so a rank that dies or hangs makes the others' next collective fail within it instead of
-waiting forever; the error names the rank that saw it, and `launch` names the ranks that failed.
-
-Besides the default group there is `cpu_group` (gloo on the same ranks): DCP's background checkpoint
-writer and small Python objects (metrics) go through it, so a checkpoint written in a thread never
-interleaves its collectives with the training step's on the default group.
+LOCAL_RANK, MASTER_ADDR, MASTER_PORT), so `torchrun --nproc-per-node N` and `launch(N, ...)` start the
+same thing. NCCL on GPUs (one per local rank), gloo on CPU; `cpu_group` (gloo, the same ranks) carries
+DCP's background writer and small Python objects, apart from the step's collectives. Every group has a
+timeout: a rank that dies or hangs makes the others' next collective fail, naming the rank that saw it.
+When one rank exits the elastic agent stops the others, and `launch` names the ranks that failed.
 """
 from __future__ import annotations
 
@@ -16,12 +13,14 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, NoReturn
 
+import psutil
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
@@ -31,7 +30,11 @@ from nano_openshell.sandbox import close_all as close_sandboxes
 
 
 class DistError(RuntimeError):
-    """A one-line account of what failed and on which rank."""
+    """A one-line account of what failed and on which rank (failures: the agent's {rank: ProcessFailure})."""
+
+    def __init__(self, message: str, failures: dict | None = None):
+        super().__init__(message)
+        self.failures = failures or {}
 
 
 @dataclass
@@ -40,14 +43,24 @@ class DistEnv:
     world_size: int
     local_rank: int
     device: torch.device
-    cpu_group: Any = None  # gloo group over the same ranks (None when world_size == 1 without a group)
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
+    cpu_group: Any = None  # gloo group over the same ranks
 
     def where(self) -> str:
         return f"rank {self.rank}/{self.world_size} ({socket.gethostname()}, pid {os.getpid()})"
+
+
+def rank_env() -> tuple[int, int] | None:
+    """(rank, world size) when this process is one of torchrun's (or launch's) ranks, else None."""
+    if not all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
+        return None
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def rank_device_type(trainer_device: str) -> str:
+    """'cuda' or 'cpu': where a trainer of `trainer_device` (auto: a GPU if one is visible) runs its ranks."""
+    if trainer_device == "auto":
+        return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "cpu"
+    return torch.device(trainer_device).type
 
 
 def check_nproc(nproc, device_type: str) -> None:
@@ -63,56 +76,40 @@ def check_nproc(nproc, device_type: str) -> None:
         raise DistError(f"the trainer's ranks run on 'cuda' or 'cpu', not {device_type!r}")
 
 
-def _env_int(name: str) -> int:
-    value = os.environ.get(name)
-    if value is None:
-        raise DistError(f"{name} is not set: start the ranks with torchrun or nano_miles.trainer.distributed.launch")
-    try:
-        return int(value)
-    except ValueError:
-        raise DistError(f"{name}={value!r} is not an integer") from None
-
-
 def init_distributed(device_type: str = "auto", timeout_s: float = 300.0) -> DistEnv:
     """Join the process group described by torchrun's environment; return this rank's DistEnv.
-
-    device_type 'auto' is cuda when a GPU is visible, else cpu. On cuda, rank i of a host uses GPU
-    LOCAL_RANK. timeout_s bounds every collective of both groups (and the rendezvous)."""
-    if device_type == "auto":
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    rank, world, local_rank = _env_int("RANK"), _env_int("WORLD_SIZE"), _env_int("LOCAL_RANK")
+    On cuda, rank i of a host uses GPU LOCAL_RANK. timeout_s bounds every collective of both groups."""
+    if rank_env() is None:
+        raise DistError("RANK is not set: start the ranks with torchrun or nano_miles.trainer.distributed.launch")
+    rank, world, local_rank = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    device_type = rank_device_type(device_type)
     where = f"rank {rank}/{world} ({socket.gethostname()}, pid {os.getpid()})"
+    device = torch.device("cpu")
     if device_type == "cuda":
-        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if local_rank >= have:
-            raise DistError(f"{where}: local rank {local_rank} needs GPU {local_rank} but {have} are visible")
+        if local_rank >= torch.cuda.device_count():
+            raise DistError(f"{where}: local rank {local_rank} needs GPU {local_rank} but "
+                            f"{torch.cuda.device_count()} are visible")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-    elif device_type == "cpu":
-        device = torch.device("cpu")
-    else:
-        raise DistError(f"{where}: device type must be auto, cuda or cpu, got {device_type!r}")
     timeout = timedelta(seconds=timeout_s)
-    try:
-        if device_type == "cuda":  # device_id: NCCL forms its communicator now, so a bad GPU fails here
-            dist.init_process_group("nccl", timeout=timeout, device_id=device)
-            cpu_group = dist.new_group(backend="gloo", timeout=timeout)
-        else:
-            dist.init_process_group("gloo", timeout=timeout)
-            cpu_group = dist.new_group(backend="gloo", timeout=timeout)
+    try:  # device_id: NCCL forms its communicator now, so a bad GPU fails here
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timeout,
+                                device_id=device if device_type == "cuda" else None)
+        cpu_group = dist.new_group(backend="gloo", timeout=timeout)
     except Exception as e:
         raise DistError(f"{where}: joining the process group failed: {type(e).__name__}: {_first_line(e)}") from e
     return DistEnv(rank, world, local_rank, device, cpu_group)
 
 
-def destroy_distributed() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def _first_line(e: BaseException | str) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
+
+
+def is_collective_failure(e: BaseException) -> bool:
+    """A collective failed or timed out: another rank died or stopped answering."""
+    text = str(e)
+    return isinstance(e, dist.DistError) or "Timed out" in text or "by peer" in text or "Connection closed" in text
 
 
 def run_rank(fn: Callable, *args, device_type: str = "auto", timeout_s: float = 300.0):
@@ -126,12 +123,29 @@ def run_rank(fn: Callable, *args, device_type: str = "auto", timeout_s: float = 
     except DistError:
         raise
     except Exception as e:
-        where = env.where() if env else "rank ?"
-        hint = " (a collective failed: another rank died or stopped answering)" if isinstance(
-            e, dist.DistError) or "Timed out" in str(e) or "by peer" in str(e) else ""
-        raise DistError(f"{where}: {type(e).__name__}: {_first_line(e)}{hint}") from e
+        hint = " (a collective failed: another rank died or stopped answering)" if is_collective_failure(e) else ""
+        raise DistError(f"{env.where() if env else 'rank ?'}: {type(e).__name__}: {_first_line(e)}{hint}") from e
     finally:
-        destroy_distributed()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def share_from_rank0(obj, group):
+    """Rank 0's `obj` on every rank of the gloo `group` (the others pass None); group None: one process."""
+    if group is None:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def gather_to_rank0(obj, group) -> list | None:
+    """Every rank's `obj`, in rank order, on rank 0 (None on the others); group None: one process."""
+    if group is None:
+        return [obj]
+    out = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
+    dist.gather_object(obj, out, dst=0, group=group)
+    return out
 
 
 # ----------------------------------------------------------------------------- launch
@@ -140,37 +154,89 @@ _AGENT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 
 def launch(nproc: int, entrypoint: Callable | str, args: tuple | list = (), *, device_type: str = "cpu",
-           max_restarts: int = 0, shutdown_timeout_s: int = 5) -> dict[int, Any]:
+           shutdown_timeout_s: int = 5, agent_signals: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT") -> dict[int, Any]:
     """Start `nproc` ranks on this host through torch.distributed.run's elastic agent, wait for them.
 
     entrypoint: a picklable function (each rank runs entrypoint(*args); the ranks' return values come
-    back as {rank: value}) or a program such as sys.executable (each rank runs `program *args`, e.g.
-    `python -m nano_miles.train ...`, exactly as `torchrun --standalone --nproc-per-node N` would).
-    When one rank fails the agent stops the others and this raises DistError naming every failed rank.
-    """
+    back as {rank: value}) or a program such as sys.executable (each rank runs `program *args`, exactly
+    as `torchrun --standalone --nproc-per-node N` would). When one rank fails the agent stops the
+    others and this raises DistError naming every failed rank. agent_signals: those on which the
+    agent stops every rank."""
     check_nproc(nproc, device_type)
-    # shutdown_timeout (how long a failed rank's siblings get after SIGTERM) is torch >= 2.12's
-    shutdown = {"shutdown_timeout": shutdown_timeout_s} if "shutdown_timeout" in LaunchConfig.__dataclass_fields__ else {}
+    # shutdown_timeout (how long a failed rank's siblings get after SIGTERM) is torch >= 2.12's;
+    # signals_to_handle a field of recent ones (older ones read TORCHELASTIC_SIGNALS_TO_HANDLE)
+    fields = LaunchConfig.__dataclass_fields__
+    extra = {k: v for k, v in (("shutdown_timeout", shutdown_timeout_s), ("signals_to_handle", agent_signals))
+             if k in fields}
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
-                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts,
-                          monitor_interval=0.1, start_method="spawn", **shutdown)
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
+                          monitor_interval=0.1, start_method="spawn", **extra)
     # torchrun would set OMP_NUM_THREADS=1 with a warning; split this host's cores between the ranks.
-    omp_was = os.environ.get("OMP_NUM_THREADS")
-    if omp_was is None:
-        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    environ = {"TORCHELASTIC_SIGNALS_TO_HANDLE": agent_signals,
+               "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // nproc))}
+    was = {k: os.environ.get(k) for k in environ}
+    os.environ.update(environ)
     # The agent installs its own SIGINT/SIGTERM/SIGHUP/SIGQUIT handlers and leaves them behind; put
     # the caller's back, or a later Ctrl-C in this process would kill it instead of raising.
     handlers = {sig: signal.getsignal(sig) for sig in _AGENT_SIGNALS}
     try:
         return elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as e:
-        raise DistError(describe_failures(e.failures)) from None
+        raise DistError(describe_failures(e.failures), e.failures) from None
     finally:
-        if omp_was is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
+        for key, value in was.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         if threading.current_thread() is threading.main_thread():
             for sig, handler in handlers.items():
                 signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+def launch_ranks(nproc: int, device_type: str, module: str, config_toml: str, args: list[str]) -> int:
+    """`python -m MODULE --config FILE ARGS` as `nproc` ranks on this host (FILE holds config_toml),
+    waited for; returns the exit code. Ctrl-C goes to rank 0 alone, not to the agent (which would stop
+    every rank at once). A failure is one line on stderr naming the rank that failed first, unless rank
+    0 ended the run itself, having said why."""
+    fd, config_path = tempfile.mkstemp(prefix="nano-miles-ranks-", suffix=".toml")
+    with os.fdopen(fd, "w") as f:
+        f.write(config_toml)
+    previous = signal.signal(signal.SIGINT, _forward_sigint_to_rank0)
+    try:
+        launch(nproc, sys.executable, ["-m", module, "--config", config_path, *args], device_type=device_type,
+               agent_signals="SIGTERM,SIGHUP,SIGQUIT")
+    except DistError as e:
+        failures = e.failures
+        rank0 = failures.get(0)
+        if rank0 is not None and rank0.exitcode in (1, 2, 130) and not _message(rank0):
+            return rank0.exitcode  # rank 0 stopped the run itself (no error recorded), and has said why
+        # Ranks the agent stopped (SIGTERM), and ranks whose collective failed because another rank
+        # was gone, are not the news: name the others.
+        first = ({r: f for r, f in failures.items()
+                  if f.exitcode != -signal.SIGTERM and "a collective failed" not in _message(f)}
+                 or {r: f for r, f in failures.items() if f.exitcode != -signal.SIGTERM} or failures)
+        stopped = "; the launcher stopped the others" if len(first) < len(failures) else ""
+        print(f"nano-miles train: {describe_failures(first) if first else e}{stopped}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        os.unlink(config_path)
+    return 0
+
+
+def _message(failure) -> str:
+    msg = failure.message.get("message", "") if isinstance(failure.message, dict) else str(failure.message)
+    return "" if msg.startswith("To enable traceback") else msg  # the agent's text when no error was recorded
+
+
+def _forward_sigint_to_rank0(signum, frame) -> None:
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.environ().get("RANK") == "0" and "nano_miles.train" in " ".join(child.cmdline()):
+                child.send_signal(signal.SIGINT)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
 
 
 def describe_failures(failures: dict) -> str:
@@ -178,21 +244,18 @@ def describe_failures(failures: dict) -> str:
     parts = []
     for rank in sorted(failures):
         f = failures[rank]
-        if f.exitcode < 0:
-            why = f"killed by {f.signal_name()}"
-        else:
-            msg = f.message.get("message", "") if isinstance(f.message, dict) else str(f.message)
-            why = _first_line(msg) if msg and not msg.startswith("To enable traceback") else f"exit code {f.exitcode}"
-            why = why.removeprefix("DistError: ")
-        parts.append(f"rank {rank} (pid {f.pid}) {why}" if not why.startswith("rank ") else why)
+        why = f"killed by {f.signal_name()}" if f.exitcode < 0 else (
+            _first_line(_message(f)).removeprefix("DistError: ") if _message(f) else f"exit code {f.exitcode}")
+        parts.append(why if why.startswith("rank ") else f"rank {rank} (pid {f.pid}) {why}")
     return "trainer ranks failed: " + "; ".join(parts)
 
 
+# ----------------------------------------------------------------------------- leaving
+
 def main_guard(fn: Callable) -> Callable:
-    """Decorate a rank's __main__ function: a failure prints one line (naming the rank) to stderr,
-    is recorded in torchrun's error file (so the launcher's report has it) and exits with status 1.
-    On SIGTERM (the launcher stopping the ranks because one failed) the rank closes its sandboxes
-    first, then dies of it."""
+    """Decorate a rank's main: a failure is one line on stderr (naming the rank), recorded in torchrun's
+    error file for the launcher's report, and exit status 1. On SIGTERM (the launcher stopping the ranks
+    because one failed) the rank closes its sandboxes first, then dies of it."""
     recorded = record(fn)
 
     def wrapper(*args, **kwargs):
@@ -202,10 +265,8 @@ def main_guard(fn: Callable) -> Callable:
             return recorded(*args, **kwargs)
         except DistError as e:
             print(f"error: {e}", file=sys.stderr)
-            # After a failed collective gloo's threads may still run; tearing the interpreter down
-            # then aborts now and then ("terminate called without an active exception": exit -6
-            # instead of 1, 1 run in 25 on a loaded 2-core machine). The error file is written
-            # and the line printed: leave at once, with the status the launcher expects.
+            # after a failed collective gloo's threads may still run, and tearing the interpreter down
+            # would abort now and then (-6 instead of 1): the line is printed, the error file written
             leave(1)
 
     return wrapper
@@ -232,13 +293,10 @@ def _close_sandboxes() -> None:
 
 
 def _close_sandboxes_on_sigterm() -> None:
-    """From the main thread: on SIGTERM, close this process's sandboxes, then die of the signal.
-
-    A Python handler alone is not enough. The kernel may hand the signal to any thread, and then the
-    handler waits until the main thread runs Python again, which can be a minute away (a sleep, a
-    collective, a lock). The launcher kills the rank before that, and its workspaces stay behind
-    (1 run in ~50 on a loaded 2-core machine). The signal's C handler also writes its number to the
-    wakeup fd, whichever thread it runs on, so a watcher thread reading that fd closes the sandboxes at once."""
+    """From the main thread: on SIGTERM, close this process's sandboxes, then die of the signal. A Python
+    handler alone waits until the main thread runs Python again (after a sleep, a collective, a lock),
+    and the launcher kills the rank before that; but the signal's C handler writes its number to the
+    wakeup fd from whichever thread it runs on, so a watcher thread reading that fd closes them at once."""
     signal.signal(signal.SIGTERM, _die_of_sigterm)
     read_fd, write_fd = os.pipe()  # both close-on-exec: no sandbox process inherits them
     os.set_blocking(write_fd, False)

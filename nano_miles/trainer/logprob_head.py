@@ -12,8 +12,13 @@ fusion), so one copy is alive.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from nano_miles.engine import batch_invariant
 
 
 def tempered_logits(hidden, weight, temperature: float = 1.0):
@@ -52,9 +57,10 @@ def chunk_logit_grads(hidden, targets, weight, grad_logp, grad_entropy, temperat
     return grad if temperature == 1.0 else grad.div_(temperature)  # logits / T: the chain rule's 1 / T
 
 
-def _chunked(hidden, targets, weight, chunk: int, with_entropy: bool, temperature: float):
-    """chunk_logprobs over [N, H] a chunk at a time: (log-probs [N], entropies [N])."""
-    parts = [chunk_logprobs(hidden[s:s + chunk], targets[s:s + chunk], weight, with_entropy, temperature)
+def _chunked(hidden, targets, weight, chunk: int, with_entropy: bool, temperature: float, head=None):
+    """head (chunk_logprobs) over [N, H] a chunk at a time: (log-probs [N], entropies [N])."""
+    head = head or chunk_logprobs
+    parts = [head(hidden[s:s + chunk], targets[s:s + chunk], weight, with_entropy, temperature)
              for s in range(0, hidden.shape[0], chunk)]
     if not parts:
         empty = hidden.new_zeros(0, dtype=torch.float32)
@@ -113,3 +119,25 @@ def head_logprobs(hidden, targets, weight, chunk: int, with_entropy: bool, need_
         return ChunkedLogprobs.apply(hidden, targets, weight, chunk, with_entropy, temperature)
     with torch.no_grad():
         return _chunked(hidden, targets, weight, chunk, with_entropy, temperature)
+
+
+def _exact_chunk(hidden, targets, weight, with_entropy: bool, temperature: float):
+    """chunk_logprobs through the engine's batch-invariant head (true on-policy mode: bit for bit the
+    engine's log-probs, which are of the untempered distribution)."""
+    if temperature != 1.0:
+        raise ValueError("true on-policy log-probs are of the model's distribution: temperature must be 1")
+    logp_all = batch_invariant.log_softmax(batch_invariant.linear(hidden, weight, out_dtype=torch.float32))
+    logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
+    if not with_entropy:
+        return logp, torch.zeros_like(logp)
+    return logp, -(logp_all.exp() * logp_all).sum(-1)
+
+
+def exact_head_logprobs(hidden, targets, weight, chunk: int, with_entropy: bool, need_grad: bool,
+                        temperature: float = 1.0):
+    """head_logprobs through _exact_chunk; the backward recomputes each chunk's logits (checkpoint)."""
+    if not need_grad:
+        with torch.no_grad():
+            return _chunked(hidden, targets, weight, chunk, with_entropy, temperature, _exact_chunk)
+    recomputed = functools.partial(checkpoint, _exact_chunk, use_reentrant=False)
+    return _chunked(hidden, targets, weight, chunk, with_entropy, temperature, recomputed)

@@ -12,7 +12,8 @@ from nano_miles.rollout.batch import build_rollout_batch
 def policy_update(trainer, trajs, advantage_cfg: AdvantageConfig, pad_id: int, echo=print,
                   updates: int = 1, reference=None) -> tuple[dict, str | None]:
     """Advantages and `updates` optimizer steps on the batch; returns the trainer's metrics and why
-    the update was skipped. `reference` (a ReferencePolicy) gives the KL penalty's log-probs.
+    the update was skipped. `reference` (a ReferencePolicy) gives the KL penalty's log-probs. With N
+    ranks every rank calls it with the same trajectories and computes the same advantages.
 
     With updates > 1 the batch is split into that many mini-batches of whole groups, one AdamW step
     each (PPO's mini-batch epoch, verl's ppo_mini_batch_size, slime's num_steps_per_rollout). Every
@@ -40,7 +41,8 @@ def policy_update(trainer, trajs, advantage_cfg: AdvantageConfig, pad_id: int, e
         batch.rollout_logprobs[rows] = own * batch.loss_mask[rows]
     ref = reference.logprobs(batch) if reference is not None else None
     results = []
-    with tqdm(total=len(batch), desc="update", unit="seq", leave=False, dynamic_ncols=True) as bar:
+    with tqdm(total=len(batch), desc="update", unit="seq", leave=False, dynamic_ncols=True,
+              disable=trainer.rank != 0) as bar:  # every rank makes the update; rank 0 shows it
         for rows in minibatches:
             start = bar.n
 

@@ -9,13 +9,16 @@ import pickle
 import signal
 import subprocess
 import sys
+import random
 import tempfile
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
 import torch
 
+from nano_miles import cli
 from nano_miles.engine.client import EngineClient
 from nano_miles.engine.process import start_engine_process
 from nano_miles.config import config_from_args, load_config, parse_set
@@ -28,7 +31,6 @@ from nano_miles.rollout.producer import TaskStream
 from nano_miles.tasks import select_tasks
 from nano_miles.telemetry import REQUIRED_KEYS, read_metrics
 from nano_miles.train import RunFailed, TrainConfig, TrainingRun
-from nano_miles.trainer.ranks import with_rng
 from nano_openshell import Sandbox
 from tests.nano_miles.trainer.test_checkpoint import CreatesFile, damaged_copies, format_1_run
 
@@ -238,30 +240,23 @@ def test_async_mode_respects_the_staleness_bound(tmp_path):
     assert sum(r["dropped_stale"] for r in rows) >= 1
 
 
-def test_several_updates_per_step_reach_the_engine_with_the_kl_penalty(tmp_path):
-    """loss.kl_coef > 0 builds the frozen reference and trains with the penalty (it used to pass
-    validation and fail at step 1). Whether the KL grows depends on the tiny model's rewards; the
-    update test shows it does once the policy moves."""
+def test_several_updates_per_step_the_kl_penalty_clip_cov_and_rollouts_below_t1_train_end_to_end(tmp_path):
+    """loss.kl_coef > 0 builds the frozen reference and trains with the penalty (whether the KL grows
+    depends on the tiny model's rewards; the update test shows it does once the policy moves);
+    updates_per_step=2 reaches the engine; rollout.temperature reaches the trainer (its log-probs of the
+    sampled tokens match the engine's tempered ones: parity stays at float32 rounding); and
+    loss.clip_cov_ratio its loss and metrics. One run for all: each is checked on its own elsewhere."""
     run_dir = tmp_path / "run"
     _finish(_train(["--set", "steps=1", "--set", "updates_per_step=2", "--set", "sync.verify=true",
                     "--set", "loss.kl_coef=0.1", "--set", f"run_dir={run_dir}", "--set", "optim.lr=1e-4",
-                    "--set", "optim.lr_schedule=linear", "--set", "optim.min_lr_ratio=0.5"]))
+                    "--set", "optim.lr_schedule=linear", "--set", "optim.min_lr_ratio=0.5",
+                    "--set", "rollout.temperature=0.7", "--set", "loss.clip_cov_ratio=0.01"]))
     (row,) = read_metrics(run_dir / "metrics.jsonl")
     assert row["updates"] == 2 and row["weight_version"] == "2"  # one version per optimizer step
     # the linear decay spans the run's 2 optimizer steps (as HF's schedulers count): 1e-4, then 7.5e-5
     assert row["lr"] == pytest.approx(7.5e-5)
-    assert row["sync_verified"] is True and row["parity_max"] <= 1e-5
+    assert row["sync_verified"] is True and row["parity_max"] <= 1e-4, row["parity_max"]
     assert row["update_skipped"] is None and row["kl_ref"] >= 0.0  # computed against the reference
-
-
-def test_rollouts_below_t1_and_clip_cov_train_end_to_end(tmp_path):
-    """rollout.temperature reaches the trainer (its log-probs of the sampled tokens match the engine's
-    tempered ones: parity stays at float32 rounding) and loss.clip_cov_ratio its loss and metrics."""
-    run_dir = tmp_path / "run"
-    _finish(_train(["--set", "steps=1", "--set", "rollout.temperature=0.7", "--set", "loss.clip_cov_ratio=0.01",
-                    "--set", f"run_dir={run_dir}"]))
-    (row,) = read_metrics(run_dir / "metrics.jsonl")
-    assert row["update_skipped"] is None and row["parity_max"] <= 1e-4, row["parity_max"]
     assert isinstance(row["clip_cov_frac"], float) and 0.0 <= row["clip_cov_frac"] <= 0.01 + 1e-9
 
 
@@ -307,7 +302,7 @@ def test_engine_keys_reach_the_engine_process():
         32, 32, False, 2048)
 
 
-def test_bad_command_lines_are_clear_errors(tmp_path):
+def test_bad_command_lines_are_clear_errors(tmp_path, capsys):
     """Exit 2 and one line, before a run directory is made."""
     broken_tasks, run_dir = tmp_path / "broken_tasks.py", tmp_path / "run"
     broken_tasks.write_text('raise RuntimeError("the config server is down")\n')
@@ -321,12 +316,10 @@ def test_bad_command_lines_are_clear_errors(tmp_path):
              (["--set", f'tasks_module=["{broken_tasks}"]'],
               f"{broken_tasks}: cannot load: RuntimeError: the config server is down"),
              (["--resume", str(tmp_path)], "not a run directory"))
-    # all at once: each spends its ~7 s importing torch, not waiting on the others
-    procs = [subprocess.Popen([sys.executable, "-m", "nano_miles.cli", "train", "--set", f"run_dir={run_dir}", *args],
-                              cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for args, _ in cases]
-    for (args, message), proc in zip(cases, procs):
-        _, err = proc.communicate(timeout=120)
-        assert proc.returncode == 2 and err.count("\n") == 1 and message in err, (args, err)
+    for args, message in cases:  # in this process: `nano-miles train` is cli.main, less the interpreter's start
+        code = cli.main(["train", "--set", f"run_dir={run_dir}", *args])
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1 and message in err, (args, err)
     assert not run_dir.exists()
 
 
@@ -385,7 +378,9 @@ def test_resume_runs_no_code_from_the_run_directory_and_refuses_a_damaged_checkp
     damaged = damaged_copies(tmp_path / "damaged")
     sharded = tmp_path / "sharded" / "checkpoint"
     sharded.mkdir(parents=True)
-    (sharded / "state.json").write_text(json.dumps(with_rng({"step": 1, "data_position": 2}, world_size=2)))
+    (sharded / "state.json").write_text(json.dumps({"step": 1, "data_position": 2, "sharded": True, "world_size": 2,
+                                                    "rng": {"python": list(random.getstate()),
+                                                            "torch": torch.get_rng_state().tolist()}}))
     (sharded / ".metadata").write_bytes(pickle.dumps(CreatesFile(marker)))
     plugin = tmp_path / "plugin" / "tasks.py"
     plugin.parent.mkdir()

@@ -24,7 +24,7 @@ from nano_miles.trainer.checkpoint import (CheckpointError, Checkpointer, export
                                    save_checkpoint, write_safetensors)
 from nano_miles.models.prepare import resolve_model
 from nano_miles.trainer.trainer import OptimConfig, Trainer, TrainerConfig
-from nano_miles.trainer.ranks import load_run_checkpoint
+from nano_miles.trainer.checkpoint_files import check_resumable, checkpoint_folder
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -145,6 +145,18 @@ def test_a_failed_background_write_stops_the_next_update_with_the_cause(tmp_path
         a.train_step(*_batch(1))
 
 
+def test_a_checkpoint_that_does_not_fit_the_model_is_refused_naming_the_tensor(tmp_path):
+    a = _trainer()
+    save_checkpoint(tmp_path, a, {"step": 1, "data_position": 2})
+    weights = tmp_path / "checkpoint" / "model.safetensors"
+    kept = [(n, t.clone()) for n, t in load_file(weights).items() if n != "model.norm.weight"]  # (off the mmap)
+    write_safetensors(weights, kept)
+    b = _trainer()
+    with pytest.raises(ValueError, match="missing.*model.norm.weight"):
+        load_checkpoint(tmp_path, b)
+    assert b.step == 0
+
+
 def test_no_checkpoint_is_none(tmp_path):
     assert load_checkpoint(tmp_path, _trainer()) is None
 
@@ -167,7 +179,9 @@ def test_the_final_policy_shares_the_checkpoints_weights_file(tmp_path):
     said = []
     b = _trainer()
     assert load_checkpoint(tmp_path, b, echo=said.append)["step"] == 1 and b.step == 1
-    assert "AdamW's moments restart from zero" in said[0] and not b.optimizer.state
+    assert "AdamW's moments restart from zero" in said[0]
+    assert all(float(s["step"]) == 0 and not s["exp_avg"].any() and not s["exp_avg_sq"].any()
+               for s in b.optimizer.state.values())
     assert all(torch.equal(x, y) for x, y in zip(a.masters, b.masters))
     # A trainer that moved on since the checkpoint gets its own weights file, not the stale link.
     b.train_step(*_batch(4))
@@ -248,7 +262,7 @@ def test_a_format_1_checkpoint_is_refused_and_its_pickle_never_runs(tmp_path):
                                   "format 2 is read (format 1 keeps the trainer's state as a pickle, trainer.pt, "
                                   "which could run any code)")
     with pytest.raises(CheckpointError, match="format 1"):
-        load_run_checkpoint(run_dir, trainer)  # what `train --resume` calls
+        check_resumable(checkpoint_folder(run_dir))  # what `train --resume` checks before any model loads
     assert not marker.exists() and trainer.step == 0
 
 
@@ -279,7 +293,7 @@ def damaged_copies(tmp_path: Path) -> dict:
 def test_a_damaged_checkpoint_is_one_line_naming_its_file(tmp_path):
     for what, (run_dir, damaged) in damaged_copies(tmp_path).items():
         before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
-        for load in (load_checkpoint, load_run_checkpoint):
+        for load in (load_checkpoint, lambda run_dir, _: check_resumable(checkpoint_folder(run_dir))):
             with pytest.raises(CheckpointError) as refused:
                 load(run_dir, _trainer())
             message = str(refused.value)

@@ -1,6 +1,6 @@
 """The learning-rate schedule (nano_miles/trainer/lr_schedule.py): warm-up, then constant, cosine or linear
-decay to min_lr_ratio; both trainers step on it, and train ends a decay with the run."""
-import dataclasses
+decay to min_lr_ratio; the trainer steps on it (on N ranks too: test_trainer_ranks.py's minibatches), and
+train ends a decay with the run."""
 import math
 
 import pytest
@@ -8,10 +8,8 @@ import torch
 
 from nano_miles.config import ConfigError, load_config, parse_set
 from nano_miles.trainer.lr_schedule import lr_at
-from nano_miles.trainer.sharded import ShardedTrainer
 from nano_miles.train import TrainConfig
 from nano_miles.trainer.trainer import OptimConfig
-from tests.nano_miles.trainer import sharded_ranks
 from tests.nano_miles.trainer.test_trainer import make_batch, make_trainer, model_path  # noqa: F401 (fixture)
 
 
@@ -67,11 +65,3 @@ def test_the_trainer_steps_on_the_schedule(model_path):  # noqa: F811
     assert used == pytest.approx([lr_at(optim, s) for s in range(4)])
     assert used == pytest.approx([1e-3, 1e-3, 1e-3 * (0.5 + 0.5 * 0.5 * (1 + math.cos(math.pi / 2))), 5e-4])
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
-
-
-def test_the_sharded_trainer_steps_on_the_same_schedule(world_of_one, tiny_model_path):
-    cfg = sharded_ranks.trainer_config(str(tiny_model_path))
-    optim = dataclasses.replace(cfg.optim, lr_schedule="linear", decay_steps=2, min_lr_ratio=0.25)
-    trainer = ShardedTrainer(dataclasses.replace(cfg, optim=optim), world_of_one)
-    used = [sharded_ranks.update(trainer, "even")["lr"] for _ in range(3)]
-    assert used == pytest.approx([optim.lr, optim.lr * 0.625, optim.lr * 0.25])

@@ -10,7 +10,6 @@ import torch
 from nano_miles import cli
 from nano_miles.engine.weights import NonFiniteWeights, checksums
 from nano_miles.rollout.batch import Trajectory, build_rollout_batch
-from nano_miles.trainer.sharded import ShardedTrainer
 from nano_miles.trainer.trainer import OptimConfig, Trainer, TrainerConfig
 from nano_miles.trainer.weight_sync import SyncConfig, WeightSync, WeightSyncError, choose_transport
 
@@ -158,13 +157,13 @@ def test_non_finite_weights_are_never_sent(transport, engine_server, engine_clie
     assert engine_client.weights_checksum() == before and engine_client.weight_version() == version
 
 
-def test_a_sharded_trainers_gathered_buckets_are_checked_as_they_come(world_of_one, engine_server, engine_client,
-                                                                       tiny_model_path, restore_engine_weights):
-    """A sharded trainer's weights are gathered a bucket at a time: each is checked before it is sent
-    (and the gather is still finished with the other ranks)."""
-    trainer = ShardedTrainer(TrainerConfig(model=str(tiny_model_path)), world_of_one)
+def test_a_trainers_buckets_are_checked_as_they_come(engine_server, engine_client, tiny_model_path,
+                                                     restore_engine_weights):
+    """A trainer's weights come a bucket at a time (iter_full_weights: with N ranks each is gathered as
+    it is needed): each is checked before it is sent, the first one here."""
+    trainer = Trainer(TrainerConfig(model=str(tiny_model_path)))
     with torch.no_grad():
-        trainer.masters[0].to_local().view(-1)[0] = float("inf")
+        trainer.masters[0].view(-1)[0] = float("inf")
     before, version = engine_client.weights_checksum(), engine_client.weight_version()
     with WeightSync(trainer, engine_server.url, transport="distributed", bucket_mb=0.1) as ws:
         with pytest.raises(NonFiniteWeights, match=f"NaN or infinite values in {trainer.names[0]}"):
