@@ -46,8 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.results import git_commit, save, utc_now  # noqa: E402
 from nano_openshell import Sandbox, SandboxPool, probe  # noqa: E402
-from nano_openshell.launcher import uid_drop_argv  # noqa: E402
-from nano_openshell.namespaced import find_bwrap  # noqa: E402
+from nano_openshell.namespaced import find_bwrap, uid_drop_argv  # noqa: E402
 
 
 def plain(command: str) -> None:

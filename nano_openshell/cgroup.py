@@ -1,25 +1,15 @@
-"""A cgroup per Sandbox: one kill for everything its commands started, and memory and process caps
-for the sandbox as a whole (not per process).
+"""A cgroup per Sandbox: one kill for everything its commands started, and memory and process caps for
+the sandbox as a whole (docs/design.md, Cgroups).
 
     cg, why = SandboxCgroup.create(memory_bytes, processes)   # None and the reason where we cannot
     leaf = cg.leaf(); leaf.add(pid)    # before pid starts anything: its descendants stay inside
-    leaf.kill(); leaf.close()          # one command;  cg.close(): kill all, remove the directories
+    leaf.kill(); leaf.close()          # one command (or one bwrap); cg.close(): kill all, remove
 
-Layout, under the supervisor's own cgroup (what it was given: we never touch anything above it,
-except its parent where that one already hands controllers down and is ours to write):
-  cgroup v2 (the whole tree, or the unified tree of a hybrid host):
-      <base>/nano-openshell-<pid>-<n>/        the Sandbox: memory.max, memory.swap.max = 0, pids.max
-      <base>/nano-openshell-<pid>-<n>/c<k>/   a leaf per command (or per launcher): processes live only
-                                              in leaves, so v2's "no internal processes" rule never bites
-  v1 memory / pids hierarchies (a hybrid host, where those controllers are not on the v2 tree):
-      <base>/nano-openshell-<pid>-<n>/        memory.limit_in_bytes (+ memsw), pids.max; every process joins it
-The v2 tree is required (it is what kills); the caps come from v2 controllers where our cgroup can
-hand them down, otherwise from v1. kill() writes cgroup.kill (Linux 5.14+): the kernel kills every
-process of the tree at once, whatever it forks meanwhile; without that file, SIGKILL what
-cgroup.procs lists until it lists nothing. A command cannot move itself out: the cgroup files are
-not its uid's, or (non-root supervisor, delegated tree) Landlock keeps /sys read-only.
-A supervisor killed with SIGKILL leaves its (empty) cgroups behind: the name carries its pid and
-start time, and the first create() of a later supervisor removes those whose owner is gone.
+Made under the supervisor's own cgroup v2 (or its parent, where that one hands controllers down and
+is ours to write), processes only in its leaves; a hybrid host's v1 memory or pids controller gets a
+group of the same name. kill() writes cgroup.kill, or before Linux 5.14 SIGKILLs cgroup.procs until
+it is empty. A command cannot move itself out: the files are not its uid's, or Landlock keeps /sys
+read-only.
 """
 
 import itertools
@@ -28,11 +18,11 @@ import secrets
 import signal
 import time
 
-from .namespaced import start_time
+from .owned import left_behind, start_time
 
+EMPTY_WAIT = 2.0  # after a kill, how long we wait for the kernel to tear processes down
 _counter = itertools.count()
 _layout = None  # (v2 parent, v2 caps?, {v1 controller: parent}): where this process makes its cgroups
-_EMPTY_WAIT = 2.0  # after a kill, how long we wait for the kernel to tear processes down
 
 
 def _read(path: str) -> str:
@@ -56,32 +46,31 @@ def _hierarchies() -> tuple[str | None, dict[str, str]]:
             fstype, options = fields[sep + 1], fields[sep + 3].split(",")
             if fstype == "cgroup2":
                 mounts.setdefault("", (fields[4], fields[3]))
-            elif fstype == "cgroup":
-                for ctrl in ("memory", "pids"):
-                    if ctrl in options:
-                        mounts.setdefault(ctrl, (fields[4], fields[3]))
+            for ctrl in ("memory", "pids") if fstype == "cgroup" else ():
+                if ctrl in options:
+                    mounts.setdefault(ctrl, (fields[4], fields[3]))
     ours = {}
     with open("/proc/self/cgroup") as f:
         for line in f:
             _, ctrls, path = line.rstrip("\n").split(":", 2)
             for ctrl in ctrls.split(",") if ctrls else [""]:
-                if ctrl in mounts:
+                if ctrl in mounts and (mounts[ctrl][1] == "/" or path.startswith(mounts[ctrl][1])):
                     mount, root = mounts[ctrl]
-                    rel = path if root == "/" else path[len(root):] if path.startswith(root) else None
-                    if rel is not None:
-                        ours[ctrl] = os.path.normpath(mount + "/" + rel.lstrip("/"))
-    v2 = ours.pop("", None)
-    return v2, ours
+                    rel = path if root == "/" else path[len(root):]
+                    ours[ctrl] = os.path.normpath(mount + "/" + rel.lstrip("/"))
+    return ours.pop("", None), ours
 
 
 def _v2_parent(base: str) -> tuple[str, bool]:
     """Where the sandbox's v2 cgroup goes, and whether memory and pids can be capped there: our own
     cgroup, if it hands both controllers down (or we can make it: only a cgroup without processes
     can); else its parent, if that one already does and we may write it; else our own, uncapped."""
-    want = {"memory", "pids"}
-    if want <= set(_read(os.path.join(base, "cgroup.subtree_control")).split()):
+    def hands_down(d: str, file: str = "cgroup.subtree_control") -> bool:
+        return {"memory", "pids"} <= set(_read(os.path.join(d, file)).split())
+
+    if hands_down(base):
         return base, True
-    if want <= set(_read(os.path.join(base, "cgroup.controllers")).split()):
+    if hands_down(base, "cgroup.controllers"):
         try:
             _write(os.path.join(base, "cgroup.subtree_control"), "+memory +pids")
             return base, True
@@ -89,31 +78,17 @@ def _v2_parent(base: str) -> tuple[str, bool]:
             pass  # EBUSY: we live in it ("no internal processes"), or it is not ours
     parent = os.path.dirname(base)
     try:
-        if (want <= set(_read(os.path.join(parent, "cgroup.subtree_control")).split())
-                and os.access(parent, os.W_OK) and os.access(os.path.join(parent, "cgroup.procs"), os.W_OK)):
+        if hands_down(parent) and os.access(parent, os.W_OK) and os.access(os.path.join(parent, "cgroup.procs"), os.W_OK):
             return parent, True
     except OSError:
         pass
     return base, False
 
 
-def _owner_gone(name: str) -> bool:
-    """nano-openshell-<pid>-<start time>-...: is that process gone (or its pid reused)?"""
-    parts = name.split("-")
-    if len(parts) < 5 or not (parts[2].isdigit() and parts[3].isdigit()):
-        return False
-    return start_time(int(parts[2])) != int(parts[3])
-
-
 def _sweep(parents: list[str]) -> None:
-    """Remove the empty cgroups of supervisors that died without close()."""
+    """Remove the empty cgroups of supervisors that are gone."""
     for parent in parents:
-        try:
-            names = [n for n in os.listdir(parent) if n.startswith("nano-openshell-") and _owner_gone(n)]
-        except OSError:
-            continue
-        for name in names:
-            path = os.path.join(parent, name)
+        for path in left_behind(parent, "nano-openshell-"):
             if not _populated(path):
                 _remove(path, wait=0.0)
 
@@ -127,7 +102,7 @@ def _kill(path: str) -> None:
         pass  # older than Linux 5.14: kill what is listed until nothing is (a fork lands in the list)
     except OSError:
         return  # already removed
-    end = time.monotonic() + _EMPTY_WAIT
+    end = time.monotonic() + EMPTY_WAIT
     while time.monotonic() < end:
         pids = []
         for dirpath, _, _ in os.walk(path):
@@ -152,9 +127,9 @@ def _populated(path: str) -> bool:
         return False
 
 
-def _remove(path: str, wait: float = _EMPTY_WAIT) -> None:
-    """rmdir a cgroup tree (leaves first) once its processes are gone; a directory still busy
-    after `wait` is left behind."""
+def _remove(path: str, wait: float = EMPTY_WAIT) -> None:
+    """rmdir a cgroup tree (leaves first) once its processes are gone; one still busy after `wait`
+    is left behind."""
     end = time.monotonic() + wait
     while _populated(path) and time.monotonic() < end:
         time.sleep(0.001)
@@ -172,15 +147,14 @@ def _remove(path: str, wait: float = _EMPTY_WAIT) -> None:
 
 
 class Leaf:
-    """One command's (or one launcher's) place in the sandbox cgroup."""
+    """One command's (or one bwrap's) place in the sandbox cgroup."""
 
     def __init__(self, path: str, v1_dirs: list[str]):
         self.path, self._v1_dirs = path, v1_dirs
 
     def add(self, pid: int) -> None:
         """Move pid in; what it starts afterwards is born inside."""
-        _write(os.path.join(self.path, "cgroup.procs"), str(pid))
-        for d in self._v1_dirs:
+        for d in [self.path, *self._v1_dirs]:
             _write(os.path.join(d, "cgroup.procs"), str(pid))
 
     def kill(self) -> None:
@@ -203,7 +177,7 @@ class SandboxCgroup:
     def create(cls, memory_bytes: int, processes: int) -> "tuple[SandboxCgroup | None, str]":
         """A new cgroup with these caps, or (None, why not)."""
         global _layout
-        name = f"nano-openshell-{os.getpid()}-{start_time(os.getpid())}-{next(_counter)}-{secrets.token_hex(3)}"
+        name = f"nano-openshell-{os.getpid()}.{start_time(os.getpid())}-{next(_counter)}-{secrets.token_hex(3)}"
         made = []
         try:
             if _layout is None:  # once per process (a supervisor does not change cgroups under us)
@@ -258,15 +232,13 @@ class SandboxCgroup:
     def close(self) -> None:
         """Kill every process of the sandbox and remove its cgroups. Idempotent."""
         self.kill()
-        _remove(self.path)
-        for d in self.v1_dirs.values():
+        for d in [self.path, *self.v1_dirs.values()]:
             _remove(d)
 
 
 def check() -> dict:
     """What a Sandbox would get here (probe.py): a real cgroup made and removed again."""
     cg, why = SandboxCgroup.create(1 << 30, 64)
-    if cg is None:
-        return {"usable": False, "kill": False, "capped": [], "reason": why}
-    cg.close()
-    return {"usable": True, "kill": True, "capped": cg.capped, "reason": why}
+    if cg is not None:
+        cg.close()
+    return {"usable": cg is not None, "kill": cg is not None, "capped": cg.capped if cg else [], "reason": why}

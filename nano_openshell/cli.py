@@ -16,11 +16,11 @@ import signal
 import sys
 import threading
 
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2
-        print(f"nano-openshell: error: {message}", file=sys.stderr)
-        sys.exit(2)
+from .api import SandboxError, validate_command, validate_timeout
+from .policy import Policy, PolicyError
+from .probe import probe
+from .proxy import ProxyServer
+from .sandbox import Sandbox
 
 
 def _fail(message: str, code: int = 2) -> int:
@@ -28,9 +28,12 @@ def _fail(message: str, code: int = 2) -> int:
     return code
 
 
-def _cmd_exec(args) -> int:
-    from .sandbox import Sandbox, SandboxError, validate_command, validate_timeout
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2
+        sys.exit(_fail(message))
 
+
+def _cmd_exec(args) -> int:
     words = args.command[1:] if args.command[:1] == ["--"] else args.command
     # one word is the whole bash command; several are joined as shell words, quoted
     command = words[0] if len(words) == 1 else " ".join(shlex.quote(w) for w in words)
@@ -56,18 +59,12 @@ def _cmd_exec(args) -> int:
     return 0
 
 
-def _cmd_probe(args) -> int:
-    from .probe import probe
-
+def _cmd_probe(_args) -> int:
     print(json.dumps(probe(), indent=2))
     return 0
 
 
 def _cmd_proxy(args) -> int:
-    from .policy import Policy, PolicyError
-    from .probe import probe
-    from .proxy import ProxyServer
-
     try:
         policy = Policy.load(args.policy)
     except (PolicyError, OSError) as e:
@@ -99,16 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     px.add_argument("--socket", required=True)
     px.add_argument("--audit", default=None)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    if args.cmd == "exec":
-        if not [w for w in args.command if w != "--"]:
-            return _fail("empty command")
-        return _cmd_exec(args)
-    if args.cmd == "probe":
-        return _cmd_probe(args)
-    if args.cmd == "proxy":
-        return _cmd_proxy(args)
-    parser.print_help(sys.stderr)
-    return 2
+    if args.cmd is None:
+        parser.print_help(sys.stderr)
+        return 2
+    if args.cmd == "exec" and not [w for w in args.command if w != "--"]:
+        return _fail("empty command")
+    return {"exec": _cmd_exec, "probe": _cmd_probe, "proxy": _cmd_proxy}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -1,38 +1,12 @@
 """The disk a sandbox's files take, and the check that kills a command taking it past Limits.disk_bytes.
 
-RLIMIT_FSIZE caps one file; without a total, a command writing file after file fills the host's disk
-for as long as it runs (~1 GB per 10 s command on the development VM, many times that on NVMe), and
-an episode's commands add up. The host directories a sandbox writes to (its workspace and mounts; in
-the tiers without namespaces its TMPDIR too: the namespaced tier's /tmp and /dev/shm are size-capped
-tmpfs of its own) are walked while a command runs, and the command is killed once they hold more than
-the limit. A filesystem quota would stop the write itself, but needs a filesystem set up for it and
-privileges the sandbox may not have; the walk works in every tier, as any user. The workspace is a
-host directory the caller reads and brings, so it cannot be swapped for a size-capped tmpfs either.
-
-What is counted: the blocks each file, directory and link really takes (st_blocks: a sparse file counts
-what it holds), a hard-linked inode's blocks shared out over its links, and at least one 4 KiB block
-per entry, so that millions of empty files (the filesystem's inodes) are bounded as well.
-
-How it is kept up to date (Meter): the walk remembers, per directory, what each entry counted, and
-the running total is the sum of that. A pass looks at every directory (one fstat); one whose mtime
-moved is listed again, and only its new entries are looked at (a name with a known inode costs a
-line of getdents, not a stat); a new file is looked at once more on the next pass (unless it held
-some bytes but no more than the block it counts anyway), one seen growing on every pass while it
-grows; and in a refresh cycle, one pass in every ten times its cost, every entry is looked at again
-(a file nothing had watched that starts growing is seen there). So a command making
-many small files is seen at the pace of one listing, not of a stat of every file, and the total moves
-after every directory, not once a walk. Passes run in a thread of their own while a command runs (the
-output drain only reads the total, and never waits for a walk), from 50 ms into it, with a pause of
-ten times what the last pass took, shrinking with the room left under what is allowed (back to back
-at the limit, where a pause lets the most through), and once more when it ends, within its deadline.
-
-What it lets through: what a command writes between two passes (a pass takes longer the more
-directories there are), and, to files it had not been writing to, between two refresh cycles (a
-cycle takes longer the more files there are). A Sandbox
-measures its files when it is made; a command is killed when they take more than the limit, or more
-than they took when it started if that was more (a sandbox left over the limit, or a large workspace
-the caller brought): it is killed for what it adds, so the one that frees the space runs. Files the
-host adds between commands count as the next command's.
+The host directories a sandbox writes to (workspace, mounts; in the tiers without namespaces its
+TMPDIR) are measured while a command runs, and it is killed once they hold more than the limit, or
+than they held when it started if that was more (a command is killed for what it adds). Counted:
+the blocks each entry holds, a hard-linked inode's shared out over its links, at least 4 KiB an
+entry. Meter keeps the total up to date in passes that list again only directories whose mtime
+moved and stat only new or growing files, with a refresh cycle looking at every entry; they run in
+a thread of their own, so no walk holds a deadline up. docs/design.md (Disk) says what gets through.
 """
 from __future__ import annotations
 
@@ -57,14 +31,10 @@ MAX_MOVES = 3           # passes in a row cut short by moving directories before
 
 
 def usage(roots: list[str]) -> int:
-    """Bytes the trees under roots take on disk, by the rules above, measured once in full. A command
-    may change its files while they are walked: every directory is opened relative to its parent's
-    fd, follows no link, and must be the one its parent listed (same device and inode), so neither a
-    directory swapped for a link to the host's / nor a path longer than PATH_MAX leads the walk
-    astray. The walk goes down by name and back up by "..", with one directory open at a time, so no
-    depth exhausts our fds. A directory we may not read (a command sharing our uid took our access
-    away) is opened for the walk and given its mode back on the way up; one that is not ours is not
-    entered (only the host can put such a thing there). OSError when directories keep moving."""
+    """Bytes the trees under roots take, measured once in full (OSError when directories keep moving).
+    The walk is workspace.walk: by fd, no link followed, each directory the one its parent listed
+    (same device and inode), any depth. A directory closed to us (a command sharing our uid) is
+    opened up for the walk and given its mode back; one that is not ours is not entered."""
     meter = Meter()
     meter.settle(roots)
     return meter.total

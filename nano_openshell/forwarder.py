@@ -1,17 +1,10 @@
 """In-sandbox forwarder: 127.0.0.1:PORT -> the supervisor proxy's Unix socket.
 
-This file runs inside the sandbox as `<python> -I -S -c <this file's text> SOCKET PORT`: the
-sandbox sees only a read-only view of the host, possibly without this package or this Python
-(a dropped uid cannot enter /root), so the source travels in the script and it imports nothing
-but the standard library. It prints one line ("ready" or "error: ...") once listening, closes
-stdout, and dies with the shell that started it (a watchdog on its parent; in the namespaced tier
-the pid namespace ends with the command anyway).
-
-It starts with every sandboxed command, so its start-up is the network's per-command cost: it
-uses the C modules _socket, _thread and select directly (the socket, threading and ctypes
-modules would double the ~9 ms start-up).
-
-On the host side, sandbox_prelude() returns the bash snippet that starts it.
+Runs inside the sandbox as `<python> -I -S -c <this file's text> SOCKET PORT` (the sandbox may see
+neither this package nor this Python), so it imports only the standard library's C modules (the
+socket and threading modules would double its start-up, the network's cost per command). It prints
+"ready" or "error: ..." once listening, and dies with the shell that started it. On the host side,
+sandbox_prelude() is the bash snippet that starts it.
 """
 
 import _socket
@@ -28,14 +21,10 @@ CHUNK = 64 * 1024
 
 
 def sandbox_prelude(socket_path_inside_sandbox, port=FORWARDER_PORT, python=None) -> str:
-    """Bash that starts the forwarder in the background, waits (at most ~2 s) until it listens,
-    and points the usual proxy variables at it. Put it before the agent's command.
-
-    The forwarder's source travels in the script (python -c), and the interpreter is this one if
-    the sandbox can run it, else `python3` from the sandbox's PATH: a sandbox under a dropped uid
-    may not see a Python or a package that lives under a private home such as /root.
-    """
-    import shlex  # host side only
+    """Bash that starts the forwarder in the background, waits (up to READY_TIMEOUT_S) until it
+    listens, and points the usual proxy variables at it: put it before the agent's command. Its
+    interpreter: `python` if the sandbox can run it, else python3 from the sandbox's PATH."""
+    import shlex  # host side only: not in the forwarder's start-up
 
     if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
         raise ValueError(f"port must be an integer in 1..65535, got {port!r}")
@@ -59,19 +48,13 @@ def sandbox_prelude(socket_path_inside_sandbox, port=FORWARDER_PORT, python=None
     ])
 
 
-_SOURCE = None
-
-
 def _source() -> str:
-    """This whole file, as sent to `python -c` (it is stdlib-only and runs main() as __main__)."""
-    global _SOURCE
-    if _SOURCE is None:
-        with open(os.path.abspath(__file__), encoding="utf-8") as f:
-            _SOURCE = f.read()
-    return _SOURCE
+    """This whole file, as sent to `python -c` (it runs main() as __main__)."""
+    with open(os.path.abspath(__file__), encoding="utf-8") as f:
+        return f.read()
 
 
-# ---- the forwarder process itself (stdlib only from here on) ----
+# ---- the forwarder process itself ----
 
 def _watch_parent(parent: int) -> None:
     while os.getppid() == parent:

@@ -1,14 +1,9 @@
 """The namespaced tier's init as a program: nsinit.c compiled once per machine, or None (nsinit.py then).
 
-Python's start-up is ~6.5 ms of a ~15 ms cold sandbox start, and the Python init handles a shared
-Sandbox's commands one at a time at Python speed. The C init does the same job (same protocol,
-same guarantees: tests/nano_openshell/test_init.py runs on both) in a fraction of that.
-
-The binary is cached by the hash of its source and compiler command under a directory only this
-user can write (~/.cache/nano-openshell, else a private one in the temp directory): a file another
-user could replace would run as every sandbox's pid 1. The file is opened and checked once; every
-sandbox execs that open file (open_binary), so a later swap of the path changes nothing. Compiling
-takes ~0.3 s, once.
+The binary is cached by the hash of its source and compiler command in a directory only this user
+can write (~/.cache/nano-openshell, else a private one in the temp directory): a file another user
+could replace would run as every sandbox's pid 1. It is opened and checked once, and every sandbox
+execs that open file (open_binary): a later swap of the path changes nothing.
 NANO_OPENSHELL_INIT=python forces the Python init (and =c fails loudly where it cannot be built).
 """
 
@@ -26,8 +21,8 @@ import threading
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "nsinit.c")
 _FLAGS = ["-O2", "-std=gnu11", "-Wall"]
 _LOCK = threading.Lock()
-_BUILT: dict[str, tuple[str, int] | None] = {}  # cache key -> (binary path, its open fd); None: cannot be built
-_WHY: dict[str, str] = {}           # cache key -> why it could not be built
+_BUILT: dict[str, tuple[str, int] | None] = {}  # cache key -> (path, its open fd); None: cannot be built
+_WHY: dict[str, str] = {}  # cache key -> why it could not be built
 
 
 def kind() -> str:
@@ -100,21 +95,18 @@ def _key_for(cc: str, path: str) -> str:
     return f"{os.uname().machine}-{digest}"
 
 
-def _private_dir(path: str) -> bool:
-    """Is path a directory of ours that no other user can write (made so if it is new)?"""
-    try:
-        os.makedirs(path, mode=0o700, exist_ok=True)
-        st = os.lstat(path)
-    except OSError:
-        return False
-    return st.st_uid == os.geteuid() and not (st.st_mode & 0o022) and os.path.isdir(path) and not os.path.islink(path)
-
-
 def _cache_dir() -> str:
+    """The first of these that is a directory of ours no other user can write (made so if new)."""
     home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     for candidate in (os.path.join(home, "nano-openshell"),
                       os.path.join(tempfile.gettempdir(), f"nano-openshell-{os.geteuid()}")):
-        if _private_dir(candidate) and os.access(candidate, os.W_OK):
+        try:
+            os.makedirs(candidate, mode=0o700, exist_ok=True)
+            st = os.lstat(candidate)
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022 \
+                and os.access(candidate, os.W_OK):
             return candidate
     return tempfile.mkdtemp(prefix="nano-openshell-init-")
 
@@ -161,9 +153,8 @@ def _checked(path: str) -> str:
     return path
 
 
-# The Python init (nsinit.py, where no C init can be built) gets its program on stdin: its code
-# compiled here (what compiling its source would cost at every sandbox start, ~5 ms), used when the
-# sandbox's Python has our bytecode format (the same cache tag, as .pyc files), and its source otherwise.
+# The Python init gets its program on stdin: its code compiled here (rather than at every sandbox
+# start), used when the sandbox's Python has our bytecode format (the cache tag), else its source.
 PYTHON_BOOT = ("import sys, marshal\n"
                "tag, size, rest = sys.stdin.buffer.read().split(b'\\n', 2)\n"
                "try:\n"
@@ -171,14 +162,11 @@ PYTHON_BOOT = ("import sys, marshal\n"
                "except Exception:\n"
                "    code = None\n"
                "exec(code or compile(rest[int(size):], 'nsinit.py', 'exec'))\n")
-_PROGRAM = None
 
 
+@functools.cache
 def python_program() -> bytes:
-    global _PROGRAM
-    if _PROGRAM is None:
-        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "nsinit.py"), "rb") as f:
-            source = f.read()
-        code = marshal.dumps(compile(source, "nsinit.py", "exec"))
-        _PROGRAM = b"%s\n%d\n" % (sys.implementation.cache_tag.encode(), len(code)) + code + source
-    return _PROGRAM
+    with open(os.path.join(os.path.dirname(_SOURCE), "nsinit.py"), "rb") as f:
+        source = f.read()
+    code = marshal.dumps(compile(source, "nsinit.py", "exec"))
+    return b"%s\n%d\n" % (sys.implementation.cache_tag.encode(), len(code)) + code + source

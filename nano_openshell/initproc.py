@@ -1,24 +1,17 @@
-"""The fallback tier's per-command init (runs as `python -I -S`, config as JSON on stdin), and the
-supervisor's handle on it (Init, at the end).
+"""The fallback tier's per-command init: `python -I -S`, its config marshalled on stdin (fallback.py).
 
-It is a child subreaper in a new session: every process the command starts, including setsid and
-double-forked escapees, is reparented to it when its parent dies. When the command exits, or on
-SIGTERM (sent by the kernel as PDEATHSIG when the supervisor dies), it SIGKILLs its whole tree, round
-after round, until two rounds in a row find its children the same and all exited
-(kill_descendants), then exits with the command's status. It tells the supervisor that status, and
-when the command ended, before that kill: a deadline that passes during the kill is not the
-command's (Init.ended). At the timeout or at close() the supervisor kills the tree itself: by
-cgroup.kill when the Sandbox has a cgroup (cgroup.py), else by the same rounds, with the init frozen
-meanwhile.
-The command itself runs with rlimits, under another uid when we are root, with no_new_privs,
-Landlock (workspace and private tmp writable, the rest read-only, /proc hidden but for a few
-system-wide files, no TCP, signals scoped) and the seccomp filter without sockets. The init stays
-outside the Landlock domain and, as root, under another uid: the command can neither signal it nor
-read its /proc entries.
+A child subreaper in a new session: every process the command starts, setsid and double-forked
+escapees included, is reparented to it when its parent dies. When the command exits, or on SIGTERM
+(the supervisor died: PDEATHSIG), it kills its whole tree (kill_descendants) and exits with the
+command's status, which it first tells the supervisor with the time the command ended: a deadline
+that passes during the kill is not the command's. The command runs with rlimits, under the
+sandbox's uid as root, no_new_privs, Landlock (workspace and its tmp writable, the rest read-only,
+/proc hidden, no TCP, signals scoped) and the seccomp filter without sockets; the init stays outside
+them, where the command can neither signal it nor read its /proc entries.
 """
 
 import ctypes
-import json
+import marshal
 import os
 import resource
 import select
@@ -26,7 +19,7 @@ import signal
 import sys
 import time
 
-from nano_openshell import landlock, seccomp
+from . import landlock, seccomp
 
 _PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER, _PR_SET_NO_NEW_PRIVS = 1, 36, 38
 
@@ -78,9 +71,9 @@ def _scanned_children(root: int):
 
 
 def _kill(pid: int, parents: tuple[int, ...]) -> bool:
-    """SIGKILL pid if it is still the child of one of parents: through a pidfd, opened before that
-    check, so a pid reaped and reused meanwhile is never signalled. True while it has not exited
-    (a process whose main thread ended looks like a zombie in /proc, and is not one)."""
+    """SIGKILL pid if it is still the child of one of parents, through a pidfd opened before that check
+    (a pid reaped and reused meanwhile is never signalled). True while it has not exited (a process
+    whose main thread ended looks like a zombie in /proc, and is not one)."""
     try:
         fd = os.pidfd_open(pid)
     except OSError:
@@ -100,15 +93,13 @@ def _kill(pid: int, parents: tuple[int, ...]) -> bool:
 
 
 def kill_descendants(root: int) -> None:
-    """SIGKILL root's whole tree, even one that forks faster than /proc can be read.
-
-    root must not reap meanwhile (the init calls this before it reaps, the supervisor with the init
-    stopped): then its children only accumulate, each a pid nobody can reuse, and every orphan of
-    the tree joins them (root is the subreaper). A round kills root's children and walks down from
-    them, killing each process before reading its children: once SIGKILL is pending a process
-    cannot fork, so the list it shows then is final, and a child that dies after the read has had
-    its own children reparented to root for the next round. It ends when two rounds in a row find
-    the same children, every one exited: an exited process has no children, so nothing is left."""
+    """SIGKILL root's whole tree, even one that forks faster than /proc can be read. root must not reap
+    meanwhile (the init calls this before it reaps, the supervisor with the init stopped): its children
+    only accumulate, each a pid nobody can reuse, and every orphan of the tree joins them. A round
+    kills root's children and walks down, killing each process before reading its children: once
+    SIGKILL is pending a process cannot fork, so the list it shows then is final, and a child that
+    dies after the read had its children reparented to root for the next round. It ends when two
+    rounds in a row find the same children, every one exited: nothing is left."""
     settled = None  # root's children, when the last round found every one exited
     exited = set()  # root's children that have exited: they stay so, as root reaps none
     signalled = set()
@@ -185,7 +176,7 @@ def _stop(signum, frame):
 
 
 def main() -> None:
-    cfg = json.loads(sys.stdin.buffer.read())
+    cfg = marshal.loads(sys.stdin.buffer.read())  # from our supervisor; marshal is built in (json costs re)
     fd = os.open("/dev/null", os.O_RDONLY)
     os.dup2(fd, 0)
     os.close(fd)
@@ -223,80 +214,3 @@ def main() -> None:
     kill_tree()
     os._exit(code)
 
-
-# ---- the supervisor's side -------------------------------------------------------------------
-_BOOT = "import sys; sys.path.insert(0, sys.argv[1]); from nano_openshell.initproc import main; main()"
-_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-class Init:
-    """One command's init, seen from the supervisor: Init(cfg, leaf) starts it (in the cgroup leaf
-    when the Sandbox has a cgroup), stop() kills the command's whole tree, ended() says when and how
-    the command itself ended, close() once it is over."""
-
-    def __init__(self, cfg: dict, leaf=None, path: str = "/usr/bin:/bin"):
-        import subprocess  # here, not at the top: the init itself starts faster without it
-
-        self.leaf = leaf
-        self._ended_r, ended_w = os.pipe()
-        try:
-            self.proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _BOOT, _PACKAGE_PARENT],
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                         env={"PATH": path}, start_new_session=True, pass_fds=(ended_w,))
-        except BaseException:
-            os.close(self._ended_r)
-            raise
-        finally:
-            os.close(ended_w)
-        cfg = {**cfg, "ended_fd": ended_w}  # the same number in the init
-        try:
-            if leaf is not None:
-                leaf.add(self.proc.pid)  # before the config: the init forks nothing until it has it
-            self.proc.stdin.write(json.dumps(cfg).encode())
-            self.proc.stdin.close()
-        except BrokenPipeError:
-            pass
-        except BaseException:
-            self.proc.kill()
-            self.proc.wait()
-            for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
-                pipe.close()
-            os.close(self._ended_r)
-            raise
-
-    def stop(self) -> None:
-        """Kill everything the command started. With a cgroup: cgroup.kill. Without: freeze the init
-        (SIGSTOP; it stays the subreaper its orphans are reparented to, and reaps none of them),
-        kill its descendants until none is left (kill_descendants), then the init. Never the init
-        first: its orphans would go to PID 1, out of reach."""
-        if self.leaf is not None:
-            self.leaf.kill()
-            return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGSTOP)
-            try:  # until it has stopped (or exited): a child it reaps meanwhile would unsettle the kill
-                os.waitid(os.P_PID, self.proc.pid, os.WSTOPPED | os.WEXITED | os.WNOWAIT)
-            except ChildProcessError:
-                pass  # exited, and reaped by another thread's wait
-            kill_descendants(self.proc.pid)
-        self.proc.kill()
-
-    def ended(self) -> tuple[int, float] | None:
-        """(exit code, time.monotonic()) of the command itself, as the init reported it when it reaped
-        it (before killing what it left), or None if it did not (the command was killed first).
-        Once the init is over."""
-        os.set_blocking(self._ended_r, False)
-        try:
-            code, at = os.read(self._ended_r, 64).split()
-            return int(code), float(at)
-        except (BlockingIOError, ValueError):
-            return None
-
-    def close(self) -> None:
-        os.close(self._ended_r)
-        if self.leaf is not None:
-            self.leaf.close()  # an escapee the init missed would die here; the leaf goes
-
-
-if __name__ == "__main__":
-    main()

@@ -1,14 +1,11 @@
-"""Landlock for the fallback tier, through ctypes (no dependency).
+"""Landlock for the fallback tier, through ctypes.
 
-restrict(rw=[...]) makes the calling thread (and what it execs) read-only everywhere except `rw`
-and a few devices, hides /proc but for a few system-wide files (PROC_VISIBLE: no other process's
-cmdline, environ or status, nor its own), denies every TCP bind/connect (ABI >= 4), and scopes
-signals and abstract Unix sockets to the sandbox's own domain (ABI >= 6), so a command cannot signal
-the supervisor or its init. Landlock grants, never subtracts: "read-only everywhere but /proc" is a
-rule per entry of / (each one read-only) plus listing / itself (so `ls /proc` lists pids, and every
-file in them stays unreadable). A procfs mounted somewhere else than /proc would be readable there.
-Landlock does not cover UDP, nor pathname Unix sockets below ABI 9: the fallback tier's seccomp filter
-(no socket() at all, seccomp.py) does.
+restrict(rw=[...]) makes the calling thread (and what it execs) read-only everywhere but `rw` and a
+few devices, hides /proc but for a few system-wide files (PROC_VISIBLE), denies every TCP bind and
+connect (ABI >= 4), and scopes signals and abstract Unix sockets to its own domain (ABI >= 6): a
+command cannot signal the supervisor or its init. Landlock grants, never subtracts: "read-only but
+/proc" is a rule per entry of / plus listing / itself (a procfs mounted elsewhere stays readable). UDP and pathname Unix sockets are
+seccomp.py's (no socket() at all in the fallback tier).
 """
 
 import ctypes
@@ -41,14 +38,11 @@ class _PathBeneath(ctypes.Structure):
     _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
 
 
-_libc = None
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
 
 
 def _syscall(name: str, *args) -> int:
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-        _libc.syscall.restype = ctypes.c_long
     r = _libc.syscall(ctypes.c_long(_SYS[name]), *args)
     if r < 0:
         e = ctypes.get_errno()
@@ -65,14 +59,7 @@ def abi_version() -> int:
 
 
 def handled_fs(abi: int) -> int:
-    rights = (1 << 13) - 1
-    if abi >= 2:
-        rights |= REFER
-    if abi >= 3:
-        rights |= TRUNCATE
-    if abi >= 5:
-        rights |= IOCTL_DEV
-    return rights
+    return (1 << 13) - 1 | (REFER if abi >= 2 else 0) | (TRUNCATE if abi >= 3 else 0) | (IOCTL_DEV if abi >= 5 else 0)
 
 
 def readable_without_proc() -> list[tuple[str, int]]:

@@ -1,18 +1,24 @@
-/* pid 1 of a namespaced Sandbox, in C: nsinit.py's job and protocol, without Python's start-up.
-
-Python's own start-up is ~6.5 ms of every sandbox's ~15 ms cold start, and the Python init serves a
-busy shared Sandbox one command at a time; this one starts in well under a millisecond. init_build.py
-compiles it once per machine (cached by the source's hash); without a C compiler the sandbox runs
-nsinit.py instead. The two must behave the same: tests/nano_openshell/test_init.py runs on both.
+/* pid 1 of a namespaced Sandbox: starts, reaps and kills its commands (nsinit.py does the same job in
+Python, where no C compiler works; tests/nano_openshell/test_init.py runs on both). init_build.py
+compiles it once per machine, cached by the source's hash: it starts in well under a millisecond,
+where Python's own start-up is several.
 
 Started as `bwrap ... --as-pid-1 -- /proc/self/fd/BIN CTL BIN`: BIN is this program's file, opened by
 the supervisor (the sandbox cannot see the cache it lives in), CTL the SOCK_SEQPACKET socket.
-Messages (launcher.encode builds them; the docstring of nsinit.py says what each does):
+Messages (launcher.encode builds them):
   'r' u64 id, u32 argc, u32 envc, argc + envc NUL-terminated strings  + SCM_RIGHTS [status, out, err(, script)]
-  'k' u64 id
-  'p'                                                                  + SCM_RIGHTS [status]
-Status lines: "R\n" (ping), "D<code> <ns>\n" (the command's main process was reaped: its code, and
-CLOCK_MONOTONIC then), "X<code>\n" (the command and all it started are gone), "E<why>\n". */
+      start a command in its own session, stdin /dev/null, cwd /workspace, a fresh private TMPDIR in
+      /tmp (removed once it is reported, for a bounded time), a script memfd as its fd 3
+  'k' u64 id: kill that command's whole tree
+  'p' + SCM_RIGHTS [status]: answered "R\n"
+Status lines: "D<code> <ns>\n" as soon as the command's main process is reaped (its code, and
+CLOCK_MONOTONIC then: a deadline passing while what it left is killed is not its own), "X<code>\n"
+once the command and all it started are gone (128+N for a signal N, -9 when killed on request),
+"E<why>\n" when it could not start. EOF on CTL: the supervisor is gone; the init exits and the kernel
+kills the rest of the pid namespace. As pid 1 it reaps every orphan and no process of the sandbox
+can signal it. When a command's main process exits, what no running command owns is killed: with
+none running, everything but the init (kill(-1)); else every process outside the running commands'
+trees, so a daemon that left its command's tree dies then. */
 #define _GNU_SOURCE
 #include <dirent.h>
 #include <errno.h>

@@ -1,34 +1,9 @@
-"""pid 1 of a namespaced Sandbox: one per Sandbox, it starts every command of that Sandbox.
+"""pid 1 of a namespaced Sandbox, in Python, where no C compiler works: nsinit.c's job and protocol
+(its header says both).
 
-A bwrap per command cost ~3 ms of mounts and namespaces each time; this init is started once, as
-`python3 -I -S -c <init_build.PYTHON_BOOT> FD` inside the Sandbox's bwrap (--as-pid-1), so a command costs one
-posix_spawn of bash. The sandbox may not see this package, so this file comes on stdin (compiled when
-the sandbox's Python can take our bytecode), and it imports only modules built into the interpreter
-(posix, _socket, select, _signal, time): its start is Python's own start-up and nothing more.
-Where a C compiler works, nsinit.c (the same job and protocol, without that start-up) runs instead.
-
-Protocol, on the SOCK_SEQPACKET socket FD (the supervisor's side is launcher.py; the bytes of each
-message are in nsinit.c's header, launcher.encode builds them):
-  ("run", id, argv, env) + SCM_RIGHTS [status, stdout, stderr(, script)]: start a command, with a
-                           fresh private directory in /tmp as its TMPDIR (removed once it is
-                           reported, for up to _REMOVE_BUDGET; the rest stays in /tmp); a
-                           script fd (a large command, a memfd) is its fd 3, read as /dev/fd/3
-  ("kill", id)             kill that command's whole tree (the supervisor's timeout)
-  ("ping",) + SCM_RIGHTS [status]: answered b"R\n" on status: the init is up (Sandbox.wait_ready)
-On the command's status pipe the init writes b"D<code> <ns>\n" as soon as it reaps the command's
-main process (ns: time.monotonic_ns() then), before it kills what that process left; b"X<code>\n"
-once the command and everything it started are gone (code: the exit status, 128+N for a signal N,
--9 when killed on request), or b"E<why>\n" when it could not start; then closes it. EOF on FD: the
-Sandbox is closing or its supervisor died; the init exits, and the kernel kills everything left in
-the pid namespace.
-
-Each command runs in its own session (so its own process group) with stdin /dev/null, cwd /workspace
-(the init's own) and the environment it was sent. As pid 1 the init is the reaper of every orphan,
-and no process of the sandbox can signal it. When a command's main process exits, the init kills
-what no running command owns (a double-forked daemon, a setsid escapee): with no other command
-running that is everything but itself (kill(-1)); with others running, every process outside their
-process trees, so a daemon that left its command's tree dies when any command of the Sandbox ends.
-A timeout kills the command's tree the same way.
+Started as `python3 -I -S -c <init_build.PYTHON_BOOT> FD` inside the Sandbox's bwrap: the sandbox
+may not see this package, so this file comes on stdin, and it imports only modules built into the
+interpreter (its start is Python's own start-up and nothing more).
 """
 
 import _signal
@@ -37,13 +12,13 @@ import posix as os  # not os: importing os (and _collections_abc) is ~1.5 ms of 
 import select
 import time
 
-# a command starts with every signal at its default, as from a normal shell: not only those the init
-# changed (Python ignores SIGPIPE and SIGXFSZ) but any the supervisor ignored (a nohup'd trainer's
-# SIGHUP), which fork and exec pass down. Blocked: none (setsigmask=()). glibc's own two signals
-# (32, 33) are not ours to name; glibc programs handle them themselves.
+# a command starts with every signal at its default and none blocked, as from a normal shell: not
+# only those the init changed (Python ignores SIGPIPE and SIGXFSZ) but any the supervisor ignored,
+# which fork and exec pass down. glibc's own two signals (32, 33) are not ours to name.
 _SIGNALS_RESET = tuple(sorted(set(_signal.valid_signals()) - {_signal.SIGKILL, _signal.SIGSTOP}))
 _MAX_MESSAGE = 1 << 20   # argv + env of one command; larger scripts come as a file descriptor
 _REMOVE_BUDGET = 0.2     # seconds spent removing finished commands' TMPDIRs at a time
+_MAX_REMOVE_DEPTH = 64
 
 
 class _Command:
@@ -73,17 +48,15 @@ class Init:
         while True:
             for fd, _ in poller.poll():
                 if fd == self.wake_r:
-                    while True:
-                        try:
-                            if not os.read(self.wake_r, 512):
-                                break
-                        except BlockingIOError:
-                            break
+                    try:
+                        while os.read(self.wake_r, 512):
+                            pass
+                    except BlockingIOError:
+                        pass
                     self.settle()
                 else:
                     self.receive()
 
-    # ---- messages ----------------------------------------------------------------------------
     def receive(self) -> None:
         """Handle every message waiting (one wakeup may bring several)."""
         flags = _socket.MSG_CMSG_CLOEXEC
@@ -110,18 +83,15 @@ class Init:
             elif kind == b"r":
                 self.run(data, fds)
             elif kind == b"p":
-                _write(fds[0], b"R\n")
+                _quiet(os.write, fds[0], b"R\n")
             else:
                 raise ValueError("an unknown message")
         except Exception as e:  # a message cut short (its fds could not all be received): that command fails
             if fds:
-                _write(fds[0], b"E%s\n" % repr(e).encode(errors="replace"))
+                _quiet(os.write, fds[0], b"E%s\n" % repr(e).encode(errors="replace"))
         finally:
             for fd in fds:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+                _quiet(os.close, fd)
 
     def run(self, data: bytes, fds) -> None:
         cid, argc, envc = (int.from_bytes(data[i:j], "little") for i, j in ((1, 9), (9, 13), (13, 17)))
@@ -141,7 +111,7 @@ class Init:
             pid = os.posix_spawn(argv[0], argv, env, setsid=True, setsigdef=_SIGNALS_RESET, setsigmask=(),
                                  file_actions=actions)
         except Exception as e:  # this command cannot start; the init and the others go on
-            _write(status_fd, b"E%s\n" % repr(e).encode(errors="replace"))
+            _quiet(os.write, status_fd, b"E%s\n" % repr(e).encode(errors="replace"))
             os.close(status_fd)
             if tmp is not None:
                 _remove_tree(tmp, time.monotonic() + _REMOVE_BUDGET)
@@ -157,9 +127,9 @@ class Init:
         if len(self.running) == 1:
             _kill_all()
         else:
-            _kill_pids(_tree(_processes(), {pid}))
+            for victim in _tree(_processes(), {pid}):
+                _quiet(os.kill, victim, 9)
 
-    # ---- exits -------------------------------------------------------------------------------
     def settle(self) -> None:
         """Reap; once a command's main process exited, kill what no running command owns, then report
         the command. Orphans that exit on their own only need reaping."""
@@ -175,7 +145,8 @@ class Init:
             victims = [pid for pid, (_, state) in procs.items() if pid not in keep and state != "Z"]
             if not victims:
                 break
-            _kill_pids(victims)
+            for victim in victims:
+                _quiet(os.kill, victim, 9)
             time.sleep(0.0005)  # let the kills land before looking again
             more, others = self.reap()
             done += more
@@ -183,7 +154,7 @@ class Init:
             _kill_all()
             _reap_all()
         for cmd, status in done:
-            _write(cmd.status_fd, b"X%d\n" % _exit_code(cmd, status))
+            _quiet(os.write, cmd.status_fd, b"X%d\n" % _exit_code(cmd, status))
             os.close(cmd.status_fd)
         # after the reports: a TMPDIR full of files must not delay its command's result; what is not
         # gone within the budget stays in /tmp (the Sandbox's own) until the Sandbox closes
@@ -207,7 +178,7 @@ class Init:
             cmd = self.running.pop(pid, None)
             if cmd is not None:
                 del self.by_id[cmd.id]
-                _write(cmd.status_fd, b"D%d %d\n" % (_exit_code(cmd, status), time.monotonic_ns()))
+                _quiet(os.write, cmd.status_fd, b"D%d %d\n" % (_exit_code(cmd, status), time.monotonic_ns()))
                 done.append((cmd, status))
 
 
@@ -219,11 +190,13 @@ def _exit_code(cmd: _Command, status: int) -> int:
     return os.WEXITSTATUS(status)
 
 
-def _write(fd: int, data: bytes) -> None:
+def _quiet(func, *args, **kw) -> None:
+    """func(...), an OSError ignored: a file already gone, a process already dead, a status pipe
+    whose supervisor gave up on the command."""
     try:
-        os.write(fd, data)
+        func(*args, **kw)
     except OSError:
-        pass  # the supervisor gave up on this command
+        pass
 
 
 _TMP_PREFIX = "/tmp/.command-%s-" % os.urandom(4).hex()
@@ -231,9 +204,8 @@ _TMP_PREFIX = "/tmp/.command-%s-" % os.urandom(4).hex()
 
 def _fresh_dir(cid) -> str | None:
     """A new private directory in /tmp for one command (its TMPDIR); None if /tmp cannot take one
-    (the command filled it): the command then gets /tmp itself, rather than not running. A name
-    another command made first is passed over."""
-    for attempt in range(3):
+    (the command filled it): the command then gets /tmp itself, rather than not running."""
+    for attempt in range(3):  # a name another command made first is passed over
         path = _TMP_PREFIX + str(cid) + ("-" + os.urandom(4).hex() if attempt else "")
         try:
             os.mkdir(path, 0o700)
@@ -248,10 +220,7 @@ def _fresh_dir(cid) -> str | None:
 def _kill_all() -> None:
     """As pid 1: SIGKILL every other process of the namespace. A process forking meanwhile either is
     in the kernel's list already or sees its pending SIGKILL and fails the fork: none escapes."""
-    try:
-        os.kill(-1, 9)
-    except ProcessLookupError:
-        pass
+    _quiet(os.kill, -1, 9)
 
 
 def _reap_all() -> None:
@@ -260,14 +229,6 @@ def _reap_all() -> None:
             os.waitpid(-1, 0)
         except ChildProcessError:
             return
-
-
-def _kill_pids(pids) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, 9)
-        except ProcessLookupError:
-            pass
 
 
 def _children() -> set | None:
@@ -307,68 +268,39 @@ def _tree(procs: dict, roots: set) -> set:
     return out
 
 
-def _remove_tree(path: str, deadline: float) -> None:
-    """rm -rf without following links (the command owned it: it may hold links and 0500 dirs),
-    until the deadline."""
+def _remove_tree(path: str, deadline: float, dir_fd=None, depth: int = 0) -> None:
+    """rm -rf without following links (the command owned it: links, 0500 dirs), until the deadline;
+    what is deeper than _MAX_REMOVE_DEPTH stays in /tmp until the Sandbox closes."""
     try:
-        os.rmdir(path)  # the usual case: the command left nothing there
+        os.rmdir(path, dir_fd=dir_fd)  # the usual case: the command left nothing there
         return
     except FileNotFoundError:
         return
     except OSError:
         pass
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
     except OSError:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-        return
+        return _quiet(os.unlink, path, dir_fd=dir_fd)
     try:
-        _empty_dir(fd, deadline)
+        _quiet(os.fchmod, fd, 0o700)
+        for entry in os.scandir(fd):
+            if time.monotonic() > deadline:
+                return
+            if not entry.is_dir(follow_symlinks=False):
+                _quiet(os.unlink, entry.name, dir_fd=fd)
+            elif depth < _MAX_REMOVE_DEPTH:
+                _remove_tree(entry.name, deadline, fd, depth + 1)
     finally:
         os.close(fd)
-    try:
-        os.rmdir(path)
-    except OSError:
-        pass
-
-
-def _empty_dir(fd: int, deadline: float) -> None:
-    try:
-        os.fchmod(fd, 0o700)
-    except OSError:
-        pass
-    for entry in os.scandir(fd):
-        if time.monotonic() > deadline:
-            return
-        name = entry.name
-        if entry.is_dir(follow_symlinks=False):
-            try:
-                sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
-            except OSError:
-                continue
-            try:
-                _empty_dir(sub, deadline)
-            finally:
-                os.close(sub)
-            try:
-                os.rmdir(name, dir_fd=fd)
-            except OSError:
-                pass
-        else:
-            try:
-                os.unlink(name, dir_fd=fd)
-            except OSError:
-                pass
+    _quiet(os.rmdir, path, dir_fd=dir_fd)
 
 
 def main(argv) -> None:
     Init(int(argv[0])).serve()
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # init_build.PYTHON_BOOT runs this file's code as __main__
     import sys
 
     main(sys.argv[1:])

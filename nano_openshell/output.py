@@ -1,10 +1,4 @@
-"""A command's output and end, bounded: what every tier's exec reads, whatever the command does.
-
-drain() reads stdout and stderr until both reach EOF or the deadline comes; at the deadline it kills
-(the tier's own way), gives the pipes KILL_GRACE to reach EOF (they do once the tree is dead) and
-stops reading regardless. Capped keeps the first and last bytes of a stream, so memory stays bounded
-however much is written.
-"""
+"""A command's output and end, bounded whatever the command does: what every tier's exec reads."""
 
 import math
 import os
@@ -17,7 +11,7 @@ DISK_TICK_S = 0.02  # how often the disk check's total is looked at
 
 
 class Capped:
-    """Keeps the first and last bytes of a stream; memory stays bounded whatever is written."""
+    """The first and last bytes of a stream: memory stays bounded whatever is written."""
 
     def __init__(self, cap: int):
         self.head_cap, self.tail_cap = cap // 2, cap - cap // 2
@@ -50,10 +44,10 @@ class Capped:
 
 def drain(proc: subprocess.Popen, deadline: float, cap: int, kill, owned=None,
           disk=None) -> tuple[int, Capped, Capped, bool]:
-    """Read stdout/stderr until EOF or the deadline; at the deadline kill, then give the pipes a short
-    grace to reach EOF (they do once the tree is dead) and stop reading regardless. owned: the
-    Sandbox's (track/untrack), so that close() kills the command meanwhile. disk: a disk.DiskCheck,
-    looked at while the command lives (over the limit: killed as at the deadline, not timed out) and
+    """Read stdout/stderr until EOF or the deadline; at the deadline kill (the tier's way), give the
+    pipes KILL_GRACE to reach EOF (they do once the tree is dead) and stop reading regardless.
+    owned: the Sandbox's (track/untrack), so that close() kills the command meanwhile. disk: a
+    disk.DiskCheck, looked at while the command lives (over the limit: killed, not timed out) and
     finished at its end, within the deadline; what it says goes to stderr. timed_out comes with -9."""
     out, err = Capped(cap), Capped(cap)
     sinks = {proc.stdout.fileno(): out, proc.stderr.fileno(): err}

@@ -1,10 +1,10 @@
-"""What a Sandbox holds and gives back on close, and every one still held in this process (close_all).
+"""What a Sandbox holds on the host and gives back on close, and every one still held (close_all).
 
 A Sandbox's release runs at close(), when it is collected, or at interpreter exit. A process that
-leaves without any of those -- os._exit after a fatal error, a signal it handles by dying -- would
-leave its sandboxes' temporary directories in the temp dir, so it calls close_all() first. A process
-that cannot (SIGKILL, the OOM killer) leaves them; their names say whose they are (temp_dir), and the
-first Sandbox of a later process removes those whose process is gone.
+leaves without any of those (os._exit after a fatal error, a signal it dies of) calls close_all()
+first. One that cannot (SIGKILL, the OOM killer) leaves its temporary directories, cgroups and view
+directory behind: their names carry its pid and start time, and a later process removes those whose
+owner is gone. Processes in other pid namespaces sharing the temp dir would look gone: we assume none.
 """
 
 import os
@@ -13,44 +13,56 @@ import tempfile
 import threading
 import time
 
-from . import workspace as workspace_mod
-from .namespaced import start_time
+from .api import SandboxError
+from .workspace import finish, remove, remove_later
 
-_REMOVE_BUDGET = 0.5  # release() removes temporary directories for this long, the rest in the background
-_CLOSE_ALL_BUDGET = 2.0  # close_all() removes them all itself, for up to this long (the process is leaving)
+REMOVE_BUDGET = 0.5      # release() removes temporary directories for this long, the rest in the background
+CLOSE_ALL_BUDGET = 2.0   # close_all() removes them all itself, for up to this long (the process is leaving)
+SANDBOX_UIDS = range(100000, 100000 + (1 << 20))  # as root, each Sandbox runs as one of these, and owns its workspace
+KINDS = ("ws", "mnt", "sup", "tmp")  # workspace, a mount's directory, the supervisor's, a command's /tmp
 
 _HELD: set["Owned"] = set()  # not yet released
 _HELD_LOCK = threading.Lock()
 _CLOSED_ALL = False
+_ME = {"pid": None, "tag": ""}  # this process's "<pid>.<start time>" (a forked child remakes it)
+_SWEEP_LOCK = threading.Lock()
+
+
+def start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (/proc/PID/stat field 22), None when gone:
+    with the pid, it names a process that a reused pid cannot impersonate."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 class Owned:
-    """What one Sandbox gives back on release (kept apart from it so that a finalizer can release it too)."""
+    """What one Sandbox gives back on release (apart from it, so that a finalizer can release it)."""
 
     def __init__(self):
         self.fds: list[int] = []
-        self.proxy = None
-        self.init = None
-        self.cgroup = None
-        self.dirs: list[str] = []  # removed on release: a temporary workspace, the supervisor dir
+        self.proxy = self.init = self.cgroup = None
+        self.dirs: list[str] = []  # removed on release: a temporary workspace, the mounts, the supervisor dir
         self.running: set = set()  # the kill function of every command in flight (fallback tier)
         self.lock = threading.Lock()
         self.released = False
         self.pid = os.getpid()
         with _HELD_LOCK:
             if _CLOSED_ALL:
-                raise _closed("this process closed its sandboxes for good (it is leaving)")
+                raise SandboxError("this process closed its sandboxes for good (it is leaving)")
             _HELD.add(self)
 
     def add_dir(self, path: str) -> None:
-        """A directory made for this Sandbox. Its maker runs on its own thread: when close_all()
-        released the Sandbox meanwhile, the directory goes at once (no one would remove it later)."""
+        """A directory made for this Sandbox, on its maker's thread: when close_all() released the
+        Sandbox meanwhile, the directory goes at once (no one would remove it later)."""
         with self.lock:
             if not self.released:
                 self.dirs.append(path)
                 return
-        workspace_mod.remove(path, float("inf"))
-        raise _closed("the sandbox was closed while it started")
+        remove(path, float("inf"))
+        raise SandboxError("the sandbox was closed while it started")
 
     def track(self, kill) -> None:
         """A command started: release() kills it; once released, it is killed at once."""
@@ -65,9 +77,8 @@ class Owned:
             self.running.discard(kill)
 
     def release(self, budget: float | None = None) -> None:
-        """Give everything back. Temporary directories are removed for `budget` seconds (None:
-        _REMOVE_BUDGET), the rest in the background (a command can leave many files behind). Once:
-        close() and close_all() may both come to it."""
+        """Give everything back, once (close() and close_all() may both come here). Temporary
+        directories are removed for `budget` seconds (None: REMOVE_BUDGET), the rest in the background."""
         with _HELD_LOCK:
             _HELD.discard(self)
         with self.lock:
@@ -76,32 +87,29 @@ class Owned:
             self.released, running = True, list(self.running)
         for kill in running:  # no command outlives its Sandbox (its workspace is about to go)
             kill()
-        if self.init is not None:  # EOF: the init exits, and its pid namespace with it
-            self.init.close()
-            self.init = None
-        if self.cgroup is not None:
-            self.cgroup.close()  # whatever is left, at once; then the cgroup directories go
-            self.cgroup = None
-        if self.proxy is not None:
-            self.proxy.stop()
-            self.proxy = None
+        init, cgroup, proxy, self.init, self.cgroup, self.proxy = self.init, self.cgroup, self.proxy, None, None, None
+        if init is not None:
+            init.close()  # EOF: the init exits, and its pid namespace with it
+        if cgroup is not None:
+            cgroup.close()  # whatever is left, at once; then its directories go
+        if proxy is not None:
+            proxy.stop()
         while self.fds:
             os.close(self.fds.pop())
-        deadline = time.monotonic() + (_REMOVE_BUDGET if budget is None else budget)
-        while self.dirs:  # bounded: what a command left beyond the budget goes on in the background
+        deadline = time.monotonic() + (REMOVE_BUDGET if budget is None else budget)
+        while self.dirs:
             path = self.dirs.pop()
             try:
-                gone = workspace_mod.remove(path, deadline)
+                gone = remove(path, deadline)
             except OSError:
                 gone = False
             if not gone:
-                workspace_mod.remove_later(path)
+                remove_later(path)
 
 
-def close_all(budget: float = _CLOSE_ALL_BUDGET) -> None:
+def close_all(budget: float = CLOSE_ALL_BUDGET) -> None:
     """Release every Sandbox of this process now, whoever holds it, and refuse new ones: for a process
-    about to leave without running its finally blocks or atexit handlers (os._exit, a signal). Their
-    directories are removed within `budget` seconds in all (the background remover's too)."""
+    about to leave without its finally blocks or atexit handlers. Within `budget` seconds in all."""
     global _CLOSED_ALL
     deadline = time.monotonic() + budget
     with _HELD_LOCK:
@@ -109,26 +117,16 @@ def close_all(budget: float = _CLOSE_ALL_BUDGET) -> None:
         held = [o for o in _HELD if o.pid == os.getpid()]  # a forked child's copies are its parent's
     for owned in held:
         owned.release(max(0.0, deadline - time.monotonic()))
-    workspace_mod.finish(max(0.0, deadline - time.monotonic()))
-
-
-_KINDS = ("ws", "mnt", "sup", "tmp")  # workspace, a mount's directory, the supervisor's, a command's /tmp
-_NAME = re.compile(r"nano-openshell-(?:%s)-(\d+)\.(\d+)-" % "|".join(_KINDS))
-SANDBOX_UIDS = range(100000, 100000 + (1 << 20))  # as root, each Sandbox runs as one of these, and owns its workspace
-_ME = {"pid": None, "tag": ""}  # this process's "<pid>.<start time>", and whose it is (a forked child remakes it)
-_SWEEP_LOCK = threading.Lock()
+    finish(max(0.0, deadline - time.monotonic()))
 
 
 def temp_dir(kind: str) -> str:
-    """A new directory for a Sandbox in the temp dir, named nano-openshell-<kind>-<pid>.<start time>-...
-    (the pid alone could be reused). The first one a process makes removes, in the background, those
-    of processes that are gone (killed before they could remove theirs). Processes in other pid
-    namespaces sharing this temp dir would look gone: like cgroup.py and namespaced.py, this assumes
-    they do not."""
-    if kind not in _KINDS:
-        raise ValueError(f"temp_dir kind must be one of {_KINDS}, got {kind!r}")
+    """A new directory in the temp dir, nano-openshell-<kind>-<pid>.<start time>-...; the first one a
+    process makes removes, in the background, those of processes that are gone."""
+    if kind not in KINDS:
+        raise ValueError(f"temp_dir kind must be one of {KINDS}, got {kind!r}")
     pid = os.getpid()
-    if _ME["pid"] != pid:  # once per process (a forked child sweeps again: cheap); not per command
+    if _ME["pid"] != pid:
         with _SWEEP_LOCK:
             if _ME["pid"] != pid:
                 _sweep(tempfile.gettempdir())
@@ -137,26 +135,21 @@ def temp_dir(kind: str) -> str:
     return tempfile.mkdtemp(prefix=f"nano-openshell-{kind}-{_ME['tag']}-")
 
 
-def _sweep(parent: str) -> None:
+def left_behind(parent: str, prefix: str) -> list[str]:
+    """Entries of parent named <prefix><pid>.<start time>-... whose process is gone (or its pid reused)."""
     try:
         names = os.listdir(parent)
     except OSError:
-        return
-    for name in names:
-        match = _NAME.match(name)
-        if not match or start_time(int(match[1])) == int(match[2]):
-            continue  # not ours, or its process is alive
-        path = os.path.join(parent, name)
+        return []
+    matches = [re.match(prefix + r"(\d+)\.(\d+)-", name) for name in names]
+    return [os.path.join(parent, m.string) for m in matches if m and start_time(int(m[1])) != int(m[2])]
+
+
+def _sweep(parent: str) -> None:
+    for path in left_behind(parent, "nano-openshell-(?:%s)-" % "|".join(KINDS)):
         try:
             owner = os.lstat(path).st_uid
         except OSError:
             continue
-        mine = owner == os.geteuid() or (os.geteuid() == 0 and owner in SANDBOX_UIDS)
-        if mine:
-            workspace_mod.remove_later(path)
-
-
-def _closed(why: str) -> Exception:
-    from .sandbox import SandboxError  # sandbox.py imports this module: it is loaded by now
-
-    return SandboxError(why)
+        if owner == os.geteuid() or (os.geteuid() == 0 and owner in SANDBOX_UIDS):
+            remove_later(path)

@@ -28,6 +28,7 @@ TOP_KEYS = {"version", "rules"}
 _LABEL = re.compile(r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?")
 _NUMERIC_LABEL = re.compile(r"(?:0x[0-9a-f]*|[0-9]+)")  # what inet_aton would read as a number
 _METHOD = re.compile(r"[A-Z][A-Z0-9_-]{0,31}")
+_UNIQUE_LOCAL = ipaddress.IPv6Network("fc00::/7")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@/+\[\]-]{0,99}")
 
 
@@ -64,18 +65,13 @@ class Rule:
         return host == self.host
 
     def path_allowed(self, path: str) -> bool:
-        return any(_path_has_prefix(path, p) for p in self.paths)
+        """"/api" allows "/api", "/api/x" and "/api?q" but not "/apix"; "/api/" allows "/api/..." only."""
+        return any(path.startswith(p) if p.endswith("/") else path == p or path.startswith((p + "/", p + "?"))
+                   for p in self.paths)
 
     def to_dict(self) -> dict:
         return {"name": self.name, "host": self.host, "methods": list(self.methods),
                 "ports": list(self.ports), "paths": list(self.paths)}
-
-
-def _path_has_prefix(path: str, prefix: str) -> bool:
-    # "/api" matches "/api", "/api/x" and "/api?q" but not "/apix"; "/api/" matches "/api/..." only.
-    if prefix == "/" or prefix.endswith("/"):
-        return path.startswith(prefix)
-    return path == prefix or path.startswith(prefix + "/") or path.startswith(prefix + "?")
 
 
 def normalize_host(raw: str) -> str:
@@ -151,18 +147,14 @@ def special_address_kind(addr: str) -> str | None:
         ip = ipaddress.ip_address(addr)
     except ValueError:
         return "unparsable"
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+    if ip.version == 6 and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
     for kind, flag in (("unspecified", ip.is_unspecified), ("loopback", ip.is_loopback),
-                       ("link-local", ip.is_link_local), ("multicast", ip.is_multicast)):
+                       ("link-local", ip.is_link_local), ("multicast", ip.is_multicast),
+                       ("unique-local", ip.version == 6 and ip in _UNIQUE_LOCAL), ("private", ip.is_private),
+                       ("non-global", not ip.is_global)):
         if flag:
             return kind
-    if isinstance(ip, ipaddress.IPv6Address) and ip in ipaddress.IPv6Network("fc00::/7"):
-        return "unique-local"
-    if ip.is_private:
-        return "private"
-    if not ip.is_global:
-        return "non-global"
     return None
 
 
@@ -175,7 +167,6 @@ class Policy:
         canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
         self.sha256 = hashlib.sha256(canonical.encode()).hexdigest()
 
-    # ---- loading ----
     @classmethod
     def load(cls, path) -> "Policy":
         p = Path(path)
@@ -216,14 +207,10 @@ class Policy:
     def to_dict(self) -> dict:
         return {"version": POLICY_VERSION, "rules": [r.to_dict() for r in self.rules]}
 
-    # ---- deciding ----
     def decide(self, method: str, host: str, port: int, path: str | None = "/",
                addresses: list[str] | None = None) -> Decision:
-        """Decide one request. path=None for a CONNECT tunnel (its paths cannot be seen).
-
-        addresses: what the proxy resolved the host to (None before resolution). An IP-literal
-        host is its own address.
-        """
+        """Decide one request. path=None for a CONNECT tunnel (its paths cannot be seen). addresses: what
+        the proxy resolved the host to (None before resolution; an IP-literal host is its own)."""
         try:
             h = normalize_host(host)
         except HostError as e:

@@ -1,19 +1,14 @@
-"""SandboxPool: fresh Sandboxes made and booted before they are needed, so an episode does not wait.
+"""SandboxPool: fresh Sandboxes made and booted ahead of need, so an episode does not wait for one.
 
     pool = SandboxPool(4, min_tier="namespaced")   # keeps up to 4 booted Sandboxes ready
     sb = pool.take()                               # one of them at once (the caller closes it)
     pool.close()                                   # closes the ones nobody took
 
-A namespaced Sandbox() returns at once, but its init boots for ~12 ms (bwrap's mounts, then Python's
-start-up) and its first command waits for that. A rollout starts many episodes at once and then spends
-100s of ms generating between commands: time in which a pool boots the next episodes' sandboxes.
-
 A pooled Sandbox IS a fresh one, made earlier: no command ever ran in it, and none is given back.
 take() hands out a booted one (Sandbox.wait_ready) and starts booting its replacement; with none
-ready it makes a Sandbox the normal way, on the caller's thread, so it is never slower than no pool.
-Refills boot `boots` at a time (default 1) in the background, so they do not crowd a small machine.
-Task mounts make every sandbox different: take(mounts=...) with any makes a new one, never pooled.
-Idle sandboxes are closed by close(), when the pool is collected, and at interpreter exit.
+ready it makes one the normal way, so it is never slower than no pool. Refills boot `boots` at a
+time in the background. take(mounts=...) makes a new Sandbox, never pooled. Idle sandboxes are
+closed by close(), when the pool is collected, and at interpreter exit.
 """
 
 import collections
@@ -22,7 +17,8 @@ import threading
 import time
 import weakref
 
-from .sandbox import Sandbox, SandboxError
+from .api import SandboxError
+from .sandbox import Sandbox
 
 BOOT_TIMEOUT = 10.0  # a sandbox not booted by then is closed, never pooled
 

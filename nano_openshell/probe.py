@@ -1,11 +1,9 @@
 """Which isolation tier works here, and why: never chosen silently.
 
 probe() -> {"tier": best working tier, "reason": why, "tiers": {tier: {"ok", "reason", "gaps"}},
-            "capabilities": {...}}; computed once per process (refresh=True recomputes).
-The namespaced tier is accepted only after a real bwrap sandbox with our full command line has run,
-and the cgroup capability only after a real cgroup was made (and removed) with our caps.
-gaps: what that tier does not protect on this host, one sentence each (a Sandbox reports its own,
-with the cgroup it really got, in Sandbox.gaps and every ExecResult.gaps).
+            "capabilities": {...}}, once per process (refresh=True recomputes). The namespaced tier
+counts only once a real bwrap sandbox with our command line has run, a cgroup once one was made.
+gaps: what that tier does not protect on this host, one sentence each (Sandbox.gaps: its own).
 """
 
 import os
@@ -19,7 +17,7 @@ from . import cgroup, init_build, landlock, namespaced, seccomp
 
 TIERS = ("none", "fallback", "namespaced")  # weakest first
 
-_cache = None
+_cache: list[dict] = []
 _lock = threading.Lock()
 
 
@@ -133,14 +131,13 @@ def _compute() -> dict:
     for bwrap in candidates:
         ns_ok, ns_reason, caps["bwrap_version"] = _try_namespaced(bwrap)
         if ns_ok:
-            caps["bwrap"] = bwrap
+            caps["bwrap"], caps["init"] = bwrap, _init()
+            ns_reason += f"; init: {caps['init']}"
             break
         failures.append(ns_reason)
-    if not ns_ok and failures:
-        ns_reason = "; ".join(failures)
-    caps["init"] = _init() if ns_ok else None
-    if ns_ok:
-        ns_reason += f"; init: {caps['init']}"
+    else:
+        caps["init"] = None
+        ns_reason = "; ".join(failures) or ns_reason
     missing = [name for name, ok in (("Landlock", caps["landlock_abi"] > 0), ("seccomp", caps["seccomp"])) if not ok]
     fb_reason = ("subreaper init in a new session with rlimits"
                  + (", Landlock ABI %d" % caps["landlock_abi"] if caps["landlock_abi"] else "")
@@ -157,8 +154,7 @@ def _compute() -> dict:
 
 
 def probe(refresh: bool = False) -> dict:
-    global _cache
     with _lock:
-        if _cache is None or refresh:
-            _cache = _compute()
-        return _cache
+        if not _cache or refresh:
+            _cache[:] = [_compute()]
+        return _cache[0]

@@ -1,18 +1,14 @@
-"""The egress proxy: HTTP on a Unix-domain socket, deciding every request with a Policy.
+"""The egress proxy: HTTP on a Unix-domain socket, every request decided by a Policy and audited.
 
-Clients (the in-sandbox forwarder) send absolute-form HTTP requests (`GET http://host/path`) or
-`CONNECT host:port` for TLS. Each request is decided once, logged as one JSONL audit line, and
-served on its own connection: one request per connection, then the connection is closed, so no
-second request can ride along unchecked. The name is resolved once and the proxy connects only to
-the addresses it checked (no DNS rebinding between check and use). Requests beyond a rate
-(a token bucket: `rate` = (per second, burst)) get 429 without being parsed or decided, and the
-audit log is bounded (audit.py: fields cut, rotation at audit_max_bytes, refusals summarised).
-Reading and parsing a request head is request.py's.
-
-The supervisor handshake is an origin-form request on the same socket:
-    GET /.openshell/handshake HTTP/1.1  +  X-OpenShell-Protocol: 1
-answered with JSON {"protocol", "tier", "capabilities", "policy_sha256"}; any other protocol
-version is refused with 400 (and an audit line).
+Clients (the in-sandbox forwarder) send absolute-form requests (`GET http://host/path`) or
+`CONNECT host:port`; request.py reads and parses the head. Each request is decided once, logged as
+one JSONL audit line, and served on its own connection, then closed: no second request rides along
+unchecked. The name is resolved once and only the addresses checked are connected to (no DNS
+rebinding between check and use). Beyond a rate (a token bucket) requests get 429 unparsed.
+The supervisor's handshake, `GET /.openshell/handshake` with `X-OpenShell-Protocol: 1`, is answered
+with {"protocol", "tier", "capabilities", "policy_sha256"}; another protocol version gets 400.
+The audit log stays bounded whatever a sandbox sends: fields cut to FIELD_CHARS, the file rotated at
+max_bytes (one old file kept), refusals by the rate limit summarised at most once a SUMMARY_EVERY.
 """
 
 from __future__ import annotations
@@ -25,11 +21,14 @@ import struct
 import threading
 import time
 
-from .audit import AuditLog
 from .policy import Policy
 from .request import CHUNK, HANDSHAKE_PATH, MAX_HEAD, BadRequest, parse_request, read_head
 
 PROTOCOL_VERSION = 1
+FIELD_CHARS = 256
+SUMMARY_EVERY = 1.0
+_PHRASES = {400: "Bad Request", 403: "Forbidden", 408: "Request Timeout", 429: "Too Many Requests",
+            502: "Bad Gateway", 503: "Service Unavailable"}
 
 
 class HandshakeError(RuntimeError):
@@ -37,8 +36,7 @@ class HandshakeError(RuntimeError):
 
 
 def default_resolve(host: str, port: int) -> list[str]:
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    return list(dict.fromkeys(info[4][0] for info in infos))
+    return list(dict.fromkeys(info[4][0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)))
 
 
 class ProxyServer:
@@ -46,21 +44,15 @@ class ProxyServer:
                  socket_mode=0o600, header_timeout=10.0, connect_timeout=10.0,
                  idle_timeout=60.0, max_connections=256, rate=(50, 200), audit_max_bytes=4 << 20):
         """policy: a Policy or a policy file path (PolicyError if invalid: nothing starts).
-
         resolve(host, port) -> [ip, ...] replaces DNS (pinned names, like curl --resolve).
-        rate: (requests per second, burst) for everyone on this socket together; None: no limit.
-        """
+        rate: (requests per second, burst) for everyone on this socket together; None: no limit."""
         self.policy = policy if isinstance(policy, Policy) else Policy.load(policy)
         self.socket_path = str(socket_path)
         self.audit_path = str(audit_path) if audit_path is not None else None
         self._log = AuditLog(self.audit_path, audit_max_bytes) if audit_path is not None else None
         self._bucket = _TokenBucket(*rate) if rate is not None else None
-        self.info = dict(info or {})
-        self.resolve = resolve or default_resolve
-        self.socket_mode = socket_mode
-        self.header_timeout = header_timeout
-        self.connect_timeout = connect_timeout
-        self.idle_timeout = idle_timeout
+        self.info, self.resolve, self.socket_mode = dict(info or {}), resolve or default_resolve, socket_mode
+        self.header_timeout, self.connect_timeout, self.idle_timeout = header_timeout, connect_timeout, idle_timeout
         self._slots = threading.BoundedSemaphore(max_connections)
         self._conns: set[socket.socket] = set()
         self._conns_lock = threading.Lock()
@@ -68,7 +60,6 @@ class ProxyServer:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
 
-    # ---- lifecycle ----
     def start(self) -> "ProxyServer":
         if self._listener is not None:
             raise RuntimeError("proxy already started")
@@ -90,19 +81,13 @@ class ProxyServer:
         if self._listener is None:
             return
         self._stopping.set()
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)  # wakes accept() on Linux
-        except OSError:
-            pass
+        _quiet(self._listener.shutdown, socket.SHUT_RDWR)  # wakes accept()
         self._listener.close()
         self._thread.join(timeout=5)
         with self._conns_lock:
             for c in list(self._conns):
                 _quiet(c.shutdown, socket.SHUT_RDWR)
-        try:
-            os.unlink(self.socket_path)
-        except FileNotFoundError:
-            pass
+        _quiet(os.unlink, self.socket_path)
         if self._log is not None:
             self._log.close()
         self._listener = None
@@ -129,10 +114,9 @@ class ProxyServer:
                 continue
             threading.Thread(target=self._serve, args=(conn, limited), daemon=True).start()
 
-    # ---- one connection ----
     def _serve(self, conn: socket.socket, limited: bool) -> None:
-        """limited: over the rate; the head is read (so the client's send completes and the answer
-        reaches it through the forwarder), then 429: not parsed, not decided, not logged alone."""
+        """One connection. limited (over the rate): the head is read, so that the client's send
+        completes and the answer reaches it, then 429: not parsed, not decided, not logged alone."""
         upstream = None
         with self._conns_lock:
             self._conns.add(conn)
@@ -154,8 +138,7 @@ class ProxyServer:
             if req is None:
                 return  # connected and left without sending anything: nothing to decide
             if req["kind"] == "handshake":
-                self._handshake(conn, client, req)
-                return
+                return self._handshake(conn, client, req)
             upstream = self._decide_and_connect(conn, client, req)
             if upstream is None:
                 return
@@ -181,29 +164,28 @@ class ProxyServer:
             self._slots.release()
 
     def _decide_and_connect(self, conn, client, req):
+        """The decision on the name, then on the addresses it resolves to; a connection to one of
+        those, or None (the client was answered)."""
         m, host, port, path = req["method"], req["host"], req["port"], req["path"]
         policy_path = None if req["kind"] == "connect" else path
+
+        def refuse(rule, reason, status, decision="deny"):
+            self._audit(client, m, host, port, path, decision, rule, reason, status)
+            _quiet(conn.sendall, _response(status, reason))
+
         d = self.policy.decide(m, host, port, policy_path)
         if not d.allowed:
-            self._audit(client, m, host, port, path, "deny", d.rule, d.reason, 403)
-            _quiet(conn.sendall, _response(403, d.reason))
-            return None
+            return refuse(d.rule, d.reason, 403)
         try:
             addresses = list(self.resolve(host, port))
         except Exception as e:  # noqa: BLE001 - any resolver failure is this request's 502, not a crash
-            reason = f"cannot resolve {host}: {e}"
-            self._audit(client, m, host, port, path, "deny", d.rule, reason, 502)
-            _quiet(conn.sendall, _response(502, reason))
-            return None
+            return refuse(d.rule, f"cannot resolve {host}: {e}", 502)
         d = self.policy.decide(m, host, port, policy_path, addresses=addresses)
         if not d.allowed:
-            self._audit(client, m, host, port, path, "deny", d.rule, d.reason, 403)
-            _quiet(conn.sendall, _response(403, d.reason))
-            return None
+            return refuse(d.rule, d.reason, 403)
         errors = []
-        for a in addresses:  # connect to exactly the addresses that were checked
-            family = socket.AF_INET6 if ":" in a else socket.AF_INET
-            s = socket.socket(family, socket.SOCK_STREAM)
+        for a in addresses:  # exactly the addresses that were checked
+            s = socket.socket(socket.AF_INET6 if ":" in a else socket.AF_INET, socket.SOCK_STREAM)
             s.settimeout(self.connect_timeout)
             try:
                 s.connect((a, port))
@@ -214,26 +196,20 @@ class ProxyServer:
             except OSError as e:
                 s.close()
                 errors.append(f"{a}: {e}")
-        reason = f"{d.reason}; upstream connect failed: {'; '.join(errors) or 'no address'}"
-        self._audit(client, m, host, port, path, "allow", d.rule, reason, 502)
-        _quiet(conn.sendall, _response(502, reason))
-        return None
+        return refuse(d.rule, f"{d.reason}; upstream connect failed: {'; '.join(errors) or 'no address'}", 502, "allow")
 
     def _handshake(self, conn, client, req) -> None:
-        want = req["protocol"]
-        if want != str(PROTOCOL_VERSION):
-            reason = f"unsupported protocol version {want!r}; this supervisor speaks {PROTOCOL_VERSION}"
+        if req["protocol"] != str(PROTOCOL_VERSION):
+            reason = f"unsupported protocol version {req['protocol']!r}; this supervisor speaks {PROTOCOL_VERSION}"
             self._audit(client, "GET", "", 0, HANDSHAKE_PATH, "deny", None, reason, 400)
-            _quiet(conn.sendall, _response(400, reason))
-            return
+            return _quiet(conn.sendall, _response(400, reason))
         body = json.dumps(self.handshake_info()).encode()
         conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
                      + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
 
     def handshake_info(self) -> dict:
         return {"protocol": PROTOCOL_VERSION, "tier": self.info.get("tier"),
-                "capabilities": self.info.get("capabilities", {}),
-                "policy_sha256": self.policy.sha256}
+                "capabilities": self.info.get("capabilities", {}), "policy_sha256": self.policy.sha256}
 
     def _audit(self, client, method, host, port, path, decision, rule, reason, status) -> None:
         if self._log is not None:
@@ -241,8 +217,54 @@ class ProxyServer:
                              "decision": decision, "rule": rule, "reason": reason, "status": status})
 
 
+class AuditLog:
+    """One JSONL line per decision, bounded on disk (see the module's docstring)."""
+
+    def __init__(self, path: str, max_bytes: int):
+        self.path, self.max_bytes = path, max_bytes
+        self._lock = threading.Lock()
+        self._size = os.path.getsize(path) if os.path.exists(path) else 0
+        self._refused, self._refused_since, self._last_summary = 0, 0.0, 0.0
+
+    def write(self, record: dict) -> None:
+        with self._lock:
+            self._flush_refused()
+            cut = {k: v[:FIELD_CHARS] + f"...[{len(v) - FIELD_CHARS} more chars]"
+                   if isinstance(v, str) and len(v) > FIELD_CHARS else v for k, v in record.items()}
+            self._append({"ts": round(time.time(), 6), **cut})
+
+    def refused(self) -> None:
+        """One request refused by the rate limit: counted, summarised at most once a SUMMARY_EVERY."""
+        with self._lock:
+            if not self._refused:
+                self._refused_since = time.time()
+            self._refused += 1
+            if time.monotonic() - self._last_summary >= SUMMARY_EVERY:
+                self._flush_refused()
+
+    def close(self) -> None:
+        with self._lock:
+            self._flush_refused()
+
+    def _flush_refused(self) -> None:
+        if self._refused:
+            self._append({"ts": round(time.time(), 6), "since": round(self._refused_since, 6),
+                          "decision": "deny", "status": 429, "count": self._refused,
+                          "reason": f"{self._refused} more requests refused: rate limit"})
+            self._refused, self._last_summary = 0, time.monotonic()
+
+    def _append(self, record: dict) -> None:
+        line = (json.dumps(record) + "\n").encode()
+        if self._size and self._size + len(line) > self.max_bytes:
+            os.replace(self.path, self.path + ".1")
+            self._size = 0
+        with open(self.path, "ab") as f:
+            f.write(line)
+        self._size += len(line)
+
+
 class _TokenBucket:
-    """`burst` requests at once, then `per_second` on average."""
+    """`burst` requests at once, then `per_second` on average (only the accept loop takes: no lock)."""
 
     def __init__(self, per_second: float, burst: int):
         if per_second <= 0 or burst < 1:
@@ -250,21 +272,18 @@ class _TokenBucket:
         self.per_second, self.burst = per_second, burst
         self.tokens, self.at = float(burst), time.monotonic()
 
-    def take(self) -> bool:  # only the accept loop calls it: no lock
+    def take(self) -> bool:
         now = time.monotonic()
-        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.per_second)
-        self.at = now
+        self.tokens, self.at = min(self.burst, self.tokens + (now - self.at) * self.per_second), now
         if self.tokens < 1:
             return False
         self.tokens -= 1
         return True
 
 
-# ---- moving bytes ----
-
 def _relay(client: socket.socket, upstream: socket.socket, idle: float, limit: int | None) -> None:
-    """Pipe both ways until done. limit: request-body bytes still owed upstream (HTTP mode: the
-    client is read only that far and the exchange ends when upstream closes); None: a tunnel."""
+    """Pipe both ways until done. limit: request-body bytes still owed upstream (HTTP: the client is
+    read only that far, and the exchange ends when upstream closes); None: a tunnel."""
     sel = selectors.DefaultSelector()
     if limit is None or limit > 0:
         sel.register(client, selectors.EVENT_READ, upstream)
@@ -278,8 +297,7 @@ def _relay(client: socket.socket, upstream: socket.socket, idle: float, limit: i
                 return  # idle timeout
             for key, _ in events:
                 src, dst = key.fileobj, key.data
-                n = CHUNK if (src is upstream or limit is None) else min(CHUNK, limit)
-                data = src.recv(n)
+                data = src.recv(CHUNK if (src is upstream or limit is None) else min(CHUNK, limit))
                 if not data:
                     if src is upstream and limit is not None:
                         return
@@ -296,21 +314,15 @@ def _relay(client: socket.socket, upstream: socket.socket, idle: float, limit: i
 
 
 def _response(status: int, reason: str) -> bytes:
-    phrase = {400: "Bad Request", 403: "Forbidden", 408: "Request Timeout", 429: "Too Many Requests",
-              502: "Bad Gateway", 503: "Service Unavailable"}.get(status, "Error")
     body = (json.dumps({"error": reason}) + "\n").encode()
-    return (f"HTTP/1.1 {status} {phrase}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n"
-            f"X-OpenShell-Reason: {_header_safe(reason)}\r\n\r\n").encode() + body
-
-
-def _header_safe(text: str) -> str:
-    return "".join(c if c.isascii() and c.isprintable() else "?" for c in text)[:300]
+    safe = "".join(c if c.isascii() and c.isprintable() else "?" for c in reason)[:300]
+    return (f"HTTP/1.1 {status} {_PHRASES.get(status, 'Error')}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\nX-OpenShell-Reason: {safe}\r\n\r\n").encode() + body
 
 
 def _peer(conn: socket.socket) -> str:
     try:
-        pid, uid, gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
         return f"pid={pid} uid={uid}"
     except OSError:
         return "unknown"
@@ -332,10 +344,7 @@ def handshake(socket_path, protocol=PROTOCOL_VERSION, timeout: float = 5.0) -> d
         s.sendall(f"GET {HANDSHAKE_PATH} HTTP/1.1\r\nHost: openshell\r\n"
                   f"X-OpenShell-Protocol: {protocol}\r\nConnection: close\r\n\r\n".encode())
         data = b""
-        while len(data) < MAX_HEAD:
-            chunk = s.recv(CHUNK)
-            if not chunk:
-                break
+        while len(data) < MAX_HEAD and (chunk := s.recv(CHUNK)):
             data += chunk
     except OSError as e:
         raise HandshakeError(f"cannot reach the supervisor at {socket_path}: {e}") from None

@@ -1,11 +1,9 @@
 """One HTTP request head, read with bounded memory and time and parsed strictly (the proxy's input).
 
-read_head(conn, deadline) -> (head, bytes after it); parse_request(head) -> a dict with "kind":
-"handshake" (the supervisor's origin-form GET), "connect" (CONNECT host:port) or "http"
-(absolute-form, with the head to send upstream: hop-by-hop headers dropped, Connection: close).
-Anything ambiguous is refused with BadRequest(status, reason) rather than guessed at: bare LF,
-obs-fold, several Host headers or one that disagrees with the target, userinfo, dot segments and
-encoded dots or slashes in the path, Transfer-Encoding request bodies.
+parse_request(head) -> {"kind": "handshake" | "connect" | "http", ...}; "http" carries the head to
+send upstream (hop-by-hop headers dropped, Connection: close). Anything ambiguous is refused with
+BadRequest rather than guessed at: bare LF, obs-fold, several Host headers or one that disagrees with
+the target, userinfo, dot segments and encoded dots or slashes in the path, Transfer-Encoding bodies.
 """
 
 import re

@@ -1,20 +1,16 @@
 """Seccomp filters as classic BPF, compiled here without libseccomp.
 
-Three filters, all built from the same small assembler:
   deny_list()           the namespaced tier's filter, handed to bwrap through --seccomp FD
-  deny_list(no_sockets) the fallback tier's filter: the deny list, no socket() at all and only
-                        connected AF_UNIX stream socketpairs (_no_sockets says why)
-  deny_namespaces()     what a rootless container does to us: no unshare/setns/clone(CLONE_NEW*);
-                        used by scripts/test_legs.sh to make the fallback tier engage in CI
-
-`python -c "import sys; from nano_openshell.seccomp import main; sys.exit(main())" --deny-namespaces -- CMD...`
-installs the last one and execs CMD (scripts/test_legs.sh does this).
+  deny_list(no_sockets) the fallback tier's: the deny list, no socket() at all and only connected
+                        AF_UNIX stream socketpairs (_no_sockets says why)
+  deny_namespaces()     what a rootless container does to us (no unshare, setns, clone(CLONE_NEW*)):
+                        `python -c "import sys; from nano_openshell.seccomp import main; sys.exit(main())"
+                        --deny-namespaces -- CMD...` execs CMD under it (scripts/test_legs.sh, leg 2)
 """
 
 import ctypes
 import errno
 import os
-import platform
 import struct
 import sys
 
@@ -41,44 +37,31 @@ CLONE_NEW_FLAGS = (0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x1000000
 AF_UNIX = 1
 SOCK_TYPE_MASK, SOCK_STREAM, SOCK_SEQPACKET = 0xF, 1, 5  # the type without SOCK_NONBLOCK/SOCK_CLOEXEC
 
-# syscall numbers per architecture: (audit arch, numbers)
-_ARCHES = {
-    "x86_64": (0xC000003E, dict(
-        ptrace=101, mount=165, umount2=166, unshare=272, setns=308, bpf=321, io_uring_setup=425,
-        io_uring_enter=426, io_uring_register=427, keyctl=250, add_key=248, request_key=249,
-        perf_event_open=298, userfaultfd=323, process_vm_readv=310, process_vm_writev=311,
-        pivot_root=155, chroot=161, open_tree=428, move_mount=429, fsopen=430, fsconfig=431,
-        fsmount=432, fspick=433, mount_setattr=442, kexec_load=246, kexec_file_load=320,
-        init_module=175, finit_module=313, delete_module=176, swapon=167, swapoff=168, reboot=169,
-        acct=163, quotactl=179, name_to_handle_at=303, open_by_handle_at=304, kcmp=312, syslog=103,
-        clone=56, clone3=435, socket=41, socketpair=53)),
-    "aarch64": (0xC00000B7, dict(
-        ptrace=117, mount=40, umount2=39, unshare=97, setns=268, bpf=280, io_uring_setup=425,
-        io_uring_enter=426, io_uring_register=427, keyctl=219, add_key=217, request_key=218,
-        perf_event_open=241, userfaultfd=282, process_vm_readv=270, process_vm_writev=271,
-        pivot_root=41, chroot=51, open_tree=428, move_mount=429, fsopen=430, fsconfig=431,
-        fsmount=432, fspick=433, mount_setattr=442, kexec_load=104, kexec_file_load=294,
-        init_module=105, finit_module=273, delete_module=106, swapon=224, swapoff=225, reboot=142,
-        acct=89, quotactl=60, name_to_handle_at=264, open_by_handle_at=265, kcmp=272, syslog=116,
-        clone=220, clone3=435, socket=198, socketpair=199)),
+# syscall numbers: (x86_64, aarch64); every one but the last four is denied outright (DENIED)
+_NUMBERS = {
+    "ptrace": (101, 117), "mount": (165, 40), "umount2": (166, 39), "unshare": (272, 97), "setns": (308, 268),
+    "bpf": (321, 280), "io_uring_setup": (425, 425), "io_uring_enter": (426, 426),
+    "io_uring_register": (427, 427), "keyctl": (250, 219), "add_key": (248, 217), "request_key": (249, 218),
+    "perf_event_open": (298, 241), "userfaultfd": (323, 282), "process_vm_readv": (310, 270),
+    "process_vm_writev": (311, 271), "pivot_root": (155, 41), "chroot": (161, 51), "open_tree": (428, 428),
+    "move_mount": (429, 429), "fsopen": (430, 430), "fsconfig": (431, 431), "fsmount": (432, 432),
+    "fspick": (433, 433), "mount_setattr": (442, 442), "kexec_load": (246, 104), "kexec_file_load": (320, 294),
+    "init_module": (175, 105), "finit_module": (313, 273), "delete_module": (176, 106), "swapon": (167, 224),
+    "swapoff": (168, 225), "reboot": (169, 142), "acct": (163, 89), "quotactl": (179, 60),
+    "name_to_handle_at": (303, 264), "open_by_handle_at": (304, 265), "kcmp": (312, 272), "syslog": (103, 116),
+    "clone": (56, 220), "clone3": (435, 435), "socket": (41, 198), "socketpair": (53, 199)
 }
-_ARCH_ALIASES = {"amd64": "x86_64", "arm64": "aarch64"}
-
-DENIED = ("ptrace", "mount", "umount2", "unshare", "setns", "bpf", "io_uring_setup", "io_uring_enter",
-          "io_uring_register", "keyctl", "add_key", "request_key", "perf_event_open", "userfaultfd",
-          "process_vm_readv", "process_vm_writev", "pivot_root", "chroot", "open_tree", "move_mount",
-          "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr", "kexec_load", "kexec_file_load",
-          "init_module", "finit_module", "delete_module", "swapon", "swapoff", "reboot", "acct",
-          "quotactl", "name_to_handle_at", "open_by_handle_at", "kcmp", "syslog")
+_AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+DENIED = tuple(_NUMBERS)[:-4]
 
 
 def machine() -> str:
-    m = platform.machine().lower()
-    return _ARCH_ALIASES.get(m, m)
+    m = os.uname().machine.lower()
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(m, m)
 
 
 def supported() -> bool:
-    return machine() in _ARCHES
+    return machine() in _AUDIT_ARCH
 
 
 def _ins(code: int, k: int = 0, jt: int = 0, jf: int = 0) -> bytes:
@@ -88,16 +71,16 @@ def _ins(code: int, k: int = 0, jt: int = 0, jf: int = 0) -> bytes:
 def _compile(rules: list[tuple[str, list[bytes]]], arch: str | None = None) -> bytes:
     """rules: (syscall name, body) where body is BPF that ends in a return. Everything else is allowed."""
     arch = arch or machine()
-    if arch not in _ARCHES:
+    if arch not in _AUDIT_ARCH:
         raise OSError(f"seccomp filters are not built for architecture {arch!r}")
-    audit_arch, nr = _ARCHES[arch]
-    prog = [_ins(_LD_W_ABS, _OFF_ARCH), _ins(_JEQ, audit_arch, 1, 0), _ins(_RET, RET_KILL_PROCESS),
+    column = list(_AUDIT_ARCH).index(arch)
+    prog = [_ins(_LD_W_ABS, _OFF_ARCH), _ins(_JEQ, _AUDIT_ARCH[arch], 1, 0), _ins(_RET, RET_KILL_PROCESS),
             _ins(_LD_W_ABS, _OFF_NR)]
     if arch == "x86_64":  # the x32 ABI would reach the same syscalls under other numbers
         prog += [_ins(_JGE, 0x40000000, 0, 1), _ins(_RET, RET_ERRNO(errno.ENOSYS))]
     for name, body in rules:
         assert len(body) < 256
-        prog.append(_ins(_JEQ, nr[name], 0, len(body)))
+        prog.append(_ins(_JEQ, _NUMBERS[name][column], 0, len(body)))
         prog += body
     prog.append(_ins(_RET, RET_ALLOW))
     return b"".join(prog)

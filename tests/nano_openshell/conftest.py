@@ -21,8 +21,8 @@ ISOLATED = [t for t in ("namespaced", "fallback") if probe()["tiers"][t]["ok"]]
 
 
 def pytest_generate_tests(metafunc):
-    if "tier" in metafunc.fixturenames:
-        metafunc.parametrize("tier", ISOLATED)
+    if "tier" in metafunc.fixturenames:  # module scope: shared_sandbox is one per tier and module
+        metafunc.parametrize("tier", ISOLATED, scope="module")
 
 
 @pytest.fixture
@@ -44,6 +44,15 @@ def make_sandbox(tier):
 @pytest.fixture
 def sandbox(make_sandbox):
     return make_sandbox()
+
+
+@pytest.fixture(scope="module")
+def shared_sandbox(tier):
+    """One Sandbox of the tier for a module's tests that only run commands in it (none closes it,
+    changes its limits or needs it empty)."""
+    sb = Sandbox(tier=tier, min_tier="fallback")
+    yield sb
+    sb.close()
 
 
 def started(result):

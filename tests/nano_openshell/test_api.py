@@ -27,8 +27,8 @@ def test_result_fields_and_exit_codes(sandbox, tier):
     assert r.gaps == sandbox.gaps and all(isinstance(g, str) and g for g in r.gaps)
 
 
-def test_output_is_decoded_with_replacement(sandbox):
-    r = sandbox.exec("printf 'ok \\377\\376 done'", timeout=10)
+def test_output_is_decoded_with_replacement(shared_sandbox):
+    r = shared_sandbox.exec("printf 'ok \\377\\376 done'", timeout=10)
     assert r.stdout == "ok \ufffd\ufffd done"
 
 
@@ -90,8 +90,8 @@ def test_a_forgotten_sandbox_gives_its_resources_back(tier):
     assert not os.path.exists(path)
 
 
-def test_stdin_is_closed(sandbox):
-    r = started(sandbox.exec(f"echo {MARK}; cat; read x; echo read=$?; python3 -c 'import sys; print(len(sys.stdin.read()))'",
+def test_stdin_is_closed(shared_sandbox):
+    r = started(shared_sandbox.exec(f"echo {MARK}; cat; read x; echo read=$?; python3 -c 'import sys; print(len(sys.stdin.read()))'",
                              timeout=5))
     assert not r.timed_out and r.stdout.endswith("read=1\n0\n")
 
@@ -128,26 +128,26 @@ def test_commands_start_with_default_signal_dispositions(make_sandbox, superviso
     ("", ValueError), ("   \n\t", ValueError), ("echo a\x00b", ValueError), (b"echo \xff", ValueError),
     ("echo \udcff", ValueError), (None, TypeError), (["echo", "hi"], TypeError), (42, TypeError),
 ])
-def test_bad_commands_are_refused_clearly(sandbox, command, error):
+def test_bad_commands_are_refused_clearly(shared_sandbox, command, error):
     with pytest.raises(error):
-        sandbox.exec(command, timeout=5)
-    assert sandbox.exec("echo still-fine", timeout=5).stdout == "still-fine\n"
+        shared_sandbox.exec(command, timeout=5)
+    assert shared_sandbox.exec("echo still-fine", timeout=5).stdout == "still-fine\n"
 
 
 @pytest.mark.parametrize("timeout", [0, -1, math.nan, math.inf, 1e9, "5", None, True])
-def test_bad_timeouts_are_refused(sandbox, timeout):
+def test_bad_timeouts_are_refused(shared_sandbox, timeout):
     with pytest.raises((TypeError, ValueError)):
-        sandbox.exec("true", timeout=timeout)
+        shared_sandbox.exec("true", timeout=timeout)
 
 
-def test_one_megabyte_command_runs(sandbox):
+def test_one_megabyte_command_runs(shared_sandbox):
     filler = "x" * (1 << 20)
-    r = started(sandbox.exec(f"echo {MARK}\n: '{filler}'\necho end ${{#BASH_VERSION}}", timeout=20))
+    r = started(shared_sandbox.exec(f"echo {MARK}\n: '{filler}'\necho end ${{#BASH_VERSION}}", timeout=20))
     assert r.exit_code == 0 and r.stdout.splitlines()[-1].startswith("end ")
 
 
-def test_bytes_command_is_accepted_as_utf8(sandbox):
-    assert sandbox.exec("echo héllo".encode(), timeout=5).stdout == "héllo\n"
+def test_bytes_command_is_accepted_as_utf8(shared_sandbox):
+    assert shared_sandbox.exec("echo héllo".encode(), timeout=5).stdout == "héllo\n"
 
 
 def test_unreachable_workspace_is_a_clear_error(tmp_path):

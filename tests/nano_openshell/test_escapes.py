@@ -1,5 +1,6 @@
 """Nothing outlives a command: timeouts kill the whole tree, fast, whatever it does to hide."""
 
+import contextlib
 import glob
 import os
 import shutil
@@ -27,31 +28,31 @@ ESCAPES = {
 }
 
 
-@pytest.mark.parametrize("escape", sorted(ESCAPES))
-def test_timeout_kills_escapees_and_returns_in_time(sandbox, escape):
-    tok = token()
-    cmd = f"echo {MARK}\n" + ESCAPES[escape].format(s=sleep_arg(tok)) + f"\nsleep {sleep_arg(tok)}"
+def test_timeout_kills_escapees_and_returns_in_time(shared_sandbox):
+    """Every way of hiding at once, each with its own token: the timeout kills them all, in time."""
+    toks = {escape: token() for escape in ESCAPES}
+    cmd = f"echo {MARK}\n" + "".join(ESCAPES[e].format(s=sleep_arg(t)) + "\n" for e, t in toks.items())
     t0 = time.monotonic()
-    r = started(sandbox.exec(cmd, timeout=0.7))
+    r = started(shared_sandbox.exec(cmd + f"sleep {sleep_arg(token())}", timeout=0.7))
     elapsed = time.monotonic() - t0
     assert r.timed_out and r.exit_code < 0
     assert elapsed < 0.7 + 0.5, f"returned after {elapsed:.2f}s"
-    assert wait_gone(sleep_arg(tok)) == []
+    assert [e for e, t in toks.items() if wait_gone(sleep_arg(t))] == [], "escaped the timeout"
 
 
 @pytest.mark.parametrize("escape", ["setsid", "holds_stdout", "trap_ignoring"])
-def test_escapees_die_when_the_command_exits_normally(sandbox, escape):
+def test_escapees_die_when_the_command_exits_normally(shared_sandbox, escape):
     tok = token()
     cmd = f"echo {MARK}\n" + ESCAPES[escape].format(s=sleep_arg(tok)) + "\necho done"
     t0 = time.monotonic()
-    r = started(sandbox.exec(cmd, timeout=5.0))
+    r = started(shared_sandbox.exec(cmd, timeout=5.0))
     assert r.exit_code == 0 and not r.timed_out and r.stdout.endswith("done\n")
     assert time.monotonic() - t0 < 2.0, "an escapee holding stdout must not keep exec waiting"
     assert wait_gone(sleep_arg(tok)) == []
 
 
-def test_sigterm_ignoring_main_process_is_killed(sandbox):
-    r = started(sandbox.exec(f"echo {MARK}; trap '' TERM INT HUP; while :; do sleep 0.05; done", timeout=0.5))
+def test_sigterm_ignoring_main_process_is_killed(shared_sandbox):
+    r = started(shared_sandbox.exec(f"echo {MARK}; trap '' TERM INT HUP; while :; do sleep 0.05; done", timeout=0.5))
     assert r.timed_out and r.duration_ms < 1000
 
 
@@ -83,13 +84,13 @@ def test_fork_bomb_is_bounded_and_killed(make_sandbox):
     sampler.start()
     try:
         t0 = time.monotonic()
-        r = sb.exec(cmd, timeout=2.0)
+        r = sb.exec(cmd, timeout=1.0)
         elapsed = time.monotonic() - t0
     finally:
         done.set()
         sampler.join()
     assert r.stdout.startswith(MARK)
-    assert r.timed_out and elapsed < 2.5
+    assert r.timed_out and elapsed < 1.5
     assert 2 < peak <= limit + 4, f"peak {peak} processes with limit {limit}"
     assert wait_gone(f"b{tok}", within=3.0) == []
 
@@ -142,12 +143,14 @@ def test_killed_supervisor_leaves_nothing_behind(tier):
     assert wait_gone(s, within=3.0) == []
     if uid != "None":  # nothing at all of the sandbox's uid is left: its launcher (root, namespaced) neither
         assert _uid_gone(int(uid), within=3.0) == []
-    # a killed supervisor cannot tidy up: remove its workspace and (fallback) the command's tmp dir
-    shutil.rmtree(workspace)
+    # a killed supervisor cannot tidy up: remove its workspace and (fallback) the command's tmp dir,
+    # unless a later process's first Sandbox removed them already (owned.py)
+    shutil.rmtree(workspace, ignore_errors=True)
     owner = int(uid) if uid != "None" else os.geteuid()  # no uid drop (not root): the sandbox runs as us
     for left in set(glob.glob("/tmp/nano-openshell-tmp-*")) - before:
-        if os.stat(left).st_uid == owner:
-            shutil.rmtree(left)
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(left).st_uid == owner:
+                shutil.rmtree(left, ignore_errors=True)
 
 
 # ---- the sandbox's cgroup (cgroup.kill) and, without one, the scan of /proc ------------------------

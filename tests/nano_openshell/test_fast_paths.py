@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from nano_openshell import launcher as launcher_mod
+from nano_openshell import namespaced
 
 from .conftest import MARK, processes_with, sleep_arg, started, token
 
@@ -34,13 +34,13 @@ def test_uid_drop_leaves_no_root_id_group_or_capability(tool, monkeypatch):
     path = which(tool, path="/usr/bin:/bin:/usr/sbin:/sbin")
     if path is None:
         pytest.skip(f"{tool} is not installed")
-    monkeypatch.setattr(launcher_mod, "_UID_DROPPER", None)
-    if tool == "unshare" and launcher_mod.uid_drop_argv(1)[0] != path:
+    monkeypatch.delitem(namespaced._CACHE, "uid_drop", raising=False)
+    if tool == "unshare" and namespaced.uid_drop_argv(1)[0] != path:
         # the detection's trial failed: no --setuid, or unshare(0) denied (CI leg 2's seccomp filter)
         pytest.skip("unshare cannot drop the uid here; the Sandbox uses setpriv")
-    monkeypatch.setattr(launcher_mod, "_UID_DROPPER", (tool, path))
+    monkeypatch.setitem(namespaced._CACHE, "uid_drop", (tool, path))
     uid = 123457
-    out = subprocess.run(launcher_mod.uid_drop_argv(uid) + ["cat", "/proc/self/status"],
+    out = subprocess.run(namespaced.uid_drop_argv(uid) + ["cat", "/proc/self/status"],
                          capture_output=True, text=True, check=True).stdout
     ids = _ids_line(out)
     assert ids["Uid"].split() == [str(uid)] * 4 and ids["Gid"].split() == [str(uid)] * 4

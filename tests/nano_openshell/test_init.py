@@ -129,21 +129,36 @@ def test_exit_codes_cwd_and_a_fresh_tmpdir_per_command(ns):
     assert ns.exec(f": '{big}'; echo big-ok", timeout=10).stdout == "big-ok\n"
 
 
+class _Running:
+    """A command of the Sandbox that runs, in a thread, until the test releases it (a file it waits for)."""
+
+    def __init__(self, sb):
+        self.sb, self.result = sb, None
+        self.thread = threading.Thread(target=self._run)
+        self.thread.start()
+        end = time.monotonic() + 10
+        while not os.path.exists(os.path.join(sb.workspace, "running")) and time.monotonic() < end:
+            time.sleep(0.01)
+        assert os.path.exists(os.path.join(sb.workspace, "running")), "the command never started"
+
+    def _run(self):
+        self.result = self.sb.exec("touch running; while [ ! -e release ]; do sleep 0.01; done; echo released",
+                                   timeout=30)
+
+    def release(self):
+        open(os.path.join(self.sb.workspace, "release"), "w").close()
+        self.thread.join(30)
+        return self.result
+
+
 def test_a_timeout_kills_only_that_command_while_others_run(ns):
     tok = token()
-    results = {}
-
-    def slow():
-        results["slow"] = ns.exec("sleep 1.5; echo slow-done", timeout=10)
-
-    t = threading.Thread(target=slow)
-    t.start()
-    time.sleep(0.3)
+    other = _Running(ns)
     r = ns.exec(f"setsid sleep {sleep_arg(tok)} & ( sleep {sleep_arg(tok)} & ) ; sleep {sleep_arg(tok)}", timeout=0.5)
     assert r.timed_out and r.exit_code == -9
     assert wait_gone(sleep_arg(tok)) == []
-    t.join()
-    assert results["slow"].stdout == "slow-done\n" and not results["slow"].timed_out
+    r = other.release()
+    assert r.stdout == "released\n" and not r.timed_out, r
 
 
 def test_a_command_that_ended_in_time_is_not_timed_out_while_its_leftovers_are_killed(ns):
@@ -170,16 +185,12 @@ def test_the_supervisor_reads_when_a_command_ended_and_ignores_a_garbled_report(
 
 def test_escapees_die_when_their_command_ends_while_others_run(ns):
     tok = token()
-    stop = threading.Event()
-    busy = threading.Thread(target=lambda: ns.exec("sleep 3", timeout=10))
-    busy.start()
-    time.sleep(0.3)
+    other = _Running(ns)
     r = started(ns.exec(f"echo {MARK}; setsid sleep {sleep_arg(tok)} & nohup sleep {sleep_arg(tok)} >/dev/null 2>&1 &",
                         timeout=10))
     assert r.exit_code == 0
     assert wait_gone(sleep_arg(tok)) == []
-    stop.set()
-    busy.join()
+    assert other.release().stdout == "released\n"
 
 
 def test_a_dead_init_fails_that_command_clearly_and_the_next_one_restarts_it(ns):
@@ -205,7 +216,7 @@ def test_a_dead_init_fails_that_command_clearly_and_the_next_one_restarts_it(ns)
 
 
 def test_an_init_that_stops_answering_costs_the_sandbox_not_a_hang(ns, monkeypatch):
-    monkeypatch.setattr(launcher, "_KILL_WAIT", 0.5)
+    monkeypatch.setattr(launcher, "KILL_WAIT", 0.5)
     ns.exec("true", timeout=10)
     os.kill(_init_pid(ns), signal.SIGSTOP)  # from the host: the init can neither spawn nor kill now
     t0 = time.monotonic()
@@ -263,7 +274,7 @@ def test_a_bwrap_that_cannot_start_fails_the_command_clearly(ns):
     """bwrap is started on the spawner thread after Sandbox() returned: a bwrap that cannot start is
     that init's death, said by the command (a SandboxError naming why), never a hang."""
     assert ns.exec("true", timeout=10).exit_code == 0
-    ns._namespaces._argv = ["/nonexistent/nano-openshell-bwrap"]  # the next init cannot start
+    ns._namespaces.argv = ["/nonexistent/nano-openshell-bwrap"]  # the next init cannot start
     ns._namespaces._init.abort("test: the next command needs a new init")
     t0 = time.monotonic()
     with pytest.raises(SandboxError, match="init died.*bwrap could not be started.*FileNotFoundError"):

@@ -32,14 +32,14 @@ def test_secrets_unreadable_via_env_and_every_proc_environ(make_sandbox, monkeyp
         assert v not in seen, f"{k} leaked into the sandbox"
 
 
-def test_host_command_lines_are_unreadable(sandbox):
+def test_host_command_lines_are_unreadable(shared_sandbox):
     """A host process (the trainer, another sandbox's command) with a secret in its argv: no command
     in the sandbox reads it, whichever way it looks. Where the host gives us no way to hide /proc,
     the Sandbox must say so in its gaps instead."""
     secret = "hf_" + os.urandom(8).hex()
     host = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", f"--hf-token={secret}"])
     try:
-        r = started(sandbox.exec(
+        r = started(shared_sandbox.exec(
             f"echo {MARK}; cat /proc/{host.pid}/cmdline; cat /proc/[0-9]*/cmdline /proc/[0-9]*/task/*/cmdline; "
             f"tr '\\0' ' ' < /proc/{host.pid}/cmdline; ps -eo args 2>/dev/null; "
             f"python3 -I -c 'print(open(\"/proc/{host.pid}/cmdline\").read())'; "
@@ -49,18 +49,18 @@ def test_host_command_lines_are_unreadable(sandbox):
         host.wait()
     assert r.stdout.endswith("end\n"), r.stderr
     assert r.stdout.split("\n")[-3].startswith("MemTotal:"), "system-wide figures stay readable"
-    hidden = not any("command lines" in g for g in sandbox.gaps)
-    assert hidden == (secret not in r.stdout + r.stderr), (sandbox.gaps, r.stdout[-300:])
-    assert hidden or (sandbox.tier == "fallback" and probe()["capabilities"]["landlock_abi"] == 0)
+    hidden = not any("command lines" in g for g in shared_sandbox.gaps)
+    assert hidden == (secret not in r.stdout + r.stderr), (shared_sandbox.gaps, r.stdout[-300:])
+    assert hidden or (shared_sandbox.tier == "fallback" and probe()["capabilities"]["landlock_abi"] == 0)
 
 
-def test_environment_is_an_allowlist(sandbox, monkeypatch):
+def test_environment_is_an_allowlist(shared_sandbox, monkeypatch):
     monkeypatch.setenv("SOME_SUPERVISOR_SETTING", "x")
-    r = started(sandbox.exec(f"echo {MARK}; env -0", timeout=10))
+    r = started(shared_sandbox.exec(f"echo {MARK}; env -0", timeout=10))
     names = {kv.split("=", 1)[0] for kv in r.stdout[len(MARK) + 1:].split("\0") if kv}
     assert names <= {"PATH", "HOME", "PWD", "TMPDIR", "SHELL", "USER", "LOGNAME", "LANG", "LC_ALL", "TERM",
                      "TZ", "SHLVL", "_", "OLDPWD"}, names
-    home = sandbox.exec('echo "$HOME"; pwd', timeout=10).stdout.split()
+    home = shared_sandbox.exec('echo "$HOME"; pwd', timeout=10).stdout.split()
     assert home[0] == home[1]
 
 
@@ -104,7 +104,7 @@ class _Listeners:
             s.close()
 
 
-def test_no_network_without_a_policy(sandbox):
+def test_no_network_without_a_policy(shared_sandbox):
     lis = _Listeners()
     try:
         py = ("import socket\n"
@@ -113,7 +113,7 @@ def test_no_network_without_a_policy(sandbox):
               "  try:\n"
               "    s = socket.socket(fam, kind); s.settimeout(1); s.connect(addr); s.send(b'x'); print('CONNECTED' if kind == socket.SOCK_STREAM else 'sent', addr)\n"
               "  except OSError as e: print('blocked', addr, e)\n") % (lis.tcp4, lis.tcp6, lis.udp4)
-        r = started(sandbox.exec(
+        r = started(shared_sandbox.exec(
             f"echo {MARK}\n"
             f"(exec 3<>/dev/tcp/127.0.0.1/{lis.tcp4}) && echo TCP4-OPEN\n"
             f"(exec 3<>/dev/tcp/::1/{lis.tcp6}) && echo TCP6-OPEN\n"
@@ -145,11 +145,11 @@ def test_writes_outside_the_workspace_fail(sandbox):
         os.rmdir(outside)
 
 
-def test_private_tmp_is_private(sandbox):
+def test_private_tmp_is_private(shared_sandbox):
     tok = os.urandom(6).hex()
-    r = started(sandbox.exec(f'echo {MARK}; echo {tok} > "${{TMPDIR:-/tmp}}/mine"; echo stored', timeout=10))
+    r = started(shared_sandbox.exec(f'echo {MARK}; echo {tok} > "${{TMPDIR:-/tmp}}/mine"; echo stored', timeout=10))
     assert r.stdout.endswith("stored\n")
-    r2 = sandbox.exec(f'cat "${{TMPDIR:-/tmp}}/mine" 2>/dev/null || echo gone; echo {tok} > /tmp/{tok}', timeout=10)
+    r2 = shared_sandbox.exec(f'cat "${{TMPDIR:-/tmp}}/mine" 2>/dev/null || echo gone; echo {tok} > /tmp/{tok}', timeout=10)
     assert r2.stdout == "gone\n"
     assert not os.path.exists(f"/tmp/{tok}"), "the host's /tmp is not the sandbox's"
 
@@ -175,8 +175,8 @@ def test_workspace_symlinks_do_not_reach_host_files(sandbox):
     ("ptrace", "python3 -I -c 'import ctypes; r = ctypes.CDLL(None).ptrace(0, 0, 0, 0); print(\"ESCAPED\" if r == 0 else \"denied\")'"),
     ("ptrace_sibling", "sleep 5 & python3 -I -c 'import ctypes,sys; r = ctypes.CDLL(None).ptrace(16, int(sys.argv[1]), 0, 0); print(\"ESCAPED\" if r == 0 else \"denied\")' $!"),
 ])
-def test_kernel_attack_surface_is_denied(sandbox, attempt, command):
-    r = started(sandbox.exec(f"echo {MARK}; {command}; echo end", timeout=10))
+def test_kernel_attack_surface_is_denied(shared_sandbox, attempt, command):
+    r = started(shared_sandbox.exec(f"echo {MARK}; {command}; echo end", timeout=10))
     assert r.stdout.endswith("end\n") and "ESCAPED" not in r.stdout, (r.stdout, r.stderr)
 
 

@@ -4,7 +4,7 @@ import os
 import time
 
 from nano_openshell import probe
-from nano_openshell.sandbox import _Capped
+from nano_openshell.output import Capped
 
 from .conftest import MARK, Limits, started
 
@@ -72,7 +72,7 @@ def test_output_keeps_head_and_tail(make_sandbox):
 
 
 def test_capped_buffer_stays_bounded():
-    c = _Capped(100)
+    c = Capped(100)
     for _ in range(10000):
         c.add(b"x" * 1000)
     assert len(c.head) == 50 and len(c.tail) <= 100 and c.total == 10_000_000

@@ -25,9 +25,12 @@ def own_registry(monkeypatch):
 def test_close_all_releases_every_sandbox_nobody_closed_and_refuses_new_ones(own_registry, make_sandbox):
     sandboxes = [make_sandbox() for _ in range(2)]
     result = {}
-    running = threading.Thread(target=lambda: result.update(r=sandboxes[0].exec("sleep 30", timeout=60)))
+    running = threading.Thread(target=lambda: result.update(r=sandboxes[0].exec("touch running; sleep 30",
+                                                                               timeout=60)))
     running.start()
-    time.sleep(0.5)  # the command is in flight
+    end = time.monotonic() + 10
+    while not os.path.exists(os.path.join(sandboxes[0].workspace, "running")) and time.monotonic() < end:
+        time.sleep(0.01)  # until the command is in flight
     t0 = time.monotonic()
     owned_mod.close_all()
     running.join(timeout=20)
@@ -62,22 +65,23 @@ sb.close()
 """
 
 
-def _holder(tier: str, mode: str) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-c", HOLD_A_SANDBOX, tier, mode], stdout=subprocess.PIPE, text=True)
-    return proc, proc.stdout.readline().strip()
+def _holders(tier: str, *modes: str) -> list[tuple[subprocess.Popen, str]]:
+    """Processes holding a Sandbox each, started side by side; each with its workspace once it holds it."""
+    procs = [subprocess.Popen([sys.executable, "-c", HOLD_A_SANDBOX, tier, mode], stdout=subprocess.PIPE, text=True)
+             for mode in modes]
+    return [(proc, proc.stdout.readline().strip()) for proc in procs]
 
 
 def test_the_workspace_of_a_killed_process_goes_with_the_next_process_sandbox_and_a_live_ones_stays(tier):
     """SIGKILL (the launcher's escalation, the OOM killer) runs no handler at all: the process's
     workspace stays until a later process's first Sandbox sees that its owner is gone."""
-    killed, killed_ws = _holder(tier, "hold")
-    alive, alive_ws = _holder(tier, "hold")
+    (killed, killed_ws), (alive, alive_ws) = _holders(tier, "hold", "hold")
     try:
         assert os.path.isdir(killed_ws) and os.path.isdir(alive_ws)
         killed.kill()
         killed.wait(timeout=30)
         assert os.path.isdir(os.path.join(killed_ws, "deep", "locked"))  # left behind, as before any sweep
-        later, later_ws = _holder(tier, "close")
+        [(later, later_ws)] = _holders(tier, "close")
         assert later.wait(timeout=60) == 0 and not os.path.exists(later_ws)
         assert not os.path.exists(killed_ws), "a dead process's workspace survived a later process's first Sandbox"
         assert os.path.isdir(alive_ws), "a live process's workspace was swept"

@@ -17,6 +17,15 @@ def cli(*args, **kw):
     return subprocess.run(CLI + list(args), capture_output=True, text=True, cwd=ROOT, timeout=60, **kw)
 
 
+def clis(*commands: list[str], **kw) -> list[tuple[int, str, str]]:
+    """Several `nano-openshell` runs side by side (each spends its time starting up and probing):
+    (exit code, stdout, stderr) of each."""
+    procs = [subprocess.Popen(CLI + c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, **kw)
+             for c in commands]
+    outputs = [p.communicate(timeout=60) for p in procs]
+    return [(p.returncode, *output) for p, output in zip(procs, outputs)]
+
+
 def test_probe_names_a_tier_and_says_why():
     p = probe()
     assert p["tier"] in ("namespaced", "fallback") and p["reason"]
@@ -54,38 +63,33 @@ def test_deny_namespaces_launcher_blocks_namespaces_only():
     assert bad.returncode == 2
 
 
-def test_cli_exec_prints_one_json_result():
-    r = cli("exec", "--timeout", "10", "--min-tier", "fallback", "--", "echo hi; exit 3")
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)
+def test_cli_exec_and_probe_print_one_json_result_and_a_timeout_is_not_an_error():
+    (code, out, err), (_, words, _), (timed_code, timed, _), (probe_code, probed, _) = clis(
+        ["exec", "--timeout", "10", "--min-tier", "fallback", "--", "echo hi; exit 3"],
+        ["exec", "--min-tier", "fallback", "--", "printf", "%s|", "a b", "c"],
+        ["exec", "--timeout", "0.5", "--min-tier", "fallback", "--", "sleep 5"], ["probe"])
+    assert code == 0, err
+    out = json.loads(out)
     assert (out["exit_code"], out["stdout"], out["timed_out"]) == (3, "hi\n", False)
     assert out["tier"] == probe()["tier"]
-    words = cli("exec", "--min-tier", "fallback", "--", "printf", "%s|", "a b", "c")
-    assert json.loads(words.stdout)["stdout"] == "a b|c|", "several words are quoted, not re-split"
+    assert json.loads(words)["stdout"] == "a b|c|", "several words are quoted, not re-split"
+    assert timed_code == 0 and json.loads(timed)["timed_out"] is True
+    assert probe_code == 0 and json.loads(probed)["tier"] == probe()["tier"]
 
 
-def test_cli_exec_timeout_is_reported_not_an_error():
-    r = cli("exec", "--timeout", "0.5", "--min-tier", "fallback", "--", "sleep 5")
-    assert r.returncode == 0 and json.loads(r.stdout)["timed_out"] is True
-
-
-@pytest.mark.parametrize("args", [
+BAD_INPUT = [
     ["exec", "--", ""], ["exec"], ["exec", "--", "   "], ["exec", "--", "echo a\udcffb"],
     ["exec", "--timeout", "abc", "--", "true"], ["exec", "--timeout", "-1", "--", "true"],
     ["exec", "--timeout", "nan", "--", "true"], ["exec", "--workspace", "/nonexistent/ws", "--", "true"],
     ["exec", "--policy", "/nonexistent/policy.toml", "--", "true"], ["exec", "--min-tier", "best", "--", "true"],
     ["bogus"],
-])
-def test_cli_bad_input_exits_2_with_one_line(args):
+]
+
+
+def test_cli_bad_input_exits_2_with_one_line():
     env = dict(os.environ, PYTHONIOENCODING="utf-8:surrogateescape")
-    r = subprocess.run(CLI + args, capture_output=True, cwd=ROOT, timeout=60, env=env)
-    assert r.returncode == 2, r
-    assert r.stdout == b"" and r.stderr.decode().count("\n") == 1 and b"error" in r.stderr
-
-
-def test_cli_probe_prints_json():
-    r = cli("probe")
-    assert r.returncode == 0 and json.loads(r.stdout)["tier"] == probe()["tier"]
+    for args, (code, out, err) in zip(BAD_INPUT, clis(*BAD_INPUT, env=env)):
+        assert code == 2 and out == "" and err.count("\n") == 1 and "error" in err, (args, code, out, err)
 
 
 def test_cli_proxy_refuses_an_invalid_policy(tmp_path):

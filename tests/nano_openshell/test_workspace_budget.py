@@ -79,7 +79,7 @@ def test_a_handover_past_the_timeout_is_cut_and_reported_then_resumed(make_sandb
 
 
 def test_close_is_bounded_whatever_the_command_left(make_sandbox, monkeypatch, fast_dir):
-    monkeypatch.setattr(owned_mod, "_REMOVE_BUDGET", 0.05)
+    monkeypatch.setattr(owned_mod, "REMOVE_BUDGET", 0.05)
     monkeypatch.setattr(tempfile, "tempdir", fast_dir)  # where the Sandbox makes its temporary workspace
     sb = make_sandbox()
     r = sb.exec(f"mkdir -p a/b && cd a/b && seq 1 {N_FILES} | xargs touch && chmod 0500 . .. && echo made",
