@@ -102,10 +102,6 @@ def run(command: str, cfg: dict, leaf, path: str, deadline: float, output_bytes:
     cfg = {**cfg, "argv": argv, "supervisor_pid": os.getpid(), "seccomp": _NO_SOCKETS[0] if cfg["seccomp"] else None}
     init = Init(cfg, leaf, path)
     try:
-        code, out, err, timed_out = drain(init.proc, deadline, output_bytes, init.stop, owned, disk)
-        ended = init.ended()
-        if timed_out and ended is not None and ended[1] < deadline:  # only its leftovers' kill ran late
-            code, timed_out = ended[0], False
-        return code, out, err, timed_out
+        return drain(init.proc, deadline, output_bytes, init.stop, owned, disk, init.ended)
     finally:
         init.close()

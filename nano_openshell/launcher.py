@@ -362,10 +362,7 @@ def run(start_init, script: str, env: dict[str, str], deadline: float, output_by
             if fd is not None:
                 os.close(fd)
     proc.stdout, proc.stderr = open(out_r, "rb", buffering=0), open(err_r, "rb", buffering=0)
-    code, out, err, timed_out = drain(proc, deadline, output_bytes, proc.kill, disk=disk)
-    if timed_out and proc.ended is not None and proc.ended[1] < deadline:  # only its leftovers' kill ran late
-        code, timed_out = proc.ended[0], False
-    return code, out, err, timed_out
+    return drain(proc, deadline, output_bytes, proc.kill, disk=disk, ended=lambda: proc.ended)
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -43,12 +43,14 @@ class Capped:
 
 
 def drain(proc: subprocess.Popen, deadline: float, cap: int, kill, owned=None,
-          disk=None) -> tuple[int, Capped, Capped, bool]:
+          disk=None, ended=None) -> tuple[int, Capped, Capped, bool]:
     """Read stdout/stderr until EOF or the deadline; at the deadline kill (the tier's way), give the
     pipes KILL_GRACE to reach EOF (they do once the tree is dead) and stop reading regardless.
     owned: the Sandbox's (track/untrack), so that close() kills the command meanwhile. disk: a
     disk.DiskCheck, looked at while the command lives (over the limit: killed, not timed out) and
-    finished at its end, within the deadline; what it says goes to stderr. timed_out comes with -9."""
+    finished at its end, within the deadline; what it says goes to stderr. timed_out comes with -9.
+    ended() -> (exit code, time.monotonic()) of the command itself, as its init reported it, or None:
+    a command that ended before the deadline did not time out, though killing its leftovers ran late."""
     out, err = Capped(cap), Capped(cap)
     sinks = {proc.stdout.fileno(): out, proc.stderr.fileno(): err}
     poller = select.poll()  # not selectors: no epoll instance to make and close per command
@@ -118,5 +120,8 @@ def drain(proc: subprocess.Popen, deadline: float, cap: int, kill, owned=None,
             owned.untrack(kill)
         proc.stdout.close()
         proc.stderr.close()
+    at = ended() if timed_out and ended is not None else None
+    if at is not None and at[1] < deadline:
+        return at[0], out, err, False
     # killed at the deadline: -9, whatever status a command that ended at that instant left
     return (-9 if timed_out else proc.returncode), out, err, timed_out
