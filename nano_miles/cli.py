@@ -1,11 +1,10 @@
 """`nano-miles`: one command per concept (nano_miles.COMMANDS), each in its own module, imported only
 when it runs (torch imports are slow).
 
-Bad input is one line, `nano-miles <command>: <what is wrong>` on stderr and exit status 2, never a
-traceback or a usage screen: a ConfigError or ValueError from a command, or a command line argparse
-refuses. SIGTERM (a scheduler, `timeout`, `kill`) stops a command the way Ctrl-C does: what it holds
-is released on the way out (sandboxes and their workspaces, engines; `train` checkpoints first), where
-Python's default would end the process at once and leave them behind. Either ends with one line.
+Bad input (a ValueError from a command, or a command line argparse refuses) is one line on stderr,
+`nano-miles <command>: <what is wrong>`, and exit status 2. SIGTERM (a scheduler, `timeout`, `kill`)
+stops a command the way Ctrl-C does, so what it holds is released on the way out (sandboxes, engines;
+`train` checkpoints first) instead of left behind.
 """
 from __future__ import annotations
 
@@ -20,9 +19,8 @@ from nano_miles import COMMANDS
 from nano_miles.config import ConfigError, not_a_flag
 
 # The CUDA caching allocator, unless the user set it: with expandable segments a process's reserved
-# memory stays near what it allocated, so a trainer and an engine sharing a GPU both fit (see
-# docs/benchmarks.md), and the engine's CUDA graphs and the ipc weight sync work with it. Read at the
-# first CUDA allocation; children (ranks, engines) inherit it.
+# memory stays near what it allocated, so a trainer and an engine sharing a GPU both fit. Children
+# (ranks, engines) inherit it.
 CUDA_ALLOC_CONF = "expandable_segments:True"
 
 

@@ -22,10 +22,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from nano_miles.config import ConfigError, config_from_args, to_toml
+from nano_miles.config import ConfigError
 from nano_miles.engine.client import EngineUnavailable
-from nano_miles.job import (RolloutCommandConfig, add_job_arguments, append_result, collect, roll_out, selected_tasks,
-                            solved, summarize, write_trajectories)
+from nano_miles.job import (RolloutCommandConfig, add_job_arguments, append_result, roll_out, run_rollouts,
+                            selected_tasks, solved)
 from nano_miles.tasks import alfa, select_tasks
 from nano_miles.tasks.alfa import three_part_summary
 
@@ -51,25 +51,18 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def scored(trajs) -> list:
-    """The episodes that say something about the model: those the sandbox or the engine broke
-    (finish_reason "infra_error") are left out of every score, and counted by lost()."""
+    """The episodes that say something about the model: not those the sandbox or the engine broke."""
     return [t for t in trajs if t.finish_reason != "infra_error"]
 
 
 def lost(trajs) -> str:
     """'' when every episode was scored, else one line: how many episodes an infrastructure failure
     (sandbox, engine) took out of the scores, and the first reasons."""
-    failed = [t for t in trajs if t.finish_reason == "infra_error"]
-    if not failed:
+    if not (failed := [t for t in trajs if t.finish_reason == "infra_error"]):
         return ""
     why = list(dict.fromkeys(str(t.reward_components.get("error", "?"))[:160] for t in failed))
     return (f"{len(failed)} of {len(trajs)} episodes broke on the sandbox or the engine and are left out of "
             f"every score: {'; '.join(why[:2])}{' ...' if len(why) > 2 else ''}")
-
-
-def instances_of(tasks: list, n: int) -> list:
-    """Each task `n` times in a row: rollout_groups gives every copy a task seed (an instance) of its own."""
-    return [t for t in tasks for _ in range(n)]
 
 
 def solved_by_task(trajs) -> dict[str, list[bool]]:
@@ -81,10 +74,9 @@ def solved_by_task(trajs) -> dict[str, list[bool]]:
 
 
 def per_family(trajs, tasks, k: int) -> dict[str, dict]:
-    """{family: {tasks, pass@1, pass@k}} plus "all". A task's pass@1 and pass@k are means over its
-    instances (group_id: one per instance) of the estimator on that instance's samples (k samples of one
-    instance share its files and answer). Each instance weighs the same, also when a setup failure left
-    it fewer samples; with equal samples pass@1 is the mean over all of them. Only scored() episodes count."""
+    """{family: {tasks, pass@1, pass@k}} plus "all". A task's scores are means over its instances
+    (group_id) of the estimator on that instance's scored() samples: each instance weighs the same, also
+    when a setup failure left it fewer samples."""
     family = {t.id: t.family for t in tasks}
     instances: dict[str, dict[str, list[bool]]] = {}
     for t in scored(trajs):
@@ -172,14 +164,14 @@ class RunEvaluation:
         return out
 
     def episodes(self, engines, tokenizer, sandbox_factory=None, desc: str = "eval", stats: dict | None = None) -> list:
-        """One evaluation's trajectories, with a progress bar: every eval task on its instances, then
-        the ALFA subset (one instance each)."""
-        return roll_out(engines, tokenizer, instances_of(self.tasks, self.instances) + self.alfa, self.rollout,
-                        self.seed, desc, sandbox_factory=sandbox_factory, stats=stats)
+        """Every eval task on its instances, then the ALFA subset (one instance each)."""
+        tasks = [t for t in self.tasks for _ in range(self.instances)] + self.alfa
+        return roll_out(engines, tokenizer, tasks, self.rollout, self.seed, desc, sandbox_factory=sandbox_factory,
+                        stats=stats)
 
     def new_best(self, step: int, evaluated: dict, best_dir: Path) -> bool:
-        """keep_best: is the policy after `step` (trained: step > 0) better on eval_tasks than any before,
-        including those of the run's earlier part (best_dir/best.json) when it was resumed?"""
+        """keep_best: is the trained policy after `step` better on eval_tasks than any before, including
+        those of a resumed run's earlier part (best_dir/best.json)?"""
         score = evaluated.get("eval_pass_at_1")
         if not self.keep_best or step == 0 or score is None:
             return False
@@ -207,15 +199,10 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    cfg = config_from_args(EvalConfig, args)
-    if args.print_config:
-        print(to_toml(cfg), end="")
+    if (done := run_rollouts(EvalConfig, args, "eval")) is None:
         return 0
-    tasks = selected_tasks("eval", cfg.tasks, cfg.tasks_module)
-    trajs, secs, setup_failures = collect(cfg, instances_of(tasks, cfg.instances), desc="eval")
-    if args.out:
-        write_trajectories(args.out, trajs)
-    k, s = cfg.rollout.group_size, summarize(trajs, setup_failures)
+    cfg, tasks, trajs, secs, s = done
+    k = cfg.rollout.group_size
     table = per_family(trajs, tasks, k)
     # what the figures were measured on: which instances (seed) and at which temperature
     measured = {"instances": cfg.instances, "seed": cfg.seed, "temperature": cfg.rollout.temperature}

@@ -5,6 +5,7 @@ and eval, rollouts on engines started for the command, their summary and the res
 from __future__ import annotations
 
 import asyncio
+import collections
 import datetime
 import json
 import os
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from nano_miles.config import ConfigError, add_config_arguments
+from nano_miles.config import ConfigError, add_config_arguments, config_from_args, to_toml
 from nano_miles.dtypes import DTYPE_NAMES
 from nano_miles.engine.layout import EngineLaunchConfig, plan_layout
 from nano_miles.engine.pool import EnginePool
@@ -72,6 +73,23 @@ def selected_tasks(command: str, which: str, modules=(), select=select_tasks) ->
         raise ConfigError(e.args[0]) from None
 
 
+def run_rollouts(cls, args, command: str):
+    """What `rollout` and `eval` start with: the config (None once --print-config printed it), the
+    selected tasks, their rollouts (each task `instances` times in a row with eval: rollout_groups gives
+    every copy a task seed, an instance, of its own), --out written. Returns (cfg, tasks, trajectories,
+    seconds, summary)."""
+    cfg = config_from_args(cls, args)
+    if args.print_config:
+        print(to_toml(cfg), end="")
+        return None
+    tasks = selected_tasks(command, cfg.tasks, cfg.tasks_module)
+    trajs, secs, setup_failures = collect(cfg, [t for t in tasks for _ in range(getattr(cfg, "instances", 1))],
+                                          desc=command)
+    if args.out:
+        write_trajectories(args.out, trajs)
+    return cfg, tasks, trajs, secs, summarize(trajs, setup_failures)
+
+
 def collect(cfg: RolloutCommandConfig, tasks, desc: str = "rollout"):
     """Run the rollouts on cfg.engine.url, or on an engine started for them (stopped after), with a
     progress bar (episodes done, ETA) on stderr; returns (trajectories, seconds, setup failures).
@@ -101,10 +119,7 @@ def solved(t) -> bool:
 
 
 def summarize(trajs, setup_failures: int = 0) -> dict:
-    n = max(len(trajs), 1)
-    finish = {}
-    for t in trajs:
-        finish[t.finish_reason] = finish.get(t.finish_reason, 0) + 1
+    n, finish = max(len(trajs), 1), dict(collections.Counter(t.finish_reason for t in trajs))
     return {"episodes": len(trajs), "pass_rate": sum(map(solved, trajs)) / n,
             "mean_reward": sum(t.reward for t in trajs) / n, "mean_turns": sum(t.num_turns for t in trajs) / n,
             "infra_failures": setup_failures + sum(int(t.reward_components.get("infra_failures", 0)) for t in trajs),

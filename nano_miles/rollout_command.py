@@ -9,9 +9,7 @@ Prints pass rate, mean reward and mean turns. Its keys are in docs/config.md; th
 """
 from __future__ import annotations
 
-from nano_miles.config import config_from_args, to_toml
-from nano_miles.job import (RolloutCommandConfig, add_job_arguments, append_result, collect, selected_tasks,
-                            summarize, write_trajectories)
+from nano_miles.job import RolloutCommandConfig, add_job_arguments, append_result, run_rollouts
 
 CONFIG = RolloutCommandConfig
 
@@ -23,15 +21,9 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    cfg = config_from_args(RolloutCommandConfig, args)
-    if args.print_config:
-        print(to_toml(cfg), end="")
+    if (done := run_rollouts(RolloutCommandConfig, args, "rollout")) is None:
         return 0
-    tasks = selected_tasks("rollout", cfg.tasks, cfg.tasks_module)
-    trajs, secs, setup_failures = collect(cfg, tasks)
-    if args.out:
-        write_trajectories(args.out, trajs)
-    s = summarize(trajs, setup_failures)
+    cfg, tasks, trajs, secs, s = done
     print(f"{len(tasks)} tasks x {cfg.rollout.group_size} samples = {s['episodes']} episodes in {secs:.1f}s "
           f"({s['model_tokens'] / max(secs, 1e-9):.0f} model tok/s)")
     print(f"pass rate {s['pass_rate']:.3f}   mean reward {s['mean_reward']:+.3f}   mean turns {s['mean_turns']:.2f}   "

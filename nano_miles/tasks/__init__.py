@@ -24,11 +24,9 @@ RENAMED = {"nano_miles.task_catalog_skills": "nano_miles.tasks.catalog_skills"}
 
 
 def load_task_modules(specs) -> list[str]:
-    """Load the user's tasks: each spec is a Python file (my_tasks.py), an importable module
-    (my_pkg.tasks) or a TOML task file (tasks.toml). A spec that cannot be loaded at all (missing,
-    does not import) raises ConfigError naming it: no command runs without the tasks it was given.
-    Returns one line per problem with a task, naming the file and the task ("my_tasks.py: task 'x':
-    duplicate id ..."); the file's other tasks are loaded all the same."""
+    """Load the user's tasks from Python files, importable modules or TOML task files. A spec that
+    cannot be loaded at all raises ConfigError naming it; a bad task is one line of the returned report
+    ("my_tasks.py: task 'x': duplicate id ...") and the file's other tasks load all the same."""
     return [line for spec in specs for line in _load_one(spec.strip())]
 
 
@@ -79,14 +77,8 @@ def one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
-def add_tasks_module_argument(p) -> None:
-    p.add_argument("--tasks-module", action="append", default=[], metavar="PATH.py|package.module|FILE.toml",
-                   help="load your own tasks from this module or TOML task file (repeatable); see docs/tasks.md")
-
-
 def report_load_errors(specs, prog: str = "nano-miles") -> None:
-    """Load the user's task modules; print one line per problem with a task (the module's other
-    tasks load all the same). A module that cannot be loaded raises ConfigError (exit 2)."""
+    """load_task_modules, printing its report on stderr."""
     for line in load_task_modules(specs):
         print(f"{prog}: {line}", file=sys.stderr)
 
@@ -94,7 +86,7 @@ def report_load_errors(specs, prog: str = "nano-miles") -> None:
 # ---- selection ----------------------------------------------------------------------------------
 
 def all_tasks() -> list[Task]:
-    """Every task registered so far (the catalog, and whatever was loaded or selected since)."""
+    """Every task registered so far."""
     return list(TASKS.values())
 
 
@@ -104,10 +96,6 @@ def get_task(task_id: str) -> Task:
         raise KeyError(f"unknown task {task_id!r}; known: {', '.join(sorted(TASKS)[:60])}"
                        + (f" ... ({len(TASKS)} in all: nano-miles tasks list)" if len(TASKS) > 60 else ""))
     return TASKS[task_id]
-
-
-def in_family(t: Task, family: str) -> bool:
-    return t.family == family or t.family.startswith(family + "/")
 
 
 def select_tasks(which: str) -> list[Task]:
@@ -126,7 +114,7 @@ def select_tasks(which: str) -> list[Task]:
         elif item in TASKS:
             found = [TASKS[item]]
         else:
-            found = [t for t in tasks if in_family(t, item)]
+            found = [t for t in tasks if t.family == item or t.family.startswith(item + "/")]
             if not found:
                 get_task(item)  # raises: unknown task
         chosen.update((t.id, t) for t in found)
@@ -136,8 +124,7 @@ def select_tasks(which: str) -> list[Task]:
 def training_tasks(which: str) -> list[Task]:
     """select_tasks for training: benchmark tasks (ALFA) are evaluated, never trained on."""
     tasks = select_tasks(which)
-    bench = [t.id for t in tasks if t.split == "benchmark"]
-    if bench:
+    if bench := [t.id for t in tasks if t.split == "benchmark"]:
         raise KeyError(f"{len(bench)} benchmark task(s) selected for training ({', '.join(bench[:3])}"
                        f"{' ...' if len(bench) > 3 else ''}): benchmark tasks are evaluated, never trained on")
     return tasks

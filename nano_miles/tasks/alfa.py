@@ -67,10 +67,9 @@ def load_dataset(setup: str) -> tuple[str, list[dict]]:
     return script, rows
 
 
+@functools.cache  # once: a call that raised (icalfa missing) is not cached
 def register_alfa() -> None:
-    """Register the 300 tasks (once). KeyError when icalfa is missing."""
-    if "alfa_fs1_0" in _registered:
-        return
+    """Register the 300 tasks. KeyError when icalfa is missing."""
     for setup, (mounts, _) in SETUPS.items():
         script, rows = load_dataset(setup)
         for i, row in enumerate(rows):
@@ -78,10 +77,6 @@ def register_alfa() -> None:
                           summary=row["query"][:80], setup=functools.partial(alfa_setup, f"alfa_{setup}_{i}", setup,
                                                                               script, row),
                           mounts=mounts, workdir="/", source="icalfa"))
-    _registered.add("alfa_fs1_0")
-
-
-_registered: set[str] = set()
 
 
 # ---- the episode ----------------------------------------------------------------------------------
@@ -188,8 +183,7 @@ def reference(task_id: str, setup: str, script: str, gold: str, ws: Workspace) -
 
 def compute_reference(setup: str, script: str, gold: str, ws: Workspace) -> Reference:
     for pattern, why in IMAGE_ONLY:
-        m = pattern.search(gold)
-        if m:
+        if m := pattern.search(gold):
             raise TaskUnavailable(why.format(m=m.group(0)))
     pinned = int(time.time())
     runs = []
@@ -255,9 +249,8 @@ def score(ref: Reference, before: dict, setup: str, gold: str, attempt: Attempt)
         except ValueError:  # a command the sandbox refuses (a NUL byte): no output
             pass
     output = normalize_output(output, sandbox.uid)
-    after = parse_snapshot(sandbox.exec(snapshot_command(setup), timeout=attempt.workspace.timeout).stdout)
-    if after is None:  # too many files to list, or the listing itself failed: nothing to compare
-        after = {}
+    # {} when there were too many files to list, or the listing itself failed: nothing to compare
+    after = parse_snapshot(sandbox.exec(snapshot_command(setup), timeout=attempt.workspace.timeout).stdout) or {}
     diff = changes(before, after)
     output_ok = output is not None and output == ref.output
     files_ok = diff == ref.diff
@@ -281,8 +274,7 @@ def command_from(answer: str) -> str:
 def three_part_summary(trajs) -> dict | None:
     """Means of the benchmark's score and its output / files parts over the ALFA episodes (None: none).
     An episode that ended without an answer (turn or token limit) never submitted: it counts 0."""
-    rows = [t.reward_components for t in trajs if t.task_id.startswith("alfa_")]
-    if not rows:
+    if not (rows := [t.reward_components for t in trajs if t.task_id.startswith("alfa_")]):
         return None
     return {"episodes": len(rows), "answered": sum("alfa_score" in r for r in rows),
             **{key: round(sum(r.get(f"alfa_{key}", 0.0) for r in rows) / len(rows), 4)

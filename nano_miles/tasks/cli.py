@@ -5,22 +5,22 @@ import json
 import os
 import sys
 
-from nano_miles.tasks import SPLITS, add_tasks_module_argument, report_load_errors, select_tasks
+from nano_miles.tasks import SPLITS, report_load_errors, select_tasks
 from nano_miles.tasks.check import check_tasks
 
 
 def add_arguments(parser) -> None:
     sub = parser.add_subparsers(dest="tasks_command", metavar="ACTION")
-    p = sub.add_parser("list", help="list tasks with their split and family")
-    p.add_argument("--split", default="all", help="a selection: seed | train | heldout | benchmark | all (default) | "
-                   "a family (alfa) | task ids, comma-separated")
-    p.add_argument("--json", action="store_true", help="one JSON object per line")
-    add_tasks_module_argument(p)
-    p = sub.add_parser("check", help="run each task's scripted solution in a real sandbox: is it solvable here?")
-    p.add_argument("--tasks", default="all", help="a selection, as for list")
-    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="episodes at once")
-    p.add_argument("--json", action="store_true", help="one JSON object per task")
-    add_tasks_module_argument(p)
+    listing = sub.add_parser("list", help="list tasks with their split and family")
+    listing.add_argument("--split", default="all", help="a selection: seed | train | heldout | benchmark | all "
+                         "(default) | a family (alfa) | task ids, comma-separated")
+    check = sub.add_parser("check", help="run each task's scripted solution in a real sandbox: is it solvable here?")
+    check.add_argument("--tasks", default="all", help="a selection, as for list")
+    check.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="episodes at once")
+    for p in (listing, check):
+        p.add_argument("--json", action="store_true", help="one JSON object per line")
+        p.add_argument("--tasks-module", action="append", default=[], metavar="PATH.py|package.module|FILE.toml",
+                       help="load your own tasks from this module or TOML task file (repeatable); see docs/tasks.md")
 
 
 def run(args) -> int:

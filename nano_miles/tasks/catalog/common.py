@@ -14,20 +14,17 @@ BUILTIN: dict[str, Task] = {}
 SKILLS: dict[str, Task] = {}
 
 
-def builtin(id: str, family: str, split: str, summary: str, seed_task: bool = False):
-    """Like @task, for a built-in task: kept here until catalog/__init__.py registers it in its place."""
-    def decorate(fn):
-        BUILTIN[id] = Task(id, family, split, summary, fn, seed_task=seed_task, source=fn.__module__)
-        return fn
-    return decorate
+def _collect_into(tasks: dict[str, Task]):
+    def decorator(id: str, family: str, split: str, summary: str, seed_task: bool = False):
+        def decorate(fn):
+            tasks[id] = Task(id, family, split, summary, fn, seed_task=seed_task, source=fn.__module__)
+            return fn
+        return decorate
+    return decorator
 
 
-def skill(id: str, family: str, split: str, summary: str):
-    """Like @task, for the opt-in skills set: registered only when nano_miles.tasks.catalog_skills loads."""
-    def decorate(fn):
-        SKILLS[id] = Task(id, family, split, summary, fn)
-        return fn
-    return decorate
+# Like @task, kept here until catalog/__init__.py (builtin) or catalog_skills.py (skill, opt-in) registers them.
+builtin, skill = _collect_into(BUILTIN), _collect_into(SKILLS)
 
 
 def ask(ws: Workspace, instruction: str, cmd: str, kind: str = "text") -> TaskInstance:
