@@ -172,7 +172,7 @@ class Routes:
 
 
 class EngineClient(Routes):
-    """Blocking client (requests). One thread per client."""
+    """Blocking client (requests); one thread per client."""
 
     def __init__(self, url: str, timeout: float = DEFAULT_TIMEOUT, api_key: str | None = None):
         self.url, self.timeout = url.rstrip("/"), timeout
@@ -190,7 +190,6 @@ class EngineClient(Routes):
         return call.answer(r.status_code, r.text)
 
     def wait_until_ready(self, timeout: float = 300.0, poll: float = 0.2) -> None:
-        """Until /health answers 200."""
         deadline = time.monotonic() + timeout
         while not self.health():
             if time.monotonic() > deadline:

@@ -32,8 +32,7 @@ class BodyTooLarge(RequestError):
     status = 413
 
 
-def _finite(value):
-    """`value` with every NaN and infinity in it replaced by None."""
+def _finite(value):  # every NaN and infinity -> None
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, dict):
@@ -42,7 +41,7 @@ def _finite(value):
 
 
 def dumps(value) -> str:
-    """JSON text of `value`, always valid JSON: non-finite floats become null (walked only when present)."""
+    """Always valid JSON: non-finite floats become null (the value is walked only when it holds one)."""
     try:
         return json.dumps(value, allow_nan=False)
     except ValueError:
@@ -61,18 +60,7 @@ def weight_answer(success: bool, message: str) -> web.Response:
     return json_response({"success": success, "message": message}, status=200 if success else 400)
 
 
-def engine_failed(finished) -> web.Response | None:
-    """HTTP 500 with the reason when the engine failed in a step while it held one of these requests
-    (worker.py aborts them with status_code 500), as SGLang answers a request its scheduler aborted."""
-    for fin in finished:
-        status = fin.finish_reason.get("status_code")
-        if fin.finish_reason["type"] == "abort" and isinstance(status, int) and status >= 500:
-            return error(fin.finish_reason.get("message") or "engine error", status)
-    return None
-
-
-def check_length(request: web.Request, limit: int, key: str) -> None:
-    """413 at once for a declared Content-Length over `limit` (nothing of the body is read)."""
+def check_length(request: web.Request, limit: int, key: str) -> None:  # 413 before reading the body
     if request.content_length is not None and request.content_length > limit:
         raise BodyTooLarge(f"the body is {request.content_length / MiB:.1f} MiB; {request.path} takes at most "
                            f"{limit / MiB:g} MiB (config key {key})")
@@ -166,8 +154,7 @@ async def json_body(request: web.Request, default=None) -> dict:
     return await request.config_dict["body_parser"].json(request, *request["body_limit"], default)
 
 
-def is_large(request: web.Request) -> bool:
-    """Was this request's body large enough that its validation should leave the event loop too?"""
+def is_large(request: web.Request) -> bool:  # then its validation should leave the event loop too
     return request.get("body_bytes", 0) > INLINE_PARSE_BYTES
 
 

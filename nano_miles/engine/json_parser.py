@@ -35,7 +35,8 @@ class Packed(NamedTuple):
 
 
 def die_with_parent():
-    """The child's initializer: SIGTERM when the server dies, however it dies."""
+    """In a child (the body parser, or an engine before exec): SIGTERM when the thread that started it
+    dies, even by SIGKILL."""
     if sys.platform == "linux":
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 

@@ -19,7 +19,7 @@ import uuid
 
 from aiohttp import web
 
-from nano_miles.engine.http_io import dumps, engine_failed, json_body, json_response
+from nano_miles.engine.http_io import dumps, json_body, json_response
 from nano_miles.engine.protocol import GenerateItem, RequestError, parse_sampling_params
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -127,15 +127,7 @@ class OpenAIRoutes:
         items = [GenerateItem(f"{rid}-{i}", prompt, parse_sampling_params(  # n samples: distinct seeds
             {**sampling, "sampling_seed": None if seed is None else seed + i}, len(prompt), eng.vocab_size,
             eng.max_model_len)) for i in range(n)]
-        try:
-            results = await asyncio.gather(*self.worker.add(items))
-        except asyncio.CancelledError:  # the client went away: free the engine
-            for it in items:
-                self.worker.abort(it.rid, "client disconnected")
-            raise
-        failed = engine_failed(fin for fin, *_ in results)
-        if failed is not None:
-            return failed
+        results = await self.worker.run(items)
         choices = [self._choice(i, fin, stop) for i, (fin, *_) in enumerate(results)]
         usage = {"prompt_tokens": len(prompt), "completion_tokens": sum(fin.completion_tokens for fin, *_ in results)}
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]

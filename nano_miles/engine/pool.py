@@ -92,8 +92,6 @@ class EnginePool:
         pool.replicas = [Replica(i, u.rstrip("/")) for i, u in enumerate(urls)]
         return pool
 
-    # ------------------------------------------------------------------ start and stop
-
     def start(self) -> list[str]:
         if self.given_urls:
             self.replicas = [Replica(i, url.rstrip("/"), str(check_engine(url).get("device", "")))
@@ -144,8 +142,6 @@ class EnginePool:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    # ------------------------------------------------------------------ state
-
     @property
     def urls(self) -> list[str]:
         return [r.url for r in self.replicas]
@@ -170,8 +166,6 @@ class EnginePool:
                 if r.state == "stale":
                     r.state = "serving"
 
-    # ------------------------------------------------------------------ failures
-
     def fail(self, replica: Replica, generation: int, error: Exception) -> None:
         """A request to `replica` (of that generation) found it dead: restart ours in the background,
         leave theirs down. Safe to call from any thread, any number of times."""
@@ -183,7 +177,7 @@ class EnginePool:
                 return
             self._restart_later(replica)
 
-    def _restart_later(self, replica: Replica) -> None:
+    def _restart_later(self, replica: Replica) -> None:  # under self._lock
         replica.state = "restarting"
         self._restarting[replica.index] = self._threads.submit(self._restart, replica)
 

@@ -6,7 +6,6 @@ it): `nano-miles serve` as a child that never outlives its parent.
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import secrets
 import signal
@@ -17,16 +16,10 @@ import time
 from pathlib import Path
 
 from nano_miles.engine.client import EngineClient, EngineUnavailable, remember_api_key
+from nano_miles.engine.json_parser import die_with_parent
 from nano_miles.engine.protocol import API_KEY_ENV
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def _die_with_parent():
-    """In the child before exec: SIGTERM when the launching thread's process dies, even by SIGKILL.
-    Its own session: a Ctrl-C reaches only the parent, which then stops the engine itself."""
-    if sys.platform == "linux":
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class EngineProcess:
@@ -91,9 +84,9 @@ def start_engine_process(model: str, device: str = "cpu", port: int | None = Non
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     env[API_KEY_ENV] = api_key = secrets.token_urlsafe(32) if api_key is None else api_key
     env.setdefault("PYTHONUNBUFFERED", "1")
-    with open(log_path, "wb") as log:
+    with open(log_path, "wb") as log:  # its own session: a Ctrl-C reaches only us, and we stop it
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                start_new_session=True, preexec_fn=_die_with_parent)
+                                start_new_session=True, preexec_fn=die_with_parent)
     deadline = time.monotonic() + ready_timeout
     try:
         while True:  # the ready line comes once the model is loaded: /health answers 200 from then on

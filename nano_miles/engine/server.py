@@ -27,7 +27,7 @@ from aiohttp import web
 from nano_miles.config import add_config_arguments, config_from_args, to_dict, to_toml
 from nano_miles.dtypes import dtype_name
 from nano_miles.engine.engine import Engine, EngineConfig
-from nano_miles.engine.http_io import (MiB, BodyParser, check_length, engine_failed, error, is_large, json_body,
+from nano_miles.engine.http_io import (MiB, BodyParser, check_length, error, is_large, json_body,
                                       json_response, release)
 from nano_miles.engine.openai_api import OpenAIRoutes
 from nano_miles.engine.protocol import API_KEY_ENV, RequestError, parse_generate
@@ -154,23 +154,11 @@ class Server:
             items, batched = await asyncio.to_thread(parse_generate, *args) if is_large(request) else parse_generate(*args)
             if self.engine.tokenizer is None and any(it.sampling.stop for it in items):
                 raise RequestError("stop strings need a tokenizer and this model folder has none: use stop_token_ids")
-            results = await self._run(items)
-            failed = engine_failed(fin for fin, *_ in results)
-            if failed is not None:
-                return failed
+            results = await self.worker.run(items)
             out = [self._response(it, *result) for it, result in zip(items, results)]
             return json_response(out if batched else out[0])
         finally:
             await release(request, body)
-
-    async def _run(self, items) -> list:
-        """(FinishedRequest, weight_version, oldest_weight_version) of each item."""
-        try:
-            return await asyncio.gather(*self.worker.add(items))
-        except asyncio.CancelledError:  # the client went away: free the engine
-            for it in items:
-                self.worker.abort(it.rid, "client disconnected")
-            raise
 
     def _response(self, item, fin, version, oldest_version) -> dict:
         ids = text_ids = fin.output_ids

@@ -48,6 +48,24 @@ class EngineWorker:
         self._submit(self._add, items, futs)
         return futs
 
+    async def run(self, items) -> list:
+        """add(items), awaited; a client that goes away (cancelled handler) aborts them. A request the
+        engine failed in a step (aborted with status_code 500) raises that status with its reason, as
+        SGLang answers a request its scheduler aborted."""
+        try:
+            results = await asyncio.gather(*self.add(items))
+        except asyncio.CancelledError:
+            for it in items:
+                self.abort(it.rid, "client disconnected")
+            raise
+        for fin, *_ in results:
+            status = fin.finish_reason.get("status_code")
+            if fin.finish_reason["type"] == "abort" and isinstance(status, int) and status >= 500:
+                failed = RequestError(fin.finish_reason.get("message") or "engine error")
+                failed.status = status
+                raise failed
+        return results
+
     def abort(self, rid: str | None, message: str = "aborted by request"):
         return self._submit(self._abort, rid, message)
 
