@@ -63,14 +63,9 @@ def write_safetensors(path: Path, named_tensors, metadata: dict | None = None) -
     return 8 + len(raw) + offset
 
 
-def checkpoint_bytes(num_params: int) -> int:
-    """Disk of one checkpoint: FP32 masters (4 bytes a parameter) and AdamW's two FP32 moments (8)."""
-    return 12 * num_params
-
-
 def disk_line(num_params: int, run_dir: Path, keep_optimizer: bool) -> str:
     """What the run needs on disk, for the start-up message (and a warning if it is not there)."""
-    one = checkpoint_bytes(num_params)
+    one = 12 * num_params  # FP32 masters (4 bytes a parameter) and AdamW's two FP32 moments (8)
     end = (one if keep_optimizer else 4 * num_params) + 50_000_000  # + tokenizer, metrics, curves, logs
     line = (f"disk: a checkpoint is {one / 1e9:.1f} GB ({2 * one / 1e9:.1f} GB while one replaces the last); "
             f"the run directory keeps {end / 1e9:.1f} GB at the end (final/ and checkpoint/ share the weights"
