@@ -19,7 +19,6 @@ keep_optimizer_state: resuming it restarts AdamW's moments from zero, and says s
 """
 from __future__ import annotations
 
-import functools
 import json
 import os
 import random
@@ -31,7 +30,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import AutoTokenizer
 
 from nano_miles.trainer import dist_checkpoint
 from nano_miles.trainer.checkpoint_files import CheckpointError  # noqa: F401 (imported from here too)
@@ -65,14 +63,9 @@ def write_safetensors(path: Path, named_tensors, metadata: dict | None = None) -
     return 8 + len(raw) + offset
 
 
-def checkpoint_bytes(num_params: int) -> int:
-    """Disk of one checkpoint: FP32 masters (4 bytes a parameter) and AdamW's two FP32 moments (8)."""
-    return 12 * num_params
-
-
 def disk_line(num_params: int, run_dir: Path, keep_optimizer: bool) -> str:
     """What the run needs on disk, for the start-up message (and a warning if it is not there)."""
-    one = checkpoint_bytes(num_params)
+    one = 12 * num_params  # FP32 masters (4 bytes a parameter) and AdamW's two FP32 moments (8)
     end = (one if keep_optimizer else 4 * num_params) + 50_000_000  # + tokenizer, metrics, curves, logs
     line = (f"disk: a checkpoint is {one / 1e9:.1f} GB ({2 * one / 1e9:.1f} GB while one replaces the last); "
             f"the run directory keeps {end / 1e9:.1f} GB at the end (final/ and checkpoint/ share the weights"
@@ -279,23 +272,23 @@ def export_model(trainer, tokenizer_dir: str, out_dir: Path, checkpoint_dir: Pat
     return out_dir
 
 
+# A tokenizer's files as transformers saves them (a model folder holds some of these)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model", "chat_template.jinja",
+                   "chat_template.json", "generation_config.json")
+
+
 def write_model_files(model_config, tokenizer_dir: str, folder: Path) -> None:
     """What makes a folder holding the FP32 masters as model.safetensors a HF model folder: config.json
-    (dtype float32), the tokenizer's files and the generation config."""
+    (dtype float32), and the tokenizer's files and generation config copied as they are (the run loaded
+    the tokenizer once already; loading and re-saving it for every checkpoint takes seconds)."""
     model_config.save_pretrained(folder)
     config = json.loads((folder / "config.json").read_text())
     config["dtype" if "torch_dtype" not in config else "torch_dtype"] = "float32"
     (folder / "config.json").write_text(json.dumps(config, indent=2))
-    _tokenizer(str(tokenizer_dir)).save_pretrained(folder)
-    gen = Path(tokenizer_dir) / "generation_config.json"
-    if gen.exists():
-        shutil.copy(gen, folder / "generation_config.json")
-
-
-@functools.lru_cache(maxsize=1)
-def _tokenizer(folder: str):
-    """The run's tokenizer, loaded once (seconds for a real one): every checkpoint writes it."""
-    return AutoTokenizer.from_pretrained(folder)
+    for name in TOKENIZER_FILES:
+        if (Path(tokenizer_dir) / name).is_file():
+            shutil.copy(Path(tokenizer_dir) / name, folder / name)
 
 
 def export_best(trainer, tokenizer_dir: str, best_dir: Path, checkpoint_dir: Path, best: dict) -> Path:
