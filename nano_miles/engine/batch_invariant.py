@@ -2,18 +2,19 @@
 
 Each output row is computed with arithmetic that depends only on that row's inputs, never on how
 many rows are in the call, where the row sits or how a sequence was split: linear reduces over K in
-one fixed order (no split-K), rms_norm and log_softmax reduce each row the same way whatever the
+one fixed order (no split-K, one call shape), rms_norm and log_softmax reduce each row the same way whatever the
 batch, and attention reduces each query row over its keys in blocks of KEY_BLOCK from position 0
 with an online softmax, reading KV pages (engine) or a contiguous tensor (trainer) through the same
 code. So a token's log-prob has the same bits decoded in a batch of 1 or 64, after a prefix-cache
 hit or a chunked prefill, and recomputed by the trainer over the whole sequence.
 
 Backends, by the tensor's device: CUDA runs batch_invariant_triton.py (one launch configuration per
-kernel); CPU runs torch elementwise ops in an order written out here. An elementwise IEEE op gives
-the same bits wherever the element sits; library GEMMs and reductions do not (MKL rounds a row
-differently with the row count), and torch finishes a vectorised loop with scalar libm, so exp/log
-may differ in the last bit with the position. Reductions are therefore pairwise trees of adds
-(`tree_sum`), and exp/log polynomials of + and *: exact, and slow (meant for small models and tests).
+kernel); CPU runs torch ops in an order written out here. An elementwise IEEE op gives the same bits
+wherever the element sits; a library GEMM rounds a row differently with the row count, but not with
+its neighbours or place within one fixed call shape, so linear pads rows to tiles of ROW_TILE and
+runs every tile through the same GEMM shape (the tests check rows against batches and thread counts).
+Torch finishes a vectorised loop with scalar libm, so exp/log may differ in the last bit with the
+position: other reductions are pairwise trees of adds (`tree_sum`), and exp/log polynomials of + and *.
 
 Training: the forward VALUES come from these kernels, the gradients from the usual fast ops (linear
 and log_softmax with their analytic backward; the others by differentiating the fast expression).
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 from nano_miles.engine import batch_invariant_triton  # triton itself only where it is installed
 
 KEY_BLOCK = 64             # attention reduces over keys in blocks of this many, from position 0, in order
-_CHUNK_ELEMENTS = 1 << 24  # torch backend: at most this many products materialised at once
+ROW_TILE = 32              # torch backend: linear runs the library GEMM on tiles of exactly this many rows
 
 
 def _triton(t: torch.Tensor):
@@ -90,15 +91,14 @@ def _linear_value(x, weight, bias, out_dtype):
     if (tk := _triton(x)) is not None:
         return tk.linear(x, weight, bias, out_dtype)
     K, N = x.shape[-1], weight.shape[0]
-    xt = x.reshape(-1, K).float().t().contiguous()  # [K, M]: products laid out [K, rows, cols], summed over K
-    wt = weight.float().t().contiguous()             # [K, N]
-    width = 1 << max(0, (K - 1).bit_length())
-    cols = max(1, min(N, _CHUNK_ELEMENTS // width))
-    rows = max(1, _CHUNK_ELEMENTS // (width * cols))
-    out = torch.empty(xt.shape[1], N, dtype=torch.float32, device=x.device)
-    for r in range(0, xt.shape[1], rows):
-        for c in range(0, N, cols):
-            out[r:r + rows, c:c + cols] = tree_sum(xt[:, r:r + rows, None] * wt[:, None, c:c + cols], dim=0)
+    rows = x.reshape(-1, K).float()
+    M = rows.shape[0]
+    if M % ROW_TILE:
+        rows = torch.cat((rows, rows.new_zeros(ROW_TILE - M % ROW_TILE, K)))
+    wt = weight.float().t().contiguous()
+    # Every GEMM call has the one shape [ROW_TILE, K] x [K, N], so the library picks the same blocking
+    # (and K order) for every tile, and a row's bits do not depend on its neighbours or its place.
+    out = torch.cat([rows[r:r + ROW_TILE] @ wt for r in range(0, rows.shape[0], ROW_TILE)])[:M]
     if bias is not None:
         out = out + bias.float()
     return out.to(out_dtype or x.dtype).view(*x.shape[:-1], N)

@@ -44,6 +44,17 @@ def test_linear_rows_do_not_depend_on_the_batch(dtype):
     assert torch.allclose(logits.double(), F.linear(x.double(), w.double()), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("shape", [(64, 1024), (64, 128), (128, 64), (80, 96)])
+def test_linear_rows_do_not_depend_on_the_thread_count(shape):
+    """Engine and trainer may run with different thread counts; the GEMM tiles must not care."""
+    K, N = shape
+    w, x = randn(N, K, seed=5), randn(70, K, seed=6)
+    one = bi.linear(x, w)
+    torch.set_num_threads(2)
+    assert torch.equal(bi.linear(x, w), one)
+    assert_rows_invariant(lambda rows: bi.linear(rows, w), x, counts=(1, 31, 32, 33, 65))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_norm_silu_and_log_softmax_rows_do_not_depend_on_the_batch(dtype):
     x, w = randn(40, 72, dtype=dtype), randn(72, dtype=dtype, seed=3)
