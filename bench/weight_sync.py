@@ -17,6 +17,8 @@ step); the table gives their ratio (goal: M=2 within 1.3x of M=1, since a broadc
   NCCL_P2P_DISABLE=1 PYTHONPATH=. python3 bench/weight_sync.py --transports distributed --label nccl-no-p2p
   PYTHONPATH=. python3 bench/weight_sync.py --shapes tiny --trainer-device cpu --engine-device cpu \
       --transports distributed,disk,ipc                                   # CPU smoke run
+  PYTHONPATH=. python3 bench/weight_sync.py --trainer-device cuda:0 --engine-device cuda:0 \
+      --transports ipc --busy-requests 64 --label in-loop       # one GPU, syncs during rollouts
   PYTHONPATH=. python3 bench/weight_sync.py --shapes tiny --trainer-device cpu --engine-device cpu \
       --engines 2 --transports distributed,ipc --dry-run                  # CPU rehearsal of --engines
 """
@@ -116,13 +118,39 @@ def median_phases(dicts) -> dict:
     return {k: round(statistics.median(d[k] for d in dicts if d and k in d), 3) for k in keys}
 
 
+def keep_busy(client, requests: int, vocab: int, stop: threading.Event) -> threading.Thread:
+    """Rollouts running on the engine while it is synced, as in train.py's async mode: each sync then
+    pauses them in place (waiting out the running forward step), swaps and continues them."""
+    prompts = [[(7 * i + j) % vocab for j in range(32)] for i in range(requests)]
+
+    def run():
+        while not stop.is_set():
+            client.generate_batch(prompts, {"max_new_tokens": 256, "temperature": 0.7, "ignore_eos": True})
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
 def measure(trainer, clients, urls, transport, args, nbytes, raw_one) -> dict:
     """Median sync time of `transport` to the engines at `urls` (each checked: version and checksums)."""
+    stop = threading.Event()
+    busy = [keep_busy(c, args.busy_requests, min(1000, SHAPES[args.shapes]["vocab_size"]), stop)
+            for c in clients] if args.busy_requests else []
+    try:
+        return _measure(trainer, clients, urls, transport, args, nbytes, raw_one)
+    finally:
+        stop.set()
+        for thread in busy:
+            thread.join(timeout=args.timeout_s)
+
+
+def _measure(trainer, clients, urls, transport, args, nbytes, raw_one) -> dict:
     with WeightSync(trainer, urls, transport=transport, bucket_mb=args.bucket_mb, timeout_s=args.timeout_s) as ws:
         times, phases, engine_ms, fast = [], [], [], []
         for i in range(2 + args.repeats):
             with torch.no_grad():  # a real update each time, so no stale state can pass
                 trainer.params[0].add_(1e-2 if i % 2 else -1e-2)
+            sync_devices(trainer.device)  # as train.py: the update's queued kernels are not the sync's
             stats = ws.sync(f"{transport}-{len(urls)}-{i}")
             progress(f"{transport} sync {i} to {len(urls)} engine(s): {stats['ms']:.1f} ms ({ws.transport})")
             if i >= 2:
@@ -156,6 +184,8 @@ def main():
     ap.add_argument("--watchdog-s", type=float, default=240.0)
     ap.add_argument("--timeout-s", type=float, default=60.0, help="per HTTP call / broadcast / rendezvous")
     ap.add_argument("--dry-run", action="store_true", help="print only; do not append to bench/results.jsonl")
+    ap.add_argument("--busy-requests", type=int, default=0, help="requests each engine decodes during "
+                    "the syncs (train.py's async mode: the in-loop sync); 0: idle engines")
     ap.add_argument("--parity-tokens", type=int, default=64, help="new tokens per parity rollout (0: skip)")
     args = ap.parse_args()
     engine_holder = []
@@ -187,7 +217,8 @@ def main():
         for device in devices:  # one at a time: each sizes its KV cache with the others already loaded
             engines.append(start_engine_process(
                 folder, device=device, dtype=dtype, ready_timeout=600,
-                extra_args=["--no-cuda-graph", "--num-kv-blocks", "512", "--max-running-requests", "16",
+                extra_args=["--no-cuda-graph", "--num-kv-blocks", str(max(512, 24 * args.busy_requests)),
+                            "--max-running-requests", str(max(16, args.busy_requests)),
                             "--dist-timeout", str(args.timeout_s)]))
             engine_holder.append(engines[-1])
             progress(f"engine ready at {engines[-1].url} ({device})")
@@ -234,7 +265,8 @@ def main():
               f"{r['min_ms']:7.1f}..{r['max_ms']:<8.1f} {str(r['verified']):>9s} {ratio:>10s}")
     if args.engines > 1:
         print(f"goal: {args.engines} engines within 1.3x of one (x 1 engine column)")
-    print("\nwhere the time goes (CPU wall ms, medians). trainer: prepare = named tensors + bucket split, "
+    print("\nwhere the time goes (CPU wall ms, medians). trainer: pause = the engines paused in place (their "
+          "running step finished), resume = continued; prepare = named tensors + bucket split, "
           "pack = flatten + serialize (+ wait for the GPU), send = HTTP/broadcast until every engine answered, "
           "free = release the bucket. engine: parse = JSON body, decode (incl. CUDA IPC open) or receive (the "
           "broadcast), wait = hand-off to the engine thread + drain, copy = the copy until complete + KV flush, "

@@ -361,15 +361,22 @@ def check_against(named_tensors, expected: dict[str, tuple[tuple[int, ...], torc
 
 
 def non_finite(named_tensors) -> str | None:
-    """The name of the first floating-point tensor holding a NaN or an infinity, else None. Per
-    tensor one min/max on its own device (a NaN propagates through both, an infinity is one of
-    them), read back with ONE host sync: no copy of the weights, no mask as large as them."""
+    """The name of the first floating-point tensor holding a NaN or an infinity, else None. Each
+    tensor's largest magnitude (NaN propagates, an infinity is one) in one fused multi-tensor kernel
+    per (device, dtype), read back with ONE host sync: no per-tensor kernels, no copy of the weights."""
     named = [(n, t.detach()) for n, t in named_tensors if t.is_floating_point() and t.numel()]
     if not named:
         return None
-    extremes = [x.float().to(named[0][1].device) for _, t in named for x in torch.aminmax(t)]
-    finite = torch.isfinite(torch.stack(extremes)).view(-1, 2).all(dim=1).tolist()
-    return next((n for (n, _), ok in zip(named, finite) if not ok), None)
+    groups: dict = {}
+    for i, (_, t) in enumerate(named):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    order, peaks = [], []
+    for indices in groups.values():
+        norms = torch._foreach_norm([named[i][1] for i in indices], ord=float("inf"))
+        peaks.append(torch.stack(norms).float().to(named[0][1].device))
+        order += indices
+    finite = torch.isfinite(torch.cat(peaks)).tolist()
+    return next((named[i][0] for i in sorted(i for i, ok in zip(order, finite) if not ok)), None)
 
 
 def check_finite(named_tensors) -> None:

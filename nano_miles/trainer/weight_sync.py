@@ -141,9 +141,10 @@ class WeightSync:
         """Send the current weights to every engine; return {ms, bytes, transport, verified, buckets,
         weight_version, engines, phases_ms, engine_ms, fast_path}."""
         version, t0 = str(weight_version), time.perf_counter()
-        self._phases = dict.fromkeys(("prepare", "pack", "send", "free"), 0.0)
+        self._phases = dict.fromkeys(("pause", "prepare", "pack", "send", "free", "resume"), 0.0)
         self._answers, sent = [], {"bytes": 0, "buckets": 0, "checksums": None}
-        self._on_all(lambda c: c.pause("in_place"))
+        self._on_all(lambda c: c.pause("in_place"))  # waits out the engines' running forward step
+        self._phase("pause", t0)
         try:
             if self.transport != "shared" or not self._sync_shared(version):
                 sent["checksums"] = {} if self.cfg.verify else None
@@ -152,7 +153,9 @@ class WeightSync:
                 with contextlib.closing(_lookahead(self._bucket_source(version), self._phases, sent)) as buckets:
                     send[self.transport](buckets, version)
         finally:
+            resumed = time.perf_counter()
             self._on_all(lambda c: c.resume())
+            self._phase("resume", resumed)
         ms = (time.perf_counter() - t0) * 1000.0
         if self.cfg.verify:
             self.verify(version, ours=sent["checksums"])

@@ -216,3 +216,18 @@ def test_a_payload_cannot_make_the_engine_connect_where_it_says(engine_client, t
         answered.set()
         watcher.join()
     assert connections == []
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_names_the_first_bad_tensor_across_dtypes(bad):
+    """The fused check (one multi-tensor kernel per dtype) still names the first bad tensor in the
+    caller's order, whatever dtype group it sits in, and passes finite weights and integer buffers."""
+    named = [("a", torch.ones(3, dtype=torch.bfloat16)), ("b", torch.ones(4)), ("ids", torch.arange(3)),
+             ("c", torch.ones(2, 2, dtype=torch.bfloat16)), ("d", torch.ones(5)), ("empty", torch.ones(0))]
+    assert W.non_finite(named) is None
+    named[4][1][2] = bad
+    assert W.non_finite(named) == "d"
+    named[3][1][1, 0] = bad
+    assert W.non_finite(named) == "c"  # before d in order, though in the other dtype group
+    named[1][1][0] = bad
+    assert W.non_finite(named) == "b"

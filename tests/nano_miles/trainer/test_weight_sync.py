@@ -63,7 +63,7 @@ def test_engine_serves_the_trainers_weights_after_each_update(transport, engine_
             # The trainer's buckets follow HF order, as the engine packs its weights: each bucket of
             # ipc/distributed is one copy on the engine; disk goes through the per-tensor path.
             assert stats["fast_path"] is (transport != "disk")
-            assert set(stats["phases_ms"]) == {"prepare", "pack", "send", "free"}
+            assert set(stats["phases_ms"]) == {"pause", "prepare", "pack", "send", "free", "resume"}
             assert stats["engine_ms"]["total"] <= stats["phases_ms"]["send"]
             assert engine_client.weight_version() == f"{transport}-{step}"
         batch = engine_rollouts(engine_client, seed=99)
