@@ -70,8 +70,8 @@ class RolloutAnatomy:
                 key = (c.replica, phase)
                 first[key] = min(first.get(key, float("inf")), c.busy_first.get(phase, 0.0))
                 last[key] = max(last.get(key, 0.0), c.busy_last[phase])
-        for (_, phase), end in last.items():
-            self.engine_busy[phase] = self.engine_busy.get(phase, 0.0) + max(0.0, end - first[(_, phase)])  # 0: restarted
+        for key, end in last.items():  # (a restarted engine's counters start again: its span counts as 0)
+            self.engine_busy[key[1]] = self.engine_busy.get(key[1], 0.0) + max(0.0, end - first[key])
 
     def metrics(self, wall: float) -> dict:
         out = {"generate_s": self.generate_s, "sandbox_s": self.sandbox_s, "env_s": self.env_s,
