@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
                                        f"run_dir={run_dir}"] + args.sets
         cmd = [sys.executable, "-m", "nano_miles.cli", "train"] + [a for kv in sets for a in ("--set", kv)]
         print(" ".join(cmd), file=sys.stderr)
-        done = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+        path = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH")]))
+        done = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": path})  # keeps the device's /tmp/site
         metrics = run_dir / "metrics.jsonl"
         if done.returncode != 0 or not metrics.is_file():
             print(f"loop_step: the run failed (exit {done.returncode})", file=sys.stderr)
