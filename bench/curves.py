@@ -3,8 +3,9 @@ docs/benchmarks.md that compare runs differing in one setting.
 
   PYTHONPATH=. .venv/bin/python bench/curves.py --out DIR LABEL=RUN/metrics.jsonl [LABEL=... ...]
 
-Writes DIR/compare_<key>.png for reward, accuracy, entropy, parity and each in-run evaluation that any
-of the runs has, and prints their paths.
+Writes DIR/compare_<key>.png for reward, accuracy, entropy, parity, each in-run evaluation and each
+part of where a step's time went (step seconds, engine busy share, sandbox and env shares, the slowest
+episode, refill rounds) that any of the runs has, and prints their paths.
 """
 from __future__ import annotations
 

@@ -30,6 +30,9 @@ COLUMNS = (("step", "step", "{:>4d}"), ("reward_mean", "reward", "{:>+7.3f}"), (
            ("parity_mean", "parity", "{:>8.2e}"), ("sync_ms", "sync_ms", "{:>8.1f}"), ("mem_gb", "mem_GB", "{:>6.2f}"),
            ("step_s", "step_s", "{:>6.1f}"), ("tokens_per_s", "tok/s", "{:>7.0f}"), ("turns_mean", "turns", "{:>5.2f}"),
            ("staleness_max", "stale", "{:>5d}"),
+           # where the rollout's wall went: engine busy, episodes' time in the sandbox, slowest episode, refills
+           ("engine_busy_share", "eng%", "{:>5.0%}"), ("sandbox_share", "sbx%", "{:>5.0%}"),
+           ("critical_path_s", "crit_s", "{:>6.1f}"), ("refill_s", "refill", "{:>6.1f}"),
            ("zero_variance_share", "0-var", "{:>5.2f}"),  # groups whose samples all got the same reward: no signal
            ("eval_pass_at_1", "eval", "{:>5.2f}"),        # eval_every steps: pass@1 on eval_tasks
            ("elapsed_s", "elapsed", "duration"), ("eta_s", "ETA", "duration"))  # the run so far, and what is left
@@ -37,6 +40,11 @@ REPORTERS = ("tensorboard", "wandb")
 TRAIN_CURVES = (("reward_mean", "mean reward"), ("acc", "accuracy"), ("entropy", "policy entropy (nats a token)"),
                 ("parity_mean", "log-prob parity (mean |diff|)"))
 EVAL_CURVES = (("eval_pass_at_1", "eval_tasks"), ("eval_alfa_pass_at_1", "ALFA subset"))
+# Where a step's time went (nano_miles/rollout/anatomy.py): compared across runs, drawn where a run has them.
+STEP_CURVES = (("step_s", "step seconds"), ("engine_busy_share", "engine busy share of the rollout wall"),
+               ("engine_decode_s", "engine decode seconds a step"), ("sandbox_share", "sandbox share of episode time"),
+               ("env_share", "env's own share of episode time"), ("critical_path_s", "slowest episode a round (s)"),
+               ("straggler_s", "rounds' wait on their slowest half (s)"), ("refill_s", "refill rounds' wall (s)"))
 
 
 def parse_report_to(value: str) -> list[str]:
@@ -105,6 +113,8 @@ def step_metrics(step: int, rollout, staleness: list[int], max_staleness: int, t
         "weight_version": sync["weight_version"], "rollout_s": rollout.seconds, "response_tokens": response_tokens,
         "response_tokens_mean": response_tokens / len(trajs) if trajs else None,
         "tokens_per_s": response_tokens / max(rollout.seconds, 1e-9),
+        "refill_rounds": max(0, rollout.sampling.rounds - 1) if rollout.sampling else 0,
+        **rollout.anatomy.metrics(rollout.seconds),
         **(rollout.sampling.metrics() if rollout.sampling else {}), **extra}
 
 
@@ -277,11 +287,12 @@ def write_curves(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
 
 def compare_curves(runs: dict[str, str | Path], out_dir: str | Path) -> list[Path]:
     """Several runs on one set of axes, a line a run (its label): compare_<key>.png for each training
-    curve and each evaluation (eval_every) that any run has. Runs that differ in one setting (a seed,
+    curve, each evaluation (eval_every) and each part of the step's time (STEP_CURVES) that any run has. Runs that differ in one setting (a seed,
     a learning-rate schedule) read best side by side."""
     rows = {label: read_metrics(path) for label, path in runs.items()}
     written = []
-    for key, title in TRAIN_CURVES + tuple((key, f"{label} pass@1 during training") for key, label in EVAL_CURVES):
+    evals = tuple((key, f"{label} pass@1 during training") for key, label in EVAL_CURVES)
+    for key, title in TRAIN_CURVES + evals + STEP_CURVES:
         series = {label: _points(run_rows, key) for label, run_rows in rows.items()}
         if series := {label: points for label, points in series.items() if any(v is not None for _, v in points)}:
             written.append(_plot(out_dir, f"compare_{key}", title, series))

@@ -8,6 +8,7 @@
 Single-threaded by design: the caller serialises add/step/abort/load_weights.
 """
 import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -128,6 +129,7 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, config.max_running_requests, config.max_num_batched_tokens)
         self.seqs: dict[str, Sequence] = {}
         self.pending: list[FinishedRequest] = []  # aborted requests, returned by the next step()
+        self.busy_s = {"prefill": 0.0, "decode": 0.0}  # seconds spent in step() per phase, since start
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.graphs = None
         if config.cuda_graph and self.device.type == "cuda":
@@ -219,13 +221,20 @@ class Engine:
         self.blocks.flush()
 
     # ---- the step -------------------------------------------------------------------------------
-    @torch.inference_mode()
     def step(self) -> list:
+        t0 = time.perf_counter()
+        kind, finished = self._step()
+        if kind is not None:  # busy seconds per phase, reported in every /generate answer (busy_s)
+            self.busy_s[kind] += time.perf_counter() - t0
+        return finished
+
+    @torch.inference_mode()
+    def _step(self) -> tuple[str | None, list]:
         finished, self.pending = self.pending, []
         self.model.refresh_lm_head_fp32()  # a no-op unless the weights changed since the last step
         kind, work = self.scheduler.schedule()
         if kind is None:
-            return finished
+            return kind, finished
         pad = self.graphs.bucket(len(work), self._num_blocks(work)) if kind == "decode" and self.graphs else None
         if pad is not None:
             logits = self.graphs.run(self._prepare(work, *pad))[:len(work)]
@@ -238,7 +247,7 @@ class Engine:
             if seq.num_computed_tokens == len(seq.token_ids):
                 rows.append(i)  # its prompt is done: it samples a token
         if not rows:
-            return finished
+            return kind, finished
         seqs = [work[i][0] for i in rows]
         tokens, logprobs = self._sample(logits if len(rows) == len(work) else
                                         logits[torch.tensor(rows, device=self.device)], seqs)
@@ -250,7 +259,7 @@ class Engine:
             if reason is not None:
                 self.scheduler.finish(seq)
                 finished.append(self._finish(seq, reason))
-        return finished
+        return kind, finished
 
     def _num_blocks(self, work) -> int:
         return max(self.blocks.blocks_needed(s.num_computed_tokens + n) for s, n in work)

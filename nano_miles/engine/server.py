@@ -177,7 +177,8 @@ class Server:
         meta = {"id": fin.rid, "finish_reason": fin.finish_reason, "prompt_tokens": fin.prompt_tokens,
                 "completion_tokens": fin.completion_tokens, "cached_tokens": fin.cached_tokens,
                 "weight_version": version,
-                "oldest_weight_version": oldest_version}  # ours: the weights its first tokens were sampled with
+                "oldest_weight_version": oldest_version,  # ours: the weights its first tokens were sampled with
+                "busy_s": dict(self.engine.busy_s)}  # ours: the engine's step seconds per phase since it started
         if item.return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(fin.output_logprobs or [], ids)]
         return {"text": text, "output_ids": list(ids), "meta_info": meta}

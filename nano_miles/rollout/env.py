@@ -21,6 +21,7 @@ import asyncio
 import random
 import re
 import threading
+import time
 from dataclasses import dataclass
 
 from nano_openshell import Sandbox
@@ -143,6 +144,7 @@ class OpenShellEnv:
         self.infra_error: str | None = None   # what broke, when the sandbox failed mid-episode
         self.components = {"correct": 0.0, "exec_ok": 0.0, "format": 0.0, "timeout": 0.0, "infra_failures": 0}
         self._ok_commands: set[str] = set()
+        self.exec_s = 0.0  # seconds the sandbox spent running this episode's commands
         self.last_command: str | None = None   # the last command run and its output (scoring by execution)
         self.last_output: str | None = None
         self.last_observation: str | None = None  # the last tool turn's text (a scripted policy answers from it)
@@ -222,12 +224,15 @@ class OpenShellEnv:
             if kind != "bash":
                 return self._non_exec(kind, body)
             cmd = in_workdir(body, self.task.workdir)
+            t = time.perf_counter()
             try:
                 r = self.sandbox.exec(cmd, timeout=self.cfg.command_timeout)
             except ValueError as e:  # the sandbox refused the command itself (a NUL byte...): the policy's fault
                 return self._format_error(f"Command refused: {e}.")
             except Exception as e:
                 return self._infra_failure(e)
+            finally:
+                self.exec_s += time.perf_counter() - t
             return self._after_exec(body, r)
 
     async def astep(self, action_text: str, executor=None) -> StepResult:

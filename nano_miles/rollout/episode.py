@@ -23,11 +23,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import sys
+import time
 import uuid
 from dataclasses import dataclass, field
 
 from nano_miles.engine.client import EngineError, EngineUnavailable
 from nano_miles.engine.pool import EnginePool, GroupRouter
+from nano_miles.rollout.anatomy import EpisodeClock
 from nano_miles.rollout.batch import Trajectory
 from nano_miles.rollout.chat_format import ChatFormat
 from nano_miles.rollout.env import ACTION_END_TAGS, EnvConfig, OpenShellEnv, answer_from
@@ -119,16 +121,22 @@ def _no_episode(task: Task, group_id: str, finish_reason: str, components: dict)
 
 
 async def run_episode(client, fmt: ChatFormat, task: Task, seed: int, group_id: str,
-                      cfg: RolloutConfig, sandbox_factory=None, executor=None, scripted: bool = False) -> Trajectory:
+                      cfg: RolloutConfig, sandbox_factory=None, executor=None, scripted: bool = False,
+                      clock: EpisodeClock | None = None) -> Trajectory:
     """Play one episode against one engine; the returned trajectory is complete and self-consistent.
     Sandbox work (setup, commands, verification) runs on `executor` (None: asyncio's default).
     scripted: no engine (client is None); the turns are the task's scripted solution (ScriptedPolicy),
-    through the same environment and token path."""
+    through the same environment and token path. clock, if given, gets where the episode's wall went."""
     env = OpenShellEnv(task, seed, cfg.env, sandbox_factory)
     loop = asyncio.get_running_loop()
+    clock = clock or EpisodeClock()
     try:
         try:
-            messages = await loop.run_in_executor(executor, env.reset)
+            t = time.perf_counter()
+            try:
+                messages = await loop.run_in_executor(executor, env.reset)
+            finally:
+                clock.sandbox_s += time.perf_counter() - t
         except TaskUnavailable as e:  # cannot run on this machine: skipped, with the reason
             return _no_episode(task, group_id, "unavailable", {"unavailable": str(e)})
         except SetupError as e:
@@ -143,6 +151,7 @@ async def run_episode(client, fmt: ChatFormat, task: Task, seed: int, group_id: 
             if budget <= 0:
                 env.end("token_budget")
                 break
+            t = time.perf_counter()
             try:
                 out = await client.generate(input_ids=ids, sampling_params=sampling_params(
                     cfg, fmt, min(cfg.max_new_tokens, budget)), return_logprob=True,
@@ -154,6 +163,9 @@ async def run_episode(client, fmt: ChatFormat, task: Task, seed: int, group_id: 
                 # infrastructure failure, like a sandbox's: never trained on, left out of scores
                 env.infra_failed(f"engine: {e}")
                 break
+            finally:
+                clock.generate_s += time.perf_counter() - t
+            clock.answered(out.get("meta_info") or {})
             out_ids, out_lps, finish, version = parse_generate_response(out)
             versions.append(version)
             if finish == "abort":
@@ -189,17 +201,21 @@ async def run_episode(client, fmt: ChatFormat, task: Task, seed: int, group_id: 
         # In a worker thread, after whatever setup or command is in flight (env.close waits for it).
         # A cancel that lands while we wait for it (rollout_groups cancels the rest on a first error)
         # must not end the episode before its sandbox is gone: shield the close and wait it out.
+        t = time.perf_counter()
         closing = loop.run_in_executor(executor, env.close)
         try:
             await asyncio.shield(closing)
         except asyncio.CancelledError:
             await closing
             raise
+        finally:
+            clock.sandbox_s += time.perf_counter() - t + env.exec_s
+            clock.ended = time.perf_counter()
 
 
 async def rollout_groups(engines: list[str] | EnginePool, tokenizer, tasks: list[Task], cfg: RolloutConfig,
                          seed: int = 0, sandbox_factory=None, stats: dict | None = None,
-                         on_episode_done=None) -> list[Trajectory]:
+                         on_episode_done=None, clocks: list | None = None) -> list[Trajectory]:
     """G samples of every task, all episodes concurrently, over `engines` (URLs, or an EnginePool
     whose replicas come and go): each group on one engine, the least busy when it starts.
 
@@ -209,6 +225,7 @@ async def rollout_groups(engines: list[str] | EnginePool, tokenizer, tasks: list
     decides whether to retry. on_episode_done(), if given, is called as each episode ends.
 
     stats, if given, gets: engine_requests (/generate calls per engine); setup_failures and the first
+    clocks, if given, gets each episode's EpisodeClock (anatomy.py: where the rollout's wall went).
     setup_errors (episodes whose sandbox setup failed: no prompt, nothing to learn from, left out of the
     result); unavailable ({task id: reason} for tasks that cannot run here: left out too, and named on
     stderr). Sandbox failures later in an episode, and engine failures (HTTP 500 from /generate), stay
@@ -229,9 +246,12 @@ async def rollout_groups(engines: list[str] | EnginePool, tokenizer, tasks: list
         async with sem:
             while True:
                 replica, generation = router.pick(group_id)
+                clock = EpisodeClock(replica=replica.url)
                 try:
                     traj = await run_episode(router.client(replica), fmt, task, task_seed, group_id, cfg,
-                                             sandbox_factory, pool_threads)
+                                             sandbox_factory, pool_threads, clock=clock)
+                    if clocks is not None:
+                        clocks.append(clock)
                     break
                 except EngineUnavailable as e:  # its sandbox is closed; run it again elsewhere, if any
                     router.failed(replica, generation, e)

@@ -18,6 +18,7 @@ from itertools import zip_longest
 
 from tqdm import tqdm
 
+from nano_miles.rollout.anatomy import RolloutAnatomy
 from nano_miles.rollout.dynamic_sampling import SamplingTally, TrainRolloutConfig, has_signal, split_groups
 from nano_miles.rollout.episode import rollout_groups
 from nano_miles.rollout.guidance import guide_unsolved
@@ -88,6 +89,7 @@ class StepRollout:
     engine_requests: list[int] = field(default_factory=list)  # /generate calls per engine replica
     dropped: list = field(default_factory=list)  # rolled out, not trained on (dynamic sampling: no signal, surplus)
     sampling: SamplingTally | None = None
+    anatomy: RolloutAnatomy = field(default_factory=RolloutAnatomy)  # where `seconds` went
 
     @property
     def generated(self) -> list:
@@ -149,6 +151,7 @@ def roll_out_step(step: int, stream: TaskStream, tasks_per_step: int, engines, t
     before = stream.state()
     tally = SamplingTally(cfg.dynamic_sampling, tasks_per_step, max_rounds=cfg.max_sampling_rounds)
     kept, dropped, setup_errors, requests, setup_failures = [], [], [], [], 0  # kept: groups, in order
+    anatomy = RolloutAnatomy()
     t0 = time.perf_counter()
     try:
         while True:
@@ -158,12 +161,16 @@ def roll_out_step(step: int, stream: TaskStream, tasks_per_step: int, engines, t
             stats = {}
             label = desc if tally.rounds == 0 else f"{desc} (round {tally.rounds + 1}, refill)"
             seed = round_seed(run_seed, step, tally.rounds)
+            clocks, round_started = [], time.perf_counter()
             with tqdm(total=len(tasks) * cfg.group_size, desc=label, unit="ep", leave=False, dynamic_ncols=True) as bar:
                 trajs = asyncio.run(rollout_groups(engines, tokenizer, tasks, cfg, seed=seed,
                                                    sandbox_factory=sandbox_factory, stats=stats,
-                                                   on_episode_done=lambda: bar.update(1)))
+                                                   on_episode_done=lambda: bar.update(1), clocks=clocks))
+            anatomy.add_round(clocks, round_started, time.perf_counter(), refill=tally.rounds > 0)
             if cfg.guide_unsolved:  # before the signal split: a guided group has one
+                guide_started = time.perf_counter()
                 trajs, replaced, rejected = guide_unsolved(trajs, tasks, seed, tokenizer, cfg, sandbox_factory)
+                anatomy.guide_s += time.perf_counter() - guide_started
                 tally.guided += len(replaced)
                 tally.guide_rejected += rejected
                 dropped += replaced
@@ -196,7 +203,8 @@ def roll_out_step(step: int, stream: TaskStream, tasks_per_step: int, engines, t
         if tally.note:
             print(f"step {step}: {tally.note}", file=sys.stderr)
     return StepRollout(step, [t for g in kept for t in g], time.perf_counter() - t0, setup_failures, stream.position,
-                       stream.state(), setup_errors[:3], engine_requests=requests, dropped=dropped, sampling=tally)
+                       stream.state(), setup_errors[:3], engine_requests=requests, dropped=dropped, sampling=tally,
+                       anatomy=anatomy)
 
 
 class SyncProducer:

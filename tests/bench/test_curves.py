@@ -59,3 +59,19 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path):
     assert unlabeled.returncode == 2 and len(unlabeled.stderr.strip().splitlines()) == 1
     assert "is not LABEL=METRICS" in unlabeled.stderr
     assert not (tmp_path / "figs").exists()
+
+
+def test_where_a_steps_time_went_is_drawn_for_the_runs_that_have_it(tmp_path):
+    rows = [{"step": s, "reward_mean": 0.1, "step_s": 5.0 - s, "engine_busy_share": 0.2 + 0.1 * s,
+             "sandbox_share": 0.3, "critical_path_s": 2.0, "refill_s": 1.0 if s % 2 else 0.0} for s in (1, 2, 3)]
+    new = tmp_path / "new.jsonl"
+    new.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    old = tmp_path / "old.jsonl"  # a run from before the breakdown: no line on its curves
+    old.write_text(json.dumps({"step": 1, "reward_mean": 0.0}) + "\n")
+    out = run("--out", tmp_path / "figs", f"new={new}", f"old={old}")
+    assert out.returncode == 0, out.stderr
+    names = [Path(line).name for line in out.stdout.splitlines()]
+    assert names == ["compare_reward_mean.png", "compare_step_s.png", "compare_engine_busy_share.png",
+                     "compare_sandbox_share.png", "compare_critical_path_s.png", "compare_refill_s.png"]
+    for name in names:
+        assert (tmp_path / "figs" / name).read_bytes()[:8] == PNG

@@ -1,0 +1,87 @@
+"""Where a step's rollout wall went: each episode's clock, and the step's breakdown built from them.
+
+An episode's wall splits into waiting on /generate (engine work and queueing), sandbox work (setup,
+commands, close) and the env's own work (parsing, judging, tokenizing observations: the rest). The
+engines' own busy seconds per phase come from the counters our engine puts in every answer
+(meta_info.busy_s); a real SGLang server has none, and those keys are then absent.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EpisodeClock:
+    started: float = field(default_factory=time.perf_counter)
+    ended: float = 0.0
+    generate_s: float = 0.0   # awaiting /generate: the engine's work on it plus its queueing there
+    sandbox_s: float = 0.0    # sandbox setup, commands and close
+    busy_first: dict | None = None  # the engine's busy_s counters in its first and last answers
+    busy_last: dict | None = None
+    replica: str = ""  # the engine URL it ran on
+
+    def answered(self, meta: dict) -> None:
+        busy = meta.get("busy_s")
+        if isinstance(busy, dict):
+            self.busy_first = self.busy_first or busy
+            self.busy_last = busy
+
+    @property
+    def wall(self) -> float:
+        return self.ended - self.started
+
+
+@dataclass
+class RolloutAnatomy:
+    """A step's breakdown, summed over its rollout rounds. Episode sums are episode-seconds (episodes
+    run concurrently); walls and engine busy are seconds."""
+    generate_s: float = 0.0
+    sandbox_s: float = 0.0
+    env_s: float = 0.0
+    episode_s: float = 0.0
+    critical_path_s: float = 0.0  # per round, its slowest episode: what the round could not beat
+    straggler_s: float = 0.0      # per round, wall after half its episodes had ended (waiting on the slowest)
+    refill_s: float = 0.0         # the wall of the rounds after the first (dynamic sampling)
+    guide_s: float = 0.0          # scripted episodes of guided groups
+    engine_busy: dict = field(default_factory=dict)  # phase -> engine seconds, summed over replicas
+    replicas: set = field(default_factory=set)
+
+    def add_round(self, clocks: list[EpisodeClock], started: float, ended: float, refill: bool) -> None:
+        done = [c for c in clocks if c.ended]
+        for c in done:
+            self.generate_s += c.generate_s
+            self.sandbox_s += c.sandbox_s
+            self.episode_s += c.wall
+            self.env_s += max(0.0, c.wall - c.generate_s - c.sandbox_s)
+        if done:
+            self.critical_path_s += max(c.wall for c in done)
+            self.straggler_s += max(0.0, ended - statistics.median(c.ended for c in done))
+        if refill:
+            self.refill_s += ended - started
+        first: dict = {}
+        last: dict = {}
+        for c in done:  # per replica: its counters' span over the round
+            if c.busy_first is None:
+                continue
+            self.replicas.add(c.replica)
+            for phase in c.busy_last:
+                key = (c.replica, phase)
+                first[key] = min(first.get(key, float("inf")), c.busy_first.get(phase, 0.0))
+                last[key] = max(last.get(key, 0.0), c.busy_last[phase])
+        for key, end in last.items():  # (a restarted engine's counters start again: its span counts as 0)
+            self.engine_busy[key[1]] = self.engine_busy.get(key[1], 0.0) + max(0.0, end - first[key])
+
+    def metrics(self, wall: float) -> dict:
+        out = {"generate_s": self.generate_s, "sandbox_s": self.sandbox_s, "env_s": self.env_s,
+               "episode_s": self.episode_s, "critical_path_s": self.critical_path_s,
+               "straggler_s": self.straggler_s, "refill_s": self.refill_s, "guide_s": self.guide_s,
+               "sandbox_share": self.sandbox_s / self.episode_s if self.episode_s else None,
+               "env_share": self.env_s / self.episode_s if self.episode_s else None}
+        if self.engine_busy:
+            busy = sum(self.engine_busy.values())
+            out.update({f"engine_{phase}_s": s for phase, s in sorted(self.engine_busy.items())})
+            out["engine_busy_share"] = busy / max(wall * max(len(self.replicas), 1), 1e-9)
+            out["engine_idle_s"] = max(0.0, wall * max(len(self.replicas), 1) - busy)  # queueing/idle
+        return out

@@ -1,0 +1,32 @@
+"""Where a step's rollout wall went (nano_miles/rollout/anatomy.py): a real step on the real engine with
+tiny-random-qwen2 and the real sandbox, its breakdown read from the episodes' clocks and the engine's
+own busy counters (meta_info.busy_s)."""
+from nano_miles.models.prepare import load_tokenizer
+from nano_miles.rollout.dynamic_sampling import TrainRolloutConfig
+from nano_miles.rollout.env import EnvConfig
+from nano_miles.rollout.producer import TaskStream, roll_out_step
+from nano_miles.tasks import select_tasks
+from nano_miles.telemetry import format_header, format_row, step_metrics
+
+
+def test_a_steps_metrics_say_where_its_rollout_wall_went(engine_server, tiny_model_path):
+    tok = load_tokenizer(tiny_model_path)
+    reply = engine_server.client(timeout=120).generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2})
+    busy = reply["meta_info"]["busy_s"]
+    assert set(busy) == {"prefill", "decode"} and busy["prefill"] > 0 and busy["decode"] > 0
+
+    cfg = TrainRolloutConfig(group_size=2, max_new_tokens=8, temperature=1.0, dynamic_sampling=True,
+                             max_sampling_rounds=2, env=EnvConfig(max_turns=2))
+    stream = TaskStream(select_tasks("kernel_name,word_count_total"), seed=0)
+    rollout = roll_out_step(1, stream, 2, [engine_server.url], tok, cfg, run_seed=0)
+    m = step_metrics(1, rollout, [], 1, {}, "skipped", {"ms": 0.0, "transport": "-", "verified": None,
+                                                       "weight_version": 0}, step_s=rollout.seconds)
+    episodes = 2 * 2 * rollout.sampling.rounds  # a random model never answers: every round's groups are dropped
+    assert rollout.sampling.rounds == 2 and m["refill_rounds"] == 1 and m["refill_s"] > 0
+    assert 0 < m["engine_prefill_s"] and 0 < m["engine_decode_s"] and 0 < m["engine_busy_share"] <= 1
+    assert m["engine_idle_s"] >= 0 and m["generate_s"] > 0 and m["sandbox_s"] > 0 and m["env_s"] >= 0
+    assert abs(m["generate_s"] + m["sandbox_s"] + m["env_s"] - m["episode_s"]) < 1e-6 * episodes + 1e-3
+    assert 0 < m["critical_path_s"] <= rollout.seconds and m["straggler_s"] <= rollout.seconds
+    assert 0 < m["sandbox_share"] < 1
+    header, row = format_header().split(), format_row(m).split()
+    assert {"eng%", "sbx%", "crit_s", "refill"} <= set(header) and len(row) == len(header)
