@@ -59,6 +59,7 @@ def summarise(rows: list[dict]) -> dict:
             "trajectories_per_step": median([r.get("trajectories") for r in rows]),
             "sync_ms_median": median([r.get("sync_ms") for r in rows]),
             "parity_mean_median": median([r.get("parity_mean") for r in rows]),
+            "parity_stale_mean_median": median([r.get("parity_stale_mean") for r in rows]),
             "parity_max": max((r["parity_max"] for r in rows if r.get("parity_max") is not None), default=None)}
 
 
