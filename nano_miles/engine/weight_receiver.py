@@ -336,7 +336,9 @@ class WeightReceiver:
         # bucket lands in the group's persistent buffer, which the next broadcast overwrites.
         async with self.group_locks[name]:
             try:
-                update, error = await asyncio.to_thread(self._receive, name, names, dtypes, shapes, fmt)
+                update = await asyncio.to_thread(self._receive, name, names, dtypes, shapes, fmt)
+            except W.WeightPayloadError:  # received, but it does not fit the model: the group is fine
+                raise
             except Exception as e:
                 # A broken collective leaves the group in an unknown state: drop it (its teardown may
                 # block until its own timeout, so in a daemon thread) and make the trainer re-init.
@@ -345,29 +347,21 @@ class WeightReceiver:
                 threading.Thread(target=G.destroy_weight_update_group, args=(pg,), daemon=True).start()
                 raise W.WeightPayloadError(f"receiving over {name!r}: {type(e).__name__}: {e}; the group was "
                                            "dropped, call /init_weights_update_group again") from None
-            if error is not None:
-                raise error
             timings = {"parse": _ms(t0, parsed), "receive": _ms(parsed)}
             return await self._apply(update, body, f"distributed group {name!r}", timings, t0)
 
     def _receive(self, name, names, dtypes, shapes, fmt):
-        """(update, None), or (None, the error) for a received payload that does not fit the model."""
         device, pg = self.engine.device, self.groups[name]
         if device.type == "cuda":
             torch.cuda.set_device(device)  # this pool thread's current device is what NCCL uses
-        try:
-            if fmt != "flattened_bucket":
-                received = G.receive_weights(pg, names, dtypes, shapes, fmt, device, self.dist_timeout_s)
-                return _Update(named=self._check(received)), None
-            nbytes = sum(torch.Size(s).numel() * d.itemsize for d, s in zip(dtypes, shapes))
-            buffer = self.recv_buffers.get(name)
-            if buffer is None or buffer.numel() < nbytes:  # allocated once per group (grown if needed)
-                self.recv_buffers[name] = buffer = None  # free the smaller one first
-                self.recv_buffers[name] = buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            bucket = G.receive_bucket(pg, names, dtypes, shapes, device, self.dist_timeout_s, buffer=buffer)
-            return self._bucket_update(bucket), None
-        except W.WeightPayloadError as e:
-            return None, e
+        if fmt != "flattened_bucket":
+            return _Update(named=self._check(G.receive_weights(pg, names, dtypes, shapes, device, self.dist_timeout_s)))
+        metadata = W.bucket_metadata(names, dtypes, shapes)
+        nbytes = metadata[-1].end_idx
+        if name not in self.recv_buffers or self.recv_buffers[name].numel() < nbytes:  # one per group, grown
+            self.recv_buffers.pop(name, None)  # free the smaller one first
+            self.recv_buffers[name] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return self._bucket_update(G.receive_bucket(pg, metadata, self.recv_buffers[name], self.dist_timeout_s))
 
     async def destroy_group(self, request):
         name = (await json_body(request, default={})).get("group_name") or DEFAULT_GROUP_NAME
