@@ -186,9 +186,6 @@ class Engine:
         return sum(self.abort_request(rid, message, status_code) for rid in list(self.seqs))
 
     # ---- weights ---------------------------------------------------------------------------------
-    def named_parameters(self):
-        return self.model.named_parameters()
-
     def load_weights(self, named_tensors) -> None:
         """Copy (name, tensor) pairs into the parameters (floats of any dtype are cast), then flush every
         KV block. Payloads are validated where they come in (weight_receiver.py); here asserts guard the
@@ -212,8 +209,6 @@ class Engine:
     def load_flat(self, start: int, buffer: torch.Tensor) -> None:
         """Apply a bucket matched against flat_params (FlatParameters.match: it reproduces bytes
         [start, start + len) of the packed parameters exactly) with ONE copy."""
-        if self.flat_params is None:
-            raise ValueError("this engine's parameters are not packed; use load_weights")
         self.flat_params.load(start, buffer)
         self.flush_cache()
 

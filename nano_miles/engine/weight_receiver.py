@@ -155,8 +155,7 @@ class WeightReceiver:
         with timings_ms: parse, decode or receive, wait (hand-off to the engine thread and drain), copy
         (until complete, and the KV flush), release (of the trainer's buffer), answer, total."""
         abort_first, given = self._update_fields(body)
-        # flush_cache=false without a weight_version is one bucket of several: the version moves with
-        # the last one. The KV cache is flushed regardless: nothing computed with older weights is reused.
+        # one bucket of several: the version moves with the last one (the KV cache is flushed regardless)
         partial = body.get("flush_cache") is False and given is None
         submitted, marks = time.perf_counter(), []
 
@@ -227,7 +226,7 @@ class WeightReceiver:
                                             lambda name: skip_weight_name(name, cfg))
         # Once mapped, the trainer's weights ARE the parameters (no older copy to go back to): a
         # non-finite one keeps the version where it was.
-        bad = await asyncio.to_thread(W.non_finite, self.engine.named_parameters() if views is None else views.items())
+        bad = await asyncio.to_thread(W.non_finite, views.items() if views else self.engine.model.named_parameters())
         if bad is not None:
             kept = "the engine keeps its own weights" if views is not None else "weight_version stays"
             raise W.WeightPayloadError(f"{bad} holds NaN or infinite values ({kept})")
@@ -386,6 +385,6 @@ class WeightReceiver:
             if unknown:
                 raise RequestError(f"unknown parameter names: {unknown[:5]}")
         version, sums = await self.worker.call(
-            lambda eng: (eng.weight_version, W.checksums(eng.named_parameters(), names)))
+            lambda eng: (eng.weight_version, W.checksums(eng.model.named_parameters(), names)))
         return json_response({"weight_version": version, "dtype": dtype_name(self.engine.dtype),
                               "algorithm": "sha256", "checksums": sums})
