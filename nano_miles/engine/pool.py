@@ -146,10 +146,6 @@ class EnginePool:
     def urls(self) -> list[str]:
         return [r.url for r in self.replicas]
 
-    @property
-    def ours(self) -> bool:
-        return not self.given_urls
-
     def serving(self) -> list[Replica]:
         with self._lock:
             return [r for r in self.replicas if r.state == "serving"]
@@ -228,7 +224,7 @@ class EnginePool:
             live = [r for r in self.replicas if r.state in ("serving", "stale")]
         if not live:
             why = "; ".join(f"replica {r.index}: {r.error}" for r in self.replicas if r.error)
-            why = f"their restarts failed: {why}" if self.ours else "not ours to restart"
+            why = f"their restarts failed: {why}" if not self.given_urls else "not ours to restart"
             raise EngineUnavailable(f"no engine replica is left ({why}): " + ", ".join(self.urls))
         return changed
 
@@ -262,9 +258,6 @@ class GroupRouter:
         if key not in self._clients:
             self._clients[key] = _CountingClient(AsyncEngineClient(replica.url, timeout=self.timeout), replica, self)
         return self._clients[key]
-
-    def failed(self, replica: Replica, generation: int, error: Exception) -> None:
-        self.pool.fail(replica, generation, error)
 
     def counts(self) -> list[int]:
         return [self.requests.get(r.index, 0) for r in self.pool.replicas]

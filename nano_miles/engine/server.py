@@ -124,7 +124,7 @@ class Server:
         if self.authorization is not None and request.path not in UNAUTHENTICATED_ROUTES and not hmac.compare_digest(
                 request.headers.get("Authorization", "").encode(), self.authorization):
             return error("unauthorized: this server needs the header 'Authorization: Bearer <api key>'", 401)
-        if request.path not in ("/health", "/health_generate") and not self.worker.loaded.is_set():
+        if request.path != "/health" and not self.worker.loaded.is_set():
             return error("the model is still loading", 503)
         if self.worker.error is not None and request.path != "/health":
             return error(f"the engine failed to start: {self.worker.error}", 503)
@@ -167,11 +167,8 @@ class Server:
             text_ids = ids[:-1]  # SGLang trims the matched stop token from text only
         tok, text = self.engine.tokenizer, ""
         if tok is not None and text_ids:
-            try:
-                text = tok.decode(text_ids, skip_special_tokens=item.skip_special_tokens,
-                                  spaces_between_special_tokens=item.spaces_between_special_tokens)
-            except TypeError:  # a tokenizer class without that option
-                text = tok.decode(text_ids, skip_special_tokens=item.skip_special_tokens)
+            text = tok.decode(text_ids, skip_special_tokens=item.skip_special_tokens,
+                              spaces_between_special_tokens=item.spaces_between_special_tokens)
         if isinstance(matched, str) and not item.no_stop_trim and matched in text:
             text = text[:text.index(matched)]  # a stop string is cut from the text with what follows it
         meta = {"id": fin.rid, "finish_reason": fin.finish_reason, "prompt_tokens": fin.prompt_tokens,
@@ -188,9 +185,7 @@ class Server:
             return web.Response(status=503, text="loading" if self.worker.error is None else self.worker.error)
         return web.Response(status=200)
 
-    async def health_generate(self, request):
-        if not self.worker.loaded.is_set() or self.worker.error is not None:
-            return web.Response(status=503)
+    async def health_generate(self, request):  # the middleware answered 503 while loading or failed
         if self.worker.paused:
             return web.Response(status=200)  # alive; generating would wait for continue_generation
         items, _ = parse_generate({"input_ids": [0], "rid": f"HEALTH_CHECK_{uuid.uuid4().hex}",
