@@ -167,7 +167,7 @@ class Engine:
         if params.sampling_seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.sampling_seed)
         self.seqs[rid] = seq
-        self.scheduler.add(seq)
+        self.scheduler.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.pending) or self.scheduler.has_unfinished()

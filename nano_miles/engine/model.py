@@ -155,13 +155,6 @@ def paged_attention(q, k, v, batch: Batch, k_cache, v_cache, attn_info, decode_a
     return out.view(B, KV, Q, G, D).permute(0, 2, 1, 3, 4).reshape(B, Q, H * D)
 
 
-def sequence_attention(q, k, v, exact: bool = False):
-    """The trainer's attention: causal over whole right-padded sequences."""
-    B, L, H, D = q.shape
-    attend = batch_invariant.causal_attention if exact else FastOps.causal_attention
-    return attend(q, k, v).reshape(B, L, H * D)
-
-
 class MLP(nn.Module):
     ops = FastOps
 
@@ -250,11 +243,9 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
     def refresh_lm_head_fp32(self) -> torch.Tensor:
-        """The output projection in FP32, refreshed in place (CUDA graphs hold its address) whenever the
-        weight changed (tensor._version moves with every in-place write). Logits are FP32 from the bf16
-        hidden state and weight: a bf16 logit keeps 8 bits of mantissa, and two processes whose hidden
-        states differ in the last bit would round to different logits; the trainer does the same.
-        Call it outside graph capture, before a forward."""
+        """The output projection in FP32, refreshed in place (CUDA graphs hold its address) when the
+        weight's _version moved; call it outside graph capture. FP32 logits, as the trainer's: a bf16
+        logit keeps 8 bits of mantissa, so hidden states a last bit apart would round apart."""
         w = self.lm_head_weight()
         if w.dtype == torch.float32 or self.batch_invariant:  # batch-invariant logits read the bf16 weight itself
             return w
@@ -301,7 +292,8 @@ class CausalLM(nn.Module):
             p = self.model.embed_tokens.weight
             self.init_rope(max(L, self.config.max_position_embeddings), p.device, p.dtype)
         cos, sin = (c[:L].view(1, L, 1, -1) for c in self.rope_cache)
-        attend = partial(sequence_attention, exact=self.batch_invariant)
+        causal = batch_invariant.causal_attention if self.batch_invariant else FastOps.causal_attention
+        attend = lambda q, k, v: causal(q, k, v).flatten(2)  # noqa: E731 - causal over whole right-padded sequences
         x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
             if checkpoint_layers and torch.is_grad_enabled():
