@@ -87,8 +87,6 @@ class Engine:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        if not os.path.isdir(config.model):
-            raise FileNotFoundError(f"model folder {config.model!r} does not exist")
         self.model_config = mc = ModelConfig.from_pretrained(config.model)
         self.vocab_size, self.eos_token_ids = mc.vocab_size, list(mc.eos_token_ids)
         self.max_model_len = min(config.max_model_len or 32768, mc.max_position_embeddings)

@@ -101,15 +101,11 @@ class WeightReceiver:
                 return weight_answer(False, f"Failed to {what}: {e}")
         return route
 
-    @property
-    def engine(self):
-        return self.worker.engine
-
     # --- validation and the swap ---
     def _check(self, named, cast: bool = False):
         """Drop the names the engine derives itself (a tied lm_head), cast a checkpoint's floats to the
         engine's dtype if asked, and refuse anything that does not fit the model or is not finite."""
-        eng = self.engine
+        eng = self.worker.engine
         named = [(n, t) for n, t in named if not skip_weight_name(n, eng.model_config)]
         if cast:  # checkpoints on disk may be stored in another float dtype
             named = [(n, t.to(eng.dtype) if t.is_floating_point() else t) for n, t in named]
@@ -119,7 +115,7 @@ class WeightReceiver:
     def _bucket_update(self, bucket: W.FlattenedTensorBucket) -> _Update:
         """One copy if the bucket reproduces a run of the packed parameters byte for byte (names,
         order, shapes, dtype, offsets), else the validated per-tensor path."""
-        flat = self.engine.flat_params
+        flat = self.worker.engine.flat_params
         span = flat.match(bucket.metadata) if flat is not None else None
         buffer = bucket.flattened_tensor
         if span is None or buffer.numel() != span[1] - span[0]:
@@ -206,7 +202,7 @@ class WeightReceiver:
 
         def load():
             named = self._check(W.load_safetensors_folder(path), cast=True)
-            missing = sorted(set(self.engine.weight_specs) - {n for n, _ in named})
+            missing = sorted(set(self.worker.engine.weight_specs) - {n for n, _ in named})
             if missing:
                 raise W.WeightPayloadError(f"the checkpoint lacks {len(missing)} parameters, e.g. {missing[:3]}")
             return named
@@ -220,13 +216,13 @@ class WeightReceiver:
         body = await json_body(request)
         abort_first, given = self._update_fields(body)
         path, manifest = body.get("path"), body.get("manifest")
-        key, views, cfg = (path, json.dumps(manifest)), None, self.engine.model_config
+        key, views, engine = (path, json.dumps(manifest)), None, self.worker.engine
         if key != self.shared_key:
-            views = await asyncio.to_thread(S.map_shared, path, manifest, self.engine.weight_specs,
-                                            lambda name: skip_weight_name(name, cfg))
+            views = await asyncio.to_thread(S.map_shared, path, manifest, engine.weight_specs,
+                                            lambda name: skip_weight_name(name, engine.model_config))
         # Once mapped, the trainer's weights ARE the parameters (no older copy to go back to): a
         # non-finite one keeps the version where it was.
-        bad = await asyncio.to_thread(W.non_finite, views.items() if views else self.engine.model.named_parameters())
+        bad = await asyncio.to_thread(W.non_finite, views.items() if views else engine.model.named_parameters())
         if bad is not None:
             kept = "the engine keeps its own weights" if views is not None else "weight_version stays"
             raise W.WeightPayloadError(f"{bad} holds NaN or infinite values ({kept})")
@@ -258,8 +254,8 @@ class WeightReceiver:
         tags = body.get("tags") or ["kv_cache", "weights"]
         if not (isinstance(tags, list) and set(tags) <= {"kv_cache", "weights"}):
             raise RequestError('tags must be a list of "kv_cache" and "weights"')
-        if self.engine.device.type != "cpu":
-            raise W.WeightPayloadError(f"it frees CPU memory only; this engine runs on {self.engine.device}")
+        if self.worker.engine.device.type != "cpu":
+            raise W.WeightPayloadError(f"it frees CPU memory only; this engine runs on {self.worker.engine.device}")
         if "kv_cache" not in tags:
             return weight_answer(True, "Nothing released: weights stay resident (shared with the trainer, or ours)")
 
@@ -288,7 +284,7 @@ class WeightReceiver:
                                        "world_size > rank_offset")
         if backend not in ("gloo", "nccl"):
             raise W.WeightPayloadError(f"backend must be gloo or nccl, got {backend!r}")
-        if backend == "nccl" and self.engine.device.type != "cuda":
+        if backend == "nccl" and self.worker.engine.device.type != "cuda":
             raise W.WeightPayloadError("backend nccl needs a CUDA engine; this engine runs on CPU: use gloo")
         if name in self.groups or self.forming is not None:
             raise W.WeightPayloadError(f"group {name!r} already exists; destroy it first" if name in self.groups else
@@ -296,7 +292,7 @@ class WeightReceiver:
 
         def init():
             if backend == "nccl":
-                torch.cuda.set_device(self.engine.device)
+                torch.cuda.set_device(self.worker.engine.device)
             return G.init_weight_update_group(addr, port, rank, world, name, backend, self.dist_timeout_s,
                                               connect_timeout_s=self.connect_timeout_s)
 
@@ -350,7 +346,7 @@ class WeightReceiver:
             return await self._apply(update, body, f"distributed group {name!r}", timings, t0)
 
     def _receive(self, name, names, dtypes, shapes, fmt):
-        device, pg = self.engine.device, self.groups[name]
+        device, pg = self.worker.engine.device, self.groups[name]
         if device.type == "cuda":
             torch.cuda.set_device(device)  # this pool thread's current device is what NCCL uses
         if fmt != "flattened_bucket":
@@ -381,10 +377,10 @@ class WeightReceiver:
         if names is not None:
             if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
                 raise RequestError("names must be a list of parameter names")
-            unknown = [n for n in names if n not in self.engine.weight_specs]
+            unknown = [n for n in names if n not in self.worker.engine.weight_specs]
             if unknown:
                 raise RequestError(f"unknown parameter names: {unknown[:5]}")
         version, sums = await self.worker.call(
             lambda eng: (eng.weight_version, W.checksums(eng.model.named_parameters(), names)))
-        return json_response({"weight_version": version, "dtype": dtype_name(self.engine.dtype),
+        return json_response({"weight_version": version, "dtype": dtype_name(self.worker.engine.dtype),
                               "algorithm": "sha256", "checksums": sums})

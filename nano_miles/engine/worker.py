@@ -82,7 +82,7 @@ class EngineWorker:
     def update(self, fn, abort_first: bool):
         """Run fn(engine) once no request is running (or at once while paused)."""
         fut = self.loop.create_future()
-        self.commands.put((self._update, (fn, abort_first, fut), fut))
+        self._submit(self._update, fn, abort_first, fut)  # the command's own future: resolved with None
         return fut
 
     def stop(self):
@@ -120,10 +120,8 @@ class EngineWorker:
                     method, args, fut = cmd
                     if method is None:
                         return
-                    try:
-                        result = method(*args)
-                        if method not in (self._add, self._update):  # those resolve their futures later
-                            self._resolve(fut, result)
+                    try:  # _add and _update resolve the futures they were given later
+                        self._resolve(fut, method(*args))
                     except Exception as e:
                         self._resolve(fut, error=e)
                     cmd = self.commands.get_nowait()
