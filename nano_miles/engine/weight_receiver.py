@@ -273,10 +273,7 @@ class WeightReceiver:
     # --- distributed ---
     async def init_group(self, request):
         body = await json_body(request)
-        missing = [k for k in ("master_address", "master_port", "rank_offset", "world_size") if k not in body]
-        if missing:
-            raise W.WeightPayloadError(f"missing field {missing[0]}")
-        addr, port, rank, world = body["master_address"], body["master_port"], body["rank_offset"], body["world_size"]
+        addr, port, rank, world = (body.get(k) for k in ("master_address", "master_port", "rank_offset", "world_size"))
         name, backend = body.get("group_name") or DEFAULT_GROUP_NAME, body.get("backend") or "nccl"
         if not (isinstance(addr, str) and all(isinstance(x, int) and not isinstance(x, bool) for x in (port, rank, world))
                 and 1 <= rank < world):
