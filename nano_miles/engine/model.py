@@ -220,13 +220,11 @@ class CausalLM(nn.Module):
         return model
 
     def use_batch_invariant_ops(self) -> "CausalLM":
-        """Switch every op to batch_invariant.py (true on-policy mode)."""
+        """Switch every op to batch_invariant.py (true on-policy mode); before init_rope builds its table."""
         self.batch_invariant = True
         for module in self.modules():
             if hasattr(module, "ops"):
                 module.ops = batch_invariant
-        if self.rope_cache is not None:  # rebuild with the position-exact table
-            self.init_rope(self.rope_cache[0].shape[0], self.rope_cache[0].device, self.rope_cache[0].dtype)
         return self
 
     def init_rope(self, max_positions: int, device, dtype):
