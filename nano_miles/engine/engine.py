@@ -129,9 +129,7 @@ class Engine:
         self.pending: list[FinishedRequest] = []  # aborted requests, returned by the next step()
         self.busy_s = {"prefill": 0.0, "decode": 0.0}  # seconds spent in step() per phase, since start
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        self.graphs = None
-        if config.cuda_graph and self.device.type == "cuda":
-            self.graphs = DecodeGraphs(self)
+        self.graphs = DecodeGraphs(self) if config.cuda_graph and self.device.type == "cuda" else None
 
     def _auto_num_blocks(self) -> int:
         mc, bs = self.model_config, self.config.block_size

@@ -133,8 +133,7 @@ class Attention(nn.Module):
 
 
 def paged_attention(q, k, v, batch: Batch, k_cache, v_cache, attn_info, decode_attention=None, exact=False):
-    """The engine's attention: write this step's keys/values into the cache ([num_blocks, block_size,
-    KV, D]), then read the pages."""
+    """The engine's attention: this step's keys/values into the cache, then read over its pages."""
     B, Q, H, D = q.shape
     KV = k.shape[2]
     slots = batch.slot_mapping.reshape(-1)

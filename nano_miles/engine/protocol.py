@@ -110,9 +110,7 @@ def parse_sampling_params(sp, prompt_len: int, vocab_size: int, max_model_len: i
                   and all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in v),
                   f"a string or a list of at most {MAX_STOP_STRINGS} non-empty strings of at most "
                   f"{MAX_STOP_CHARS} characters", where)
-    seed = sp.get("sampling_seed")
-    if seed is not None and not _is_int(seed):
-        raise RequestError(f"{where}sampling_seed must be an integer or null, got {seed!r}")
+    seed = _value(sp, "sampling_seed", None, lambda v: v is None or _is_int(v), "an integer or null", where)
     return SamplingParams(max_new_tokens=max_new, temperature=float(temperature), top_p=float(top_p), top_k=top_k,
                           stop_token_ids=sorted(set(stop_ids)), ignore_eos=_bool(sp, "ignore_eos", False, where),
                           sampling_seed=seed, min_new_tokens=min_new, stop=tuple(dict.fromkeys(stop)))
@@ -168,8 +166,7 @@ def parse_generate(body, vocab_size: int, max_model_len: int) -> tuple[list[Gene
                                             _per_request(body, "logprob_start_len", n, batched, -1))):
         where = wheres[i]
         sampling = parse_sampling_params(sp, len(prompts[i]), vocab_size, max_model_len, where)
-        if not isinstance(lp, bool):
-            raise RequestError(f"{where}return_logprob must be true or false")
+        _bool({"return_logprob": lp}, "return_logprob", False, where)
         if not _is_int(start) or (start != -1 and start < len(prompts[i])):
             raise RequestError(f"{where}logprob_start_len={start!r}: input-token logprobs are not supported by this "
                                "engine; use -1 (output tokens only)")

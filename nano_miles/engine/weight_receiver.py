@@ -103,8 +103,7 @@ class WeightReceiver:
 
     # --- validation and the swap ---
     def _check(self, named, cast: bool = False):
-        """Drop the names the engine derives itself (a tied lm_head), cast a checkpoint's floats to the
-        engine's dtype if asked, and refuse anything that does not fit the model or is not finite."""
+        """Validated pairs, less the names the engine derives itself (a tied lm_head), cast if asked."""
         eng = self.worker.engine
         named = [(n, t) for n, t in named if not skip_weight_name(n, eng.model_config)]
         if cast:  # checkpoints on disk may be stored in another float dtype

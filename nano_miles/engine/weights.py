@@ -333,8 +333,7 @@ def load_safetensors_folder(path: str | Path) -> list[tuple[str, torch.Tensor]]:
 
 
 def check_against(named_tensors, expected: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
-    """Raise WeightPayloadError unless every (name, tensor) names a distinct parameter with its shape
-    and dtype, and holds no NaN or infinity."""
+    """WeightPayloadError unless each (name, tensor) is a distinct parameter, of its shape and dtype, finite."""
     if not named_tensors:
         raise WeightPayloadError("the update holds no tensors")
     seen = set()
