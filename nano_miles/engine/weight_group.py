@@ -10,6 +10,7 @@ import datetime
 import os
 import socket
 import threading
+from concurrent.futures import Future
 
 import psutil
 import torch
@@ -60,32 +61,25 @@ def init_weight_update_group(master_address: str, master_port: int, rank: int, w
 def _with_deadline(rendezvous, timeout_s: float, address: str, port: int):
     """rendezvous() in a thread; after timeout_s TimeoutError, and the thread is unblocked by shutting
     down its connections to the store (a group it still forms later is destroyed, never leaked)."""
-    lock, box = threading.Lock(), {}
+    result = Future()
 
     def run():
         try:
-            result = ("group", rendezvous())
+            result.set_result(rendezvous())
         except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
-            result = ("error", e)
-        with lock:
-            box["result"] = result
-            abandoned = box.get("abandoned", False)
-        if abandoned and result[0] == "group":
-            destroy_weight_update_group(result[1])
+            result.set_exception(e)
 
     thread = threading.Thread(target=run, name="weight-group-rendezvous", daemon=True)
     thread.start()
-    thread.join(timeout_s)
-    with lock:
-        result = box.get("result")
-        box["abandoned"] = result is None
-    if result is None:
+    try:
+        return result.result(timeout_s)
+    except TimeoutError:
+        if result.done():  # the rendezvous's own TimeoutError
+            raise
+        result.add_done_callback(lambda f: f.exception() is None and destroy_weight_update_group(f.result()))
         threading.Thread(target=_unblock, args=(thread, address, port), daemon=True).start()
         raise TimeoutError(f"the rendezvous at {address}:{port} did not complete within {timeout_s:g}s "
-                           "(is the trainer's store there, and does it answer?)")
-    if result[0] == "error":
-        raise result[1]
-    return result[1]
+                           "(is the trainer's store there, and does it answer?)") from None
 
 
 def _unblock(thread: threading.Thread, address: str, port: int) -> None:
