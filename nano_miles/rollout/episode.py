@@ -254,7 +254,7 @@ async def rollout_groups(engines: list[str] | EnginePool, tokenizer, tasks: list
                         clocks.append(clock)
                     break
                 except EngineUnavailable as e:  # its sandbox is closed; run it again elsewhere, if any
-                    router.failed(replica, generation, e)
+                    router.pool.fail(replica, generation, e)
                     if not pool.serving():
                         raise
                 finally:
