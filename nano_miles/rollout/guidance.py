@@ -37,17 +37,23 @@ def unsolved(group: list[Trajectory]) -> bool:
     return bool(tried) and not any(t.reward_components.get("correct", 0) > 0 for t in tried)
 
 
-async def play_scripted(tasks_and_keys: list, fmt: ChatFormat, cfg: RolloutConfig,
-                        sandbox_factory=None) -> list[Trajectory]:
-    """The scripted episode of each (task, task_seed, group_id), concurrently."""
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(cfg.max_concurrency, len(tasks_and_keys))),
-                                                 thread_name_prefix="scripted")
-    try:
-        return await asyncio.gather(*(run_episode(None, fmt, task, task_seed, group_id, cfg, sandbox_factory,
-                                                  pool, scripted=True)
-                                      for task, task_seed, group_id in tasks_and_keys))
-    finally:
-        pool.shutdown(wait=False)
+def take_scripted(group: list[Trajectory], demo: Trajectory) -> tuple[list[Trajectory], Trajectory | None, bool]:
+    """`group` with one sample (one the sandbox lost, if any, else the last) replaced by `demo`, its
+    task's scripted episode, when the verifier accepted it. Returns (the group, the sample replaced or
+    None, whether `demo` was rejected)."""
+    if demo.reward_components.get("correct", 0) <= 0:
+        name_rejected(demo)
+        return group, None, True
+    i = next((i for i, t in enumerate(group) if t.finish_reason == "infra_error"), len(group) - 1)
+    return group[:i] + [demo] + group[i + 1:], group[i], False
+
+
+async def guide_group(group: list[Trajectory], play) -> tuple[list[Trajectory], Trajectory | None, bool]:
+    """take_scripted() for one group as it comes back, when no sample solved it: `play()` plays its
+    scripted episode (the group's task, seed and group id)."""
+    if not unsolved(group):
+        return group, None, False
+    return take_scripted(group, await play())
 
 
 def name_rejected(demo: Trajectory) -> None:
@@ -69,8 +75,8 @@ def name_rejected(demo: Trajectory) -> None:
 def guide_unsolved(trajs: list[Trajectory], tasks: list, seed: int, tokenizer, cfg: RolloutConfig,
                    sandbox_factory=None) -> tuple[list[Trajectory], list[Trajectory], int]:
     """`trajs` (rollout_groups' output for `tasks` and `seed`) with one sample of every unsolved group
-    replaced by its scripted episode; returns (trajectories, the samples replaced, the scripted
-    episodes rejected)."""
+    replaced by its scripted episode, the scripted episodes played concurrently; returns
+    (trajectories, the samples replaced, the scripted episodes rejected)."""
     groups: dict[str, list[Trajectory]] = {}
     for t in trajs:
         groups.setdefault(t.group_id, []).append(t)
@@ -82,14 +88,19 @@ def guide_unsolved(trajs: list[Trajectory], tasks: list, seed: int, tokenizer, c
     if not wanted:
         return trajs, [], 0
     fmt = tokenizer if isinstance(tokenizer, ChatFormat) else ChatFormat(tokenizer)
+
+    async def play_all() -> list[Trajectory]:
+        threads = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(cfg.max_concurrency, len(wanted))),
+                                                        thread_name_prefix="scripted")
+        try:
+            return await asyncio.gather(*(run_episode(None, fmt, task, task_seed, group_id, cfg, sandbox_factory,
+                                                      threads, scripted=True)
+                                          for task, task_seed, group_id in wanted))
+        finally:
+            threads.shutdown(wait=False)
     replaced, rejected = [], 0
-    for (_, _, group_id), demo in zip(wanted, asyncio.run(play_scripted(wanted, fmt, cfg, sandbox_factory))):
-        if demo.reward_components.get("correct", 0) <= 0:
-            rejected += 1
-            name_rejected(demo)
-        else:
-            group = groups[group_id]
-            i = next((i for i, t in enumerate(group) if t.finish_reason == "infra_error"), len(group) - 1)
-            replaced.append(group[i])
-            group[i] = demo
+    for (_, _, group_id), demo in zip(wanted, asyncio.run(play_all())):
+        groups[group_id], lost, was_rejected = take_scripted(groups[group_id], demo)
+        replaced += [] if lost is None else [lost]
+        rejected += was_rejected
     return [t for g in groups.values() for t in g], replaced, rejected

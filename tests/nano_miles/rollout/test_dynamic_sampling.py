@@ -8,6 +8,7 @@ scripted per task (the model side of the test, as ScriptedPolicy in test_episode
 the sandbox, the environment and its verifier are the real ones. The end-to-end run uses the real
 engine with tiny-random-qwen2."""
 import json
+import math
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -98,14 +99,13 @@ def _cfg(**kw):
 
 
 def _expected(order, position, mixed, target, max_rounds=100):
-    """What the refill should take from the stream `order` at `position`: (tasks taken, rounds run),
-    each round taking as many tasks as groups are still missing."""
-    taken, rounds = [], 0
-    while sum(t in mixed for t in taken) < target and rounds < max_rounds:
-        missing = target - sum(t in mixed for t in taken)
-        taken += order[position + len(taken):position + len(taken) + missing]
-        rounds += 1
-    return taken, rounds
+    """What the step should take from the stream `order` at `position`: (tasks taken, rounds' worth):
+    a first wave of `target` tasks, then one more for each group without a signal, until `target`
+    groups have one or max_rounds x target groups were started."""
+    n = target
+    while sum(t in mixed for t in order[position:position + n]) < target and n < max_rounds * target:
+        n += 1
+    return order[position:position + n], math.ceil(n / target)
 
 
 def _signal(trajs) -> bool:
