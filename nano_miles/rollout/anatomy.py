@@ -43,7 +43,7 @@ class RolloutAnatomy:
     episode_s: float = 0.0
     critical_path_s: float = 0.0  # the step's slowest episode: what its rollout could not beat
     straggler_s: float = 0.0      # wall after half the step's episodes had ended (waiting on the slowest)
-    refill_s: float = 0.0         # wall after the step's first wave of groups had ended: what refills added (dynamic sampling)
+    refill_s: float = 0.0         # wall after the step's first wave of groups ended: what refills added
     guide_s: float = 0.0          # scripted episodes of guided groups, summed over the groups (they overlap)
     engine_busy: dict = field(default_factory=dict)  # phase -> engine seconds, summed over replicas
     replicas: set = field(default_factory=set)

@@ -249,7 +249,8 @@ class GroupRunner:
         if not self.pool.replicas:
             raise ValueError("rollout_groups needs at least one engine URL")
         self.fmt = tokenizer if isinstance(tokenizer, ChatFormat) else ChatFormat(tokenizer)
-        self.cfg, self.sandbox_factory, self.on_episode_done, self.clocks = cfg, sandbox_factory, on_episode_done, clocks
+        self.cfg, self.sandbox_factory = cfg, sandbox_factory
+        self.on_episode_done, self.clocks = on_episode_done, clocks
         self.router = GroupRouter(self.pool, cfg.request_timeout)
         self.sem = asyncio.Semaphore(cfg.max_concurrency)
         # one worker per episode in flight (+ room for closes queued behind a cancelled episode's command)

@@ -27,9 +27,11 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from nano_miles.rollout.anatomy import RolloutAnatomy
+from nano_miles.rollout.batch import Trajectory
 from nano_miles.rollout.dynamic_sampling import SamplingTally, TrainRolloutConfig, has_signal
 from nano_miles.rollout.episode import GroupRunner, group_key
 from nano_miles.rollout.guidance import guide_group
+from nano_miles.tasks.api import Task
 
 
 class TaskStream:
@@ -152,10 +154,10 @@ def step_seed(run_seed: int, step: int) -> int:
 @dataclass
 class _Played:
     """A group of the step, once played (and guided)."""
-    task: object
-    episodes: list         # every episode, those without a prompt (setup failed, task unavailable) included
-    group: list            # what training could use: the episodes with a prompt, the scripted one swapped in
-    replaced: object       # the sample a scripted episode replaced (rollout.guide_unsolved), or None
+    task: Task
+    episodes: list[Trajectory]   # every episode, those without a prompt (setup failed, task unavailable) included
+    group: list[Trajectory]      # what training could use: the episodes with a prompt, a scripted one swapped in
+    replaced: Trajectory | None  # the sample a scripted episode replaced (rollout.guide_unsolved)
     guide_rejected: bool
 
     @property
@@ -170,7 +172,16 @@ class _Played:
 
 async def _play_step(runner: GroupRunner, stream: TaskStream, target: int, cfg: TrainRolloutConfig, seed: int,
                      tally: SamplingTally, anatomy: RolloutAnatomy, on_start) -> list[_Played]:
-    """The step's groups, in the order they were started (their index in the step)."""
+    """The step's groups, in the order they were started (their index in the step): a first wave of
+    round_size(target), then, with dynamic sampling, one more each time a group comes back without a
+    signal while the groups with one and those still running cannot fill the batch, up to the bound.
+    It ends when every group started has come back.
+
+    Surplus groups (an oversampled first wave still running when the batch is full) are not cancelled:
+    they finish and are dropped, as verl does. The batch is then the first groups with a signal in
+    start order, whatever their speed; cancelling would keep the groups that ended first (short
+    episodes: a length bias) and make the batch depend on timing, for little: the engine has already
+    spent most of their tokens, and no refill is started beside them."""
     first_wave = cfg.round_size(target)
     bound = first_wave * cfg.max_sampling_rounds if cfg.dynamic_sampling else first_wave
     played: dict[int, _Played] = {}
@@ -214,8 +225,8 @@ async def _play_step(runner: GroupRunner, stream: TaskStream, target: int, cfg: 
                    and any(g.got_through for g in played.values())):
                 start()
     finally:
-        # Only on an error (or our own cancellation): cancel the groups still running; each closes its
-        # sandboxes before it ends (run_episode), and the gather collects their errors.
+        # Only on an error (or our own cancellation): cancel the groups still running; each episode
+        # closes its sandbox before it ends (run_episode), and the gather collects their errors.
         for job in running:
             job.cancel()
         await asyncio.gather(*running, return_exceptions=True)
@@ -271,9 +282,9 @@ def roll_out_step(step: int, stream: TaskStream, tasks_per_step: int, engines, t
         dropped += [t for i, g in enumerate(groups) if i not in kept for t in g.group]
         if tally.note:
             print(f"step {step}: {tally.note}", file=sys.stderr)
-    return StepRollout(step, [t for i in kept for t in groups[i].group], time.perf_counter() - t0, stats["setup_failures"],
-                       stream.position, stream.state(), stats["setup_errors"], engine_requests=stats["engine_requests"],
-                       dropped=dropped, sampling=tally, anatomy=anatomy)
+    return StepRollout(step, [t for i in kept for t in groups[i].group], time.perf_counter() - t0,
+                       stats["setup_failures"], stream.position, stream.state(), stats["setup_errors"],
+                       engine_requests=stats["engine_requests"], dropped=dropped, sampling=tally, anatomy=anatomy)
 
 
 class SyncProducer:
