@@ -10,7 +10,8 @@ failed samples beside it, and the update raises its likelihood (off-policy guida
 LUFFY, Yan et al., 2025, without its policy shaping). A scripted episode the verifier does not accept
 is thrown away and the group stays as it was: a task without a scripted solution, with one that fails
 here, or with one longer than `env.max_turns`, is never guided; it is named on stderr once a process
-and counted in `groups_guide_rejected`.
+and counted in `groups_guide_rejected`. A training step guides each group as it comes back, before
+judging its signal (guide_group, from producer.py); guide_unsolved guides a whole rollout at once.
 
 A scripted sample has no sampling log-probs: the update takes the trainer's own for it (its TIS
 weight is then 1) and leaves it out of the train/inference parity metrics; the step's reward,
@@ -35,6 +36,19 @@ def unsolved(group: list[Trajectory]) -> bool:
     all): the groups guidance adds a scripted sample to."""
     tried = [t for t in group if t.finish_reason != "infra_error"]
     return bool(tried) and not any(t.reward_components.get("correct", 0) > 0 for t in tried)
+
+
+async def play_scripted(tasks_and_keys: list, fmt: ChatFormat, cfg: RolloutConfig,
+                        sandbox_factory=None) -> list[Trajectory]:
+    """The scripted episode of each (task, task_seed, group_id), concurrently."""
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(cfg.max_concurrency, len(tasks_and_keys))),
+                                                 thread_name_prefix="scripted")
+    try:
+        return await asyncio.gather(*(run_episode(None, fmt, task, task_seed, group_id, cfg, sandbox_factory,
+                                                  pool, scripted=True)
+                                      for task, task_seed, group_id in tasks_and_keys))
+    finally:
+        pool.shutdown(wait=False)
 
 
 def take_scripted(group: list[Trajectory], demo: Trajectory) -> tuple[list[Trajectory], Trajectory | None, bool]:
@@ -75,8 +89,8 @@ def name_rejected(demo: Trajectory) -> None:
 def guide_unsolved(trajs: list[Trajectory], tasks: list, seed: int, tokenizer, cfg: RolloutConfig,
                    sandbox_factory=None) -> tuple[list[Trajectory], list[Trajectory], int]:
     """`trajs` (rollout_groups' output for `tasks` and `seed`) with one sample of every unsolved group
-    replaced by its scripted episode, the scripted episodes played concurrently; returns
-    (trajectories, the samples replaced, the scripted episodes rejected)."""
+    replaced by its scripted episode; returns (trajectories, the samples replaced, the scripted
+    episodes rejected)."""
     groups: dict[str, list[Trajectory]] = {}
     for t in trajs:
         groups.setdefault(t.group_id, []).append(t)
@@ -88,18 +102,8 @@ def guide_unsolved(trajs: list[Trajectory], tasks: list, seed: int, tokenizer, c
     if not wanted:
         return trajs, [], 0
     fmt = tokenizer if isinstance(tokenizer, ChatFormat) else ChatFormat(tokenizer)
-
-    async def play_all() -> list[Trajectory]:
-        threads = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(cfg.max_concurrency, len(wanted))),
-                                                        thread_name_prefix="scripted")
-        try:
-            return await asyncio.gather(*(run_episode(None, fmt, task, task_seed, group_id, cfg, sandbox_factory,
-                                                      threads, scripted=True)
-                                          for task, task_seed, group_id in wanted))
-        finally:
-            threads.shutdown(wait=False)
     replaced, rejected = [], 0
-    for (_, _, group_id), demo in zip(wanted, asyncio.run(play_all())):
+    for (_, _, group_id), demo in zip(wanted, asyncio.run(play_scripted(wanted, fmt, cfg, sandbox_factory))):
         groups[group_id], lost, was_rejected = take_scripted(groups[group_id], demo)
         replaced += [] if lost is None else [lost]
         rejected += was_rejected

@@ -206,7 +206,7 @@ async def _play_step(runner: GroupRunner, stream: TaskStream, target: int, cfg: 
         tally.passed_over += stream.position - position - 1
         running[asyncio.ensure_future(play(len(started_tasks), task))] = len(started_tasks)
         started_tasks.append(task)
-        on_start()
+        on_start(len(started_tasks) - first_wave)  # groups started after the first wave (refills)
 
     try:
         for _ in range(first_wave):
@@ -247,9 +247,9 @@ def roll_out_step(step: int, stream: TaskStream, tasks_per_step: int, engines, t
     t0 = time.perf_counter()
     try:
         with tqdm(total=0, desc=desc, unit="ep", leave=False, dynamic_ncols=True) as bar:
-            def on_start():
+            def on_start(refills: int):
                 bar.total += cfg.group_size
-                bar.refresh()
+                bar.set_description(f"{desc} ({refills} refill(s))" if refills > 0 else desc)
 
             async def play_step():
                 runner = GroupRunner(engines, tokenizer, cfg, sandbox_factory, lambda: bar.update(1), clocks)
