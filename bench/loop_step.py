@@ -26,7 +26,7 @@ from bench.results import git_commit, save, utc_now  # noqa: E402
 # The ninth round's recipe (docs/headline/LOG.md), without its evaluations and checkpoints.
 NINTH = ["model=qwen2.5-coder-0.5b-instruct", "mode=async", "tasks=train", "tasks_per_step=8",
          "rollout.group_size=8", "optim.lr=3e-6", "rollout.dynamic_sampling=true",
-         "tasks_module=nano_miles.task_catalog_skills", "rollout.temperature=0.7", "rollout.guide_unsolved=true",
+         "tasks_module=nano_miles.tasks.catalog_skills", "rollout.temperature=0.7", "rollout.guide_unsolved=true",
          "optim.lr_schedule=cosine", "optim.min_lr_ratio=0.1", "engine.num_kv_blocks=24576",
          "trainer_device=cuda:0", "engine.device=cuda:0", "seed=1"]
 # The same loop on the tiny random model, on CPU: a rehearsal of the bench, not a figure of the GPU's.
@@ -59,6 +59,7 @@ def summarise(rows: list[dict]) -> dict:
             "trajectories_per_step": median([r.get("trajectories") for r in rows]),
             "sync_ms_median": median([r.get("sync_ms") for r in rows]),
             "parity_mean_median": median([r.get("parity_mean") for r in rows]),
+            "parity_stale_mean_median": median([r.get("parity_stale_mean") for r in rows]),
             "parity_max": max((r["parity_max"] for r in rows if r.get("parity_max") is not None), default=None)}
 
 

@@ -108,7 +108,9 @@ def step_metrics(step: int, rollout, staleness: list[int], max_staleness: int, t
         "train_by_task": dict(sorted(by_task.items())), "turns_mean": _mean(t.num_turns for t in trajs),
         **{key: train.get(key) for key in ("pg_loss", "clip_frac", "clip_cov_frac", "approx_kl", "kl_ref", "entropy",
                                           "grad_norm", "lr")},
+        # parity: tokens sampled with the trainer's own weights; stale: by older ones (async), drift included
         "parity_mean": train.get("logprob_diff_mean"), "parity_max": train.get("logprob_diff_max"),
+        "parity_stale_mean": train.get("logprob_diff_stale_mean"),
         "update_skipped": skipped, "updates": train.get("updates", 1) if train else 0,
         "sync_ms": sync["ms"], "sync_transport": sync["transport"], "sync_verified": sync["verified"],
         "weight_version": sync["weight_version"], "rollout_s": rollout.seconds, "response_tokens": response_tokens,

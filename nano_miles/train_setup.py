@@ -33,8 +33,9 @@ from nano_miles.engine.pool import EnginePool
 from nano_miles.evaluate import RunEvaluation
 from nano_miles.job import RolloutCommandConfig, model_folder, selected_tasks
 from nano_miles.memory_plan import plan_memory, uses_shared_weights
+from nano_miles.rollout.batch import staleness
 from nano_miles.rollout.dynamic_sampling import TrainRolloutConfig
-from nano_miles.rollout.producer import AsyncProducer, SyncProducer, TaskStream, roll_out_step, staleness
+from nano_miles.rollout.producer import AsyncProducer, SyncProducer, TaskStream, roll_out_step
 from nano_miles.rollout.sandbox import check_sandbox, sandbox_factory
 from nano_miles.tasks import training_tasks
 from nano_miles.telemetry import MetricsLog, check_report_to, parse_report_to

@@ -59,6 +59,19 @@ class Trajectory:
         return cls(**known)
 
 
+def _version(v) -> int:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return -1  # an engine with non-numeric versions: treated as maximally stale
+
+
+def staleness(traj, policy_version: int) -> int:
+    """Weight versions between the policy being trained and the oldest turn of `traj`."""
+    return policy_version - min(_version(v) for v in traj.weight_versions) if traj.weight_versions else 0
+
+
+
 def load_trajectories(path: str) -> list[Trajectory]:
     """Read a rollout JSONL file (one trajectory per line)."""
     out = []
@@ -86,6 +99,7 @@ class RolloutBatch:
     response_lens: list[int]
     weight_versions: list[list[str]]
     scripted: torch.Tensor          # [B] bool: a scripted sample (no sampling log-probs; left out of parity)
+    stale: torch.Tensor             # [B] bool: sampled (in part) by weights older than the policy trained
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -99,8 +113,9 @@ class RolloutBatch:
         return RolloutBatch(**{f.name: pick(getattr(self, f.name)) for f in fields(self)})
 
 
-def build_rollout_batch(trajectories: list, pad_id: int = 0) -> RolloutBatch:
-    """Pad trajectories (Trajectory objects or JSONL dicts) into one RolloutBatch."""
+def build_rollout_batch(trajectories: list, pad_id: int = 0, policy_version: int | None = None) -> RolloutBatch:
+    """Pad trajectories (Trajectory objects or JSONL dicts) into one RolloutBatch. With `policy_version`
+    (the trainer's weight version) rows sampled by older weights are marked `stale`."""
     if not trajectories:
         raise ValueError("build_rollout_batch needs at least one trajectory")
     trajs = [t if isinstance(t, Trajectory) else Trajectory.from_dict(t) for t in trajectories]
@@ -128,4 +143,6 @@ def build_rollout_batch(trajectories: list, pad_id: int = 0) -> RolloutBatch:
         group_ids=[t.group_id for t in trajs], task_ids=[t.task_id for t in trajs],
         prompt_lens=[len(t.prompt_ids) for t in trajs], response_lens=[len(t.response_ids) for t in trajs],
         weight_versions=[list(t.weight_versions) for t in trajs],
-        scripted=torch.tensor([bool(t.scripted) for t in trajs], dtype=torch.bool))
+        scripted=torch.tensor([bool(t.scripted) for t in trajs], dtype=torch.bool),
+        stale=torch.tensor([policy_version is not None and staleness(t, policy_version) > 0 for t in trajs],
+                           dtype=torch.bool))

@@ -133,18 +133,6 @@ class StepRollout:
         return None
 
 
-def _version(v) -> int:
-    try:
-        return int(v)
-    except (TypeError, ValueError):
-        return -1  # an engine with non-numeric versions: treated as maximally stale
-
-
-def staleness(traj, policy_version: int) -> int:
-    """Weight versions between the policy being trained and the oldest turn of `traj`."""
-    return policy_version - min(_version(v) for v in traj.weight_versions) if traj.weight_versions else 0
-
-
 def step_seed(run_seed: int, step: int) -> int:
     """The episode seed of a step: its index-th group plays with group_key(task, step_seed, index), so
     every group has fresh task instances, reproducible per run whenever it starts."""

@@ -230,6 +230,7 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(self.device)
 
         sums, tokens, pg_loss, ratio_max, diff_sum, diff_max, diff_n = {}, 0, 0.0, 1.0, 0.0, 0.0, 0
+        stale_sum, stale_n = 0.0, 0
         mine, n_micro, lengths = self._plan(batch)
         for done in range(1, n_micro + 1):
             if done > len(mine):
@@ -249,11 +250,18 @@ class Trainer:
                                       rollout_logprobs=rollout, ref_logprobs=ref, entropy=entropy)
                 loss.backward()
                 self._accumulate_master_grads()
-                # Train/inference parity, before the update: |trainer - engine| over sampled response tokens.
-                diff = (logp.detach() - rollout).abs()[mask & ~batch.scripted[idx, None].to(self.device)]
+                # Train/inference parity, before the update: |trainer - engine| over the response tokens the
+                # engine sampled with the trainer's own weights. Rows sampled by older weights (async) also
+                # hold the policy's drift since: their mean is kept apart (parity_stale_mean).
+                gap = (logp.detach() - rollout).abs()
+                sampled = mask & ~batch.scripted[idx, None].to(self.device)
+                stale = batch.stale[idx, None].to(self.device)
+                diff = gap[sampled & ~stale]
                 if diff.numel():
                     diff_sum, diff_n = diff_sum + float(diff.double().sum()), diff_n + diff.numel()
                     diff_max = max(diff_max, float(diff.max()))
+                old_gap = gap[sampled & stale]
+                stale_sum, stale_n = stale_sum + float(old_gap.double().sum()), stale_n + old_gap.numel()
                 pg_loss += m.pop("pg_loss")
                 ratio_max = max(ratio_max, m.pop("ratio_max"))
                 n_tok = m.pop("tokens")
@@ -267,11 +275,10 @@ class Trainer:
         if self.device.type == "cpu":
             heap.release_free_heap()
         peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
-        parts = [(sums, tokens, pg_loss, ratio_max, diff_sum, diff_max, diff_n, peak)]
+        parts = [(sums, tokens, pg_loss, ratio_max, diff_sum, diff_max, diff_n, peak, stale_sum, stale_n)]
         if self.env:
-            parts = [None] * self.world_size
-            dist.all_gather_object(parts, (sums, tokens, pg_loss, ratio_max, diff_sum, diff_max, diff_n, peak),
-                                   group=self.env.cpu_group)
+            mine, parts = parts[0], [None] * self.world_size
+            dist.all_gather_object(parts, mine, group=self.env.cpu_group)
         sums, tokens = {}, sum(p[1] for p in parts)
         for part in parts:
             for k, v in part[0].items():
@@ -281,7 +288,10 @@ class Trainer:
             step=self.step, pg_loss=sum(p[2] for p in parts), ratio_max=max(p[3] for p in parts),
             grad_norm=grad_norm, lr=self.optimizer.param_groups[0]["lr"], response_tokens=tokens,
             logprob_diff_mean=sum(p[4] for p in parts) / max(sum(p[6] for p in parts), 1),
-            logprob_diff_max=max(p[5] for p in parts), step_ms=(time.perf_counter() - t0) * 1000.0,
+            logprob_diff_max=max(p[5] for p in parts),
+            logprob_diff_stale_mean=(sum(p[8] for p in parts) / sum(p[9] for p in parts)
+                                     if any(p[9] for p in parts) else None),  # None: every row was fresh
+            step_ms=(time.perf_counter() - t0) * 1000.0,
             world_size=self.world_size)
         if peak is not None:
             metrics["peak_mem_gib"] = max(p[7] for p in parts)  # the largest rank's

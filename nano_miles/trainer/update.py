@@ -23,13 +23,13 @@ def policy_update(trainer, trajs, advantage_cfg: AdvantageConfig, pad_id: int, e
     (against the engine's own log-probs) corrects the train/inference mismatch either way."""
     if not trajs:
         return {}, "no trajectory within the staleness bound"
-    batch = build_rollout_batch(trajs, pad_id=pad_id)
+    batch = build_rollout_batch(trajs, pad_id=pad_id, policy_version=trainer.step)  # marks the stale rows
     advantages, keep = compute_advantages(batch.rewards, batch.group_ids, advantage_cfg)
     if not bool(keep.all()):  # DAPO dynamic sampling dropped zero-variance groups
         rows = [i for i, k in enumerate(keep.tolist()) if k]
         if not rows:
             return {}, "every group had equal rewards (filtered)"
-        batch = build_rollout_batch([trajs[i] for i in rows], pad_id=pad_id)
+        batch = build_rollout_batch([trajs[i] for i in rows], pad_id=pad_id, policy_version=trainer.step)
         advantages = advantages[torch.tensor(rows)]
     minibatches = _minibatches(batch.group_ids, updates)
     old = trainer.logprobs(batch) if len(minibatches) > 1 else None
@@ -61,9 +61,12 @@ def policy_update(trainer, trajs, advantage_cfg: AdvantageConfig, pad_id: int, e
         return results[0], None
     merged = _merge_update_metrics(results)
     # Parity is a property of the sampling policy: from the log-probs taken before the first step.
-    diff = (old - batch.rollout_logprobs).abs()[batch.loss_mask & ~batch.scripted[:, None]]
+    gap = (old - batch.rollout_logprobs).abs()
+    sampled = batch.loss_mask & ~batch.scripted[:, None]
+    diff, stale = gap[sampled & ~batch.stale[:, None]], gap[sampled & batch.stale[:, None]]
     merged["logprob_diff_mean"] = float(diff.double().mean()) if diff.numel() else 0.0
     merged["logprob_diff_max"] = float(diff.max()) if diff.numel() else 0.0
+    merged["logprob_diff_stale_mean"] = float(stale.double().mean()) if stale.numel() else None
     return merged, None
 
 
@@ -84,6 +87,9 @@ def _merge_update_metrics(results: list[dict]) -> dict:
     merged = {}
     for key in results[0]:
         values = [r[key] for r in results if r.get(key) is not None]
+        if not values:
+            merged[key] = None
+            continue
         if key in ("ratio_max", "peak_mem_gib", "logprob_diff_max"):
             merged[key] = max(values)
         elif key in ("response_tokens", "step_ms"):

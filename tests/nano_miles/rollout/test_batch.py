@@ -106,3 +106,14 @@ def test_bad_input_gets_clear_errors(tmp_path):
     bad.write_text('{"prompt_ids": [1]\n')
     with pytest.raises(ValueError, match="bad.jsonl:1"):
         load_trajectories(str(bad))
+
+
+def test_rows_sampled_by_older_weights_are_marked_stale():
+    """policy_version is the trainer's weight version: a row with any turn from an older one is stale
+    (parity leaves it out); without a version nothing is."""
+    def traj(*versions):
+        return Trajectory([1], [2], [-0.5], [T], weight_versions=list(versions))
+    trajs = [traj("4"), traj("3", "4"), traj(), traj("4", "4")]
+    assert build_rollout_batch(trajs, policy_version=4).stale.tolist() == [F, T, F, F]
+    assert build_rollout_batch(trajs).stale.tolist() == [F, F, F, F]
+    assert build_rollout_batch(trajs, policy_version=4).select([1, 3]).stale.tolist() == [T, F]

@@ -9,7 +9,8 @@ from nano_miles.rollout.batch import Trajectory
 from nano_miles.engine.client import EngineUnavailable
 from nano_miles.rollout.dynamic_sampling import TrainRolloutConfig
 from nano_miles.models.prepare import load_tokenizer
-from nano_miles.rollout.producer import AsyncProducer, SyncProducer, TaskStream, roll_out_step, staleness
+from nano_miles.rollout.batch import staleness
+from nano_miles.rollout.producer import AsyncProducer, SyncProducer, TaskStream, roll_out_step
 from nano_miles.tasks import select_tasks
 from nano_openshell import Sandbox
 

@@ -48,6 +48,27 @@ def test_several_updates_per_step_clip_against_the_sampling_policy():
     assert runs[2]["updates"] == 2 and runs[2]["clip_frac"] > 0.0 and runs[2]["ratio_max"] > 1.0
 
 
+@pytest.mark.parametrize("updates", [1, 2])
+def test_parity_counts_only_tokens_sampled_with_the_trainers_weights(updates):
+    """Async rollouts hold rows sampled by older weights: their gap to the trainer is the policy's drift
+    since, not a train/inference mismatch. parity (logprob_diff_mean/max) is measured on the rows whose
+    every turn came from the trainer's own version; the stale rows' mean is reported apart."""
+    trainer = Trainer(TrainerConfig(model=str(resolve_model("tiny-random-qwen2")), optim=OptimConfig(lr=1e-3)))
+    trainer.step = 3  # the weight version the engines serve
+    trajs = [Trajectory(prompt_ids=[1, 2, 3], response_ids=[4 + i, 5, 6], response_logprobs=[-1.0 - i] * 3,
+                        response_mask=[True] * 3, reward=float(i % 2), group_id=f"g{i // 2}",
+                        weight_versions=["3"] if i < 4 else ["2", "3"]) for i in range(8)]
+    batch = build_rollout_batch(trajs, policy_version=3)
+    assert batch.stale.tolist() == [False] * 4 + [True] * 4
+    gap = (trainer.logprobs(batch) - batch.rollout_logprobs).abs()
+    fresh, stale = gap[:4][batch.loss_mask[:4]], gap[4:][batch.loss_mask[4:]]
+    metrics, skipped = policy_update(trainer, trajs, AdvantageConfig(), pad_id=0, updates=updates)
+    assert skipped is None
+    assert metrics["logprob_diff_mean"] == pytest.approx(float(fresh.mean()), abs=1e-5)
+    assert metrics["logprob_diff_max"] == pytest.approx(float(fresh.max()), abs=1e-5)
+    assert metrics["logprob_diff_stale_mean"] == pytest.approx(float(stale.mean()), abs=1e-5)
+
+
 def test_minibatches_keep_groups_whole_and_balanced():
     ids = ["a", "a", "b", "b", "c", "c", "d", "d"]
     assert _minibatches(ids, 1) == [list(range(8))]
