@@ -48,8 +48,8 @@ class DecodeGraphs:
         if key not in self.graphs:
             self.graphs[key] = self._capture(rows, blocks)
         static = self._static(rows, blocks)
-        for key in ("input_ids", "positions", "slot_mapping", "block_tables"):  # last_index: 0 in every decode row
-            getattr(static, key).copy_(getattr(batch, key))
+        for name in ("input_ids", "positions", "slot_mapping", "block_tables"):  # last_index: 0 in every decode row
+            getattr(static, name).copy_(getattr(batch, name))
         self.graphs[key].replay()
         return self.logits[:rows]
 
