@@ -287,8 +287,9 @@ class Trainer:
         metrics.update(
             step=self.step, pg_loss=sum(p[2] for p in parts), ratio_max=max(p[3] for p in parts),
             grad_norm=grad_norm, lr=self.optimizer.param_groups[0]["lr"], response_tokens=tokens,
-            logprob_diff_mean=sum(p[4] for p in parts) / max(sum(p[6] for p in parts), 1),
-            logprob_diff_max=max(p[5] for p in parts),
+            # None when no row was sampled with the trainer's weights (async: every row one version back)
+            logprob_diff_mean=sum(p[4] for p in parts) / sum(p[6] for p in parts) if any(p[6] for p in parts) else None,
+            logprob_diff_max=max(p[5] for p in parts) if any(p[6] for p in parts) else None,
             logprob_diff_stale_mean=(sum(p[8] for p in parts) / sum(p[9] for p in parts)
                                      if any(p[9] for p in parts) else None),  # None: every row was fresh
             step_ms=(time.perf_counter() - t0) * 1000.0,

@@ -64,8 +64,8 @@ def policy_update(trainer, trajs, advantage_cfg: AdvantageConfig, pad_id: int, e
     gap = (old - batch.rollout_logprobs).abs()
     sampled = batch.loss_mask & ~batch.scripted[:, None]
     diff, stale = gap[sampled & ~batch.stale[:, None]], gap[sampled & batch.stale[:, None]]
-    merged["logprob_diff_mean"] = float(diff.double().mean()) if diff.numel() else 0.0
-    merged["logprob_diff_max"] = float(diff.max()) if diff.numel() else 0.0
+    merged["logprob_diff_mean"] = float(diff.double().mean()) if diff.numel() else None
+    merged["logprob_diff_max"] = float(diff.max()) if diff.numel() else None
     merged["logprob_diff_stale_mean"] = float(stale.double().mean()) if stale.numel() else None
     return merged, None
 

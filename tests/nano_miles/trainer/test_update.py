@@ -67,6 +67,11 @@ def test_parity_counts_only_tokens_sampled_with_the_trainers_weights(updates):
     assert metrics["logprob_diff_mean"] == pytest.approx(float(fresh.mean()), abs=1e-5)
     assert metrics["logprob_diff_max"] == pytest.approx(float(fresh.max()), abs=1e-5)
     assert metrics["logprob_diff_stale_mean"] == pytest.approx(float(stale.mean()), abs=1e-5)
+    # Every row one version back (async mode's usual step): no parity to report, rather than a 0.0.
+    trainer.step = 4
+    metrics, _ = policy_update(trainer, trajs, AdvantageConfig(), pad_id=0, updates=updates)
+    assert metrics["logprob_diff_mean"] is None and metrics["logprob_diff_max"] is None
+    assert metrics["logprob_diff_stale_mean"] > 0
 
 
 def test_minibatches_keep_groups_whole_and_balanced():
