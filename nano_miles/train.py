@@ -28,7 +28,7 @@ from nano_miles.engine.client import EngineUnavailable
 from nano_miles.engine.weights import NonFiniteWeights
 from nano_miles.telemetry import memory_gb, read_metrics, run_summary, step_metrics
 from nano_miles.train_setup import Run, RunFailed, Stopped, TrainConfig, check_world
-from nano_miles.trainer.checkpoint import CheckpointError, check_resumable, checkpoint_folder, export_best, export_model
+from nano_miles.trainer.checkpoint import CheckpointError, check_resumable, checkpoint_folder, export_model
 from nano_miles.trainer.distributed import (DistError, check_nproc, is_collective_failure, launch_ranks, main_guard,
                                             rank_device_type, rank_env, run_rank)
 from nano_miles.trainer.update import policy_update
@@ -56,8 +56,8 @@ class TrainingRun(Run):
                     plan = self.share(self.plan(step, metrics) if self.lead else None)
                     completed = step
                     if plan["best"]:
-                        export_best(self.trainer, self.model_path, self.run_dir / "best", self.run_dir / "checkpoint",
-                                    self.evaluation.best if self.lead else None)
+                        export_model(self.trainer, self.model_path, self.run_dir / "best", self.run_dir / "checkpoint",
+                                     best=self.evaluation.best if self.lead else None)
                     if plan["checkpoint"]:
                         self.checkpoint(plan["checkpoint"])
                     self.mid_step = False

@@ -24,23 +24,16 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.tensor import DTensor, Shard
 
+from nano_miles.trainer import fsdp
 from nano_miles.trainer.checkpoint_files import CheckpointError, load_optimizer, one_line, read_metadata
 
 
 def trainer_state(trainer) -> dict:
-    """The state DCP saves and loads in place. AdamW's state is created (zeros, step 0) where it
-    does not exist yet, so a fresh trainer has every tensor a checkpoint will be loaded into."""
+    """The state DCP saves and loads in place (AdamW's created where it does not exist yet, so a fresh
+    trainer has every tensor a checkpoint will be loaded into)."""
     optim = trainer.optimizer
-    group = optim.param_groups[0]
-    step_on_device = group.get("fused") or group.get("capturable")  # (else AdamW keeps `step` on the CPU)
-    moments = {}
-    for name, master in zip(trainer.names, trainer.masters):
-        state = optim.state[master]
-        if not state:  # what AdamW's first step would create (a float32 step, zero moments)
-            state["step"] = torch.zeros((), dtype=torch.float32, device=master.device if step_on_device else "cpu")
-            state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
-        moments[name] = {k: state[k] for k in ("step", "exp_avg", "exp_avg_sq")}
+    moments = {name: dict(fsdp.adamw_state(optim, master, optim.param_groups[0]))  # step, exp_avg, exp_avg_sq
+               for name, master in zip(trainer.names, trainer.masters)}
     return {"masters": dict(zip(trainer.names, trainer.masters)), "optim": moments,
             "trainer": {"step": trainer.step}}
 
