@@ -261,8 +261,8 @@ class Run:
             self.syncer.close()
         self.syncer = None
         self.synced_replicas = self.engines.to_sync()
-        self.syncer = WeightSync.from_config(self.trainer, [r.url for r in self.synced_replicas], self.cfg.sync,
-                                             allow_shared=self.cfg.mode == "sync")
+        self.syncer = WeightSync(self.trainer, [r.url for r in self.synced_replicas], self.cfg.sync,
+                                 allow_shared=self.cfg.mode == "sync")
 
     def _recover(self, err: Exception, attempt: int, what: str) -> None:
         """Restart the dead replicas (ours; theirs are left out until they answer) and reconnect the sync."""

@@ -12,7 +12,7 @@ A checkpoint is written whole under checkpoint.tmp/ and renamed into place, so a
 moment leaves the previous checkpoint or the new one, never half of one. It is written in the
 background, overlapping the next rollout: one process's thread writes the trainer's live tensors (a
 copy of the masters and moments is what a small machine cannot spare), which the trainer does not
-change until the write is done (Trainer.hold_until_saved); N ranks stage their shards to CPU first.
+change until the write is done (Trainer.wait_for_save); N ranks stage their shards to CPU first.
 
 A completed one-process run keeps no optimizer.pt (two thirds of a checkpoint) unless
 keep_optimizer_state: resuming it restarts AdamW's moments from zero, and says so.
@@ -151,7 +151,7 @@ def save_checkpoint(run_dir: Path, trainer, state: dict, background: bool = Fals
 
         pending = PendingCheckpoint(_WRITER.submit(write))  # its error is re-raised by wait()
     if background:
-        trainer.hold_until_saved(pending)
+        trainer.pending_save = pending  # no update runs until pending.wait() (Trainer.wait_for_save)
     else:
         pending.wait()
     return pending

@@ -47,21 +47,21 @@ def checkpoint_folder(run_dir: Path) -> Path | None:
     return ckpt
 
 
-def read_json(ckpt: Path) -> dict:
-    """A checkpoint's state.json as it is."""
-    path = Path(ckpt) / "state.json"
+def read_json(path: Path, what: str = "a checkpoint's state") -> dict:
+    """A JSON object file as it is (a checkpoint's state.json, a run's config.json)."""
     try:
-        state = json.loads(path.read_text())
+        value = json.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise CheckpointError(f"{path} cannot be read: {type(e).__name__}: {e}") from None
-    if not isinstance(state, dict):
-        raise CheckpointError(f"{path} is not a checkpoint's state: a JSON {type(state).__name__}")
-    return state
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path} is not {what}: a JSON {type(value).__name__}")
+    return value
 
 
 def read_state(ckpt: Path) -> dict:
     """A checkpoint's state.json, checked for what a resume reads (step, data position, RNG)."""
-    path, state = Path(ckpt) / "state.json", read_json(ckpt)
+    path = Path(ckpt) / "state.json"
+    state = read_json(path)
     if not (_is_count(state.get("step")) and _is_position(state.get("stream", state.get("data_position")))):
         raise CheckpointError(f"{path} is not a checkpoint's state: no step and data position")
     rng_states(path, state)

@@ -32,10 +32,3 @@ def lr_at(optim, step: int) -> float:
     else:
         left = 1.0 - progress
     return optim.lr * (optim.min_lr_ratio + (1.0 - optim.min_lr_ratio) * left)
-
-
-def set_lr(optimizer, optim, step: int) -> None:
-    """Put step `step`'s learning rate on every param group of `optimizer`."""
-    lr = lr_at(optim, step)
-    for group in optimizer.param_groups:
-        group["lr"] = lr

@@ -20,8 +20,6 @@ whole batch, which rank 0 has broadcast: nano_miles/train.py).
   same forwards and backwards on every rank). Clipping uses the global norm.
 - True on-policy (one process): the log-probs come from the ENGINE's model code over these parameters
   with its batch-invariant ops (nano_miles/engine/batch_invariant.py): the engine's, bit for bit.
-- One optimizer step per train_step. Unless old log-probs are passed in, the policy that sampled
-  the batch is the current one, so the PPO ratio is exactly 1 and old = logprobs.detach().
 """
 from __future__ import annotations
 
@@ -42,7 +40,7 @@ from nano_miles.trainer import fsdp, heap
 from nano_miles.trainer.config import OptimConfig, TrainerConfig  # noqa: F401 (also imported from here)
 from nano_miles.trainer.logprob_head import exact_head_logprobs, head_logprobs
 from nano_miles.trainer.loss import loss_normalizer, policy_loss
-from nano_miles.trainer.lr_schedule import set_lr
+from nano_miles.trainer.lr_schedule import lr_at
 
 BUCKET_BYTES = 512 * 2**20
 
@@ -109,7 +107,7 @@ class Trainer:
                 self.optimizer = torch.optim.AdamW(self.masters, **{**adamw, "fused": None}, foreach=False)
         self.step = 0
         self.shared = None         # SharedWeights, once an engine maps our weights (share_weights)
-        self._pending_save = None  # a checkpoint still reading our tensors (checkpoint.py): wait before writing them
+        self.pending_save = None   # a checkpoint still reading our tensors (checkpoint.py): wait before writing them
         self.on_gather = None      # N ranks: called with iter_full_weights' arguments as each gather starts
 
     def _place(self, model) -> None:
@@ -326,7 +324,8 @@ class Trainer:
         max_norm = self.cfg.optim.max_grad_norm
         if max_norm > 0 and grads and max_norm / (norm + 1e-6) < 1.0:  # torch's clip_grad_norm_ formula
             torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
-        set_lr(self.optimizer, self.cfg.optim, self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(self.cfg.optim, self.step)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._check_weights_finite()
@@ -399,11 +398,7 @@ class Trainer:
             self.shared = SharedWeights(zip(self.names, self.masters if dtype == torch.float32 else self.params))
         return self.shared
 
-    def hold_until_saved(self, pending) -> None:
-        """A background checkpoint reads our tensors: no update runs until pending.wait() (checkpoint.py)."""
-        self._pending_save = pending
-
     def wait_for_save(self) -> None:
-        pending, self._pending_save = self._pending_save, None
+        pending, self.pending_save = self.pending_save, None
         if pending is not None:
             pending.wait()

@@ -119,11 +119,6 @@ class WeightSync:
         self._phases: dict = {}
         self._answers: list = []  # the engines' answers to the last update call (the last bucket's)
 
-    @classmethod
-    def from_config(cls, source, engine_urls, cfg: SyncConfig, api_key: str | None = None,
-                    allow_shared: bool = False) -> "WeightSync":
-        return cls(source, engine_urls, cfg, api_key, allow_shared)
-
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """What the engines should serve, in their dtype."""
         src = self.source
