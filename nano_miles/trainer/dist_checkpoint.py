@@ -6,9 +6,8 @@ count, keyed by HF parameter names, plus DCP's metadata of where every shard liv
 state to CPU memory (so the next step may change the parameters at once) and writes the files in a
 thread; checkpoint.py puts the folder in place and the run's state.json beside it. A one-process
 checkpoint (checkpoint.py's files) loads into any number of ranks too, each reading only its own rows.
-Loading runs no code from the folder: `.metadata` is read through checkpoint_files.read_metadata's
-allowlist, a non-tensor entry through torch.load(weights_only=True) (DCP's default planner unpickles it
-with weights_only=False); a folder that cannot be loaded is a CheckpointError naming it.
+Loading runs no code from the folder (checkpoint_files.read_metadata, _CheckedPlanner): a folder that
+cannot be loaded is a CheckpointError naming it.
 """
 from __future__ import annotations
 
@@ -85,8 +84,8 @@ class _CheckedReader(dcp.FileSystemReader):
 
 
 class _CheckedPlanner(DefaultLoadPlanner):
-    """DCP's planner, reading a non-tensor entry with torch.load(weights_only=True), and only where the
-    state holds no tensor."""
+    """DCP's planner, reading a non-tensor entry with torch.load(weights_only=True) (DCP's own unpickles
+    it with weights_only=False), and only where the state holds no tensor."""
 
     def load_bytes(self, read_item, value) -> None:
         fqn = read_item.dest_index.fqn

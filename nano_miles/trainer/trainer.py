@@ -163,23 +163,19 @@ class Trainer:
         if bool((mask & ~attn[:, 1:]).any()):
             raise ValueError("loss_mask marks padding positions")
 
-    def _plan(self, batch) -> tuple[list[list[int]], int, torch.Tensor]:
-        """This rank's micro-batches (row indices, longest first: padding stays small), the most micro-batches
-        any rank has, and the rows' lengths."""
-        lengths = batch.attention_mask.sum(-1)
-        counts = lengths.tolist()
-        shares = fsdp.assign_groups(batch.group_ids, counts, self.world_size) if self.env else [range(len(counts))]
+    def _plan(self, batch) -> list:
+        """This rank's micro-batches as (rows, length), longest rows first (padding stays small), then a None
+        for each filler pass it makes to keep up with the rank that has the most."""
+        lengths = batch.attention_mask.sum(-1).tolist()
+        shares = fsdp.assign_groups(batch.group_ids, lengths, self.world_size) if self.env else [range(len(lengths))]
         mbs = self.cfg.micro_batch_size
-
-        def micro(rows):
-            order = sorted(rows, key=lambda i: -counts[i])  # stable: ties keep row order
-            return [order[i:i + mbs] for i in range(0, len(order), mbs)]
-
-        return micro(shares[self.rank]), max(-(-len(rows) // mbs) for rows in shares), lengths
+        order = sorted(shares[self.rank], key=lambda i: -lengths[i])  # stable: ties keep row order
+        mine = [(order[i:i + mbs], max(lengths[j] for j in order[i:i + mbs])) for i in range(0, len(order), mbs)]
+        return mine + [None] * (max(-(-len(rows) // mbs) for rows in shares) - len(mine))
 
     def _filler_pass(self, batch, need_grad: bool) -> None:
-        """A micro-batch that changes nothing (lockstep with ranks that have more): a 2-token forward and a
-        zero-loss backward."""
+        """A micro-batch that changes nothing (lockstep: FSDP's collectives need the same passes on every
+        rank): a 2-token forward and a zero-loss backward."""
         mask = torch.ones((1, 1), dtype=torch.bool, device=self.device)
         logp, _ = self._logprobs(batch.tokens[:1, :2], mask, need_grad=need_grad, with_entropy=False)
         if need_grad:
@@ -192,13 +188,11 @@ class Trainer:
         self._check_batch(batch)
         mask = batch.loss_mask if mask is None else mask
         out = torch.zeros(mask.shape, dtype=torch.float32, device=self.device)
-        mine, n_micro, lengths = self._plan(batch)
-        for i in range(n_micro):
-            if i >= len(mine):
+        for micro in self._plan(batch):
+            if micro is None:
                 self._filler_pass(batch, need_grad=False)
                 continue
-            idx = mine[i]
-            n = int(lengths[idx].max())
+            idx, n = micro
             lp, _ = self._logprobs(batch.tokens[idx, :n], mask[idx, :n - 1], need_grad=False, with_entropy=False)
             out[idx, :n - 1] = lp
         if self.env:
@@ -229,13 +223,12 @@ class Trainer:
 
         sums, tokens, pg_loss, ratio_max, diff_sum, diff_max, diff_n = {}, 0, 0.0, 1.0, 0.0, 0.0, 0
         stale_sum, stale_n = 0.0, 0
-        mine, n_micro, lengths = self._plan(batch)
-        for done in range(1, n_micro + 1):
-            if done > len(mine):
+        plan = self._plan(batch)
+        for done, micro in enumerate(plan, start=1):
+            if micro is None:
                 self._filler_pass(batch, need_grad=True)
             else:
-                idx = mine[done - 1]
-                n = int(lengths[idx].max())
+                idx, n = micro
                 mask = batch.loss_mask[idx, :n - 1].to(self.device)
                 logp, entropy = self._logprobs(batch.tokens[idx, :n], mask, need_grad=True, with_entropy=with_entropy)
                 if entropy is not None and cfg.entropy_coef == 0:
@@ -267,7 +260,7 @@ class Trainer:
                 for k, v in m.items():
                     sums[k] = sums.get(k, 0.0) + v * n_tok
             if on_micro_batch is not None:
-                on_micro_batch(done, n_micro)
+                on_micro_batch(done, len(plan))
 
         grad_norm = self._clip_and_step()
         if self.device.type == "cpu":
