@@ -324,14 +324,10 @@ class WeightSync:
             # Both ends tear the group down at once: NCCL's teardown on one side can wait for the other.
             local = self._pool.submit(G.destroy_weight_update_group, self._group)
             for c in self.clients:
-                try:
+                with contextlib.suppress(Exception):  # the engine may be gone already
                     c.destroy_weights_update_group(self._group_name)
-                except Exception:
-                    pass  # the engine may be gone already
-            try:
+            with contextlib.suppress(Exception):
                 local.result(timeout=self.cfg.timeout_s)
-            except Exception:
-                pass
             self._group = None
         self._send_buf = None
         if self._own_disk_dir and self._disk_dir:
