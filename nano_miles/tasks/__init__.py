@@ -85,11 +85,6 @@ def report_load_errors(specs, prog: str = "nano-miles") -> None:
 
 # ---- selection ----------------------------------------------------------------------------------
 
-def all_tasks() -> list[Task]:
-    """Every task registered so far."""
-    return list(TASKS.values())
-
-
 def get_task(task_id: str) -> Task:
     _register_alfa_if_named([task_id])
     if task_id not in TASKS:

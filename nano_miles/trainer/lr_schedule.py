@@ -1,8 +1,7 @@
 """The learning rate of each optimizer step: linear warm-up, then constant, cosine or linear decay.
 
 The schedule is a pure function of the optimizer step, which the trainer keeps and checkpoints, so a
-resumed run continues on the same curve. Both trainers (single-process and sharded) set it on their
-AdamW's param groups just before each optimizer step.
+resumed run continues on the same curve.
 
     lr_schedule = "cosine", warmup_steps = W, decay_steps = D, min_lr_ratio = m:
     step s < W:      lr * (s + 1) / W
