@@ -27,7 +27,7 @@ from nano_miles.engine.client import EngineUnavailable
 from nano_miles.engine.weights import NonFiniteWeights
 from nano_miles.telemetry import memory_gb, read_metrics, run_summary, step_metrics
 from nano_miles.train_setup import Run, RunFailed, Stopped, TrainConfig, check_world
-from nano_miles.trainer.checkpoint import CheckpointError, check_resumable, checkpoint_folder, export_model
+from nano_miles.trainer.checkpoint import check_resumable, checkpoint_folder, export_model
 from nano_miles.trainer.checkpoint_files import read_json
 from nano_miles.trainer.distributed import (DistError, check_nproc, is_collective_failure, launch_ranks, main_guard,
                                             rank_device_type, rank_env, run_rank)
@@ -207,7 +207,7 @@ def _train(env, cfg: TrainConfig, resume_dir: str | None) -> int:
         TrainingRun(cfg, resume_dir, env=env).run()
     except KeyboardInterrupt:
         return 130 if lead else 0
-    except (ConfigError, CheckpointError) as e:  # a refusal before anything started
+    except ConfigError as e:  # a refusal before anything started (a CheckpointError is one)
         if not lead:
             raise
         print(f"nano-miles train: {e}", file=sys.stderr)
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return run(args)
-    except (ConfigError, CheckpointError) as e:
+    except ConfigError as e:
         print(f"nano-miles train: {e}", file=sys.stderr)
         return 2
 

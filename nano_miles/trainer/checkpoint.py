@@ -107,9 +107,8 @@ class PendingCheckpoint:
 
 def save_checkpoint(run_dir: Path, trainer, state: dict, background: bool = False,
                     with_optimizer: bool = True) -> PendingCheckpoint:
-    """Write checkpoint/ (atomic: checkpoint.tmp/, then renamed over it). With background=True the
-    files are written by a thread and the trainer waits for it before its next change.
-    with_optimizer=False leaves AdamW's state out (a completed one-process run's last checkpoint)."""
+    """Write checkpoint/, in the background with background=True. with_optimizer=False leaves AdamW's
+    state out (a completed one-process run's last checkpoint)."""
     trainer.wait_for_save()  # one write at a time
     final, tmp = Path(run_dir) / "checkpoint", Path(run_dir) / "checkpoint.tmp"
     state = dict(state, trainer_step=trainer.step, dtype=trainer.cfg.dtype,
@@ -191,7 +190,7 @@ class Checkpointer:
         self.last_time = time.monotonic()
 
     def finish(self) -> str:
-        """Join the last write, drop any AdamW state left unless kept; a line saying what checkpoints cost."""
+        """Join the last write, drop any AdamW state left unless kept; what checkpoints cost (a line)."""
         self.trainer.wait_for_save()
         if self.trainer.rank == 0:
             finish_checkpoint(self.run_dir, self.keep_optimizer)

@@ -20,14 +20,13 @@ from safetensors import safe_open
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
+from nano_miles.config import ConfigError
+
 FORMAT = 2  # a one-process checkpoint's; 1 (a single trainer.pt, a pickle) is never read: it could run any code
 
 
-class CheckpointError(ValueError):
+class CheckpointError(ConfigError):
     """A checkpoint that cannot be resumed (corrupt, or of a format that is not read); one line naming the file."""
-
-    def __init__(self, message: str):
-        super().__init__(" ".join(str(message).split()))
 
 
 def one_line(e: BaseException) -> str:
