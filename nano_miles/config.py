@@ -100,8 +100,7 @@ def all_keys(cfg) -> list[str]:
 
 
 def _unknown(cfg, key: str) -> ConfigError:
-    new = getattr(cfg, "renamed_keys", {}).get(key)
-    if new is not None:
+    if (new := getattr(cfg, "renamed_keys", {}).get(key)) is not None:
         return ConfigError(f"config key {key!r} is now {new!r}")
     known = all_keys(cfg)
     near = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
@@ -219,8 +218,7 @@ def _source_comments(cls) -> dict[str, str]:
     out = {}
     for node in ast.parse(source).body[0].body:
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            lines = [comments[n] for n in range(node.lineno, node.end_lineno + 1) if n in comments]
-            if lines:
+            if lines := [comments[n] for n in range(node.lineno, node.end_lineno + 1) if n in comments]:
                 out[node.target.id] = lines[0]
     return out
 

@@ -109,8 +109,7 @@ def select_tasks(which: str) -> list[Task]:
         elif item in TASKS:
             found = [TASKS[item]]
         else:
-            found = [t for t in tasks if t.family == item or t.family.startswith(item + "/")]
-            if not found:
+            if not (found := [t for t in tasks if t.family == item or t.family.startswith(item + "/")]):
                 get_task(item)  # raises: unknown task
         chosen.update((t.id, t) for t in found)
     return list(chosen.values())

@@ -114,8 +114,7 @@ def check_one_process(ckpt: Path, state: dict) -> None:
     """A one-process checkpoint's format, weights file header and index, optimizer state's container."""
     if state.get("sharded"):  # N ranks' checkpoint: its shards are indexed by .metadata
         raise CheckpointError(f"{ckpt}/.metadata is missing: {ckpt} cannot be resumed")
-    fmt = state.get("format", 1)
-    if fmt != FORMAT:
+    if (fmt := state.get("format", 1)) != FORMAT:
         raise CheckpointError(f"{ckpt} cannot be resumed: its state.json says format {fmt!r}; only format {FORMAT} "
                               "is read (format 1 keeps the trainer's state as a pickle, trainer.pt, which could run "
                               "any code)")

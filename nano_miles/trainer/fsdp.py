@@ -107,8 +107,7 @@ def rebuild_buffers(model: torch.nn.Module, device: torch.device) -> None:
     """to_empty() leaves buffers uninitialised; the only ones of a Qwen2/Llama model are RoPE's
     inverse frequencies, computed from the config: compute them again, in FP32, on the device."""
     for name, module in model.named_modules():
-        own = dict(module.named_buffers(recurse=False))
-        if not own:
+        if not (own := dict(module.named_buffers(recurse=False))):
             continue
         if "RotaryEmbedding" not in type(module).__name__ or not hasattr(module, "config"):
             raise ValueError(f"{name}: cannot rebuild buffers {sorted(own)} after meta-device construction")

@@ -31,6 +31,5 @@ def return_large_frees(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
 
 def release_free_heap() -> None:
     """Hand the heap's free pages back to the kernel (glibc's malloc_trim)."""
-    libc = _libc()
-    if libc is not None:
+    if (libc := _libc()) is not None:
         libc.malloc_trim(ctypes.c_size_t(0))

@@ -119,8 +119,7 @@ class Trainer:
             if p.is_floating_point() and p.dtype != self.dtype:
                 p.data = p.data.to(self.dtype)
         buffers = dict(model.named_buffers())
-        low = [n for n, b in buffers.items() if n.endswith("inv_freq") and b.dtype != torch.float32]
-        if low:
+        if low := [n for n, b in buffers.items() if n.endswith("inv_freq") and b.dtype != torch.float32]:
             raise ValueError(f"{low[0]} is {buffers[low[0]].dtype}, not float32: the model was cast with "
                              ".to(dtype); load it with from_pretrained(dtype=...) or cast parameters only")
         if self.cfg.true_on_policy:  # the engine's model code over these very parameters (shared, not copied)
@@ -247,8 +246,7 @@ class Trainer:
                 gap = (logp.detach() - rollout).abs()
                 sampled = mask & ~batch.scripted[idx, None].to(self.device)
                 stale = batch.stale[idx, None].to(self.device)
-                diff = gap[sampled & ~stale]
-                if diff.numel():
+                if (diff := gap[sampled & ~stale]).numel():
                     diff_sum, diff_n = diff_sum + float(diff.double().sum()), diff_n + diff.numel()
                     diff_max = max(diff_max, float(diff.max()))
                 old_gap = gap[sampled & stale]

@@ -26,8 +26,7 @@ def policy_update(trainer, trajs, advantage_cfg: AdvantageConfig, pad_id: int, e
     batch = build_rollout_batch(trajs, pad_id=pad_id, policy_version=trainer.step)  # marks the stale rows
     advantages, keep = compute_advantages(batch.rewards, batch.group_ids, advantage_cfg)
     if not bool(keep.all()):  # DAPO dynamic sampling dropped zero-variance groups
-        rows = [i for i, k in enumerate(keep.tolist()) if k]
-        if not rows:
+        if not (rows := [i for i, k in enumerate(keep.tolist()) if k]):
             return {}, "every group had equal rewards (filtered)"
         batch = build_rollout_batch([trajs[i] for i in rows], pad_id=pad_id, policy_version=trainer.step)
         advantages = advantages[torch.tensor(rows)]
@@ -86,8 +85,7 @@ def _minibatches(group_ids: list[str], updates: int) -> list[list[int]]:
 def _merge_update_metrics(results: list[dict]) -> dict:
     merged = {}
     for key in results[0]:
-        values = [r[key] for r in results if r.get(key) is not None]
-        if not values:
+        if not (values := [r[key] for r in results if r.get(key) is not None]):
             merged[key] = None
             continue
         if key in ("ratio_max", "peak_mem_gib", "logprob_diff_max"):

@@ -345,8 +345,7 @@ class WeightSync:
 
 
 def _refuse_non_finite(named, version: str) -> None:
-    bad = W.non_finite(named)
-    if bad is not None:
+    if (bad := W.non_finite(named)) is not None:
         raise W.NonFiniteWeights(f"the weights for version {version} hold NaN or infinite values in {bad}; "
                                  "not sent to the engines")
 
