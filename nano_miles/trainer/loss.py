@@ -103,6 +103,24 @@ def compute_advantages(rewards, group_ids, cfg: AdvantageConfig | None = None):
     return adv, keep
 
 
+def parity_sums(logprobs, rollout_logprobs, sampled, stale) -> tuple:
+    """Train/inference parity, before the update: |trainer - engine| log-probs over the tokens the engine
+    `sampled`, as (sum, count, max) over rows sampled with the trainer's own weights and (sum, count) over
+    rows sampled by older ones (`stale`, async), whose gap also holds the policy's drift since."""
+    gap = (logprobs.detach() - rollout_logprobs).abs()
+    fresh, old = gap[sampled & ~stale], gap[sampled & stale]
+    return (float(fresh.double().sum()), fresh.numel(), float(fresh.max()) if fresh.numel() else 0.0,
+            float(old.double().sum()), old.numel())
+
+
+def parity_metrics(parts: list[tuple]) -> dict:
+    """The logprob_diff_* metrics of parity_sums parts (stale_mean None: every row was fresh)."""
+    n, stale_n = sum(p[1] for p in parts), sum(p[4] for p in parts)
+    return {"logprob_diff_mean": sum(p[0] for p in parts) / max(n, 1),
+            "logprob_diff_max": max((p[2] for p in parts), default=0.0),
+            "logprob_diff_stale_mean": sum(p[3] for p in parts) / stale_n if stale_n else None}
+
+
 # ---------------------------------------------------------------------------------- policy loss
 
 def loss_normalizer(loss_mask: torch.Tensor, cfg: LossConfig) -> float:

@@ -39,7 +39,7 @@ from nano_miles.engine.weights import NonFiniteWeights, non_finite
 from nano_miles.trainer import fsdp, heap
 from nano_miles.trainer.config import OptimConfig, TrainerConfig  # noqa: F401 (also imported from here)
 from nano_miles.trainer.logprob_head import exact_head_logprobs, head_logprobs
-from nano_miles.trainer.loss import loss_normalizer, policy_loss
+from nano_miles.trainer.loss import loss_normalizer, parity_metrics, parity_sums, policy_loss
 from nano_miles.trainer.lr_schedule import lr_at
 
 BUCKET_BYTES = 512 * 2**20
@@ -220,8 +220,7 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
-        sums, tokens, pg_loss, ratio_max, diff_sum, diff_max, diff_n = {}, 0, 0.0, 1.0, 0.0, 0.0, 0
-        stale_sum, stale_n = 0.0, 0
+        sums, tokens, pg_loss, ratio_max, parity = {}, 0, 0.0, 1.0, []
         plan = self._plan(batch)
         for done, micro in enumerate(plan, start=1):
             if micro is None:
@@ -240,17 +239,8 @@ class Trainer:
                                       rollout_logprobs=rollout, ref_logprobs=ref, entropy=entropy)
                 loss.backward()
                 self._accumulate_master_grads()
-                # Train/inference parity, before the update: |trainer - engine| over the response tokens the
-                # engine sampled with the trainer's own weights. Rows sampled by older weights (async) also
-                # hold the policy's drift since: their mean is kept apart (parity_stale_mean).
-                gap = (logp.detach() - rollout).abs()
-                sampled = mask & ~batch.scripted[idx, None].to(self.device)
-                stale = batch.stale[idx, None].to(self.device)
-                if (diff := gap[sampled & ~stale]).numel():
-                    diff_sum, diff_n = diff_sum + float(diff.double().sum()), diff_n + diff.numel()
-                    diff_max = max(diff_max, float(diff.max()))
-                old_gap = gap[sampled & stale]
-                stale_sum, stale_n = stale_sum + float(old_gap.double().sum()), stale_n + old_gap.numel()
+                parity.append(parity_sums(logp, rollout, mask & ~batch.scripted[idx, None].to(self.device),
+                                          batch.stale[idx, None].to(self.device)))
                 pg_loss += m.pop("pg_loss")
                 ratio_max = max(ratio_max, m.pop("ratio_max"))
                 n_tok = m.pop("tokens")
@@ -264,7 +254,7 @@ class Trainer:
         if self.device.type == "cpu":
             heap.release_free_heap()
         peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
-        parts = [(sums, tokens, pg_loss, ratio_max, diff_sum, diff_max, diff_n, peak, stale_sum, stale_n)]
+        parts = [(sums, tokens, pg_loss, ratio_max, parity, peak)]
         if self.env:
             mine, parts = parts[0], [None] * self.world_size
             dist.all_gather_object(parts, mine, group=self.env.cpu_group)
@@ -274,16 +264,12 @@ class Trainer:
                 sums[k] = sums.get(k, 0.0) + v
         metrics = {k: v / max(tokens, 1) for k, v in sums.items()}
         metrics.update(
+            parity_metrics([s for p in parts for s in p[4]]),
             step=self.step, pg_loss=sum(p[2] for p in parts), ratio_max=max(p[3] for p in parts),
             grad_norm=grad_norm, lr=self.optimizer.param_groups[0]["lr"], response_tokens=tokens,
-            logprob_diff_mean=sum(p[4] for p in parts) / max(sum(p[6] for p in parts), 1),
-            logprob_diff_max=max(p[5] for p in parts),
-            logprob_diff_stale_mean=(sum(p[8] for p in parts) / sum(p[9] for p in parts)
-                                     if any(p[9] for p in parts) else None),  # None: every row was fresh
-            step_ms=(time.perf_counter() - t0) * 1000.0,
-            world_size=self.world_size)
+            step_ms=(time.perf_counter() - t0) * 1000.0, world_size=self.world_size)
         if peak is not None:
-            metrics["peak_mem_gib"] = max(p[7] for p in parts)  # the largest rank's
+            metrics["peak_mem_gib"] = max(p[5] for p in parts)  # the largest rank's
         return metrics
 
     def _accumulate_master_grads(self):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from tqdm import tqdm
 
-from nano_miles.trainer.loss import AdvantageConfig, compute_advantages
+from nano_miles.trainer.loss import AdvantageConfig, compute_advantages, parity_metrics, parity_sums
 from nano_miles.rollout.batch import build_rollout_batch
 
 
@@ -60,12 +60,8 @@ def policy_update(trainer, trajs, advantage_cfg: AdvantageConfig, pad_id: int, e
         return results[0], None
     merged = _merge_update_metrics(results)
     # Parity is a property of the sampling policy: from the log-probs taken before the first step.
-    gap = (old - batch.rollout_logprobs).abs()
-    sampled = batch.loss_mask & ~batch.scripted[:, None]
-    diff, stale = gap[sampled & ~batch.stale[:, None]], gap[sampled & batch.stale[:, None]]
-    merged["logprob_diff_mean"] = float(diff.double().mean()) if diff.numel() else 0.0
-    merged["logprob_diff_max"] = float(diff.max()) if diff.numel() else 0.0
-    merged["logprob_diff_stale_mean"] = float(stale.double().mean()) if stale.numel() else None
+    merged.update(parity_metrics([parity_sums(old, batch.rollout_logprobs, batch.loss_mask & ~batch.scripted[:, None],
+                                              batch.stale[:, None])]))
     return merged, None
 
 
