@@ -138,7 +138,6 @@ _AGENT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 def launch(nproc: int, entrypoint: Callable | str, args: tuple | list = (), *, device_type: str = "cpu",
            shutdown_timeout_s: int = 5, agent_signals: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT") -> dict[int, Any]:
     """Start `nproc` ranks on this host through torch.distributed.run's elastic agent, wait for them.
-
     entrypoint: a picklable function (each rank runs entrypoint(*args); the ranks' return values come
     back as {rank: value}) or a program such as sys.executable (each rank runs `program *args`, exactly
     as `torchrun --standalone --nproc-per-node N` would). When one rank fails the agent stops the

@@ -69,12 +69,9 @@ class LossConfig:
 # ---------------------------------------------------------------------------------- advantages
 
 def compute_advantages(rewards, group_ids, cfg: AdvantageConfig | None = None):
-    """Per-sample advantages relative to the sample's group.
-
-    Returns (advantages [B] float32, keep [B] bool). A group whose rewards are all equal (or a
-    group of one) carries no signal: its advantages are exactly 0, and with
-    cfg.filter_zero_variance its samples get keep=False.
-    """
+    """Per-sample advantages relative to the sample's group: (advantages [B] float32, keep [B] bool). A
+    group whose rewards are all equal (or a group of one) carries no signal: its advantages are exactly 0,
+    and with cfg.filter_zero_variance its samples get keep=False."""
     cfg = cfg or AdvantageConfig()
     rewards = torch.as_tensor(rewards, dtype=torch.float32)
     if rewards.dim() != 1 or len(group_ids) != rewards.numel():
@@ -166,14 +163,12 @@ def clip_cov_mask(logprobs, adv, loss_mask, clipped, cfg: LossConfig):
 
 def policy_loss(logprobs, old_logprobs, advantages, loss_mask, cfg: LossConfig | None = None, *,
                 normalizer: float | None = None, rollout_logprobs=None, ref_logprobs=None, entropy=None):
-    """Dual-clip PPO loss with clip-higher, optional TIS, k3 KL, entropy bonus and Clip-Cov.
-
-    logprobs [B, T] (with grad), old_logprobs [B, T] (the trainer's, before the update),
-    advantages [B] or [B, T], loss_mask [B, T] bool. rollout_logprobs (the engine's) turn on TIS
-    when cfg.tis_cap is set. Returns (loss, metrics): "pg_loss" is this call's share of the batch
-    loss (summed over micro-batches it gives the batch's), "ratio_max" a max, the others means over
-    this call's masked tokens, and "tokens" their count (so callers can weight micro-batches).
-    """
+    """Dual-clip PPO loss with clip-higher, optional TIS, k3 KL, entropy bonus and Clip-Cov. logprobs
+    [B, T] (with grad), old_logprobs [B, T] (the trainer's, before the update), advantages [B] or [B, T],
+    loss_mask [B, T] bool. rollout_logprobs (the engine's) turn on TIS when cfg.tis_cap is set. Returns
+    (loss, metrics): "pg_loss" is this call's share of the batch loss (summed over micro-batches it gives
+    the batch's), "ratio_max" a max, the others means over this call's masked tokens, and "tokens" their
+    count (so callers can weight micro-batches)."""
     cfg = cfg or LossConfig()
     if logprobs.shape != loss_mask.shape or old_logprobs.shape != loss_mask.shape:
         raise ValueError(f"shape mismatch: logprobs {tuple(logprobs.shape)}, old {tuple(old_logprobs.shape)}, "
