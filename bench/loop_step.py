@@ -37,7 +37,7 @@ TINY = ["model=tiny-random-qwen2", "mode=async", "tasks=kernel_name,word_count_t
 RECIPES = {"ninth": NINTH, "tiny": TINY}
 BREAKDOWN = ("rollout_s", "engine_prefill_s", "engine_decode_s", "engine_idle_s", "engine_busy_share",
              "generate_s", "sandbox_s", "env_s", "episode_s", "critical_path_s", "straggler_s", "refill_rounds",
-             "refill_s", "guide_s")
+             "refill_groups", "refill_s", "guide_s")
 
 
 def median(values: list) -> float | None:

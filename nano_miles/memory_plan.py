@@ -115,7 +115,8 @@ def _cgroup_room() -> list[tuple[int, str]]:
 
 
 def _in_flight(cfg) -> int:
-    """Episodes of a step's largest rollout round: its first (rollout.oversample makes it larger)."""
+    """Episodes a step has in flight at most: its first wave (rollout.oversample makes it larger); a
+    dynamic sampling refill starts only in place of a group that came back."""
     return min(cfg.rollout.max_concurrency, cfg.rollout.round_size(cfg.tasks_per_step) * cfg.rollout.group_size)
 
 

@@ -43,8 +43,9 @@ EVAL_CURVES = (("eval_pass_at_1", "eval_tasks"), ("eval_alfa_pass_at_1", "ALFA s
 # Where a step's time went (nano_miles/rollout/anatomy.py): compared across runs, drawn where a run has them.
 STEP_CURVES = (("step_s", "step seconds"), ("engine_busy_share", "engine busy share of the rollout wall"),
                ("engine_decode_s", "engine decode seconds a step"), ("sandbox_share", "sandbox share of episode time"),
-               ("env_share", "env's own share of episode time"), ("critical_path_s", "slowest episode a round (s)"),
-               ("straggler_s", "rounds' wait on their slowest half (s)"), ("refill_s", "refill rounds' wall (s)"))
+               ("env_share", "env's own share of episode time"), ("critical_path_s", "slowest episode a step (s)"),
+               ("straggler_s", "wait on the slowest half of a step's episodes (s)"),
+               ("refill_s", "wall refills added after the first wave (s)"))
 
 
 def parse_report_to(value: str) -> list[str]:
@@ -115,7 +116,8 @@ def step_metrics(step: int, rollout, staleness: list[int], max_staleness: int, t
         "weight_version": sync["weight_version"], "rollout_s": rollout.seconds, "response_tokens": response_tokens,
         "response_tokens_mean": response_tokens / len(trajs) if trajs else None,
         "tokens_per_s": response_tokens / max(rollout.seconds, 1e-9),
-        "refill_rounds": max(0, rollout.sampling.rounds - 1) if rollout.sampling else 0,
+        "refill_rounds": max(0, rollout.sampling.rounds - 1) if rollout.sampling else 0,  # rounds' worth of refills
+        "refill_groups": rollout.sampling.refills if rollout.sampling else 0,
         **rollout.anatomy.metrics(rollout.seconds),
         **(rollout.sampling.metrics() if rollout.sampling else {}), **extra}
 

@@ -7,8 +7,7 @@ of a fixed tile) whose reduction order depends only on the row's own data: linea
 from 0 (no split-K; the row count M is not specialised, so every M runs the same compiled kernel);
 rms_norm and log_softmax run one program per row; attention runs one program per (query row, KV
 head) over the row's keys in tiles from position 0 (decode, chunked prefill and the trainer's whole
-sequences run the very same loop). The same attention kernel is the engine's fast decode attention
-(engine.attention_backend=triton): it reads the KV pages where they lie instead of gathering them.
+sequences run the very same loop). The engine's fast decode attention is triton_attention.py's kernel.
 """
 from __future__ import annotations
 

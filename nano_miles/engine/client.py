@@ -201,8 +201,7 @@ class EngineClient(Routes):
 
 
 class AsyncEngineClient(Routes):
-    """asyncio client (aiohttp): every route method is awaited. Create it inside the running event
-    loop, `await close()` when done."""
+    """asyncio client (aiohttp), made inside the running event loop; `await close()` when done."""
 
     def __init__(self, url: str, timeout: float = DEFAULT_TIMEOUT, max_connections: int = 1024,
                  api_key: str | None = None):

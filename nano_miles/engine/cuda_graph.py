@@ -36,10 +36,7 @@ class DecodeGraphs:
         if batch_size > self.bs_buckets[-1] or num_blocks > self.max_blocks:
             return None
         rows = next(b for b in self.bs_buckets if b >= batch_size)
-        blocks = 8
-        while blocks < num_blocks:
-            blocks *= 2
-        return rows, min(blocks, self.max_blocks)
+        return rows, min(max(8, 1 << (num_blocks - 1).bit_length()), self.max_blocks)  # a power of two
 
     def _static(self, rows, blocks) -> Batch:
         return Batch(self.input_ids[:rows], self.positions[:rows], self.slot_mapping[:rows],
@@ -51,10 +48,8 @@ class DecodeGraphs:
         if key not in self.graphs:
             self.graphs[key] = self._capture(rows, blocks)
         static = self._static(rows, blocks)
-        static.input_ids.copy_(batch.input_ids)
-        static.positions.copy_(batch.positions)
-        static.slot_mapping.copy_(batch.slot_mapping)
-        static.block_tables.copy_(batch.block_tables)
+        for name in ("input_ids", "positions", "slot_mapping", "block_tables"):  # last_index: 0 in every decode row
+            getattr(static, name).copy_(getattr(batch, name))
         self.graphs[key].replay()
         return self.logits[:rows]
 

@@ -87,8 +87,6 @@ class Engine:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        if not os.path.isdir(config.model):
-            raise FileNotFoundError(f"model folder {config.model!r} does not exist")
         self.model_config = mc = ModelConfig.from_pretrained(config.model)
         self.vocab_size, self.eos_token_ids = mc.vocab_size, list(mc.eos_token_ids)
         self.max_model_len = min(config.max_model_len or 32768, mc.max_position_embeddings)
@@ -131,9 +129,7 @@ class Engine:
         self.pending: list[FinishedRequest] = []  # aborted requests, returned by the next step()
         self.busy_s = {"prefill": 0.0, "decode": 0.0}  # seconds spent in step() per phase, since start
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        self.graphs = None
-        if config.cuda_graph and self.device.type == "cuda":
-            self.graphs = DecodeGraphs(self)
+        self.graphs = DecodeGraphs(self) if config.cuda_graph and self.device.type == "cuda" else None
 
     def _auto_num_blocks(self) -> int:
         mc, bs = self.model_config, self.config.block_size
@@ -167,7 +163,7 @@ class Engine:
         if params.sampling_seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.sampling_seed)
         self.seqs[rid] = seq
-        self.scheduler.add(seq)
+        self.scheduler.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.pending) or self.scheduler.has_unfinished()
@@ -186,9 +182,6 @@ class Engine:
         return sum(self.abort_request(rid, message, status_code) for rid in list(self.seqs))
 
     # ---- weights ---------------------------------------------------------------------------------
-    def named_parameters(self):
-        return self.model.named_parameters()
-
     def load_weights(self, named_tensors) -> None:
         """Copy (name, tensor) pairs into the parameters (floats of any dtype are cast), then flush every
         KV block. Payloads are validated where they come in (weight_receiver.py); here asserts guard the
@@ -212,8 +205,6 @@ class Engine:
     def load_flat(self, start: int, buffer: torch.Tensor) -> None:
         """Apply a bucket matched against flat_params (FlatParameters.match: it reproduces bytes
         [start, start + len) of the packed parameters exactly) with ONE copy."""
-        if self.flat_params is None:
-            raise ValueError("this engine's parameters are not packed; use load_weights")
         self.flat_params.load(start, buffer)
         self.flush_cache()
 

@@ -133,8 +133,7 @@ class Attention(nn.Module):
 
 
 def paged_attention(q, k, v, batch: Batch, k_cache, v_cache, attn_info, decode_attention=None, exact=False):
-    """The engine's attention: write this step's keys/values into the cache ([num_blocks, block_size,
-    KV, D]), then read the pages."""
+    """The engine's attention: this step's keys/values into the cache, then read over its pages."""
     B, Q, H, D = q.shape
     KV = k.shape[2]
     slots = batch.slot_mapping.reshape(-1)
@@ -153,13 +152,6 @@ def paged_attention(q, k, v, batch: Batch, k_cache, v_cache, attn_info, decode_a
     q = q.view(B, Q, KV, G, D).permute(0, 2, 1, 3, 4).reshape(B, KV, Q * G, D)
     out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=attn_info)
     return out.view(B, KV, Q, G, D).permute(0, 2, 1, 3, 4).reshape(B, Q, H * D)
-
-
-def sequence_attention(q, k, v, exact: bool = False):
-    """The trainer's attention: causal over whole right-padded sequences."""
-    B, L, H, D = q.shape
-    attend = batch_invariant.causal_attention if exact else FastOps.causal_attention
-    return attend(q, k, v).reshape(B, L, H * D)
 
 
 class MLP(nn.Module):
@@ -227,13 +219,11 @@ class CausalLM(nn.Module):
         return model
 
     def use_batch_invariant_ops(self) -> "CausalLM":
-        """Switch every op to batch_invariant.py (true on-policy mode)."""
+        """Switch every op to batch_invariant.py (true on-policy mode); before init_rope builds its table."""
         self.batch_invariant = True
         for module in self.modules():
             if hasattr(module, "ops"):
                 module.ops = batch_invariant
-        if self.rope_cache is not None:  # rebuild with the position-exact table
-            self.init_rope(self.rope_cache[0].shape[0], self.rope_cache[0].device, self.rope_cache[0].dtype)
         return self
 
     def init_rope(self, max_positions: int, device, dtype):
@@ -250,11 +240,9 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
     def refresh_lm_head_fp32(self) -> torch.Tensor:
-        """The output projection in FP32, refreshed in place (CUDA graphs hold its address) whenever the
-        weight changed (tensor._version moves with every in-place write). Logits are FP32 from the bf16
-        hidden state and weight: a bf16 logit keeps 8 bits of mantissa, and two processes whose hidden
-        states differ in the last bit would round to different logits; the trainer does the same.
-        Call it outside graph capture, before a forward."""
+        """The output projection in FP32, refreshed in place (CUDA graphs hold its address) when the
+        weight's _version moved; call it outside graph capture. FP32 logits, as the trainer's: a bf16
+        logit keeps 8 bits of mantissa, so hidden states a last bit apart would round apart."""
         w = self.lm_head_weight()
         if w.dtype == torch.float32 or self.batch_invariant:  # batch-invariant logits read the bf16 weight itself
             return w
@@ -301,7 +289,8 @@ class CausalLM(nn.Module):
             p = self.model.embed_tokens.weight
             self.init_rope(max(L, self.config.max_position_embeddings), p.device, p.dtype)
         cos, sin = (c[:L].view(1, L, 1, -1) for c in self.rope_cache)
-        attend = partial(sequence_attention, exact=self.batch_invariant)
+        causal = batch_invariant.causal_attention if self.batch_invariant else FastOps.causal_attention
+        attend = lambda q, k, v: causal(q, k, v).flatten(2)  # noqa: E731 - causal over whole right-padded sequences
         x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
             if checkpoint_layers and torch.is_grad_enabled():

@@ -81,20 +81,16 @@ class OpenAIRoutes:
         router.add_get("/v1/models", self.models)
         router.add_post("/v1/chat/completions", self.chat_completions)
 
-    @property
-    def engine(self):
-        return self.worker.engine
-
     async def models(self, request):
         return json_response({"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": self.created, "owned_by": "nano-miles",
-            "max_model_len": self.engine.max_model_len}]})
+            "max_model_len": self.worker.engine.max_model_len}]})
 
     @functools.cached_property
     def _max_token_chars(self) -> int:
         """The most characters one token can stand for: its longest token's text, added and special
         tokens included (byte-level BPE writes one character per byte: never fewer than they encode)."""
-        tok = self.engine.tokenizer
+        tok = self.worker.engine.tokenizer
         return max(len(t) for t in tok.convert_ids_to_tokens(list(range(len(tok)))) if t)
 
     def _prompt(self, messages: list[dict]) -> list[int]:
@@ -102,14 +98,14 @@ class OpenAIRoutes:
         tokenisation to fit the context (T tokens cover at most T * _max_token_chars characters; twice
         that is refused, for normalisers that merge characters): what a request costs before its 400
         is bounded by the context, not by the body (tokenising takes seconds per megabyte)."""
-        tok = self.engine.tokenizer
+        tok = self.worker.engine.tokenizer
         if tok is None:
             raise RequestError("this model folder has no tokenizer, so no chat template: use /generate with input_ids")
         try:
             text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # no template, or one that refuses this chat (e.g. roles out of order)
             raise RequestError(f"the model's chat template cannot render these messages: {e}") from None
-        context = self.engine.max_model_len
+        context = self.worker.engine.max_model_len
         most = 2 * context * self._max_token_chars
         if len(text) > most:
             raise RequestError(f"the chat is {len(text)} characters once templated; a prompt of at most {context} "
@@ -123,7 +119,7 @@ class OpenAIRoutes:
         # no max_tokens: up to the context length, as OpenAI's API; the engine stops at a stop string
         sampling = {"temperature": body.get("temperature"), "top_p": body.get("top_p"), "stop": stop,
                     "max_new_tokens": body.get("max_completion_tokens", body.get("max_tokens"))}
-        eng, rid, seed = self.engine, f"chatcmpl-{uuid.uuid4().hex}", body.get("seed")
+        eng, rid, seed = self.worker.engine, f"chatcmpl-{uuid.uuid4().hex}", body.get("seed")
         items = [GenerateItem(f"{rid}-{i}", prompt, parse_sampling_params(  # n samples: distinct seeds
             {**sampling, "sampling_seed": None if seed is None else seed + i}, len(prompt), eng.vocab_size,
             eng.max_model_len)) for i in range(n)]
@@ -139,7 +135,7 @@ class OpenAIRoutes:
         ids, reason = fin.output_ids, fin.finish_reason.get("type")
         if reason == "stop" and isinstance(fin.finish_reason.get("matched"), int) and ids:
             ids = ids[:-1]  # the end-of-turn token is not part of the text (a stop string is cut below)
-        text = self.engine.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+        text = self.worker.engine.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
         cuts = [i for i in (text.find(s) for s in stop) if i >= 0]
         return {"index": index, "message": {"role": "assistant", "content": text[:min(cuts)] if cuts else text},
                 "logprobs": None, "finish_reason": "stop" if cuts else reason}

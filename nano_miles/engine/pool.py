@@ -68,8 +68,7 @@ class Replica:
 
 class EnginePool:
     def __init__(self, cfg, layout, model_path: str, run_dir: Path | None = None, ready_timeout: float = 300.0):
-        """cfg: the engine.* keys (layout.EngineLaunchConfig: url, replicas); layout: the devices,
-        dtype and flags of the engines started here (layout.Layout)."""
+        """cfg: the engine.* keys (layout.EngineLaunchConfig); layout: where ours run (layout.Layout)."""
         self.cfg, self.layout, self.model_path, self.run_dir = cfg, layout, model_path, run_dir
         self.given_urls = list(cfg.urls) if cfg is not None else []
         self.ready_timeout = ready_timeout
@@ -145,10 +144,6 @@ class EnginePool:
     @property
     def urls(self) -> list[str]:
         return [r.url for r in self.replicas]
-
-    @property
-    def ours(self) -> bool:
-        return not self.given_urls
 
     def serving(self) -> list[Replica]:
         with self._lock:
@@ -228,7 +223,7 @@ class EnginePool:
             live = [r for r in self.replicas if r.state in ("serving", "stale")]
         if not live:
             why = "; ".join(f"replica {r.index}: {r.error}" for r in self.replicas if r.error)
-            why = f"their restarts failed: {why}" if self.ours else "not ours to restart"
+            why = f"their restarts failed: {why}" if not self.given_urls else "not ours to restart"
             raise EngineUnavailable(f"no engine replica is left ({why}): " + ", ".join(self.urls))
         return changed
 
@@ -262,9 +257,6 @@ class GroupRouter:
         if key not in self._clients:
             self._clients[key] = _CountingClient(AsyncEngineClient(replica.url, timeout=self.timeout), replica, self)
         return self._clients[key]
-
-    def failed(self, replica: Replica, generation: int, error: Exception) -> None:
-        self.pool.fail(replica, generation, error)
 
     def counts(self) -> list[int]:
         return [self.requests.get(r.index, 0) for r in self.pool.replicas]

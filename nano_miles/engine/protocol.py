@@ -21,7 +21,7 @@ API_KEY_ENV = "NANO_MILES_API_KEY"  # the api key of `serve` and of the clients 
 # sampling key -> the only value taken (None too); "", [] and {} also mean "none" for the _EMPTY_OK ones
 _NOOP_DEFAULTS = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "n": 1,
                   "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None, "custom_params": None,
-                  "stop_regex": None}
+                  "stop_regex": None, "logit_bias": None}
 _EMPTY_OK = ("logit_bias", "stop_regex")
 _IGNORED = ("stream_interval",)  # only shapes streamed chunks; we do not stream
 _SUPPORTED = ("max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "ignore_eos", "sampling_seed",
@@ -75,15 +75,13 @@ def parse_sampling_params(sp, prompt_len: int, vocab_size: int, max_model_len: i
     sp = {} if sp is None else sp
     if not isinstance(sp, dict):
         raise RequestError(f"{where}sampling_params must be an object, got {type(sp).__name__}")
-    unknown = sorted(k for k in sp if k not in (*_SUPPORTED, *_NOOP_DEFAULTS, *_EMPTY_OK, *_IGNORED))
+    unknown = sorted(k for k in sp if k not in (*_SUPPORTED, *_NOOP_DEFAULTS, *_IGNORED))
     if unknown:
         raise RequestError(f"{where}unknown sampling_params keys: {', '.join(unknown)}")
     for key, noop in _NOOP_DEFAULTS.items():
         value = sp.get(key)
         if not (value is None or value == noop or (key in _EMPTY_OK and value in ("", [], {}))):
             raise RequestError(f"{where}sampling_params.{key}={value!r} is not supported by this engine (only {noop!r})")
-    if sp.get("logit_bias") not in (None, "", [], {}):
-        raise RequestError(f"{where}sampling_params.logit_bias is not supported by this engine; use stop or stop_token_ids")
     temperature = _value(sp, "temperature", 1.0, lambda v: _number(v) and v >= 0, "a finite number >= 0", where)
     top_p = _value(sp, "top_p", 1.0, lambda v: _number(v) and 0 < v <= 1, "in (0, 1]", where)
     top_k = -1 if sp.get("top_k") == 1 << 30 else sp.get("top_k")
@@ -112,9 +110,7 @@ def parse_sampling_params(sp, prompt_len: int, vocab_size: int, max_model_len: i
                   and all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in v),
                   f"a string or a list of at most {MAX_STOP_STRINGS} non-empty strings of at most "
                   f"{MAX_STOP_CHARS} characters", where)
-    seed = sp.get("sampling_seed")
-    if seed is not None and not _is_int(seed):
-        raise RequestError(f"{where}sampling_seed must be an integer or null, got {seed!r}")
+    seed = _value(sp, "sampling_seed", None, lambda v: v is None or _is_int(v), "an integer or null", where)
     return SamplingParams(max_new_tokens=max_new, temperature=float(temperature), top_p=float(top_p), top_k=top_k,
                           stop_token_ids=sorted(set(stop_ids)), ignore_eos=_bool(sp, "ignore_eos", False, where),
                           sampling_seed=seed, min_new_tokens=min_new, stop=tuple(dict.fromkeys(stop)))
@@ -170,8 +166,7 @@ def parse_generate(body, vocab_size: int, max_model_len: int) -> tuple[list[Gene
                                             _per_request(body, "logprob_start_len", n, batched, -1))):
         where = wheres[i]
         sampling = parse_sampling_params(sp, len(prompts[i]), vocab_size, max_model_len, where)
-        if not isinstance(lp, bool):
-            raise RequestError(f"{where}return_logprob must be true or false")
+        _bool({"return_logprob": lp}, "return_logprob", False, where)
         if not _is_int(start) or (start != -1 and start < len(prompts[i])):
             raise RequestError(f"{where}logprob_start_len={start!r}: input-token logprobs are not supported by this "
                                "engine; use -1 (output tokens only)")

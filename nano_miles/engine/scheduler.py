@@ -46,9 +46,6 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
-    def add(self, seq: Sequence):
-        self.waiting.append(seq)
-
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -124,7 +124,7 @@ class Server:
         if self.authorization is not None and request.path not in UNAUTHENTICATED_ROUTES and not hmac.compare_digest(
                 request.headers.get("Authorization", "").encode(), self.authorization):
             return error("unauthorized: this server needs the header 'Authorization: Bearer <api key>'", 401)
-        if request.path not in ("/health", "/health_generate") and not self.worker.loaded.is_set():
+        if request.path != "/health" and not self.worker.loaded.is_set():
             return error("the model is still loading", 503)
         if self.worker.error is not None and request.path != "/health":
             return error(f"the engine failed to start: {self.worker.error}", 503)
@@ -142,17 +142,13 @@ class Server:
             traceback.print_exc()
             return error(f"internal error: {type(e).__name__}: {e}", 500)
 
-    @property
-    def engine(self):
-        return self.worker.engine
-
     async def generate(self, request):
         body = await json_body(request)
         try:
-            args = (body, self.engine.vocab_size, self.engine.max_model_len)
+            args = (body, self.worker.engine.vocab_size, self.worker.engine.max_model_len)
             # A large body's checks walk every token id: in a thread, so the event loop keeps answering.
             items, batched = await asyncio.to_thread(parse_generate, *args) if is_large(request) else parse_generate(*args)
-            if self.engine.tokenizer is None and any(it.sampling.stop for it in items):
+            if self.worker.engine.tokenizer is None and any(it.sampling.stop for it in items):
                 raise RequestError("stop strings need a tokenizer and this model folder has none: use stop_token_ids")
             results = await self.worker.run(items)
             out = [self._response(it, *result) for it, result in zip(items, results)]
@@ -165,20 +161,17 @@ class Server:
         matched = fin.finish_reason.get("matched") if fin.finish_reason.get("type") == "stop" else None
         if isinstance(matched, int) and not item.no_stop_trim and ids:
             text_ids = ids[:-1]  # SGLang trims the matched stop token from text only
-        tok, text = self.engine.tokenizer, ""
+        tok, text = self.worker.engine.tokenizer, ""
         if tok is not None and text_ids:
-            try:
-                text = tok.decode(text_ids, skip_special_tokens=item.skip_special_tokens,
-                                  spaces_between_special_tokens=item.spaces_between_special_tokens)
-            except TypeError:  # a tokenizer class without that option
-                text = tok.decode(text_ids, skip_special_tokens=item.skip_special_tokens)
+            text = tok.decode(text_ids, skip_special_tokens=item.skip_special_tokens,
+                              spaces_between_special_tokens=item.spaces_between_special_tokens)
         if isinstance(matched, str) and not item.no_stop_trim and matched in text:
             text = text[:text.index(matched)]  # a stop string is cut from the text with what follows it
         meta = {"id": fin.rid, "finish_reason": fin.finish_reason, "prompt_tokens": fin.prompt_tokens,
                 "completion_tokens": fin.completion_tokens, "cached_tokens": fin.cached_tokens,
                 "weight_version": version,
                 "oldest_weight_version": oldest_version,  # ours: the weights its first tokens were sampled with
-                "busy_s": dict(self.engine.busy_s)}  # ours: the engine's step seconds per phase since it started
+                "busy_s": dict(self.worker.engine.busy_s)}  # ours: the engine's step seconds per phase since it started
         if item.return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(fin.output_logprobs or [], ids)]
         return {"text": text, "output_ids": list(ids), "meta_info": meta}
@@ -188,14 +181,12 @@ class Server:
             return web.Response(status=503, text="loading" if self.worker.error is None else self.worker.error)
         return web.Response(status=200)
 
-    async def health_generate(self, request):
-        if not self.worker.loaded.is_set() or self.worker.error is not None:
-            return web.Response(status=503)
+    async def health_generate(self, request):  # the middleware answered 503 while loading or failed
         if self.worker.paused:
             return web.Response(status=200)  # alive; generating would wait for continue_generation
         items, _ = parse_generate({"input_ids": [0], "rid": f"HEALTH_CHECK_{uuid.uuid4().hex}",
                                    "sampling_params": {"max_new_tokens": 1, "temperature": 0}},
-                                  self.engine.vocab_size, self.engine.max_model_len)
+                                  self.worker.engine.vocab_size, self.worker.engine.max_model_len)
         try:
             await asyncio.wait_for(self.worker.add(items)[0], timeout=20)
         except asyncio.TimeoutError:
@@ -204,7 +195,7 @@ class Server:
         return web.Response(status=200)
 
     def _info(self) -> dict:
-        eng = self.engine
+        eng = self.worker.engine
         return {"model_path": self.model_path, "tokenizer_path": self.model_path, "is_generation": True,
                 "served_model_name": self.model_name, "weight_version": eng.weight_version, "device": str(eng.device),
                 "dtype": dtype_name(eng.dtype), "max_model_len": eng.max_model_len, "vocab_size": eng.vocab_size,
@@ -214,7 +205,7 @@ class Server:
         return json_response(self._info())
 
     async def weight_version(self, request):
-        return json_response({"weight_version": self.engine.weight_version})
+        return json_response({"weight_version": self.worker.engine.weight_version})
 
     async def server_info(self, request):
         state = await self.worker.call(lambda eng: {
@@ -288,7 +279,7 @@ async def _serve(cfg: ServerConfig, model_path, api_key: str) -> int:
         print(f"nano-miles serve: the engine failed to start: {server.worker.error}", file=sys.stderr, flush=True)
         rc = 1
     else:
-        eng = server.engine
+        eng = server.worker.engine
         print(f"nano-miles serve: ready on http://{cfg.host}:{runner.addresses[0][1]} (model {model_path}, "
               f"{eng.device}, {dtype_name(eng.dtype)}, weight_version {eng.weight_version})", flush=True)
         await stop.wait()

@@ -10,6 +10,7 @@ import datetime
 import os
 import socket
 import threading
+from concurrent.futures import Future
 
 import psutil
 import torch
@@ -17,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from nano_miles.engine.protocol import DEFAULT_GROUP_NAME
-from nano_miles.engine.weights import FlattenedTensorBucket, bucket_metadata, parse_dtype
+from nano_miles.engine.weights import FlattenedTensorBucket, parse_dtype
 
 
 def listen(address: str, port: int = 0) -> socket.socket:
@@ -60,32 +61,25 @@ def init_weight_update_group(master_address: str, master_port: int, rank: int, w
 def _with_deadline(rendezvous, timeout_s: float, address: str, port: int):
     """rendezvous() in a thread; after timeout_s TimeoutError, and the thread is unblocked by shutting
     down its connections to the store (a group it still forms later is destroyed, never leaked)."""
-    lock, box = threading.Lock(), {}
+    result = Future()
 
     def run():
         try:
-            result = ("group", rendezvous())
+            result.set_result(rendezvous())
         except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
-            result = ("error", e)
-        with lock:
-            box["result"] = result
-            abandoned = box.get("abandoned", False)
-        if abandoned and result[0] == "group":
-            destroy_weight_update_group(result[1])
+            result.set_exception(e)
 
     thread = threading.Thread(target=run, name="weight-group-rendezvous", daemon=True)
     thread.start()
-    thread.join(timeout_s)
-    with lock:
-        result = box.get("result")
-        box["abandoned"] = result is None
-    if result is None:
+    try:
+        return result.result(timeout_s)
+    except TimeoutError:
+        if result.done():  # the rendezvous's own TimeoutError
+            raise
+        result.add_done_callback(lambda f: f.exception() is None and destroy_weight_update_group(f.result()))
         threading.Thread(target=_unblock, args=(thread, address, port), daemon=True).start()
         raise TimeoutError(f"the rendezvous at {address}:{port} did not complete within {timeout_s:g}s "
-                           "(is the trainer's store there, and does it answer?)")
-    if result[0] == "error":
-        raise result[1]
-    return result[1]
+                           "(is the trainer's store there, and does it answer?)") from None
 
 
 def _unblock(thread: threading.Thread, address: str, port: int) -> None:
@@ -122,23 +116,16 @@ def broadcast_weights(pg, named_tensors, load_format: str | None = "flattened_bu
             _broadcast(tensor.detach().contiguous(), pg, timeout_s)
 
 
-def receive_bucket(pg, names, dtypes, shapes, device, timeout_s: float, buffer: torch.Tensor | None = None):
-    """Engine side of a flattened_bucket broadcast, received into `buffer` (a persistent 1-D uint8
-    tensor of at least the bucket's size) or a fresh one. Not yet cut into tensors."""
-    metadata = bucket_metadata(names, dtypes, shapes)
-    nbytes = metadata[-1].end_idx if metadata else 0
-    if buffer is None:
-        buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    elif buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < nbytes:
-        raise ValueError(f"the receive buffer must be a 1-D uint8 tensor of at least {nbytes} bytes")
-    _broadcast(buffer[:nbytes], pg, timeout_s)
-    return FlattenedTensorBucket(flattened_tensor=buffer[:nbytes], metadata=metadata)
+def receive_bucket(pg, metadata, buffer: torch.Tensor, timeout_s: float) -> FlattenedTensorBucket:
+    """Engine side of a flattened_bucket broadcast (the bucket_metadata of its announcement), received
+    into `buffer`, a persistent 1-D uint8 tensor of at least its size. Not yet cut into tensors."""
+    received = buffer[:metadata[-1].end_idx]
+    _broadcast(received, pg, timeout_s)
+    return FlattenedTensorBucket(flattened_tensor=received, metadata=metadata)
 
 
-def receive_weights(pg, names, dtypes, shapes, load_format, device, timeout_s: float):
+def receive_weights(pg, names, dtypes, shapes, device, timeout_s: float):
     """Engine side: fresh tensors of the announced names/dtypes/shapes, filled by rank 0's broadcast."""
-    if load_format == "flattened_bucket":
-        return receive_bucket(pg, names, dtypes, shapes, device, timeout_s).reconstruct_tensors()
     empties = [(n, torch.empty(tuple(s), dtype=parse_dtype(d), device=device)) for n, d, s in zip(names, dtypes, shapes)]
     for _, tensor in empties:
         _broadcast(tensor, pg, timeout_s)

@@ -101,15 +101,10 @@ class WeightReceiver:
                 return weight_answer(False, f"Failed to {what}: {e}")
         return route
 
-    @property
-    def engine(self):
-        return self.worker.engine
-
     # --- validation and the swap ---
     def _check(self, named, cast: bool = False):
-        """Drop the names the engine derives itself (a tied lm_head), cast a checkpoint's floats to the
-        engine's dtype if asked, and refuse anything that does not fit the model or is not finite."""
-        eng = self.engine
+        """Validated pairs, less the names the engine derives itself (a tied lm_head), cast if asked."""
+        eng = self.worker.engine
         named = [(n, t) for n, t in named if not skip_weight_name(n, eng.model_config)]
         if cast:  # checkpoints on disk may be stored in another float dtype
             named = [(n, t.to(eng.dtype) if t.is_floating_point() else t) for n, t in named]
@@ -119,7 +114,7 @@ class WeightReceiver:
     def _bucket_update(self, bucket: W.FlattenedTensorBucket) -> _Update:
         """One copy if the bucket reproduces a run of the packed parameters byte for byte (names,
         order, shapes, dtype, offsets), else the validated per-tensor path."""
-        flat = self.engine.flat_params
+        flat = self.worker.engine.flat_params
         span = flat.match(bucket.metadata) if flat is not None else None
         buffer = bucket.flattened_tensor
         if span is None or buffer.numel() != span[1] - span[0]:
@@ -155,8 +150,7 @@ class WeightReceiver:
         with timings_ms: parse, decode or receive, wait (hand-off to the engine thread and drain), copy
         (until complete, and the KV flush), release (of the trainer's buffer), answer, total."""
         abort_first, given = self._update_fields(body)
-        # flush_cache=false without a weight_version is one bucket of several: the version moves with
-        # the last one. The KV cache is flushed regardless: nothing computed with older weights is reused.
+        # one bucket of several: the version moves with the last one (the KV cache is flushed regardless)
         partial = body.get("flush_cache") is False and given is None
         submitted, marks = time.perf_counter(), []
 
@@ -207,7 +201,7 @@ class WeightReceiver:
 
         def load():
             named = self._check(W.load_safetensors_folder(path), cast=True)
-            missing = sorted(set(self.engine.weight_specs) - {n for n, _ in named})
+            missing = sorted(set(self.worker.engine.weight_specs) - {n for n, _ in named})
             if missing:
                 raise W.WeightPayloadError(f"the checkpoint lacks {len(missing)} parameters, e.g. {missing[:3]}")
             return named
@@ -221,13 +215,13 @@ class WeightReceiver:
         body = await json_body(request)
         abort_first, given = self._update_fields(body)
         path, manifest = body.get("path"), body.get("manifest")
-        key, views, cfg = (path, json.dumps(manifest)), None, self.engine.model_config
+        key, views, engine = (path, json.dumps(manifest)), None, self.worker.engine
         if key != self.shared_key:
-            views = await asyncio.to_thread(S.map_shared, path, manifest, self.engine.weight_specs,
-                                            lambda name: skip_weight_name(name, cfg))
+            views = await asyncio.to_thread(S.map_shared, path, manifest, engine.weight_specs,
+                                            lambda name: skip_weight_name(name, engine.model_config))
         # Once mapped, the trainer's weights ARE the parameters (no older copy to go back to): a
         # non-finite one keeps the version where it was.
-        bad = await asyncio.to_thread(W.non_finite, self.engine.named_parameters() if views is None else views.items())
+        bad = await asyncio.to_thread(W.non_finite, views.items() if views else engine.model.named_parameters())
         if bad is not None:
             kept = "the engine keeps its own weights" if views is not None else "weight_version stays"
             raise W.WeightPayloadError(f"{bad} holds NaN or infinite values ({kept})")
@@ -259,8 +253,8 @@ class WeightReceiver:
         tags = body.get("tags") or ["kv_cache", "weights"]
         if not (isinstance(tags, list) and set(tags) <= {"kv_cache", "weights"}):
             raise RequestError('tags must be a list of "kv_cache" and "weights"')
-        if self.engine.device.type != "cpu":
-            raise W.WeightPayloadError(f"it frees CPU memory only; this engine runs on {self.engine.device}")
+        if self.worker.engine.device.type != "cpu":
+            raise W.WeightPayloadError(f"it frees CPU memory only; this engine runs on {self.worker.engine.device}")
         if "kv_cache" not in tags:
             return weight_answer(True, "Nothing released: weights stay resident (shared with the trainer, or ours)")
 
@@ -278,10 +272,7 @@ class WeightReceiver:
     # --- distributed ---
     async def init_group(self, request):
         body = await json_body(request)
-        missing = [k for k in ("master_address", "master_port", "rank_offset", "world_size") if k not in body]
-        if missing:
-            raise W.WeightPayloadError(f"missing field {missing[0]}")
-        addr, port, rank, world = body["master_address"], body["master_port"], body["rank_offset"], body["world_size"]
+        addr, port, rank, world = (body.get(k) for k in ("master_address", "master_port", "rank_offset", "world_size"))
         name, backend = body.get("group_name") or DEFAULT_GROUP_NAME, body.get("backend") or "nccl"
         if not (isinstance(addr, str) and all(isinstance(x, int) and not isinstance(x, bool) for x in (port, rank, world))
                 and 1 <= rank < world):
@@ -289,7 +280,7 @@ class WeightReceiver:
                                        "world_size > rank_offset")
         if backend not in ("gloo", "nccl"):
             raise W.WeightPayloadError(f"backend must be gloo or nccl, got {backend!r}")
-        if backend == "nccl" and self.engine.device.type != "cuda":
+        if backend == "nccl" and self.worker.engine.device.type != "cuda":
             raise W.WeightPayloadError("backend nccl needs a CUDA engine; this engine runs on CPU: use gloo")
         if name in self.groups or self.forming is not None:
             raise W.WeightPayloadError(f"group {name!r} already exists; destroy it first" if name in self.groups else
@@ -297,7 +288,7 @@ class WeightReceiver:
 
         def init():
             if backend == "nccl":
-                torch.cuda.set_device(self.engine.device)
+                torch.cuda.set_device(self.worker.engine.device)
             return G.init_weight_update_group(addr, port, rank, world, name, backend, self.dist_timeout_s,
                                               connect_timeout_s=self.connect_timeout_s)
 
@@ -336,7 +327,9 @@ class WeightReceiver:
         # bucket lands in the group's persistent buffer, which the next broadcast overwrites.
         async with self.group_locks[name]:
             try:
-                update, error = await asyncio.to_thread(self._receive, name, names, dtypes, shapes, fmt)
+                update = await asyncio.to_thread(self._receive, name, names, dtypes, shapes, fmt)
+            except W.WeightPayloadError:  # received, but it does not fit the model: the group is fine
+                raise
             except Exception as e:
                 # A broken collective leaves the group in an unknown state: drop it (its teardown may
                 # block until its own timeout, so in a daemon thread) and make the trainer re-init.
@@ -345,29 +338,21 @@ class WeightReceiver:
                 threading.Thread(target=G.destroy_weight_update_group, args=(pg,), daemon=True).start()
                 raise W.WeightPayloadError(f"receiving over {name!r}: {type(e).__name__}: {e}; the group was "
                                            "dropped, call /init_weights_update_group again") from None
-            if error is not None:
-                raise error
             timings = {"parse": _ms(t0, parsed), "receive": _ms(parsed)}
             return await self._apply(update, body, f"distributed group {name!r}", timings, t0)
 
     def _receive(self, name, names, dtypes, shapes, fmt):
-        """(update, None), or (None, the error) for a received payload that does not fit the model."""
-        device, pg = self.engine.device, self.groups[name]
+        device, pg = self.worker.engine.device, self.groups[name]
         if device.type == "cuda":
             torch.cuda.set_device(device)  # this pool thread's current device is what NCCL uses
-        try:
-            if fmt != "flattened_bucket":
-                received = G.receive_weights(pg, names, dtypes, shapes, fmt, device, self.dist_timeout_s)
-                return _Update(named=self._check(received)), None
-            nbytes = sum(torch.Size(s).numel() * d.itemsize for d, s in zip(dtypes, shapes))
-            buffer = self.recv_buffers.get(name)
-            if buffer is None or buffer.numel() < nbytes:  # allocated once per group (grown if needed)
-                self.recv_buffers[name] = buffer = None  # free the smaller one first
-                self.recv_buffers[name] = buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            bucket = G.receive_bucket(pg, names, dtypes, shapes, device, self.dist_timeout_s, buffer=buffer)
-            return self._bucket_update(bucket), None
-        except W.WeightPayloadError as e:
-            return None, e
+        if fmt != "flattened_bucket":
+            return _Update(named=self._check(G.receive_weights(pg, names, dtypes, shapes, device, self.dist_timeout_s)))
+        metadata = W.bucket_metadata(names, dtypes, shapes)
+        nbytes = metadata[-1].end_idx
+        if name not in self.recv_buffers or self.recv_buffers[name].numel() < nbytes:  # one per group, grown
+            self.recv_buffers.pop(name, None)  # free the smaller one first
+            self.recv_buffers[name] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return self._bucket_update(G.receive_bucket(pg, metadata, self.recv_buffers[name], self.dist_timeout_s))
 
     async def destroy_group(self, request):
         name = (await json_body(request, default={})).get("group_name") or DEFAULT_GROUP_NAME
@@ -388,10 +373,10 @@ class WeightReceiver:
         if names is not None:
             if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
                 raise RequestError("names must be a list of parameter names")
-            unknown = [n for n in names if n not in self.engine.weight_specs]
+            unknown = [n for n in names if n not in self.worker.engine.weight_specs]
             if unknown:
                 raise RequestError(f"unknown parameter names: {unknown[:5]}")
         version, sums = await self.worker.call(
-            lambda eng: (eng.weight_version, W.checksums(eng.named_parameters(), names)))
-        return json_response({"weight_version": version, "dtype": dtype_name(self.engine.dtype),
+            lambda eng: (eng.weight_version, W.checksums(eng.model.named_parameters(), names)))
+        return json_response({"weight_version": version, "dtype": dtype_name(self.worker.engine.dtype),
                               "algorithm": "sha256", "checksums": sums})

@@ -7,11 +7,10 @@ decodes, so a real SGLang server takes our trainer's payloads and our server tak
   processes), CUDA tensors as CUDA IPC handles whose device is the GPU's UUID (as SGLang writes it),
   so a receiver with other CUDA_VISIBLE_DEVICES finds the right GPU. The receiver unpickles through
   an allowlist, never arbitrary classes.
-- /update_weights_from_distributed: one broadcast per bucket over a group of its own (weight_group.py).
-- /update_weights_from_disk: a folder of safetensors files.
+- /update_weights_from_distributed: weight_group.py; /update_weights_from_disk: safetensors files.
 
-The per-tensor checksum and the finiteness check are defined here once, for both ends: the engine
-refuses a NaN or an infinity on every route, the trainer never sends one.
+The checksum and the finiteness check live here once, for both ends: the engine refuses a NaN or an
+infinity on every route, the trainer never sends one.
 """
 from __future__ import annotations
 
@@ -89,15 +88,10 @@ class FlattenedTensorBucket:
         """Build it from named_tensors (into `out`, a 1-D uint8 tensor of at least its size, if given:
         a persistent send buffer), or wrap a received flattened_tensor and its metadata."""
         if named_tensors is None:
-            if flattened_tensor is None or metadata is None:
-                raise ValueError("give named_tensors, or both flattened_tensor and metadata")
             self.flattened_tensor, self.metadata = flattened_tensor, list(metadata)
             return
-        named = [(n, t.detach()) for n, t in named_tensors]
-        if not named:
-            raise ValueError("cannot create an empty tensor bucket")
-        tensors = [t for _, t in named]
-        self.metadata = bucket_metadata([n for n, _ in named], [t.dtype for t in tensors], [t.shape for t in tensors])
+        names, tensors = zip(*[(n, t.detach()) for n, t in named_tensors])
+        self.metadata = bucket_metadata(names, [t.dtype for t in tensors], [t.shape for t in tensors])
         nbytes = self.metadata[-1].end_idx
         if out is None and len(tensors) > 1 and len({t.dtype for t in tensors}) == 1:
             # one C++ call flattens them all (with a single tensor it would return a view, not a copy)
@@ -111,8 +105,6 @@ class FlattenedTensorBucket:
     def reconstruct_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """(name, tensor) views into the buffer, after checking every metadata entry fits it."""
         buf, out = self.flattened_tensor, []
-        if not isinstance(buf, torch.Tensor) or buf.dtype != torch.uint8 or buf.dim() != 1:
-            raise WeightPayloadError("flattened_tensor must be a 1-D uint8 tensor")
         for meta in self.metadata:
             if not isinstance(meta, FlattenedTensorMetadata) or not isinstance(meta.dtype, torch.dtype):
                 raise WeightPayloadError(f"bad metadata entry {str(meta)[:100]}")
@@ -149,9 +141,8 @@ _alias_lock = threading.Lock()
 
 @contextlib.contextmanager
 def _sglang_module_alias():
-    """pickle writes a class as module + name and checks that importing it gives the same class: make
-    SGLang's module path resolve to ours while dumping (only then, so a later `import sglang` is not
-    shadowed)."""
+    """SGLang's module path resolving to ours while pickle dumps (it checks that importing a class's
+    module + name gives the class), and only then, so a later `import sglang` is not shadowed."""
     with _alias_lock:
         parts = SGLANG_BUCKET_MODULE.split(".")
         added = [m for m in (".".join(parts[:i + 1]) for i in range(len(parts))) if m not in sys.modules]
@@ -342,8 +333,7 @@ def load_safetensors_folder(path: str | Path) -> list[tuple[str, torch.Tensor]]:
 
 
 def check_against(named_tensors, expected: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
-    """Raise WeightPayloadError unless every (name, tensor) names a distinct parameter with its shape
-    and dtype, and holds no NaN or infinity."""
+    """WeightPayloadError unless each (name, tensor) is a distinct parameter, of its shape and dtype, finite."""
     if not named_tensors:
         raise WeightPayloadError("the update holds no tensors")
     seen = set()
@@ -386,13 +376,9 @@ def check_finite(named_tensors) -> None:
         raise WeightPayloadError(f"{name} holds NaN or infinite values")
 
 
-def tensor_checksum(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> str:
-    """sha256 of the tensor's raw bytes (after casting to `dtype`, e.g. the engine's), row-major."""
-    t = tensor.detach() if dtype is None else tensor.detach().to(dtype)
-    return hashlib.sha256(t.contiguous().flatten().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
-
-
 def checksums(named_tensors, names=None, dtype: torch.dtype | None = None) -> dict[str, str]:
-    """{name: tensor_checksum} for the given (name, tensor) pairs, optionally only `names`."""
+    """{name: sha256 of its raw bytes, row-major, cast to `dtype` (e.g. the engine's) if given}, of
+    the given (name, tensor) pairs, optionally only `names`."""
     wanted = None if names is None else set(names)
-    return {n: tensor_checksum(t, dtype) for n, t in named_tensors if wanted is None or n in wanted}
+    return {n: hashlib.sha256(t.detach().to(dtype or t.dtype).contiguous().flatten().view(torch.uint8).cpu()
+                              .numpy().tobytes()).hexdigest() for n, t in named_tensors if wanted is None or n in wanted}

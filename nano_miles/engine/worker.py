@@ -29,11 +29,10 @@ class EngineWorker:
         self.paused, self.pause_mode = False, None
         self.parked: list = []   # adds waiting for a continue or for an update to finish
         self.updates: list = []  # calls that need an idle engine (weight swaps), in arrival order
-        self.futures: dict = {}  # rid -> future of a request inside the engine
-        # rid -> weight version when the request entered the engine. An update while paused in place
-        # lets a request go on under newer weights: it reports the version of its OLDEST tokens too,
-        # which the trainer's staleness bound is measured on.
-        self.admitted_version: dict = {}
+        # rid -> (future, weight version when it entered the engine) of a request inside the engine. An
+        # update while paused in place lets a request go on under newer weights: it reports the version
+        # of its OLDEST tokens too, which the trainer's staleness bound is measured on.
+        self.inflight: dict = {}
         self.thread = threading.Thread(target=self._main, name="engine", daemon=True)
 
     # --- commands (called from the event loop) ---
@@ -82,7 +81,7 @@ class EngineWorker:
     def update(self, fn, abort_first: bool):
         """Run fn(engine) once no request is running (or at once while paused)."""
         fut = self.loop.create_future()
-        self.commands.put((self._update, (fn, abort_first, fut), fut))
+        self._submit(self._update, fn, abort_first, fut)  # the command's own future: resolved with None
         return fut
 
     def stop(self):
@@ -120,10 +119,8 @@ class EngineWorker:
                     method, args, fut = cmd
                     if method is None:
                         return
-                    try:
-                        result = method(*args)
-                        if method not in (self._add, self._update):  # those resolve their futures later
-                            self._resolve(fut, result)
+                    try:  # _add and _update resolve the futures they were given later
+                        self._resolve(fut, method(*args))
                     except Exception as e:
                         self._resolve(fut, error=e)
                     cmd = self.commands.get_nowait()
@@ -150,7 +147,7 @@ class EngineWorker:
     def _deliver(self, finished):
         version = self.engine.weight_version
         for out in finished:
-            fut, oldest = self.futures.pop(out.rid, None), self.admitted_version.pop(out.rid, version)
+            fut, oldest = self.inflight.pop(out.rid, (None, version))
             if fut is not None:
                 self._resolve(fut, (out, version, oldest))
 
@@ -161,7 +158,7 @@ class EngineWorker:
             self._admit(items, futs)
 
     def _admit(self, items, futs):
-        busy = set(self.futures) | {it.rid for batch, _ in self.parked for it in batch}
+        busy = set(self.inflight) | {it.rid for batch, _ in self.parked for it in batch}
         clash = [it.rid for it in items if it.rid in busy]
         if clash:
             for f in futs:
@@ -171,13 +168,12 @@ class EngineWorker:
         try:
             for it, fut in zip(items, futs):
                 eng.add_request(it.rid, it.input_ids, it.sampling, return_logprob=it.return_logprob)
-                self.futures[it.rid], self.admitted_version[it.rid] = fut, eng.weight_version
+                self.inflight[it.rid] = fut, eng.weight_version
                 added.append(it.rid)
         except (ValueError, AssertionError) as e:  # all or nothing for a batch (KV capacity; asserts: a bug)
             for rid in added:
                 eng.abort_request(rid)
-                self.futures.pop(rid, None)
-                self.admitted_version.pop(rid, None)
+                self.inflight.pop(rid, None)
             self._take_aborted()
             for f in futs:
                 self._resolve(f, error=RequestError(str(e)))

@@ -35,20 +35,21 @@ class EpisodeClock:
 
 @dataclass
 class RolloutAnatomy:
-    """A step's breakdown, summed over its rollout rounds. Episode sums are episode-seconds (episodes
-    run concurrently); walls and engine busy are seconds."""
+    """A step's breakdown. Episode sums are episode-seconds (episodes run concurrently); walls and
+    engine busy are seconds."""
     generate_s: float = 0.0
     sandbox_s: float = 0.0
     env_s: float = 0.0
     episode_s: float = 0.0
-    critical_path_s: float = 0.0  # per round, its slowest episode: what the round could not beat
-    straggler_s: float = 0.0      # per round, wall after half its episodes had ended (waiting on the slowest)
-    refill_s: float = 0.0         # the wall of the rounds after the first (dynamic sampling)
-    guide_s: float = 0.0          # scripted episodes of guided groups
+    critical_path_s: float = 0.0  # the step's slowest episode: what its rollout could not beat
+    straggler_s: float = 0.0      # wall after half the step's episodes had ended (waiting on the slowest)
+    refill_s: float = 0.0         # wall after the step's first wave of groups ended: what refills added
+    guide_s: float = 0.0          # scripted episodes of guided groups, summed over the groups (they overlap)
     engine_busy: dict = field(default_factory=dict)  # phase -> engine seconds, summed over replicas
     replicas: set = field(default_factory=set)
 
-    def add_round(self, clocks: list[EpisodeClock], started: float, ended: float, refill: bool) -> None:
+    def add_rollout(self, clocks: list[EpisodeClock], ended: float) -> None:
+        """The episodes of a step's rollout, which ended at `ended`."""
         done = [c for c in clocks if c.ended]
         for c in done:
             self.generate_s += c.generate_s
@@ -58,11 +59,9 @@ class RolloutAnatomy:
         if done:
             self.critical_path_s += max(c.wall for c in done)
             self.straggler_s += max(0.0, ended - statistics.median(c.ended for c in done))
-        if refill:
-            self.refill_s += ended - started
         first: dict = {}
         last: dict = {}
-        for c in done:  # per replica: its counters' span over the round
+        for c in done:  # per replica: its counters' span over the rollout
             if c.busy_first is None:
                 continue
             self.replicas.add(c.replica)

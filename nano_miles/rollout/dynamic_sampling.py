@@ -2,14 +2,18 @@
 
 A group whose samples all got the same reward (all solved, or none) has a GRPO advantage of exactly
 0 for every sample: it costs an update and teaches nothing. With `rollout.dynamic_sampling` a step
-rolls out its `tasks_per_step` groups, drops the groups without a signal, and takes more tasks from
-the run's task stream for the groups still missing, round after round, until the batch is full or
-`rollout.max_sampling_rounds` rounds have run (verl: algorithm.filter_groups with
-max_num_gen_batches; `rollout.oversample` is its gen_batch_size / train_batch_size). A step that
-hits the bound trains on the groups it has, or skips its update when it has none, and its metrics
-say so (`sampling_note`). Surplus groups of an oversampled round are rolled out, counted and not
-trained on, as verl does. (`advantage.filter_zero_variance` drops such groups at the update without
-refilling: the batch shrinks instead.)
+starts `round_size(tasks_per_step)` groups (`rollout.oversample` times `tasks_per_step`: verl's
+gen_batch_size / train_batch_size) and judges each as it comes back: a group without a signal is
+dropped and, when the groups kept and those still running cannot fill the batch, one more task is
+taken from the run's task stream and its group started at once, beside the groups still running
+(producer.py). A refill never waits for the slowest episode of the groups before it. The step ends
+when its groups have all come back, with `tasks_per_step` groups with a signal (the first ones, in
+the order they were started) or after starting `rollout.max_sampling_rounds` x round_size groups,
+its bound of work (verl: algorithm.filter_groups with max_num_gen_batches). A step that hits the
+bound trains on the groups it has, or skips its update when it has none, and its metrics say so
+(`sampling_note`). Surplus groups with a signal (an oversampled step) are rolled out, counted and
+not trained on, as verl does. (`advantage.filter_zero_variance` drops such groups at the update
+without refilling: the batch shrinks instead.)
 """
 from __future__ import annotations
 
@@ -24,8 +28,8 @@ class TrainRolloutConfig(RolloutConfig):
     """rollout.* of `nano-miles train`: the rollout keys of every command, and how training picks and
     fills its groups (dynamic sampling, passing over saturated tasks, guidance)."""
     dynamic_sampling: bool = False   # DAPO: drop groups whose rewards are all equal (no signal) and refill the step's batch from the task stream
-    max_sampling_rounds: int = 3     # dynamic sampling: rollout rounds per step at most (the first included); then it trains on the groups it has
-    oversample: float = 1.0          # dynamic sampling: each round rolls out this many times the groups still missing (verl's gen_batch_size / train_batch_size)
+    max_sampling_rounds: int = 3     # dynamic sampling: a step starts at most this many rounds' worth of groups (the first wave included); then it trains on the groups it has
+    oversample: float = 1.0          # dynamic sampling: a round (the first wave) is this many times tasks_per_step groups (verl's gen_batch_size / train_batch_size)
     pass_over_saturated: int = 0     # a task whose last group had equal rewards (all solved, or none) is passed over at its next N appearances in the task stream; 0 = off
     guide_unsolved: bool = False     # a group no sample solved gets the task's scripted solution as one of its samples (nano_miles/rollout/guidance.py)
 
@@ -42,7 +46,8 @@ class TrainRolloutConfig(RolloutConfig):
                              "has a learning signal, so every group would be dropped")
 
     def round_size(self, missing: int) -> int:
-        """Groups to roll out when `missing` are still needed."""
+        """Groups to roll out when `missing` are still needed: a step's first wave, and its unit of
+        work (a step starts at most max_sampling_rounds x round_size(tasks_per_step) groups)."""
         return math.ceil(missing * self.oversample) if self.dynamic_sampling else missing
 
 
@@ -63,14 +68,15 @@ def split_groups(trajs: list) -> tuple[list[list], list[list]]:
 
 @dataclass
 class SamplingTally:
-    """What a step's rounds rolled out and what it kept, for its metrics."""
+    """What a step rolled out and what it kept, for its metrics."""
     enabled: bool
     target: int                 # tasks_per_step
-    generated: int = 0          # groups rolled out (tasks taken from the stream), every round
+    generated: int = 0          # groups rolled out (tasks taken from the stream), refills included
     kept: int = 0               # groups handed to the update
     without_signal: int = 0     # groups whose rewards were all equal (or lost): dropped when enabled
-    rounds: int = 0
+    rounds: int = 0             # rounds' worth of groups started: ceil(generated / round_size(target))
     max_rounds: int = 1
+    refills: int = 0            # groups started after the first wave (each when a group came back without a signal)
     passed_over: int = 0        # task appearances the stream passed over (rollout.pass_over_saturated)
     guided: int = 0             # groups given a scripted sample (rollout.guide_unsolved)
     guide_rejected: int = 0     # unsolved groups left unguided: their scripted episode was not judged correct

@@ -213,85 +213,125 @@ async def run_episode(client, fmt: ChatFormat, task: Task, seed: int, group_id: 
             clock.ended = time.perf_counter()
 
 
-async def rollout_groups(engines: list[str] | EnginePool, tokenizer, tasks: list[Task], cfg: RolloutConfig,
-                         seed: int = 0, sandbox_factory=None, stats: dict | None = None,
-                         on_episode_done=None, clocks: list | None = None) -> list[Trajectory]:
-    """G samples of every task, all episodes concurrently, over `engines` (URLs, or an EnginePool
-    whose replicas come and go): each group on one engine, the least busy when it starts.
+async def settle(jobs: list[asyncio.Future]) -> list:
+    """The results of `jobs`, in order. On the first error (EngineUnavailable...) or our own
+    cancellation: cancel the rest once, let every episode close its sandbox, then raise."""
+    if not jobs:
+        return []
+    try:
+        await asyncio.wait(jobs, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        if not all(j.done() for j in jobs):
+            for j in jobs:
+                j.cancel()
+            await asyncio.wait(jobs)
+    errors = [j.exception() for j in jobs if not j.cancelled() and j.exception() is not None]
+    if errors:
+        raise errors[0]
+    return [j.result() for j in jobs]
 
-    Trajectories come back grouped, in task order. An episode whose engine dies runs again from its
-    start on another engine (its group moves there); when no engine is left the whole call fails with
-    EngineUnavailable (the other episodes are cancelled and their sandboxes closed): the training loop
-    decides whether to retry. on_episode_done(), if given, is called as each episode ends.
 
-    stats, if given, gets: engine_requests (/generate calls per engine); setup_failures and the first
-    clocks, if given, gets each episode's EpisodeClock (anatomy.py: where the rollout's wall went).
-    setup_errors (episodes whose sandbox setup failed: no prompt, nothing to learn from, left out of the
-    result); unavailable ({task id: reason} for tasks that cannot run here: left out too, and named on
-    stderr). Sandbox failures later in an episode, and engine failures (HTTP 500 from /generate), stay
-    in, with finish_reason "infra_error" and reward 0: training and evaluation leave them out and count them.
-    """
-    pool = engines if isinstance(engines, EnginePool) else EnginePool.of(list(engines))
-    if not pool.replicas:
-        raise ValueError("rollout_groups needs at least one engine URL")
-    fmt = tokenizer if isinstance(tokenizer, ChatFormat) else ChatFormat(tokenizer)
-    stats = {} if stats is None else stats
-    router = GroupRouter(pool, cfg.request_timeout)
-    sem = asyncio.Semaphore(cfg.max_concurrency)
-    # one worker per episode in flight (+ room for closes queued behind a cancelled episode's command)
-    pool_threads = concurrent.futures.ThreadPoolExecutor(max_workers=2 * cfg.max_concurrency,
-                                                         thread_name_prefix="episode")
+class GroupRunner:
+    """Plays groups over `engines` (URLs, or an EnginePool whose replicas come and go), each group on
+    one engine (the least busy when it starts), at most cfg.max_concurrency episodes at once however
+    many groups are under way. rollout_groups starts all its groups at once; the training producer
+    (producer.py) starts them one by one as its dynamic sampling needs them. Made and used inside one
+    running event loop; `await close()` when done.
 
-    async def one(task, task_seed, group_id):
-        async with sem:
+    An episode whose engine dies runs again from its start on another engine (its group moves there);
+    when no engine is left its group fails with EngineUnavailable (the group's other episodes are
+    cancelled and their sandboxes closed). on_episode_done(), if given, is called as each episode
+    ends; clocks, if given, gets each episode's EpisodeClock (anatomy.py)."""
+
+    def __init__(self, engines: list[str] | EnginePool, tokenizer, cfg: RolloutConfig, sandbox_factory=None,
+                 on_episode_done=None, clocks: list | None = None):
+        self.pool = engines if isinstance(engines, EnginePool) else EnginePool.of(list(engines))
+        if not self.pool.replicas:
+            raise ValueError("rollout_groups needs at least one engine URL")
+        self.fmt = tokenizer if isinstance(tokenizer, ChatFormat) else ChatFormat(tokenizer)
+        self.cfg, self.sandbox_factory = cfg, sandbox_factory
+        self.on_episode_done, self.clocks = on_episode_done, clocks
+        self.router = GroupRouter(self.pool, cfg.request_timeout)
+        self.sem = asyncio.Semaphore(cfg.max_concurrency)
+        # one worker per episode in flight (+ room for closes queued behind a cancelled episode's command)
+        self.threads = concurrent.futures.ThreadPoolExecutor(max_workers=2 * cfg.max_concurrency,
+                                                             thread_name_prefix="episode")
+
+    async def episode(self, task: Task, task_seed: int, group_id: str) -> Trajectory:
+        async with self.sem:
             while True:
-                replica, generation = router.pick(group_id)
+                replica, generation = self.router.pick(group_id)
                 clock = EpisodeClock(replica=replica.url)
                 try:
-                    traj = await run_episode(router.client(replica), fmt, task, task_seed, group_id, cfg,
-                                             sandbox_factory, pool_threads, clock=clock)
-                    if clocks is not None:
-                        clocks.append(clock)
+                    traj = await run_episode(self.router.client(replica), self.fmt, task, task_seed, group_id,
+                                             self.cfg, self.sandbox_factory, self.threads, clock=clock)
+                    if self.clocks is not None:
+                        self.clocks.append(clock)
                     break
                 except EngineUnavailable as e:  # its sandbox is closed; run it again elsewhere, if any
-                    router.failed(replica, generation, e)
-                    if not pool.serving():
+                    self.pool.fail(replica, generation, e)
+                    if not self.pool.serving():
                         raise
                 finally:
-                    router.done(replica)
-        if on_episode_done is not None:
-            on_episode_done()
+                    self.router.done(replica)
+        if self.on_episode_done is not None:
+            self.on_episode_done()
         return traj
 
-    try:
-        jobs = [asyncio.ensure_future(one(task, *group_key(task, seed, g)))
-                for g, task in enumerate(tasks) for _ in range(cfg.group_size)]
-        if not jobs:
-            return []
-        # On the first error (EngineUnavailable...) or our own cancellation: cancel the rest once, let
-        # every episode close its sandbox, then raise.
-        try:
-            await asyncio.wait(jobs, return_when=asyncio.FIRST_EXCEPTION)
-        finally:
-            if not all(j.done() for j in jobs):
-                for j in jobs:
-                    j.cancel()
-                await asyncio.wait(jobs)
-        errors = [j.exception() for j in jobs if not j.cancelled() and j.exception() is not None]
-        if errors:
-            raise errors[0]
-        results = [j.result() for j in jobs]
-        failed = [t for t in results if t.finish_reason == "infra_error" and not t.prompt_ids]
-        unavailable = {t.task_id: t.reward_components["unavailable"] for t in results if t.finish_reason == "unavailable"}
-        stats.update(engine_requests=router.counts(), setup_failures=len(failed), unavailable=unavailable,
-                     setup_errors=[t.reward_components.get("error", "") for t in failed[:3]])
+    async def group(self, task: Task, task_seed: int, group_id: str) -> list[Trajectory]:
+        """The cfg.group_size episodes of one group, those without a prompt (setup failed, task
+        unavailable) included: stats() counts them, callers leave them out."""
+        return await settle([asyncio.ensure_future(self.episode(task, task_seed, group_id))
+                             for _ in range(self.cfg.group_size)])
+
+    async def scripted(self, task: Task, task_seed: int, group_id: str) -> Trajectory:
+        """The task's scripted episode for a group (guidance.py), under the same concurrency bound."""
+        async with self.sem:
+            return await run_episode(None, self.fmt, task, task_seed, group_id, self.cfg, self.sandbox_factory,
+                                     self.threads, scripted=True)
+
+    def stats(self, tasks: list[Task], episodes: list[Trajectory]) -> dict:
+        """What rollout_groups' `stats` gets for `episodes` (all that the groups of `tasks` played), and
+        say on stderr what was lost."""
+        failed = [t for t in episodes if t.finish_reason == "infra_error" and not t.prompt_ids]
+        unavailable = {t.task_id: t.reward_components["unavailable"] for t in episodes
+                       if t.finish_reason == "unavailable"}
         if failed:
             print(f"rollout: {len(failed)} episode(s) lost to sandbox setup failures, e.g. "
                   f"{failed[0].reward_components.get('error', '')}", file=sys.stderr)
         if unavailable:
             print(f"rollout: {len(unavailable)} of {len({t.id for t in tasks})} task(s) cannot run here and are left "
                   "out of every score:\n" + "\n".join(f"  {why}" for why in unavailable.values()), file=sys.stderr)
-        return [t for t in results if t.prompt_ids]
+        return {"engine_requests": self.router.counts(), "setup_failures": len(failed), "unavailable": unavailable,
+                "setup_errors": [t.reward_components.get("error", "") for t in failed[:3]]}
+
+    async def close(self) -> None:
+        self.threads.shutdown(wait=False)  # queued closes still run; the threads finish before the process exits
+        await self.router.close()
+
+
+async def rollout_groups(engines: list[str] | EnginePool, tokenizer, tasks: list[Task], cfg: RolloutConfig,
+                         seed: int = 0, sandbox_factory=None, stats: dict | None = None,
+                         on_episode_done=None, clocks: list | None = None) -> list[Trajectory]:
+    """G samples of every task, all episodes concurrently, over `engines` (a GroupRunner's).
+
+    Trajectories come back grouped, in task order. When no engine is left the whole call fails with
+    EngineUnavailable (the other episodes are cancelled and their sandboxes closed): the training loop
+    decides whether to retry. on_episode_done(), if given, is called as each episode ends.
+
+    stats, if given, gets: engine_requests (/generate calls per engine); setup_failures and the first
+    setup_errors (episodes whose sandbox setup failed: no prompt, nothing to learn from, left out of the
+    result); unavailable ({task id: reason} for tasks that cannot run here: left out too, and named on
+    stderr). clocks, if given, gets each episode's EpisodeClock (anatomy.py: where the rollout's wall went).
+    Sandbox failures later in an episode, and engine failures (HTTP 500 from /generate), stay in, with
+    finish_reason "infra_error" and reward 0: training and evaluation leave them out and count them.
+    """
+    runner = GroupRunner(engines, tokenizer, cfg, sandbox_factory, on_episode_done, clocks)
+    try:
+        groups = await settle([asyncio.ensure_future(runner.group(task, *group_key(task, seed, g)))
+                               for g, task in enumerate(tasks)])
+        episodes = [t for group in groups for t in group]
+        (stats if stats is not None else {}).update(runner.stats(tasks, episodes))
+        return [t for t in episodes if t.prompt_ids]
     finally:
-        pool_threads.shutdown(wait=False)  # queued closes still run; the threads finish before the process exits
-        await router.close()
+        await runner.close()

@@ -10,7 +10,8 @@ failed samples beside it, and the update raises its likelihood (off-policy guida
 LUFFY, Yan et al., 2025, without its policy shaping). A scripted episode the verifier does not accept
 is thrown away and the group stays as it was: a task without a scripted solution, with one that fails
 here, or with one longer than `env.max_turns`, is never guided; it is named on stderr once a process
-and counted in `groups_guide_rejected`.
+and counted in `groups_guide_rejected`. A training step guides each group as it comes back, before
+judging its signal (guide_group, from producer.py); guide_unsolved guides a whole rollout at once.
 
 A scripted sample has no sampling log-probs: the update takes the trainer's own for it (its TIS
 weight is then 1) and leaves it out of the train/inference parity metrics; the step's reward,
@@ -50,6 +51,25 @@ async def play_scripted(tasks_and_keys: list, fmt: ChatFormat, cfg: RolloutConfi
         pool.shutdown(wait=False)
 
 
+def take_scripted(group: list[Trajectory], demo: Trajectory) -> tuple[list[Trajectory], Trajectory | None, bool]:
+    """`group` with one sample (one the sandbox lost, if any, else the last) replaced by `demo`, its
+    task's scripted episode, when the verifier accepted it. Returns (the group, the sample replaced or
+    None, whether `demo` was rejected)."""
+    if demo.reward_components.get("correct", 0) <= 0:
+        name_rejected(demo)
+        return group, None, True
+    i = next((i for i, t in enumerate(group) if t.finish_reason == "infra_error"), len(group) - 1)
+    return group[:i] + [demo] + group[i + 1:], group[i], False
+
+
+async def guide_group(group: list[Trajectory], play) -> tuple[list[Trajectory], Trajectory | None, bool]:
+    """take_scripted() for one group as it comes back, when no sample solved it: `play()` plays its
+    scripted episode (the group's task, seed and group id)."""
+    if not unsolved(group):
+        return group, None, False
+    return take_scripted(group, await play())
+
+
 def name_rejected(demo: Trajectory) -> None:
     """Say once a process that a task's scripted episode was not judged correct, and why. One the
     sandbox lost says nothing of the task (the next may pass): it is counted, not named."""
@@ -84,12 +104,7 @@ def guide_unsolved(trajs: list[Trajectory], tasks: list, seed: int, tokenizer, c
     fmt = tokenizer if isinstance(tokenizer, ChatFormat) else ChatFormat(tokenizer)
     replaced, rejected = [], 0
     for (_, _, group_id), demo in zip(wanted, asyncio.run(play_scripted(wanted, fmt, cfg, sandbox_factory))):
-        if demo.reward_components.get("correct", 0) <= 0:
-            rejected += 1
-            name_rejected(demo)
-        else:
-            group = groups[group_id]
-            i = next((i for i, t in enumerate(group) if t.finish_reason == "infra_error"), len(group) - 1)
-            replaced.append(group[i])
-            group[i] = demo
+        groups[group_id], lost, was_rejected = take_scripted(groups[group_id], demo)
+        replaced += [] if lost is None else [lost]
+        rejected += was_rejected
     return [t for g in groups.values() for t in g], replaced, rejected

@@ -4,24 +4,34 @@
 (take the step's tasks from the stream, roll them out, and put the stream back if that fails).
 `SyncProducer` calls it when the trainer asks (on-policy); `AsyncProducer` calls it ahead of the
 trainer on a background thread (rollouts for step v+1 while step v trains).
+
+A step's rollout is one event loop: its first wave of groups starts at once, and with dynamic
+sampling (dynamic_sampling.py) each group is judged as it comes back (guided first, with
+rollout.guide_unsolved) and a group without a signal is replaced at once by a group of the stream's
+next task, beside the groups still running. The index-th group started in a step plays with the seed
+group_key(task, step_seed, index), so a step's groups, the tasks it takes and the groups it keeps
+depend on the run's seed and the groups' outcomes only, never on which group ended first.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
+import math
 import queue
 import random
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from itertools import zip_longest
 
 from tqdm import tqdm
 
 from nano_miles.rollout.anatomy import RolloutAnatomy
-from nano_miles.rollout.dynamic_sampling import SamplingTally, TrainRolloutConfig, has_signal, split_groups
-from nano_miles.rollout.episode import rollout_groups
-from nano_miles.rollout.guidance import guide_unsolved
+from nano_miles.rollout.batch import Trajectory
+from nano_miles.rollout.dynamic_sampling import SamplingTally, TrainRolloutConfig, has_signal
+from nano_miles.rollout.episode import GroupRunner, group_key
+from nano_miles.rollout.guidance import guide_group
+from nano_miles.tasks.api import Task
 
 
 class TaskStream:
@@ -123,76 +133,146 @@ class StepRollout:
         return None
 
 
-def round_seed(run_seed: int, step: int, round_index: int) -> int:
-    """The episode seed of a step's rollout round: fresh task instances every step and round,
-    reproducible per run."""
-    return run_seed * 1_000_003 + step + round_index * 7_919_000_003
+def step_seed(run_seed: int, step: int) -> int:
+    """The episode seed of a step: its index-th group plays with group_key(task, step_seed, index), so
+    every group has fresh task instances, reproducible per run whenever it starts."""
+    return run_seed * 1_000_003 + step
+
+
+@dataclass
+class _Played:
+    """A group of the step, once played (and guided)."""
+    task: Task
+    episodes: list[Trajectory]   # every episode, those without a prompt (setup failed, task unavailable) included
+    group: list[Trajectory]      # what training could use: the episodes with a prompt, a scripted one swapped in
+    replaced: Trajectory | None  # the sample a scripted episode replaced (rollout.guide_unsolved)
+    guide_rejected: bool
+
+    @property
+    def signal(self) -> bool:
+        return has_signal(self.group)
+
+    @property
+    def got_through(self) -> bool:
+        """Some episode of it was not lost to the infrastructure."""
+        return any(t.finish_reason != "infra_error" for t in self.group)
+
+
+async def _play_step(runner: GroupRunner, stream: TaskStream, target: int, cfg: TrainRolloutConfig, seed: int,
+                     tally: SamplingTally, anatomy: RolloutAnatomy, on_start) -> list[_Played]:
+    """The step's groups, in the order they were started (their index in the step): a first wave of
+    round_size(target), then, with dynamic sampling, one more each time a group comes back without a
+    signal while the groups with one and those still running cannot fill the batch, up to the bound.
+    It ends when every group started has come back.
+
+    Surplus groups (an oversampled first wave still running when the batch is full) are not cancelled:
+    they finish and are dropped, as verl does. The batch is then the first groups with a signal in
+    start order, whatever their speed; cancelling would keep the groups that ended first (short
+    episodes: a length bias) and make the batch depend on timing, for little: the engine has already
+    spent most of their tokens, and no refill is started beside them."""
+    first_wave = cfg.round_size(target)
+    bound = first_wave * cfg.max_sampling_rounds if cfg.dynamic_sampling else first_wave
+    played: dict[int, _Played] = {}
+    running: dict[asyncio.Task, int] = {}  # group job -> its index in the step
+    started_tasks: list = []
+    with_signal, first_wave_done = 0, None
+
+    async def play(index: int, task) -> _Played:
+        task_seed, group_id = group_key(task, seed, index)
+        episodes = await runner.group(task, task_seed, group_id)
+        group, replaced, rejected = [t for t in episodes if t.prompt_ids], None, False
+        if cfg.guide_unsolved:  # before the signal is judged: a guided group has one
+            guide_started = time.perf_counter()
+            group, replaced, rejected = await guide_group(group, functools.partial(runner.scripted, task, task_seed,
+                                                                                   group_id))
+            anatomy.guide_s += time.perf_counter() - guide_started
+        return _Played(task, episodes, group, replaced, rejected)
+
+    def start() -> None:
+        position = stream.position
+        (task,) = stream.take(1)
+        tally.passed_over += stream.position - position - 1
+        running[asyncio.ensure_future(play(len(started_tasks), task))] = len(started_tasks)
+        started_tasks.append(task)
+        on_start(len(started_tasks) - first_wave)  # groups started after the first wave (refills)
+
+    try:
+        for _ in range(first_wave):
+            start()
+        while running:
+            done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+            for job in done:
+                index = running.pop(job)
+                played[index] = job.result()  # a group's error (no engine left) fails the step
+                with_signal += played[index].signal
+            if first_wave_done is None and all(i in played for i in range(first_wave)):
+                first_wave_done = time.perf_counter()
+            # Refill: a group came back without a signal and the groups kept or still running cannot
+            # fill the batch. Not while every group so far was lost to the sandbox: more would be too.
+            while (cfg.dynamic_sampling and len(started_tasks) < bound and with_signal + len(running) < target
+                   and any(g.got_through for g in played.values())):
+                start()
+    finally:
+        # Only on an error (or our own cancellation): cancel the groups still running; each episode
+        # closes its sandbox before it ends (run_episode), and the gather collects their errors.
+        for job in running:
+            job.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+    anatomy.refill_s += time.perf_counter() - first_wave_done if len(played) > first_wave else 0.0
+    return [played[i] for i in range(len(played))]
 
 
 def roll_out_step(step: int, stream: TaskStream, tasks_per_step: int, engines, tokenizer,
                   cfg: TrainRolloutConfig, run_seed: int, desc: str = "rollout", sandbox_factory=None) -> StepRollout:
     """Take the step's tasks from `stream` and roll out a group of each on `engines` (URLs or an
     EnginePool), with a progress bar (episodes done, ETA) on stderr. With cfg.dynamic_sampling, groups
-    without a learning signal are dropped and more tasks taken, round after round, until the batch has
-    `tasks_per_step` groups or cfg.max_sampling_rounds rounds ran (dynamic_sampling.py).
+    without a learning signal are dropped and more tasks taken as they come back, until the batch has
+    `tasks_per_step` groups or the step started its bound of groups (dynamic_sampling.py).
     On any failure the stream is put back, so that a retry takes the same tasks with the same seeds."""
     before = stream.state()
     tally = SamplingTally(cfg.dynamic_sampling, tasks_per_step, max_rounds=cfg.max_sampling_rounds)
-    kept, dropped, setup_errors, requests, setup_failures = [], [], [], [], 0  # kept: groups, in order
-    anatomy = RolloutAnatomy()
+    anatomy, clocks = RolloutAnatomy(), []
     t0 = time.perf_counter()
     try:
-        while True:
-            start = stream.position
-            tasks = stream.take(cfg.round_size(tasks_per_step - len(kept)))
-            tally.passed_over += stream.position - start - len(tasks)
-            stats = {}
-            label = desc if tally.rounds == 0 else f"{desc} (round {tally.rounds + 1}, refill)"
-            seed = round_seed(run_seed, step, tally.rounds)
-            clocks, round_started = [], time.perf_counter()
-            with tqdm(total=len(tasks) * cfg.group_size, desc=label, unit="ep", leave=False, dynamic_ncols=True) as bar:
-                trajs = asyncio.run(rollout_groups(engines, tokenizer, tasks, cfg, seed=seed,
-                                                   sandbox_factory=sandbox_factory, stats=stats,
-                                                   on_episode_done=lambda: bar.update(1), clocks=clocks))
-            anatomy.add_round(clocks, round_started, time.perf_counter(), refill=tally.rounds > 0)
-            if cfg.guide_unsolved:  # before the signal split: a guided group has one
-                guide_started = time.perf_counter()
-                trajs, replaced, rejected = guide_unsolved(trajs, tasks, seed, tokenizer, cfg, sandbox_factory)
-                anatomy.guide_s += time.perf_counter() - guide_started
-                tally.guided += len(replaced)
-                tally.guide_rejected += rejected
-                dropped += replaced
-            tally.rounds += 1
-            tally.generated += len(tasks)
-            setup_failures += stats.get("setup_failures", 0)
-            setup_errors += stats.get("setup_errors", [])
-            requests = [a + b for a, b in zip_longest(requests, stats.get("engine_requests", []), fillvalue=0)]
-            with_signal, without = split_groups(trajs)
-            for group in with_signal + without:  # pass_over: groups the sandbox lost say nothing of the task
-                if any(t.finish_reason != "infra_error" for t in group):
-                    stream.saw(group[0].task_id, has_signal(group))
-            tally.without_signal += len(tasks) - len(with_signal)  # groups lost to setup failures have none either
-            if not cfg.dynamic_sampling:  # every group is trained on, in the order it came
-                kept = [trajs]
-                tally.kept = len(with_signal) + len(without)
-                break
-            kept += with_signal
-            dropped += [t for g in without for t in g]
-            lost = all(t.finish_reason == "infra_error" for t in trajs)  # (also when setup lost them all)
-            if len(kept) >= tasks_per_step or tally.rounds >= cfg.max_sampling_rounds or lost:
-                break  # full; or bounded; or the sandbox lost a whole round: more rounds would lose theirs too
+        with tqdm(total=0, desc=desc, unit="ep", leave=False, dynamic_ncols=True) as bar:
+            def on_start(refills: int):
+                bar.total += cfg.group_size
+                bar.set_description(f"{desc} ({refills} refill(s))" if refills > 0 else desc)
+
+            async def play_step():
+                runner = GroupRunner(engines, tokenizer, cfg, sandbox_factory, lambda: bar.update(1), clocks)
+                try:
+                    groups = await _play_step(runner, stream, tasks_per_step, cfg, step_seed(run_seed, step), tally,
+                                              anatomy, on_start)
+                    return groups, runner.stats([g.task for g in groups], [t for g in groups for t in g.episodes])
+                finally:
+                    await runner.close()
+            groups, stats = asyncio.run(play_step())
     except BaseException:
         stream.restore(before)
         raise
-    if cfg.dynamic_sampling:
-        dropped += [t for g in kept[tasks_per_step:] for t in g]  # an oversampled round's surplus groups
-        kept = kept[:tasks_per_step]
-        tally.kept = len(kept)
+    anatomy.add_rollout(clocks, time.perf_counter())
+    # The stream learns the groups' outcomes (pass_over) once the step is done, in the order they were
+    # started: what the step took from it then never depends on which group happened to end first.
+    for g in groups:
+        if g.got_through:  # a group the sandbox lost says nothing of the task
+            stream.saw(g.task.id, g.signal)
+    signal = [i for i, g in enumerate(groups) if g.signal]
+    kept = signal[:tasks_per_step] if cfg.dynamic_sampling else [i for i, g in enumerate(groups) if g.group]
+    tally.generated, tally.kept = len(groups), len(kept)
+    tally.rounds = math.ceil(len(groups) / cfg.round_size(tasks_per_step))  # rounds' worth of groups started
+    tally.refills = len(groups) - min(len(groups), cfg.round_size(tasks_per_step))
+    tally.without_signal = len(groups) - len(signal)  # groups lost to setup failures have none either
+    tally.guided = sum(g.replaced is not None for g in groups)
+    tally.guide_rejected = sum(g.guide_rejected for g in groups)
+    dropped = [g.replaced for g in groups if g.replaced is not None]
+    if cfg.dynamic_sampling:  # groups without a signal, and the surplus of an oversampled step
+        dropped += [t for i, g in enumerate(groups) if i not in kept for t in g.group]
         if tally.note:
             print(f"step {step}: {tally.note}", file=sys.stderr)
-    return StepRollout(step, [t for g in kept for t in g], time.perf_counter() - t0, setup_failures, stream.position,
-                       stream.state(), setup_errors[:3], engine_requests=requests, dropped=dropped, sampling=tally,
-                       anatomy=anatomy)
+    return StepRollout(step, [t for i in kept for t in groups[i].group], time.perf_counter() - t0,
+                       stats["setup_failures"], stream.position, stream.state(), stats["setup_errors"],
+                       engine_requests=stats["engine_requests"], dropped=dropped, sampling=tally, anatomy=anatomy)
 
 
 class SyncProducer:

@@ -116,7 +116,7 @@ def test_greedy_equals_hf_generate(tiny, hf):
 def test_llama_architecture_matches_hf(tiny_llama):
     hf_llama = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     eng = make_engine(tiny_llama)
-    assert "lm_head.weight" in dict(eng.named_parameters())
+    assert "lm_head.weight" in dict(eng.model.named_parameters())
     p = prompts(1, eng.vocab_size, seed=2)[0]
     eng.add_request("l", p, SamplingParams(max_new_tokens=16, ignore_eos=True))
     r = run_all(eng)["l"]
@@ -274,7 +274,7 @@ def test_load_weights_invalidates_prefix_cache(tiny, hf):
     assert r.cached_tokens == 0
     ref = teacher_forced_logprobs(hf_new, p, r.output_ids)
     assert torch.allclose(torch.tensor(r.output_logprobs), ref, atol=1e-5)
-    for name, t in eng.named_parameters():
+    for name, t in eng.model.named_parameters():
         assert torch.equal(t, new[name])
 
 
@@ -283,14 +283,14 @@ def test_load_weights_bad_payload_changes_nothing(tiny, hf, bad):
     """Payloads are validated where they come in (the server: weights.check_against); the in-process
     API guards its invariants with asserts, all before the first copy."""
     eng = make_engine(tiny)
-    before = {n: t.clone() for n, t in eng.named_parameters()}
+    before = {n: t.clone() for n, t in eng.model.named_parameters()}
     good = [(n, t + 1.0) for n, t in hf.named_parameters()]
     name, t = good[3]
     broken = {"name": ("model.layers.9.nope.weight", t), "shape": (name, t[:-1]),
               "dtype": (name, t.to(torch.int32)), "not_tensor": (name, t.tolist())}[bad]
     with pytest.raises(AssertionError):
         eng.load_weights(good[:5] + [broken] + good[5:])
-    for n, t in eng.named_parameters():
+    for n, t in eng.model.named_parameters():
         assert torch.equal(t, before[n]), n
     # and the engine still serves the old weights
     p = [4, 5, 6, 7, 8, 9]

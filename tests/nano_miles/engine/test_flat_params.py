@@ -15,7 +15,7 @@ def engine(tiny_model_path):
 
 def new_weights(engine, seed):
     g = torch.Generator().manual_seed(seed)
-    return [(n, p.detach() + 0.01 * torch.randn(p.shape, generator=g)) for n, p in engine.named_parameters()]
+    return [(n, p.detach() + 0.01 * torch.randn(p.shape, generator=g)) for n, p in engine.model.named_parameters()]
 
 
 def greedy_logprobs(engine, rid):
@@ -28,10 +28,10 @@ def greedy_logprobs(engine, rid):
 
 def test_every_parameter_is_a_view_into_one_buffer_in_hf_order(engine):
     flat = engine.flat_params
-    assert flat is not None and [s.name for s in flat.slots] == [n for n, _ in engine.named_parameters()]
+    assert flat is not None and [s.name for s in flat.slots] == [n for n, _ in engine.model.named_parameters()]
     assert flat.slots[0].name == "model.embed_tokens.weight" and flat.slots[-1].name == "model.norm.weight"
     base = flat.bytes.data_ptr()
-    for slot, (name, p) in zip(flat.slots, engine.named_parameters()):
+    for slot, (name, p) in zip(flat.slots, engine.model.named_parameters()):
         assert p.data_ptr() - base == slot.start and p.numel() * p.element_size() == slot.end - slot.start
     assert flat.slots[-1].end == flat.bytes.numel()  # packed: no gaps
 
@@ -43,7 +43,7 @@ def test_packing_keeps_the_values_and_writes_move_every_parameter_version(tiny_m
     state = {}
     for f in sorted(tiny_model_path.glob("*.safetensors")):
         state.update(load_file(str(f)))
-    assert all(torch.equal(p, state[n]) for n, p in eng.named_parameters())
+    assert all(torch.equal(p, state[n]) for n, p in eng.model.named_parameters())
     # Caches of derived weights (the FP32 lm_head) watch param._version: a write through the flat
     # buffer must move it, which `param.data = view` would not.
     emb = eng.model.model.embed_tokens.weight
@@ -58,7 +58,7 @@ def test_a_matching_bucket_is_one_copy_with_identical_weights(engine):
     span = engine.flat_params.match(bucket.metadata)
     assert span == (0, engine.flat_params.bytes.numel())
     engine.load_flat(span[0], bucket.flattened_tensor)
-    assert all(torch.equal(p, dict(named)[n]) for n, p in engine.named_parameters())
+    assert all(torch.equal(p, dict(named)[n]) for n, p in engine.model.named_parameters())
     # ...and the engine serves them: same tokens and log-probs as the per-tensor path gives.
     ids, lps = greedy_logprobs(engine, "flat")
     engine.load_weights(new_weights(engine, 2))
@@ -74,7 +74,7 @@ def test_a_contiguous_run_matches_at_its_offset(engine):
     slots = {s.name: s for s in engine.flat_params.slots}
     assert (start, end) == (slots[run[0][0]].start, slots[run[-1][0]].end)
     engine.load_flat(start, bucket.flattened_tensor)
-    params = dict(engine.named_parameters())
+    params = dict(engine.model.named_parameters())
     assert all(torch.equal(params[n], t) for n, t in run)
 
 
@@ -139,7 +139,7 @@ def test_gpu_one_copy_update_keeps_captured_graphs_valid(tiny_model_path, dtype)
         while eng.has_unfinished():
             before += eng.step()  # captures decode graphs over the old weights
         assert eng.graphs.graphs
-        named = [(n, (p.detach() * 1.5).to(src)) for n, p in eng.named_parameters()]
+        named = [(n, (p.detach() * 1.5).to(src)) for n, p in eng.model.named_parameters()]
         if one_copy:
             bucket = W.FlattenedTensorBucket(named_tensors=named)
             start, _ = eng.flat_params.match(bucket.metadata)

@@ -43,11 +43,11 @@ def test_a_group_whose_replica_died_moves_whole_to_a_serving_one():
     router = GroupRouter(pool, timeout=5.0)
     replica, generation = router.pick("a")
     assert replica.index == 0
-    router.failed(replica, generation, EngineUnavailable("gone"))  # not ours: marked down, not restarted
+    router.pool.fail(replica, generation, EngineUnavailable("gone"))  # not ours: marked down, not restarted
     router.done(replica)
     assert [r.state for r in pool.replicas] == ["down", "serving"]
     assert [router.pick("a")[0].index for _ in range(2)] == [1, 1]
-    router.failed(pool.replicas[1], pool.replicas[1].generation, EngineUnavailable("gone too"))
+    router.pool.fail(pool.replicas[1], pool.replicas[1].generation, EngineUnavailable("gone too"))
     with pytest.raises(EngineUnavailable, match="no engine replica is serving"):
         router.pick("b")
     with pytest.raises(EngineUnavailable, match="not ours to restart"):

@@ -148,7 +148,7 @@ from nano_miles.engine import weight_group as G
 pg = G.init_weight_update_group("127.0.0.1", int(sys.argv[1]), 1, 2, "timeout-group", "gloo", timeout_s=20)
 t = time.monotonic()
 try:
-    G.receive_weights(pg, ["x"], ["float32"], [[4]], None, "cpu", timeout_s=1.0)
+    G.receive_weights(pg, ["x"], ["float32"], [[4]], "cpu", timeout_s=1.0)
 except RuntimeError as e:
     print(f"gave up after {time.monotonic() - t:.1f}s: {e}", flush=True)
 import os; os._exit(0)  # skip the group's teardown handshake with a trainer that never answers

@@ -82,7 +82,7 @@ def test_generate_answers_http_500_with_the_reason_as_sglang_does_and_serves_on(
 
     async def scenario():
         async with serving(tiny_model_path) as (url, server), aiohttp.ClientSession() as http:
-            fail_next_step(server.engine)
+            fail_next_step(server.worker.engine)
             async with http.post(url + "/generate", json=body) as r:
                 failed = r.status, await r.json()
             async with http.post(url + "/generate", json=body) as r:
@@ -98,7 +98,7 @@ def test_the_openai_route_answers_http_500_too(tiny_model_path):
 
     async def scenario():
         async with serving(tiny_model_path) as (url, server), aiohttp.ClientSession() as http:
-            fail_next_step(server.engine)
+            fail_next_step(server.worker.engine)
             async with http.post(url + "/v1/chat/completions", json=body) as r:
                 failed = r.status, await r.json()
             async with http.post(url + "/v1/chat/completions", json=body) as r:

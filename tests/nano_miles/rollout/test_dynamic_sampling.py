@@ -8,20 +8,24 @@ scripted per task (the model side of the test, as ScriptedPolicy in test_episode
 the sandbox, the environment and its verifier are the real ones. The end-to-end run uses the real
 engine with tiny-random-qwen2."""
 import json
+import math
+import os
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
 
+from nano_miles.engine.client import EngineUnavailable
 from nano_miles.rollout.batch import Trajectory
 from nano_miles.config import ConfigError, load_config, parse_set
 from nano_miles.rollout.dynamic_sampling import TrainRolloutConfig, split_groups
 from nano_miles.engine.model import ModelConfig
-from nano_miles.rollout.env import EnvConfig
+from nano_miles.rollout.env import EnvConfig, default_sandbox
+from nano_miles.rollout.episode import group_key
 from nano_miles.memory_plan import job_kv_cache_bytes
 from nano_miles.models.prepare import load_tokenizer
-from nano_miles.rollout.producer import AsyncProducer, SyncProducer, TaskStream, roll_out_step
+from nano_miles.rollout.producer import AsyncProducer, SyncProducer, TaskStream, roll_out_step, step_seed
 from nano_miles.tasks import select_tasks
 from nano_miles.telemetry import read_metrics
 from nano_miles.train import RunFailed, TrainConfig, TrainingRun
@@ -49,8 +53,9 @@ class ScriptedEngine:
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                reply = json.dumps(engine.reply(body)).encode()
-                self.send_response(200)
+                status, reply = engine.answer(body)
+                reply = json.dumps(reply).encode()
+                self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(reply)))
                 self.end_headers()
@@ -62,6 +67,9 @@ class ScriptedEngine:
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_port}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def answer(self, body: dict) -> tuple[int, dict]:
+        return 200, self.reply(body)
 
     def reply(self, body: dict) -> dict:
         group, turn = body["rid"].split("-t")  # rid = {task id}-s{task seed}-{task seed}-t{turn}-{hex}
@@ -98,14 +106,13 @@ def _cfg(**kw):
 
 
 def _expected(order, position, mixed, target, max_rounds=100):
-    """What the refill should take from the stream `order` at `position`: (tasks taken, rounds run),
-    each round taking as many tasks as groups are still missing."""
-    taken, rounds = [], 0
-    while sum(t in mixed for t in taken) < target and rounds < max_rounds:
-        missing = target - sum(t in mixed for t in taken)
-        taken += order[position + len(taken):position + len(taken) + missing]
-        rounds += 1
-    return taken, rounds
+    """What the step should take from the stream `order` at `position`: (tasks taken, rounds' worth):
+    a first wave of `target` tasks, then one more for each group without a signal, until `target`
+    groups have one or max_rounds x target groups were started."""
+    n = target
+    while sum(t in mixed for t in order[position:position + n]) < target and n < max_rounds * target:
+        n += 1
+    return order[position:position + n], math.ceil(n / target)
 
 
 def _signal(trajs) -> bool:
@@ -200,6 +207,105 @@ def test_oversampled_surplus_is_not_trained_on_and_off_means_unfiltered(tok, scr
     assert len(rollout.trajectories) == 8 and rollout.dropped == [] and stream.position == 4
     m = rollout.sampling.metrics()
     assert (m["groups_generated"], m["groups_kept"], m["groups_dropped"], m["zero_variance_share"]) == (4, 4, 0, 0.5)
+
+
+class HeldEngine(ScriptedEngine):
+    """A ScriptedEngine that holds its replies to the first group of step 1 (run seed 0) until a group
+    started after the first wave asks for a turn (`released`: it did), or, with `refills_fail`, until
+    the engine is closed, answering the later groups 503 (the engine is gone)."""
+
+    def __init__(self, tok, mixed, first_wave: int, refills_fail: bool = False):
+        super().__init__(tok, mixed)
+        self.first_wave, self.refills_fail = first_wave, refills_fail
+        self.refill_asked, self.holding, self.closing = threading.Event(), threading.Event(), threading.Event()
+        self.released = None
+
+    def answer(self, body: dict) -> tuple[int, dict]:
+        task_seed = int(body["rid"].split("-t")[0].rsplit("-", 1)[1])  # rid = {group id}-{task seed}-t{turn}-{hex}
+        index = task_seed - step_seed(0, 1) * 100_003  # group_key: task seed = step seed x 100_003 + index
+        if index >= self.first_wave:
+            self.refill_asked.set()
+            if self.refills_fail:
+                self.holding.wait(timeout=120)  # fail once group 0 is surely running
+                return 503, {"error": {"message": "the engine is gone"}}
+        elif index == 0 and self.refills_fail:
+            self.holding.set()
+            self.closing.wait(timeout=120)
+        elif index == 0:
+            self.released = self.refill_asked.wait(timeout=120)
+        return super().answer(body)
+
+    def close(self):
+        self.closing.set()
+        super().close()
+
+
+def test_a_refill_starts_while_the_first_wave_is_still_running(tok):
+    """Group 0 cannot end before a refill group has asked for a turn: the step still ends, with the
+    groups with a signal in the order they were started (group 0 first, though it ended last)."""
+    tasks = select_tasks(TASKS)
+    order = [t.id for t in TaskStream(tasks, seed=3).take(4)]
+    engine = HeldEngine(tok, mixed={order[0], order[2]}, first_wave=2)  # group 1 has no signal: it is refilled
+    try:
+        rollout = roll_out_step(1, TaskStream(tasks, seed=3), 2, [engine.url], tok, _cfg(dynamic_sampling=True),
+                                run_seed=0)
+    finally:
+        engine.close()
+    assert engine.released  # the refill's first turn came while group 0 waited for its own
+    assert [t.task_id for t in rollout.trajectories] == [order[0]] * 2 + [order[2]] * 2
+    assert [t.task_id for t in rollout.dropped] == [order[1]] * 2 and rollout.data_position == 3
+    m = rollout.sampling.metrics()
+    assert (m["groups_generated"], m["groups_kept"], m["sampling_rounds"], rollout.sampling.refills) == (3, 2, 2, 1)
+
+
+def test_a_step_starts_at_most_max_sampling_rounds_rounds_worth_of_groups(tok, scripted):
+    tasks = select_tasks(TASKS)
+    engine = scripted(set())  # no group ever has a signal: the step refills until the bound
+    cfg = _cfg(dynamic_sampling=True, oversample=1.5, max_sampling_rounds=3)  # a round: ceil(2 x 1.5) = 3 groups
+    rollout = roll_out_step(1, TaskStream(tasks, seed=3), 2, [engine.url], tok, cfg, run_seed=0)
+    assert rollout.trajectories == [] and len({t.group_id for t in rollout.dropped}) == 9
+    assert rollout.data_position == 9 and (rollout.sampling.rounds, rollout.sampling.refills) == (3, 6)
+    assert "9 groups rolled out" in rollout.sampling.note and "rollout.max_sampling_rounds=3" in rollout.sampling.note
+
+
+def test_the_same_seeds_give_the_same_groups(engine_server, tok):
+    """The real engine with the random model: no group has a signal, so the step starts its bound of
+    groups, refills included. Each group's seed is the run's seed, the step and its index in the
+    step: the same seeds give the same tasks and the same task instances (prompts)."""
+    tasks = select_tasks(TASKS)
+    cfg = _cfg(dynamic_sampling=True, max_sampling_rounds=2)
+
+    def groups(run_seed):
+        rollout = roll_out_step(1, TaskStream(tasks, seed=3), 2, [engine_server.url], tok, cfg, run_seed=run_seed)
+        assert rollout.sampling.refills == 2 and rollout.trajectories == []
+        return [(t.group_id, t.prompt_ids) for t in rollout.dropped[::2]]
+    first = groups(0)
+    stream = TaskStream(tasks, seed=3).take(4)
+    assert [g for g, _ in first] == [group_key(task, step_seed(0, 1), i)[1] for i, task in enumerate(stream)]
+    assert groups(0) == first
+    assert [g for g, _ in groups(1)] != [g for g, _ in first]
+
+
+def test_a_step_whose_refill_loses_the_engine_fails_and_leaves_nothing_running(tok):
+    """The refill's engine is gone while group 0 is still waiting on it: the step fails, group 0 is
+    cancelled and its sandboxes closed, and the stream is put back for the retry."""
+    tasks = select_tasks(TASKS)
+    order = [t.id for t in TaskStream(tasks, seed=3).take(4)]
+    engine = HeldEngine(tok, mixed={order[0]}, first_wave=2, refills_fail=True)
+    sandboxes = []
+
+    def factory(**kw):
+        sandboxes.append(default_sandbox(**kw))
+        return sandboxes[-1]
+    stream = TaskStream(tasks, seed=3)
+    try:
+        with pytest.raises(EngineUnavailable):
+            roll_out_step(1, stream, 2, [engine.url], tok, _cfg(dynamic_sampling=True), run_seed=0,
+                          sandbox_factory=factory)
+    finally:
+        engine.close()
+    assert stream.state() == {"position": 0, "passes": {}}
+    assert len(sandboxes) >= 5 and not any(os.path.exists(s.workspace) for s in sandboxes)
 
 
 def test_a_step_passes_over_the_tasks_whose_last_group_had_no_signal(tok, scripted):

@@ -263,7 +263,7 @@ def test_an_engine_that_fails_is_an_infrastructure_failure_never_the_policys(fmt
         async with serving(tiny_model_path) as (url, server):
             client = AsyncEngineClient(url)
             try:
-                fail_next_step(server.engine)
+                fail_next_step(server.worker.engine)
                 return await run_episode(client, fmt, get_task("kernel_name"), 0, "g", RolloutConfig(max_new_tokens=8))
             finally:
                 await client.close()
