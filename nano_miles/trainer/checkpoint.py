@@ -299,6 +299,6 @@ def _link_checkpoint_weights(trainer, checkpoint_dir: Path | None, target: Path)
         return False
     try:
         os.link(checkpoint_dir / "model.safetensors", target)
+        return True
     except OSError:  # a filesystem without hard links: write it
         return False
-    return True
