@@ -217,7 +217,10 @@ def main():
         for device in devices:  # one at a time: each sizes its KV cache with the others already loaded
             engines.append(start_engine_process(
                 folder, device=device, dtype=dtype, ready_timeout=600,
-                extra_args=["--no-cuda-graph", "--num-kv-blocks", str(max(512, 24 * args.busy_requests)),
+                # With requests decoding, the engine steps as in a training run (CUDA graphs): a sync's
+                # pause waits out one such step, not an eager one.
+                extra_args=([] if args.busy_requests else ["--no-cuda-graph"]) + [
+                            "--num-kv-blocks", str(max(512, 24 * args.busy_requests)),
                             "--max-running-requests", str(max(16, args.busy_requests)),
                             "--dist-timeout", str(args.timeout_s)]))
             engine_holder.append(engines[-1])
@@ -265,8 +268,8 @@ def main():
               f"{r['min_ms']:7.1f}..{r['max_ms']:<8.1f} {str(r['verified']):>9s} {ratio:>10s}")
     if args.engines > 1:
         print(f"goal: {args.engines} engines within 1.3x of one (x 1 engine column)")
-    print("\nwhere the time goes (CPU wall ms, medians). trainer: pause = the engines paused in place (their "
-          "running step finished), resume = continued; prepare = named tensors + bucket split, "
+    print("\nwhere the time goes (CPU wall ms, medians). trainer: pause = waiting, after the first bucket "
+          "is packed, for the engines to pause in place (their running step finished), resume = continued; prepare = named tensors + bucket split, "
           "pack = flatten + serialize (+ wait for the GPU), send = HTTP/broadcast until every engine answered, "
           "free = release the bucket. engine: parse = JSON body, decode (incl. CUDA IPC open) or receive (the "
           "broadcast), wait = hand-off to the engine thread + drain, copy = the copy until complete + KV flush, "

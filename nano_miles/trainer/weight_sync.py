@@ -5,8 +5,9 @@ buckets as CUDA IPC handles, shared memory on CPU), `distributed` (one NCCL or g
 bucket reaches every engine), `disk` (a safetensors folder), `shared` (CPU engines map a CPU
 trainer's weights: a sync is a version bump and a KV flush); `auto` picks one (choose_transport).
 Every sync pauses the engines in place around it: requests in flight keep their KV and finish under
-the new weights. Weights holding a NaN or an infinity are never sent (NonFiniteWeights). sync()
-reports its phases in ms (prepare, pack, send, free) and the first engine's timings_ms.
+the new weights; the pause is asked for first and waited for only before the first send, so the
+engines finish their running forward step while the first bucket is packed. Weights holding a NaN or an infinity are never sent (NonFiniteWeights). sync()
+reports its phases in ms (pause, prepare, pack, send, free, resume) and the first engine's timings_ms.
 """
 from __future__ import annotations
 
@@ -118,6 +119,7 @@ class WeightSync:
         self._send_buf = None  # distributed: the persistent flattened send buffer
         self._phases: dict = {}
         self._answers: list = []  # the engines' answers to the last update call (the last bucket's)
+        self._pausing: list | None = None  # the pause calls of the running sync, until waited for
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """What the engines should serve, in their dtype."""
@@ -138,8 +140,9 @@ class WeightSync:
         version, t0 = str(weight_version), time.perf_counter()
         self._phases = dict.fromkeys(("pause", "prepare", "pack", "send", "free", "resume"), 0.0)
         self._answers, sent = [], {"bytes": 0, "buckets": 0, "checksums": None}
-        self._on_all(lambda c: c.pause("in_place"))  # waits out the engines' running forward step
-        self._phase("pause", t0)
+        # The engines finish their running forward step while the first bucket is prepared and packed;
+        # each transport waits for the pause (self._paused) just before it sends.
+        self._pausing = self._start_all(lambda c: c.pause("in_place"))
         try:
             if self.transport != "shared" or not self._sync_shared(version):
                 sent["checksums"] = {} if self.cfg.verify else None
@@ -147,9 +150,19 @@ class WeightSync:
                 # closing it finishes a gather from the trainer's ranks, whatever happened
                 with contextlib.closing(_lookahead(self._bucket_source(version), self._phases, sent)) as buckets:
                     send[self.transport](buckets, version)
+            self._paused()
         finally:
             resumed = time.perf_counter()
-            self._on_all(lambda c: c.resume())
+            if self._pausing is None:
+                self._on_all(lambda c: c.resume())
+            else:  # failed before the pause was waited for: an engine that paused must not stay paused
+                pausing, self._pausing = self._pausing, None
+                for c, f in zip(self.clients, pausing):
+                    try:
+                        f.result(timeout=self.cfg.timeout_s + 5)
+                        c.resume()
+                    except Exception:
+                        pass  # the error that got us here is the one to report
             self._phase("resume", resumed)
         ms = (time.perf_counter() - t0) * 1000.0
         if self.cfg.verify:
@@ -171,7 +184,9 @@ class WeightSync:
         t = time.perf_counter()
         _refuse_non_finite(self.named_tensors(), version)  # (the trainer's own tensors: no copy)
         shared = self.source.share_weights(self.engine_dtype)  # the first call moves them into shared memory
-        t = self._phase("prepare", t)
+        self._phase("prepare", t)
+        self._paused()
+        t = time.perf_counter()
         try:
             self._answers = self._on_all(
                 lambda c: c.update_weights_from_shared(shared.path, shared.manifest, weight_version=version))
@@ -202,10 +217,23 @@ class WeightSync:
         self._phases[name] += (now - since) * 1000.0
         return now
 
+    def _paused(self) -> None:
+        """Wait until every engine has paused (sync() asked them at its start); once a sync."""
+        if self._pausing is not None:
+            t = time.perf_counter()
+            self._collect(self._pausing)
+            self._pausing = None
+            self._phase("pause", t)
+
+    def _start_all(self, fn) -> list:
+        return [self._pool.submit(fn, c) for c in self.clients]
+
     def _on_all(self, fn) -> list:
-        """fn(client) on every engine concurrently, their answers; WeightSyncError naming the engines
+        return self._collect(self._start_all(fn))
+
+    def _collect(self, futures) -> list:
+        """The engines' answers to calls started with _start_all; WeightSyncError naming the engines
         that failed (EngineUnavailable when one could not be reached: the caller restarts it)."""
-        futures = [self._pool.submit(fn, c) for c in self.clients]
         errors, answers, unreachable = [], [], False
         for url, f in zip(self.urls, futures):
             try:
@@ -229,6 +257,8 @@ class WeightSync:
             # no synchronize: the receiver's rebuild waits on the IPC event recorded after the flatten.
             payload, flat = W.serialize_bucket(bucket)
             t = self._phase("pack", t)
+            self._paused()
+            t = time.perf_counter()
             self._answers = self._on_all(lambda c: c.update_weights_from_tensor(
                 payload, load_format="flattened_bucket", flush_cache=last, weight_version=version if last else None))
             t = self._phase("send", t)
@@ -273,6 +303,7 @@ class WeightSync:
                 self._send_buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             # The engines' HTTP calls and our broadcast run at once (each side blocks in the collective
             # until the other joins); both have timeouts, so a dead peer cannot hang us.
+            self._paused()
             http = self._pool.submit(self._on_all, lambda c: c.update_weights_from_distributed(
                 names, dtypes, shapes, group_name=self._group_name, load_format="flattened_bucket",
                 weight_version=version if last else None, flush_cache=last, timeout=self.cfg.timeout_s))
@@ -295,7 +326,9 @@ class WeightSync:
         tmp = os.path.join(self._disk_dir, ".model.safetensors.tmp")
         save_file({n: x.contiguous().cpu() for bucket, _ in buckets for n, x in bucket}, tmp)
         os.replace(tmp, os.path.join(self._disk_dir, "model.safetensors"))  # engines never see half a file
-        start = self._phase("pack", start)
+        self._phase("pack", start)
+        self._paused()
+        start = time.perf_counter()
         self._answers = self._on_all(lambda c: c.update_weights_from_disk(self._disk_dir, weight_version=version))
         self._phase("send", start)
 

@@ -155,6 +155,7 @@ def test_non_finite_weights_are_never_sent(transport, engine_server, engine_clie
         with pytest.raises(NonFiniteWeights, match=f"version nan-1 hold NaN or infinite values in {trainer.names[-1]}"):
             ws.sync("nan-1")
     assert engine_client.weights_checksum() == before and engine_client.weight_version() == version
+    assert engine_client.server_info()["internal_states"][0]["paused"] is False  # the pause asked at the sync's start is undone
 
 
 def test_a_trainers_buckets_are_checked_as_they_come(engine_server, engine_client, tiny_model_path,
@@ -169,6 +170,9 @@ def test_a_trainers_buckets_are_checked_as_they_come(engine_server, engine_clien
         with pytest.raises(NonFiniteWeights, match=f"NaN or infinite values in {trainer.names[0]}"):
             ws.sync("inf-1")
     assert engine_client.weights_checksum() == before and engine_client.weight_version() == version
+    # It failed before the sync waited for the engine's pause: the engine is continued all the same.
+    assert engine_client.server_info()["internal_states"][0]["paused"] is False
+    assert engine_client.generate_batch([[5, 6, 7]], {"max_new_tokens": 2, "ignore_eos": True})[0]["output_ids"]
 
 
 def test_auto_transport_follows_the_layout():
