@@ -194,9 +194,6 @@ class Checkpointer:
         self.trainer.wait_for_save()
         if self.trainer.rank == 0:
             finish_checkpoint(self.run_dir, self.keep_optimizer)
-        return self.summary()
-
-    def summary(self) -> str:
         if not self.saved:
             return "no checkpoint written"
         written = [p.seconds for _, p in self.saved if p.seconds is not None]
