@@ -100,8 +100,7 @@ def all_keys(cfg) -> list[str]:
 
 
 def _unknown(cfg, key: str) -> ConfigError:
-    new = getattr(cfg, "renamed_keys", {}).get(key)
-    if new is not None:
+    if (new := getattr(cfg, "renamed_keys", {}).get(key)) is not None:
         return ConfigError(f"config key {key!r} is now {new!r}")
     known = all_keys(cfg)
     near = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
@@ -219,19 +218,15 @@ def _source_comments(cls) -> dict[str, str]:
     out = {}
     for node in ast.parse(source).body[0].body:
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            lines = [comments[n] for n in range(node.lineno, node.end_lineno + 1) if n in comments]
-            if lines:
+            if lines := [comments[n] for n in range(node.lineno, node.end_lineno + 1) if n in comments]:
                 out[node.target.id] = lines[0]
     return out
 
 
-def field_help(cls, name: str) -> str:
-    """The one-line meaning of field `name`: metadata["help"], else its trailing comment."""
-    for f in dataclasses.fields(cls):
-        if f.name == name and f.metadata.get("help"):
-            return f.metadata["help"]
-    declared = next(k for k in cls.__mro__ if name in inspect.get_annotations(k))  # the last (re-)declaration
-    return _source_comments(declared).get(name, "")
+def field_help(cls, f: dataclasses.Field) -> str:
+    """The one-line meaning of field `f` of `cls`: metadata["help"], else its trailing comment."""
+    declared = next(k for k in cls.__mro__ if f.name in inspect.get_annotations(k))  # the last (re-)declaration
+    return f.metadata.get("help") or _source_comments(declared).get(f.name, "")
 
 
 def describe(cfg, prefix: str = "") -> list[tuple[str, str, typing.Any, str]]:
@@ -243,7 +238,7 @@ def describe(cfg, prefix: str = "") -> list[tuple[str, str, typing.Any, str]]:
         if dataclasses.is_dataclass(value):
             rows += describe(value, f"{prefix}{f.name}.")
         else:
-            rows.append((prefix + f.name, _type_name(hints[f.name]), value, field_help(type(cfg), f.name)))
+            rows.append((prefix + f.name, _type_name(hints[f.name]), value, field_help(type(cfg), f)))
     return rows
 
 

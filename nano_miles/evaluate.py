@@ -7,9 +7,7 @@ K samples on each; a sample passes when the verifier accepts its answer. A task'
 over all its samples; its pass@k the unbiased estimator 1 - C(n-c, k) / C(n, k) on each instance
 (n samples, c correct), averaged over its instances. Both are averaged over the tasks of a family.
 The keys are rollout's and `instances` (docs/config.md); K is `rollout.group_size` (`--samples`).
-
-Inside a training run (`eval_every`), RunEvaluation measures the policy the run's engines serve at
-that moment the same way, on `eval_tasks` and a fixed ALFA subset, into the step's metrics.
+Inside a training run (`eval_every`) RunEvaluation measures the policy the same way.
 """
 from __future__ import annotations
 

@@ -86,7 +86,8 @@ def run_rollouts(cls, args, command: str):
     trajs, secs, setup_failures = collect(cfg, [t for t in tasks for _ in range(getattr(cfg, "instances", 1))],
                                           desc=command)
     if args.out:
-        write_trajectories(args.out, trajs)
+        with open(args.out, "w") as f:
+            f.writelines(t.to_json() + "\n" for t in trajs)
     return cfg, tasks, trajs, secs, summarize(trajs, setup_failures)
 
 
@@ -124,11 +125,6 @@ def summarize(trajs, setup_failures: int = 0) -> dict:
             "mean_reward": sum(t.reward for t in trajs) / n, "mean_turns": sum(t.num_turns for t in trajs) / n,
             "infra_failures": setup_failures + sum(int(t.reward_components.get("infra_failures", 0)) for t in trajs),
             "finish_reasons": finish, "model_tokens": sum(sum(t.response_mask) for t in trajs)}
-
-
-def write_trajectories(path: str, trajs) -> None:
-    with open(path, "w") as f:
-        f.writelines(t.to_json() + "\n" for t in trajs)
 
 
 def append_result(path: str, record: dict) -> None:

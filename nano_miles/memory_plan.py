@@ -72,12 +72,9 @@ class MemoryPlan:
 def machine_memory() -> tuple[int, str]:
     """(bytes this process may still use, where the figure comes from)."""
     options = _cgroup_room()
-    try:
-        with open("/proc/meminfo") as f:
-            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[1:]}
-        options.append((info["MemAvailable"], "MemAvailable"))
-    except (OSError, KeyError, ValueError):
-        pass
+    info = {line.split(":")[0]: line.split()[1] for line in _read("/proc/meminfo").splitlines() if line.split()[1:]}
+    if info.get("MemAvailable", "").isdigit():
+        options.append((int(info["MemAvailable"]) * 1024, "MemAvailable"))
     return min(options) if options else (0, "unknown")
 
 

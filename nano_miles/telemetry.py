@@ -291,8 +291,8 @@ def write_curves(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
 
 def compare_curves(runs: dict[str, str | Path], out_dir: str | Path) -> list[Path]:
     """Several runs on one set of axes, a line a run (its label): compare_<key>.png for each training
-    curve, each evaluation (eval_every) and each part of the step's time (STEP_CURVES) that any run has. Runs that differ in one setting (a seed,
-    a learning-rate schedule) read best side by side."""
+    curve, each evaluation (eval_every) and each part of the step's time (STEP_CURVES) that any run has.
+    Runs that differ in one setting (a seed, a learning-rate schedule) read best side by side."""
     rows = {label: read_metrics(path) for label, path in runs.items()}
     written = []
     evals = tuple((key, f"{label} pass@1 during training") for key, label in EVAL_CURVES)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import signal
 import sys
 import time
@@ -28,7 +27,8 @@ from nano_miles.engine.client import EngineUnavailable
 from nano_miles.engine.weights import NonFiniteWeights
 from nano_miles.telemetry import memory_gb, read_metrics, run_summary, step_metrics
 from nano_miles.train_setup import Run, RunFailed, Stopped, TrainConfig, check_world
-from nano_miles.trainer.checkpoint import CheckpointError, check_resumable, checkpoint_folder, export_best, export_model
+from nano_miles.trainer.checkpoint import check_resumable, checkpoint_folder, export_model
+from nano_miles.trainer.checkpoint_files import read_json
 from nano_miles.trainer.distributed import (DistError, check_nproc, is_collective_failure, launch_ranks, main_guard,
                                             rank_device_type, rank_env, run_rank)
 from nano_miles.trainer.update import policy_update
@@ -56,8 +56,8 @@ class TrainingRun(Run):
                     plan = self.share(self.plan(step, metrics) if self.lead else None)
                     completed = step
                     if plan["best"]:
-                        export_best(self.trainer, self.model_path, self.run_dir / "best", self.run_dir / "checkpoint",
-                                    self.evaluation.best if self.lead else None)
+                        export_model(self.trainer, self.model_path, self.run_dir / "best", self.run_dir / "checkpoint",
+                                     best=self.evaluation.best if self.lead else None)
                     if plan["checkpoint"]:
                         self.checkpoint(plan["checkpoint"])
                     self.mid_step = False
@@ -186,12 +186,7 @@ def train_config(args) -> TrainConfig:
     if args.resume:
         if not config_json.is_file():
             raise ConfigError(f"--resume {args.resume}: not a run directory (no config.json)")
-        try:
-            saved = json.loads(config_json.read_text())
-        except (OSError, UnicodeDecodeError, ValueError) as e:
-            raise ConfigError(f"{config_json} cannot be read: {type(e).__name__}: {e}") from None
-        if not isinstance(saved, dict):
-            raise ConfigError(f"{config_json} is not a run's config: a JSON {type(saved).__name__}")
+        saved = read_json(config_json, "a run's config")
         modules = saved.pop("tasks_module", None) or []
         modules = [str(m) for m in (modules if isinstance(modules, list) else [modules])]
     cfg = config_from_args(TrainConfig, args, base=saved)
@@ -200,7 +195,6 @@ def train_config(args) -> TrainConfig:
                           "code this host would run, which a run directory is not trusted to ask for: "
                           f"--set tasks_module={','.join(modules)} resumes with it")
     return cfg
-
 
 
 def _train(env, cfg: TrainConfig, resume_dir: str | None) -> int:
@@ -213,7 +207,7 @@ def _train(env, cfg: TrainConfig, resume_dir: str | None) -> int:
         TrainingRun(cfg, resume_dir, env=env).run()
     except KeyboardInterrupt:
         return 130 if lead else 0
-    except (ConfigError, CheckpointError) as e:  # a refusal before anything started
+    except ConfigError as e:  # a refusal before anything started (a CheckpointError is one)
         if not lead:
             raise
         print(f"nano-miles train: {e}", file=sys.stderr)
@@ -234,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return run(args)
-    except (ConfigError, CheckpointError) as e:
+    except ConfigError as e:
         print(f"nano-miles train: {e}", file=sys.stderr)
         return 2
 

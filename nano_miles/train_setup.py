@@ -41,7 +41,6 @@ from nano_miles.tasks import training_tasks
 from nano_miles.telemetry import MetricsLog, check_report_to, parse_report_to
 from nano_miles.trainer.checkpoint import Checkpointer, check_resumable, checkpoint_folder, disk_line, load_checkpoint
 from nano_miles.trainer.config import OptimConfig, TrainerConfig
-from nano_miles.trainer.distributed import gather_to_rank0, share_from_rank0
 from nano_miles.trainer.loss import AdvantageConfig, LossConfig
 from nano_miles.trainer.reference import ReferencePolicy
 from nano_miles.trainer.trainer import Trainer
@@ -251,18 +250,27 @@ class Run:
             self.sync(self.start_step)
 
     def share(self, obj):
-        return share_from_rank0(obj, self.control)  # rank 0's obj on every rank (the others pass None)
+        """Rank 0's `obj` on every rank (the others pass None)."""
+        box = [obj]
+        if self.control is not None:
+            dist.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
 
     def gather(self, obj) -> list | None:
-        return gather_to_rank0(obj, self.control)  # every rank's obj on rank 0 (None on the others)
+        """Every rank's `obj`, in rank order, on rank 0 (None on the others)."""
+        if self.control is None:
+            return [obj]
+        out = [None] * self.world if self.lead else None
+        dist.gather_object(obj, out, dst=0, group=self.control)
+        return out
 
     def _connect(self) -> None:  # a weight sync to every replica that is up (after a restart: a new group)
         if self.syncer is not None:
             self.syncer.close()
         self.syncer = None
         self.synced_replicas = self.engines.to_sync()
-        self.syncer = WeightSync.from_config(self.trainer, [r.url for r in self.synced_replicas], self.cfg.sync,
-                                             allow_shared=self.cfg.mode == "sync")
+        self.syncer = WeightSync(self.trainer, [r.url for r in self.synced_replicas], self.cfg.sync,
+                                 allow_shared=self.cfg.mode == "sync")
 
     def _recover(self, err: Exception, attempt: int, what: str) -> None:
         """Restart the dead replicas (ours; theirs are left out until they answer) and reconnect the sync."""

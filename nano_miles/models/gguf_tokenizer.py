@@ -33,8 +33,7 @@ def _pipeline(pre: str):
 
 
 def tokenizer_from_gguf(path: str | pathlib.Path):
-    """A transformers fast tokenizer with the GGUF's vocab, merges, added tokens, special tokens and
-    chat template."""
+    """A transformers fast tokenizer with the GGUF's vocab, merges, added tokens, special tokens and chat template."""
     from gguf import GGUFReader
     from tokenizers import AddedToken, Tokenizer, decoders, models, processors
     from transformers import PreTrainedTokenizerFast

@@ -64,10 +64,8 @@ MODEL_NAMES = [DEFAULT_MODEL, "smollm2-135m-instruct", TINY_MODEL]
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
-    if cache_dir is not None:
-        return pathlib.Path(cache_dir).expanduser()
-    env = os.environ.get("NANO_MILES_CACHE")
-    return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "nano-miles" / "models"
+    root = cache_dir if cache_dir is not None else os.environ.get("NANO_MILES_CACHE")
+    return pathlib.Path(root).expanduser() if root else pathlib.Path.home() / ".cache" / "nano-miles" / "models"
 
 
 def resolve_model(name_or_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None, force: bool = False,

@@ -85,11 +85,6 @@ def report_load_errors(specs, prog: str = "nano-miles") -> None:
 
 # ---- selection ----------------------------------------------------------------------------------
 
-def all_tasks() -> list[Task]:
-    """Every task registered so far."""
-    return list(TASKS.values())
-
-
 def get_task(task_id: str) -> Task:
     _register_alfa_if_named([task_id])
     if task_id not in TASKS:
@@ -114,8 +109,7 @@ def select_tasks(which: str) -> list[Task]:
         elif item in TASKS:
             found = [TASKS[item]]
         else:
-            found = [t for t in tasks if t.family == item or t.family.startswith(item + "/")]
-            if not found:
+            if not (found := [t for t in tasks if t.family == item or t.family.startswith(item + "/")]):
                 get_task(item)  # raises: unknown task
         chosen.update((t.id, t) for t in found)
     return list(chosen.values())

@@ -48,8 +48,7 @@ NO_NETWORK = re.compile(r"Could not resolve host|Temporary failure in name resol
 
 def package_dir() -> str:
     """Where icalfa is installed; KeyError with the install line when it is not (without importing it)."""
-    spec = importlib.util.find_spec("icalfa")
-    if spec is None or not spec.submodule_search_locations:
+    if (spec := importlib.util.find_spec("icalfa")) is None or not spec.submodule_search_locations:
         raise KeyError(f"the alfa tasks need the icalfa package: {INSTALL_HINT}")
     return list(spec.submodule_search_locations)[0]
 

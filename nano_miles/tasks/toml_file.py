@@ -49,11 +49,9 @@ def parse_task(table: dict, path: str) -> Task:
         raise ValueError("each task must be a [[task]] table")
     if "expected" in table:
         raise ValueError("the expected answer is computed by the `answer` command, never typed in")
-    unknown = sorted(set(table) - set(REQUIRED) - set(OPTIONAL))
-    if unknown:
+    if unknown := sorted(set(table) - set(REQUIRED) - set(OPTIONAL)):
         raise ValueError(f"unknown key(s) {', '.join(unknown)} (known: {', '.join(REQUIRED + OPTIONAL)})")
-    missing = [k for k in REQUIRED if k not in table]
-    if missing:
+    if missing := [k for k in REQUIRED if k not in table]:
         raise ValueError(f"missing key(s): {', '.join(missing)}")
     for key in ("id", "family", "split", "instruction", "answer", "summary", "kind", "check", "workdir"):
         if key in table and not (isinstance(table[key], str) and table[key].strip()):
@@ -70,8 +68,7 @@ def parse_task(table: dict, path: str) -> Task:
         raise ValueError("params must be a table")
     for pname, spec in params.items():
         check_param(pname, spec)
-    undeclared = sorted(set(PLACEHOLDER.findall(table["instruction"])) - set(params))
-    if undeclared:
+    if undeclared := sorted(set(PLACEHOLDER.findall(table["instruction"])) - set(params)):
         raise ValueError(f"the instruction names undeclared parameter(s): {', '.join(undeclared)}")
     if "check" in table and "solution" not in table:
         raise ValueError("a task with a check needs a solution (the commands that make the check pass)")

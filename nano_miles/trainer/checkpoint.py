@@ -12,7 +12,7 @@ A checkpoint is written whole under checkpoint.tmp/ and renamed into place, so a
 moment leaves the previous checkpoint or the new one, never half of one. It is written in the
 background, overlapping the next rollout: one process's thread writes the trainer's live tensors (a
 copy of the masters and moments is what a small machine cannot spare), which the trainer does not
-change until the write is done (Trainer.hold_until_saved); N ranks stage their shards to CPU first.
+change until the write is done (Trainer.wait_for_save); N ranks stage their shards to CPU first.
 
 A completed one-process run keeps no optimizer.pt (two thirds of a checkpoint) unless
 keep_optimizer_state: resuming it restarts AdamW's moments from zero, and says so.
@@ -107,9 +107,8 @@ class PendingCheckpoint:
 
 def save_checkpoint(run_dir: Path, trainer, state: dict, background: bool = False,
                     with_optimizer: bool = True) -> PendingCheckpoint:
-    """Write checkpoint/ (atomic: checkpoint.tmp/, then renamed over it). With background=True the
-    files are written by a thread and the trainer waits for it before its next change.
-    with_optimizer=False leaves AdamW's state out (a completed one-process run's last checkpoint)."""
+    """Write checkpoint/, in the background with background=True. with_optimizer=False leaves AdamW's
+    state out (a completed one-process run's last checkpoint)."""
     trainer.wait_for_save()  # one write at a time
     final, tmp = Path(run_dir) / "checkpoint", Path(run_dir) / "checkpoint.tmp"
     state = dict(state, trainer_step=trainer.step, dtype=trainer.cfg.dtype,
@@ -151,7 +150,7 @@ def save_checkpoint(run_dir: Path, trainer, state: dict, background: bool = Fals
 
         pending = PendingCheckpoint(_WRITER.submit(write))  # its error is re-raised by wait()
     if background:
-        trainer.hold_until_saved(pending)
+        trainer.pending_save = pending  # no update runs until pending.wait() (Trainer.wait_for_save)
     else:
         pending.wait()
     return pending
@@ -191,13 +190,10 @@ class Checkpointer:
         self.last_time = time.monotonic()
 
     def finish(self) -> str:
-        """Join the last write, drop any AdamW state left unless kept; a line saying what checkpoints cost."""
+        """Join the last write, drop any AdamW state left unless kept; what checkpoints cost (a line)."""
         self.trainer.wait_for_save()
         if self.trainer.rank == 0:
             finish_checkpoint(self.run_dir, self.keep_optimizer)
-        return self.summary()
-
-    def summary(self) -> str:
         if not self.saved:
             return "no checkpoint written"
         written = [p.seconds for _, p in self.saved if p.seconds is not None]
@@ -220,12 +216,10 @@ def load_checkpoint(run_dir: Path, trainer, echo=print, state: dict | None = Non
     """Restore the trainer and the RNG from run_dir/checkpoint, whichever number of ranks wrote it;
     returns its state.json (`state`: checked already, by rank 0: check_resumable), or None when there is
     none. A checkpoint that cannot be resumed is a CheckpointError naming the file."""
-    if state is None:
-        ckpt = checkpoint_folder(Path(run_dir))
-        if ckpt is None:
-            return None
-        state = check_resumable(ckpt)
-    ckpt = Path(run_dir) / "checkpoint"
+    ckpt = Path(run_dir) / "checkpoint" if state is not None else checkpoint_folder(Path(run_dir))
+    if ckpt is None:
+        return None
+    state = state or check_resumable(ckpt)
     trainer.wait_for_save()
     if (ckpt / ".metadata").exists():
         dist_checkpoint.load(trainer, ckpt)
@@ -251,11 +245,13 @@ def finish_checkpoint(run_dir: Path, keep_optimizer: bool) -> None:
     (ckpt / "optimizer.pt").unlink()
 
 
-def export_model(trainer, tokenizer_dir: str, out_dir: Path, checkpoint_dir: Path | None = None) -> Path:
+def export_model(trainer, tokenizer_dir: str, out_dir: Path, checkpoint_dir: Path | None = None,
+                 best: dict | None = None) -> Path:
     """The final policy as a HF folder (`nano-miles serve --model DIR` and `eval --model DIR` take it):
     the FP32 masters (they carry every small update; the bf16 compute copy would round them away). If
     checkpoint_dir holds the trainer's current step, its weights file is hard-linked, not written again.
-    N ranks gather the weights to rank 0, which writes the folder."""
+    N ranks gather the weights to rank 0, which writes the folder. keep_best's best/ has `best` (from
+    which step, with what score) as best.json; the previous folder is replaced once the new one is whole."""
     trainer.wait_for_save()  # the last checkpoint complete (its weights may be linked below)
     out_dir = Path(out_dir)
     gathered = trainer.named_weights(torch.float32) if trainer.env is not None else None  # collective
@@ -267,8 +263,9 @@ def export_model(trainer, tokenizer_dir: str, out_dir: Path, checkpoint_dir: Pat
     if gathered is not None or not _link_checkpoint_weights(trainer, checkpoint_dir, tmp / "model.safetensors"):
         write_safetensors(tmp / "model.safetensors", gathered or trainer.named_weights(torch.float32))
     write_model_files(trainer.model.config, tokenizer_dir, tmp)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    tmp.rename(out_dir)
+    if best is not None:
+        (tmp / "best.json").write_text(json.dumps(best) + "\n")
+    _replace(tmp, out_dir)
     return out_dir
 
 
@@ -291,23 +288,14 @@ def write_model_files(model_config, tokenizer_dir: str, folder: Path) -> None:
             shutil.copy(Path(tokenizer_dir) / name, folder / name)
 
 
-def export_best(trainer, tokenizer_dir: str, best_dir: Path, checkpoint_dir: Path, best: dict) -> Path:
-    """keep_best: the current policy as best/ (a HF folder, as final/), with best.json saying from which
-    step and with what score; the previous best/ is replaced only once the new one is complete."""
-    export_model(trainer, tokenizer_dir, best_dir, checkpoint_dir)
-    if trainer.rank == 0:
-        (best_dir / "best.json").write_text(json.dumps(best) + "\n")
-    return best_dir
-
-
 def _link_checkpoint_weights(trainer, checkpoint_dir: Path | None, target: Path) -> bool:
     if checkpoint_dir is None or not (checkpoint_dir / "state.json").exists():
         return False
     state = json.loads((checkpoint_dir / "state.json").read_text())
-    if state.get("format", 1) < 2 or state.get("trainer_step") != trainer.step:
+    if state.get("format") != FORMAT or state.get("trainer_step") != trainer.step:
         return False
     try:
         os.link(checkpoint_dir / "model.safetensors", target)
+        return True
     except OSError:  # a filesystem without hard links: write it
         return False
-    return True

@@ -20,14 +20,13 @@ from safetensors import safe_open
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
+from nano_miles.config import ConfigError
+
 FORMAT = 2  # a one-process checkpoint's; 1 (a single trainer.pt, a pickle) is never read: it could run any code
 
 
-class CheckpointError(ValueError):
+class CheckpointError(ConfigError):
     """A checkpoint that cannot be resumed (corrupt, or of a format that is not read); one line naming the file."""
-
-    def __init__(self, message: str):
-        super().__init__(" ".join(str(message).split()))
 
 
 def one_line(e: BaseException) -> str:
@@ -47,21 +46,21 @@ def checkpoint_folder(run_dir: Path) -> Path | None:
     return ckpt
 
 
-def read_json(ckpt: Path) -> dict:
-    """A checkpoint's state.json as it is."""
-    path = Path(ckpt) / "state.json"
+def read_json(path: Path, what: str = "a checkpoint's state") -> dict:
+    """A JSON object file as it is (a checkpoint's state.json, a run's config.json)."""
     try:
-        state = json.loads(path.read_text())
+        value = json.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise CheckpointError(f"{path} cannot be read: {type(e).__name__}: {e}") from None
-    if not isinstance(state, dict):
-        raise CheckpointError(f"{path} is not a checkpoint's state: a JSON {type(state).__name__}")
-    return state
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path} is not {what}: a JSON {type(value).__name__}")
+    return value
 
 
 def read_state(ckpt: Path) -> dict:
     """A checkpoint's state.json, checked for what a resume reads (step, data position, RNG)."""
-    path, state = Path(ckpt) / "state.json", read_json(ckpt)
+    path = Path(ckpt) / "state.json"
+    state = read_json(path)
     if not (_is_count(state.get("step")) and _is_position(state.get("stream", state.get("data_position")))):
         raise CheckpointError(f"{path} is not a checkpoint's state: no step and data position")
     rng_states(path, state)
@@ -115,8 +114,7 @@ def check_one_process(ckpt: Path, state: dict) -> None:
     """A one-process checkpoint's format, weights file header and index, optimizer state's container."""
     if state.get("sharded"):  # N ranks' checkpoint: its shards are indexed by .metadata
         raise CheckpointError(f"{ckpt}/.metadata is missing: {ckpt} cannot be resumed")
-    fmt = state.get("format", 1)
-    if fmt != FORMAT:
+    if (fmt := state.get("format", 1)) != FORMAT:
         raise CheckpointError(f"{ckpt} cannot be resumed: its state.json says format {fmt!r}; only format {FORMAT} "
                               "is read (format 1 keeps the trainer's state as a pickle, trainer.pt, which could run "
                               "any code)")

@@ -6,9 +6,8 @@ count, keyed by HF parameter names, plus DCP's metadata of where every shard liv
 state to CPU memory (so the next step may change the parameters at once) and writes the files in a
 thread; checkpoint.py puts the folder in place and the run's state.json beside it. A one-process
 checkpoint (checkpoint.py's files) loads into any number of ranks too, each reading only its own rows.
-Loading runs no code from the folder: `.metadata` is read through checkpoint_files.read_metadata's
-allowlist, a non-tensor entry through torch.load(weights_only=True) (DCP's default planner unpickles it
-with weights_only=False); a folder that cannot be loaded is a CheckpointError naming it.
+Loading runs no code from the folder (checkpoint_files.read_metadata, _CheckedPlanner): a folder that
+cannot be loaded is a CheckpointError naming it.
 """
 from __future__ import annotations
 
@@ -24,23 +23,16 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.tensor import DTensor, Shard
 
+from nano_miles.trainer import fsdp
 from nano_miles.trainer.checkpoint_files import CheckpointError, load_optimizer, one_line, read_metadata
 
 
 def trainer_state(trainer) -> dict:
-    """The state DCP saves and loads in place. AdamW's state is created (zeros, step 0) where it
-    does not exist yet, so a fresh trainer has every tensor a checkpoint will be loaded into."""
+    """The state DCP saves and loads in place (AdamW's created where it does not exist yet, so a fresh
+    trainer has every tensor a checkpoint will be loaded into)."""
     optim = trainer.optimizer
-    group = optim.param_groups[0]
-    step_on_device = group.get("fused") or group.get("capturable")  # (else AdamW keeps `step` on the CPU)
-    moments = {}
-    for name, master in zip(trainer.names, trainer.masters):
-        state = optim.state[master]
-        if not state:  # what AdamW's first step would create (a float32 step, zero moments)
-            state["step"] = torch.zeros((), dtype=torch.float32, device=master.device if step_on_device else "cpu")
-            state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
-        moments[name] = {k: state[k] for k in ("step", "exp_avg", "exp_avg_sq")}
+    moments = {name: dict(fsdp.adamw_state(optim, master, optim.param_groups[0]))  # step, exp_avg, exp_avg_sq
+               for name, master in zip(trainer.names, trainer.masters)}
     return {"masters": dict(zip(trainer.names, trainer.masters)), "optim": moments,
             "trainer": {"step": trainer.step}}
 
@@ -92,8 +84,8 @@ class _CheckedReader(dcp.FileSystemReader):
 
 
 class _CheckedPlanner(DefaultLoadPlanner):
-    """DCP's planner, reading a non-tensor entry with torch.load(weights_only=True), and only where the
-    state holds no tensor."""
+    """DCP's planner, reading a non-tensor entry with torch.load(weights_only=True) (DCP's own unpickles
+    it with weights_only=False), and only where the state holds no tensor."""
 
     def load_bytes(self, read_item, value) -> None:
         fqn = read_item.dest_index.fqn

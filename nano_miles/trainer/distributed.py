@@ -130,24 +130,6 @@ def run_rank(fn: Callable, *args, device_type: str = "auto", timeout_s: float = 
             dist.destroy_process_group()
 
 
-def share_from_rank0(obj, group):
-    """Rank 0's `obj` on every rank of the gloo `group` (the others pass None); group None: one process."""
-    if group is None:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
-
-
-def gather_to_rank0(obj, group) -> list | None:
-    """Every rank's `obj`, in rank order, on rank 0 (None on the others); group None: one process."""
-    if group is None:
-        return [obj]
-    out = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
-    dist.gather_object(obj, out, dst=0, group=group)
-    return out
-
-
 # ----------------------------------------------------------------------------- launch
 
 _AGENT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
@@ -156,7 +138,6 @@ _AGENT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 def launch(nproc: int, entrypoint: Callable | str, args: tuple | list = (), *, device_type: str = "cpu",
            shutdown_timeout_s: int = 5, agent_signals: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT") -> dict[int, Any]:
     """Start `nproc` ranks on this host through torch.distributed.run's elastic agent, wait for them.
-
     entrypoint: a picklable function (each rank runs entrypoint(*args); the ranks' return values come
     back as {rank: value}) or a program such as sys.executable (each rank runs `program *args`, exactly
     as `torchrun --standalone --nproc-per-node N` would). When one rank fails the agent stops the

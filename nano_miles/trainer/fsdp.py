@@ -82,14 +82,7 @@ class ShardAdamW(torch.optim.AdamW):
             raise ValueError("ShardAdamW.step takes no closure")
         for group in self.param_groups:
             shards = [p for p in group["params"] if p.grad is not None]
-            for p in shards:
-                state = self.state[p]
-                if not state:  # as AdamW's own first step makes it
-                    on_device = group["fused"] or group["capturable"]
-                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
-                    state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros_like(p)
-            states = [self.state[p] for p in shards]
+            states = [adamw_state(self, p, group) for p in shards]
             beta1, beta2 = group["betas"]
             adamw([p.to_local() for p in shards], [p.grad.to_local() for p in shards],
                   [s["exp_avg"].to_local() for s in states], [s["exp_avg_sq"].to_local() for s in states], [],
@@ -98,18 +91,27 @@ class ShardAdamW(torch.optim.AdamW):
                   weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
 
 
+def adamw_state(optimizer: torch.optim.AdamW, p, group: dict) -> dict:
+    """p's AdamW state, created as AdamW's own first step makes it (a float32 step, zero moments) where
+    it does not exist yet: what ShardAdamW steps and what a checkpoint is loaded into."""
+    state = optimizer.state[p]
+    if not state:
+        on_device = group["fused"] or group["capturable"]  # (else AdamW keeps `step` on the CPU)
+        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return state
+
+
 def rebuild_buffers(model: torch.nn.Module, device: torch.device) -> None:
     """to_empty() leaves buffers uninitialised; the only ones of a Qwen2/Llama model are RoPE's
     inverse frequencies, computed from the config: compute them again, in FP32, on the device."""
     for name, module in model.named_modules():
-        own = dict(module.named_buffers(recurse=False))
-        if not own:
+        if not (own := dict(module.named_buffers(recurse=False))):
             continue
         if "RotaryEmbedding" not in type(module).__name__ or not hasattr(module, "config"):
             raise ValueError(f"{name}: cannot rebuild buffers {sorted(own)} after meta-device construction")
         for key, value in type(module)(module.config).named_buffers(recurse=False):
-            if value.dtype != torch.float32:
-                raise ValueError(f"{name}.{key} is not float32")
             setattr(module, key, value.to(device))
 
 

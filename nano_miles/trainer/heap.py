@@ -1,11 +1,9 @@
 """The C heap of a CPU process that trains: what glibc's malloc keeps after torch frees a tensor.
 
-torch's CPU tensors come from malloc. glibc serves a request of at least M_MMAP_THRESHOLD bytes with
-its own mmap (returned to the kernel on free) and smaller ones from the heap, and by default it raises
-that threshold to the size of every mmapped block freed, up to 32 MB. After the first backward, a
-trainer's per-layer gradients and activations (1-32 MB each for a 0.5B model) all come from the heap,
-where freed blocks between live ones stay resident: between steps a CPU trainer held 1.3 GB more
-than its tensors need (8.63 vs 7.33 GB in a 3-step main job, bench/main_job_memory.py).
+glibc serves a request of at least M_MMAP_THRESHOLD bytes with its own mmap (returned to the kernel on
+free) and smaller ones from the heap, and by default raises that threshold to the size of every mmapped
+block freed, up to 32 MB. So after the first backward a trainer's per-layer gradients and activations
+(1-32 MB each for a 0.5B model) come from the heap, where freed blocks between live ones stay resident.
 
 `return_large_frees()` fixes the threshold (which also turns the raising off), so every block of
 1 MiB or more is its own mapping and goes back to the kernel when freed; `release_free_heap()` hands
@@ -33,6 +31,5 @@ def return_large_frees(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
 
 def release_free_heap() -> None:
     """Hand the heap's free pages back to the kernel (glibc's malloc_trim)."""
-    libc = _libc()
-    if libc is not None:
+    if (libc := _libc()) is not None:
         libc.malloc_trim(ctypes.c_size_t(0))

@@ -33,12 +33,13 @@ def tempered_logits(hidden, weight, temperature: float = 1.0):
 def chunk_logprobs(hidden, targets, weight, with_entropy: bool, temperature: float = 1.0):
     """log p(target) in float32 for hidden [N, H], and the entropy (zeros without with_entropy), of the
     distribution sampled at `temperature`."""
-    logits = tempered_logits(hidden, weight, temperature)
-    logp_all = torch.log_softmax(logits, dim=-1)
+    return _pick(torch.log_softmax(tempered_logits(hidden, weight, temperature), dim=-1), targets, with_entropy)
+
+
+def _pick(logp_all, targets, with_entropy: bool):
+    """(log p(target), entropy or zeros) from the [N, V] log-softmax."""
     logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
-    if not with_entropy:
-        return logp, torch.zeros_like(logp)
-    return logp, -(logp_all.exp() * logp_all).sum(-1)
+    return logp, -(logp_all.exp() * logp_all).sum(-1) if with_entropy else torch.zeros_like(logp)
 
 
 def chunk_logit_grads(hidden, targets, weight, grad_logp, grad_entropy, temperature: float = 1.0):
@@ -127,10 +128,7 @@ def _exact_chunk(hidden, targets, weight, with_entropy: bool, temperature: float
     if temperature != 1.0:
         raise ValueError("true on-policy log-probs are of the model's distribution: temperature must be 1")
     logp_all = batch_invariant.log_softmax(batch_invariant.linear(hidden, weight, out_dtype=torch.float32))
-    logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
-    if not with_entropy:
-        return logp, torch.zeros_like(logp)
-    return logp, -(logp_all.exp() * logp_all).sum(-1)
+    return _pick(logp_all, targets, with_entropy)
 
 
 def exact_head_logprobs(hidden, targets, weight, chunk: int, with_entropy: bool, need_grad: bool,

@@ -69,12 +69,9 @@ class LossConfig:
 # ---------------------------------------------------------------------------------- advantages
 
 def compute_advantages(rewards, group_ids, cfg: AdvantageConfig | None = None):
-    """Per-sample advantages relative to the sample's group.
-
-    Returns (advantages [B] float32, keep [B] bool). A group whose rewards are all equal (or a
-    group of one) carries no signal: its advantages are exactly 0, and with
-    cfg.filter_zero_variance its samples get keep=False.
-    """
+    """Per-sample advantages relative to the sample's group: (advantages [B] float32, keep [B] bool). A
+    group whose rewards are all equal (or a group of one) carries no signal: its advantages are exactly 0,
+    and with cfg.filter_zero_variance its samples get keep=False."""
     cfg = cfg or AdvantageConfig()
     rewards = torch.as_tensor(rewards, dtype=torch.float32)
     if rewards.dim() != 1 or len(group_ids) != rewards.numel():
@@ -101,6 +98,25 @@ def compute_advantages(rewards, group_ids, cfg: AdvantageConfig | None = None):
             a = centred * len(idx) / (len(idx) - 1)
         adv[idx] = a.float()
     return adv, keep
+
+
+def parity_sums(logprobs, rollout_logprobs, sampled, stale) -> tuple:
+    """Train/inference parity, before the update: |trainer - engine| log-probs over the tokens the engine
+    `sampled`, as (sum, count, max) over rows sampled with the trainer's own weights and (sum, count) over
+    rows sampled by older ones (`stale`, async), whose gap also holds the policy's drift since."""
+    gap = (logprobs.detach() - rollout_logprobs).abs()
+    fresh, old = gap[sampled & ~stale], gap[sampled & stale]
+    return (float(fresh.double().sum()), fresh.numel(), float(fresh.max()) if fresh.numel() else 0.0,
+            float(old.double().sum()), old.numel())
+
+
+def parity_metrics(parts: list[tuple]) -> dict:
+    """The logprob_diff_* metrics of parity_sums parts: mean and max None when no row was sampled with
+    the trainer's weights (async: every row one version back), stale_mean None when every row was."""
+    n, stale_n = sum(p[1] for p in parts), sum(p[4] for p in parts)
+    return {"logprob_diff_mean": sum(p[0] for p in parts) / n if n else None,
+            "logprob_diff_max": max(p[2] for p in parts if p[1]) if n else None,
+            "logprob_diff_stale_mean": sum(p[3] for p in parts) / stale_n if stale_n else None}
 
 
 # ---------------------------------------------------------------------------------- policy loss
@@ -148,14 +164,12 @@ def clip_cov_mask(logprobs, adv, loss_mask, clipped, cfg: LossConfig):
 
 def policy_loss(logprobs, old_logprobs, advantages, loss_mask, cfg: LossConfig | None = None, *,
                 normalizer: float | None = None, rollout_logprobs=None, ref_logprobs=None, entropy=None):
-    """Dual-clip PPO loss with clip-higher, optional TIS, k3 KL, entropy bonus and Clip-Cov.
-
-    logprobs [B, T] (with grad), old_logprobs [B, T] (the trainer's, before the update),
-    advantages [B] or [B, T], loss_mask [B, T] bool. rollout_logprobs (the engine's) turn on TIS
-    when cfg.tis_cap is set. Returns (loss, metrics): "pg_loss" is this call's share of the batch
-    loss (summed over micro-batches it gives the batch's), "ratio_max" a max, the others means over
-    this call's masked tokens, and "tokens" their count (so callers can weight micro-batches).
-    """
+    """Dual-clip PPO loss with clip-higher, optional TIS, k3 KL, entropy bonus and Clip-Cov. logprobs
+    [B, T] (with grad), old_logprobs [B, T] (the trainer's, before the update), advantages [B] or [B, T],
+    loss_mask [B, T] bool. rollout_logprobs (the engine's) turn on TIS when cfg.tis_cap is set. Returns
+    (loss, metrics): "pg_loss" is this call's share of the batch loss (summed over micro-batches it gives
+    the batch's), "ratio_max" a max, the others means over this call's masked tokens, and "tokens" their
+    count (so callers can weight micro-batches)."""
     cfg = cfg or LossConfig()
     if logprobs.shape != loss_mask.shape or old_logprobs.shape != loss_mask.shape:
         raise ValueError(f"shape mismatch: logprobs {tuple(logprobs.shape)}, old {tuple(old_logprobs.shape)}, "

@@ -1,8 +1,7 @@
 """The learning rate of each optimizer step: linear warm-up, then constant, cosine or linear decay.
 
 The schedule is a pure function of the optimizer step, which the trainer keeps and checkpoints, so a
-resumed run continues on the same curve. Both trainers (single-process and sharded) set it on their
-AdamW's param groups just before each optimizer step.
+resumed run continues on the same curve.
 
     lr_schedule = "cosine", warmup_steps = W, decay_steps = D, min_lr_ratio = m:
     step s < W:      lr * (s + 1) / W
@@ -32,10 +31,3 @@ def lr_at(optim, step: int) -> float:
     else:
         left = 1.0 - progress
     return optim.lr * (optim.min_lr_ratio + (1.0 - optim.min_lr_ratio) * left)
-
-
-def set_lr(optimizer, optim, step: int) -> None:
-    """Put step `step`'s learning rate on every param group of `optimizer`."""
-    lr = lr_at(optim, step)
-    for group in optimizer.param_groups:
-        group["lr"] = lr

@@ -20,8 +20,6 @@ whole batch, which rank 0 has broadcast: nano_miles/train.py).
   same forwards and backwards on every rank). Clipping uses the global norm.
 - True on-policy (one process): the log-probs come from the ENGINE's model code over these parameters
   with its batch-invariant ops (nano_miles/engine/batch_invariant.py): the engine's, bit for bit.
-- One optimizer step per train_step. Unless old log-probs are passed in, the policy that sampled
-  the batch is the current one, so the PPO ratio is exactly 1 and old = logprobs.detach().
 """
 from __future__ import annotations
 
@@ -41,8 +39,8 @@ from nano_miles.engine.weights import NonFiniteWeights, non_finite
 from nano_miles.trainer import fsdp, heap
 from nano_miles.trainer.config import OptimConfig, TrainerConfig  # noqa: F401 (also imported from here)
 from nano_miles.trainer.logprob_head import exact_head_logprobs, head_logprobs
-from nano_miles.trainer.loss import loss_normalizer, policy_loss
-from nano_miles.trainer.lr_schedule import set_lr
+from nano_miles.trainer.loss import loss_normalizer, parity_metrics, parity_sums, policy_loss
+from nano_miles.trainer.lr_schedule import lr_at
 
 BUCKET_BYTES = 512 * 2**20
 
@@ -109,7 +107,7 @@ class Trainer:
                 self.optimizer = torch.optim.AdamW(self.masters, **{**adamw, "fused": None}, foreach=False)
         self.step = 0
         self.shared = None         # SharedWeights, once an engine maps our weights (share_weights)
-        self._pending_save = None  # a checkpoint still reading our tensors (checkpoint.py): wait before writing them
+        self.pending_save = None   # a checkpoint still reading our tensors (checkpoint.py): wait before writing them
         self.on_gather = None      # N ranks: called with iter_full_weights' arguments as each gather starts
 
     def _place(self, model) -> None:
@@ -121,8 +119,7 @@ class Trainer:
             if p.is_floating_point() and p.dtype != self.dtype:
                 p.data = p.data.to(self.dtype)
         buffers = dict(model.named_buffers())
-        low = [n for n, b in buffers.items() if n.endswith("inv_freq") and b.dtype != torch.float32]
-        if low:
+        if low := [n for n, b in buffers.items() if n.endswith("inv_freq") and b.dtype != torch.float32]:
             raise ValueError(f"{low[0]} is {buffers[low[0]].dtype}, not float32: the model was cast with "
                              ".to(dtype); load it with from_pretrained(dtype=...) or cast parameters only")
         if self.cfg.true_on_policy:  # the engine's model code over these very parameters (shared, not copied)
@@ -165,23 +162,19 @@ class Trainer:
         if bool((mask & ~attn[:, 1:]).any()):
             raise ValueError("loss_mask marks padding positions")
 
-    def _plan(self, batch) -> tuple[list[list[int]], int, torch.Tensor]:
-        """This rank's micro-batches (row indices, longest first: padding stays small), the most micro-batches
-        any rank has, and the rows' lengths."""
-        lengths = batch.attention_mask.sum(-1)
-        counts = lengths.tolist()
-        shares = fsdp.assign_groups(batch.group_ids, counts, self.world_size) if self.env else [range(len(counts))]
+    def _plan(self, batch) -> list:
+        """This rank's micro-batches as (rows, length), longest rows first (padding stays small), then a None
+        for each filler pass it makes to keep up with the rank that has the most."""
+        lengths = batch.attention_mask.sum(-1).tolist()
+        shares = fsdp.assign_groups(batch.group_ids, lengths, self.world_size) if self.env else [range(len(lengths))]
         mbs = self.cfg.micro_batch_size
-
-        def micro(rows):
-            order = sorted(rows, key=lambda i: -counts[i])  # stable: ties keep row order
-            return [order[i:i + mbs] for i in range(0, len(order), mbs)]
-
-        return micro(shares[self.rank]), max(-(-len(rows) // mbs) for rows in shares), lengths
+        order = sorted(shares[self.rank], key=lambda i: -lengths[i])  # stable: ties keep row order
+        mine = [(order[i:i + mbs], max(lengths[j] for j in order[i:i + mbs])) for i in range(0, len(order), mbs)]
+        return mine + [None] * (max(-(-len(rows) // mbs) for rows in shares) - len(mine))
 
     def _filler_pass(self, batch, need_grad: bool) -> None:
-        """A micro-batch that changes nothing (lockstep with ranks that have more): a 2-token forward and a
-        zero-loss backward."""
+        """A micro-batch that changes nothing (lockstep: FSDP's collectives need the same passes on every
+        rank): a 2-token forward and a zero-loss backward."""
         mask = torch.ones((1, 1), dtype=torch.bool, device=self.device)
         logp, _ = self._logprobs(batch.tokens[:1, :2], mask, need_grad=need_grad, with_entropy=False)
         if need_grad:
@@ -194,13 +187,11 @@ class Trainer:
         self._check_batch(batch)
         mask = batch.loss_mask if mask is None else mask
         out = torch.zeros(mask.shape, dtype=torch.float32, device=self.device)
-        mine, n_micro, lengths = self._plan(batch)
-        for i in range(n_micro):
-            if i >= len(mine):
+        for micro in self._plan(batch):
+            if micro is None:
                 self._filler_pass(batch, need_grad=False)
                 continue
-            idx = mine[i]
-            n = int(lengths[idx].max())
+            idx, n = micro
             lp, _ = self._logprobs(batch.tokens[idx, :n], mask[idx, :n - 1], need_grad=False, with_entropy=False)
             out[idx, :n - 1] = lp
         if self.env:
@@ -229,15 +220,13 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
-        sums, tokens, pg_loss, ratio_max, diff_sum, diff_max, diff_n = {}, 0, 0.0, 1.0, 0.0, 0.0, 0
-        stale_sum, stale_n = 0.0, 0
-        mine, n_micro, lengths = self._plan(batch)
-        for done in range(1, n_micro + 1):
-            if done > len(mine):
+        sums, tokens, pg_loss, ratio_max, parity = {}, 0, 0.0, 1.0, []
+        plan = self._plan(batch)
+        for done, micro in enumerate(plan, start=1):
+            if micro is None:
                 self._filler_pass(batch, need_grad=True)
             else:
-                idx = mine[done - 1]
-                n = int(lengths[idx].max())
+                idx, n = micro
                 mask = batch.loss_mask[idx, :n - 1].to(self.device)
                 logp, entropy = self._logprobs(batch.tokens[idx, :n], mask, need_grad=True, with_entropy=with_entropy)
                 if entropy is not None and cfg.entropy_coef == 0:
@@ -250,18 +239,8 @@ class Trainer:
                                       rollout_logprobs=rollout, ref_logprobs=ref, entropy=entropy)
                 loss.backward()
                 self._accumulate_master_grads()
-                # Train/inference parity, before the update: |trainer - engine| over the response tokens the
-                # engine sampled with the trainer's own weights. Rows sampled by older weights (async) also
-                # hold the policy's drift since: their mean is kept apart (parity_stale_mean).
-                gap = (logp.detach() - rollout).abs()
-                sampled = mask & ~batch.scripted[idx, None].to(self.device)
-                stale = batch.stale[idx, None].to(self.device)
-                diff = gap[sampled & ~stale]
-                if diff.numel():
-                    diff_sum, diff_n = diff_sum + float(diff.double().sum()), diff_n + diff.numel()
-                    diff_max = max(diff_max, float(diff.max()))
-                old_gap = gap[sampled & stale]
-                stale_sum, stale_n = stale_sum + float(old_gap.double().sum()), stale_n + old_gap.numel()
+                parity.append(parity_sums(logp, rollout, mask & ~batch.scripted[idx, None].to(self.device),
+                                          batch.stale[idx, None].to(self.device)))
                 pg_loss += m.pop("pg_loss")
                 ratio_max = max(ratio_max, m.pop("ratio_max"))
                 n_tok = m.pop("tokens")
@@ -269,13 +248,13 @@ class Trainer:
                 for k, v in m.items():
                     sums[k] = sums.get(k, 0.0) + v * n_tok
             if on_micro_batch is not None:
-                on_micro_batch(done, n_micro)
+                on_micro_batch(done, len(plan))
 
         grad_norm = self._clip_and_step()
         if self.device.type == "cpu":
             heap.release_free_heap()
         peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
-        parts = [(sums, tokens, pg_loss, ratio_max, diff_sum, diff_max, diff_n, peak, stale_sum, stale_n)]
+        parts = [(sums, tokens, pg_loss, ratio_max, parity, peak)]
         if self.env:
             mine, parts = parts[0], [None] * self.world_size
             dist.all_gather_object(parts, mine, group=self.env.cpu_group)
@@ -285,17 +264,12 @@ class Trainer:
                 sums[k] = sums.get(k, 0.0) + v
         metrics = {k: v / max(tokens, 1) for k, v in sums.items()}
         metrics.update(
+            parity_metrics([s for p in parts for s in p[4]]),
             step=self.step, pg_loss=sum(p[2] for p in parts), ratio_max=max(p[3] for p in parts),
             grad_norm=grad_norm, lr=self.optimizer.param_groups[0]["lr"], response_tokens=tokens,
-            # None when no row was sampled with the trainer's weights (async: every row one version back)
-            logprob_diff_mean=sum(p[4] for p in parts) / sum(p[6] for p in parts) if any(p[6] for p in parts) else None,
-            logprob_diff_max=max(p[5] for p in parts) if any(p[6] for p in parts) else None,
-            logprob_diff_stale_mean=(sum(p[8] for p in parts) / sum(p[9] for p in parts)
-                                     if any(p[9] for p in parts) else None),  # None: every row was fresh
-            step_ms=(time.perf_counter() - t0) * 1000.0,
-            world_size=self.world_size)
+            step_ms=(time.perf_counter() - t0) * 1000.0, world_size=self.world_size)
         if peak is not None:
-            metrics["peak_mem_gib"] = max(p[7] for p in parts)  # the largest rank's
+            metrics["peak_mem_gib"] = max(p[5] for p in parts)  # the largest rank's
         return metrics
 
     def _accumulate_master_grads(self):
@@ -327,7 +301,8 @@ class Trainer:
         max_norm = self.cfg.optim.max_grad_norm
         if max_norm > 0 and grads and max_norm / (norm + 1e-6) < 1.0:  # torch's clip_grad_norm_ formula
             torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
-        set_lr(self.optimizer, self.cfg.optim, self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(self.cfg.optim, self.step)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._check_weights_finite()
@@ -400,11 +375,7 @@ class Trainer:
             self.shared = SharedWeights(zip(self.names, self.masters if dtype == torch.float32 else self.params))
         return self.shared
 
-    def hold_until_saved(self, pending) -> None:
-        """A background checkpoint reads our tensors: no update runs until pending.wait() (checkpoint.py)."""
-        self._pending_save = pending
-
     def wait_for_save(self) -> None:
-        pending, self._pending_save = self._pending_save, None
+        pending, self.pending_save = self.pending_save, None
         if pending is not None:
             pending.wait()

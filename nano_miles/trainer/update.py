@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from tqdm import tqdm
 
-from nano_miles.trainer.loss import AdvantageConfig, compute_advantages
+from nano_miles.trainer.loss import AdvantageConfig, compute_advantages, parity_metrics, parity_sums
 from nano_miles.rollout.batch import build_rollout_batch
 
 
@@ -26,8 +26,7 @@ def policy_update(trainer, trajs, advantage_cfg: AdvantageConfig, pad_id: int, e
     batch = build_rollout_batch(trajs, pad_id=pad_id, policy_version=trainer.step)  # marks the stale rows
     advantages, keep = compute_advantages(batch.rewards, batch.group_ids, advantage_cfg)
     if not bool(keep.all()):  # DAPO dynamic sampling dropped zero-variance groups
-        rows = [i for i, k in enumerate(keep.tolist()) if k]
-        if not rows:
+        if not (rows := [i for i, k in enumerate(keep.tolist()) if k]):
             return {}, "every group had equal rewards (filtered)"
         batch = build_rollout_batch([trajs[i] for i in rows], pad_id=pad_id, policy_version=trainer.step)
         advantages = advantages[torch.tensor(rows)]
@@ -61,12 +60,8 @@ def policy_update(trainer, trajs, advantage_cfg: AdvantageConfig, pad_id: int, e
         return results[0], None
     merged = _merge_update_metrics(results)
     # Parity is a property of the sampling policy: from the log-probs taken before the first step.
-    gap = (old - batch.rollout_logprobs).abs()
-    sampled = batch.loss_mask & ~batch.scripted[:, None]
-    diff, stale = gap[sampled & ~batch.stale[:, None]], gap[sampled & batch.stale[:, None]]
-    merged["logprob_diff_mean"] = float(diff.double().mean()) if diff.numel() else None
-    merged["logprob_diff_max"] = float(diff.max()) if diff.numel() else None
-    merged["logprob_diff_stale_mean"] = float(stale.double().mean()) if stale.numel() else None
+    merged.update(parity_metrics([parity_sums(old, batch.rollout_logprobs, batch.loss_mask & ~batch.scripted[:, None],
+                                              batch.stale[:, None])]))
     return merged, None
 
 
@@ -86,8 +81,7 @@ def _minibatches(group_ids: list[str], updates: int) -> list[list[int]]:
 def _merge_update_metrics(results: list[dict]) -> dict:
     merged = {}
     for key in results[0]:
-        values = [r[key] for r in results if r.get(key) is not None]
-        if not values:
+        if not (values := [r[key] for r in results if r.get(key) is not None]):
             merged[key] = None
             continue
         if key in ("ratio_max", "peak_mem_gib", "logprob_diff_max"):

@@ -121,11 +121,6 @@ class WeightSync:
         self._answers: list = []  # the engines' answers to the last update call (the last bucket's)
         self._pausing: list | None = None  # the pause calls of the running sync, until waited for
 
-    @classmethod
-    def from_config(cls, source, engine_urls, cfg: SyncConfig, api_key: str | None = None,
-                    allow_shared: bool = False) -> "WeightSync":
-        return cls(source, engine_urls, cfg, api_key, allow_shared)
-
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """What the engines should serve, in their dtype."""
         src = self.source
@@ -362,14 +357,10 @@ class WeightSync:
             # Both ends tear the group down at once: NCCL's teardown on one side can wait for the other.
             local = self._pool.submit(G.destroy_weight_update_group, self._group)
             for c in self.clients:
-                try:
+                with contextlib.suppress(Exception):  # the engine may be gone already
                     c.destroy_weights_update_group(self._group_name)
-                except Exception:
-                    pass  # the engine may be gone already
-            try:
+            with contextlib.suppress(Exception):
                 local.result(timeout=self.cfg.timeout_s)
-            except Exception:
-                pass
             self._group = None
         self._send_buf = None
         if self._own_disk_dir and self._disk_dir:
@@ -387,8 +378,7 @@ class WeightSync:
 
 
 def _refuse_non_finite(named, version: str) -> None:
-    bad = W.non_finite(named)
-    if bad is not None:
+    if (bad := W.non_finite(named)) is not None:
         raise W.NonFiniteWeights(f"the weights for version {version} hold NaN or infinite values in {bad}; "
                                  "not sent to the engines")
 

@@ -11,9 +11,10 @@ import pytest
 
 from nano_miles import cli
 from nano_miles.rollout.env import EnvConfig, OpenShellEnv
-from nano_miles.tasks import TaskInstance, Workspace, all_tasks, get_task, normalize, select_tasks, verify
+from nano_miles.tasks import TaskInstance, Workspace, get_task, normalize, select_tasks, verify
+from nano_miles.tasks.api import TASKS as REGISTRY
 
-TASKS = all_tasks()
+TASKS = list(REGISTRY.values())
 
 
 def test_catalog_shape():
