@@ -1,7 +1,7 @@
 """Continuous batching: which sequences run in the next forward, and with how many tokens.
 
 A step is a PREFILL step (sequences with more than one uncomputed token, chunked under a token
-budget) or a DECODE step (every running sequence computes its newest token). Requests join as soon
+budget that counts the padded rows) or a DECODE step (every running sequence computes its newest token). Requests join as soon
 as blocks allow and leave the moment they finish. When decode runs out of blocks, the latest
 admitted sequence is preempted: its blocks are freed and it is recomputed later, tokens kept.
 """
@@ -52,12 +52,7 @@ class Scheduler:
     def schedule(self):
         """Returns ("prefill" | "decode", [(seq, num_tokens)]) or (None, []) when idle."""
         self._admit()
-        prefill, budget = [], self.max_batched_tokens
-        for seq in self.running:
-            if seq.num_uncomputed > 1 and budget > 0:
-                n = min(seq.num_uncomputed, budget)
-                prefill.append((seq, n))
-                budget -= n
+        prefill = self._prefill()
         if prefill:
             return "prefill", prefill
         decode, preempted = [], set()
@@ -73,6 +68,24 @@ class Scheduler:
             else:
                 decode.append((seq, 1))
         return ("decode", decode) if decode else (None, [])
+
+    def _prefill(self) -> list:
+        """The next prefill step. The forward pads every row to the step's longest chunk, so the budget
+        bounds rows x that length, not the tokens alone: the oldest sequence with tokens to compute sets
+        the length (its chunk, at most the budget), and the others whose tokens fit in it join while the
+        padded step stays within the budget. Longer ones wait for a step they lead: a 40-token
+        observation in the row of a 1,500-token prompt would cost the forward 37 times its work."""
+        todo = [seq for seq in self.running if seq.num_uncomputed > 1]
+        if not todo:
+            return []
+        length = min(todo[0].num_uncomputed, self.max_batched_tokens)
+        step = [(todo[0], length)]
+        for seq in todo[1:]:
+            if (len(step) + 1) * length > self.max_batched_tokens:
+                break
+            if seq.num_uncomputed <= length:
+                step.append((seq, seq.num_uncomputed))
+        return step
 
     def _admit(self):
         while self.waiting and len(self.running) < self.max_running:

@@ -1,0 +1,36 @@
+"""Which sequences the next forward runs (nano_miles/engine/scheduler.py), over a real block manager."""
+from nano_miles.engine.kv_cache import BlockManager
+from nano_miles.engine.scheduler import Scheduler, Sequence
+
+
+def waiting(scheduler: Scheduler, *lengths: int) -> list[Sequence]:
+    seqs = [Sequence(f"r{i}", list(range(10 + i * 1000, 10 + i * 1000 + n)), n, params=None)
+            for i, n in enumerate(lengths)]
+    scheduler.waiting.extend(seqs)
+    return seqs
+
+
+def test_a_prefill_step_pads_no_row_past_the_budget():
+    """A forward pads each row to the step's longest chunk. The oldest sequence sets that length; the
+    short ones that fit in it join while rows x length stays within the budget; a longer one waits for
+    a step it leads instead of making every short row as long as itself."""
+    s = Scheduler(BlockManager(512, 16), max_running=16, max_batched_tokens=256)
+    short_a, long_one, short_b, short_c = waiting(s, 40, 900, 30, 64)
+    kind, step = s.schedule()
+    assert kind == "prefill"
+    assert [(seq.rid, n) for seq, n in step] == [("r0", 40), ("r2", 30)]  # r3's 64 tokens do not fit in 40
+    assert len(step) * max(n for _, n in step) <= 256
+    for seq, n in step:
+        seq.num_computed_tokens += n
+    kind, step = s.schedule()
+    assert [(seq.rid, n) for seq, n in step] == [("r1", 256)]  # chunked at the budget, alone
+    long_one.num_computed_tokens += 256
+    _, step = s.schedule()
+    assert [(seq.rid, n) for seq, n in step] == [("r1", 256)]  # r3 (64) would make 2 x 256 rows
+
+
+def test_the_rows_of_a_step_stop_at_the_budget():
+    s = Scheduler(BlockManager(512, 16), max_running=64, max_batched_tokens=100)
+    waiting(s, *[20] * 8)
+    _, step = s.schedule()
+    assert [n for _, n in step] == [20] * 5  # 5 x 20 = 100; the sixth row would pad past it
