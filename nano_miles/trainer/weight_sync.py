@@ -153,16 +153,9 @@ class WeightSync:
             self._paused()
         finally:
             resumed = time.perf_counter()
-            if self._pausing is None:
-                self._on_all(lambda c: c.resume())
-            else:  # failed before the pause was waited for: an engine that paused must not stay paused
-                pausing, self._pausing = self._pausing, None
-                for c, f in zip(self.clients, pausing):
-                    try:
-                        f.result(timeout=self.cfg.timeout_s + 5)
-                        c.resume()
-                    except Exception:
-                        pass  # the error that got us here is the one to report
+            pausing, self._pausing = self._pausing, None  # not None: failed before waiting for the pause
+            if pausing is None or all(f.exception(timeout=self.cfg.timeout_s + 5) is None for f in pausing):
+                self._on_all(lambda c: c.resume())  # (an engine that could not pause is not continued)
             self._phase("resume", resumed)
         ms = (time.perf_counter() - t0) * 1000.0
         if self.cfg.verify:
@@ -185,8 +178,7 @@ class WeightSync:
         _refuse_non_finite(self.named_tensors(), version)  # (the trainer's own tensors: no copy)
         shared = self.source.share_weights(self.engine_dtype)  # the first call moves them into shared memory
         self._phase("prepare", t)
-        self._paused()
-        t = time.perf_counter()
+        t = self._paused()
         try:
             self._answers = self._on_all(
                 lambda c: c.update_weights_from_shared(shared.path, shared.manifest, weight_version=version))
@@ -217,13 +209,14 @@ class WeightSync:
         self._phases[name] += (now - since) * 1000.0
         return now
 
-    def _paused(self) -> None:
-        """Wait until every engine has paused (sync() asked them at its start); once a sync."""
+    def _paused(self) -> float:
+        """Wait until every engine has paused (sync() asked them at its start); the time after."""
+        t = time.perf_counter()
         if self._pausing is not None:
-            t = time.perf_counter()
             self._collect(self._pausing)
             self._pausing = None
-            self._phase("pause", t)
+            t = self._phase("pause", t)
+        return t
 
     def _start_all(self, fn) -> list:
         return [self._pool.submit(fn, c) for c in self.clients]
@@ -256,9 +249,8 @@ class WeightSync:
             # A fresh buffer every sync (a server may answer before its copy of the last one is done);
             # no synchronize: the receiver's rebuild waits on the IPC event recorded after the flatten.
             payload, flat = W.serialize_bucket(bucket)
-            t = self._phase("pack", t)
-            self._paused()
-            t = time.perf_counter()
+            self._phase("pack", t)
+            t = self._paused()
             self._answers = self._on_all(lambda c: c.update_weights_from_tensor(
                 payload, load_format="flattened_bucket", flush_cache=last, weight_version=version if last else None))
             t = self._phase("send", t)
@@ -327,8 +319,7 @@ class WeightSync:
         save_file({n: x.contiguous().cpu() for bucket, _ in buckets for n, x in bucket}, tmp)
         os.replace(tmp, os.path.join(self._disk_dir, "model.safetensors"))  # engines never see half a file
         self._phase("pack", start)
-        self._paused()
-        start = time.perf_counter()
+        start = self._paused()
         self._answers = self._on_all(lambda c: c.update_weights_from_disk(self._disk_dir, weight_version=version))
         self._phase("send", start)
 
