@@ -98,3 +98,13 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("sandbox workspaces left in the temp dir")
         for nodeid, paths in left:
             terminalreporter.line(f"{nodeid}: {len(paths)}")
+
+
+def pytest_collection_finish(session):
+    """Every process a test starts (`nano-miles train`, its engines and ranks, `serve`, `eval`, bench
+    scripts) runs one torch thread: on CI's two cores a trainer's or an engine's second OpenMP thread
+    spins against the other process (and the test), and a subprocess test burned 30-40% more CPU.
+    The code paths are the same; only the thread count differs (a test that needs another sets it).
+    Set after collection, when the test modules have loaded torch (and OpenMP with it): this process
+    keeps its own threads for the models it runs itself."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -24,7 +24,7 @@ from nano_miles.engine import weight_group as G
 from nano_miles.engine.protocol import API_KEY_ENV
 from nano_miles.engine.server import Server, ServerConfig
 
-CONNECT_TIMEOUT = 3.0
+CONNECT_TIMEOUT = 1.5  # what a rendezvous nobody answers costs each test below: short
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def test_a_rendezvous_nobody_answers_fails_in_time_and_the_server_stays_healthy(
         if silent is not None:
             silent.close()
     assert took < CONNECT_TIMEOUT + 3, f"answered after {took:.1f}s"
-    assert "did not complete within 3s" in str(error) and "dist_connect_timeout" in str(error)
+    assert f"did not complete within {CONNECT_TIMEOUT:g}s" in str(error) and "dist_connect_timeout" in str(error)
     assert client.generate([1, 2, 3], {"max_new_tokens": 2})["output_ids"]
     # nothing is left half-formed: a real trainer can form a group right after
     listener = G.listen("127.0.0.1")
