@@ -226,12 +226,9 @@ class SandboxCgroup:
         os.mkdir(path)
         return Leaf(path, list(self.v1_dirs.values()))
 
-    def kill(self) -> None:
-        _kill(self.path)  # every process is in the v2 tree too: the v1 groups need no kill of their own
-
     def close(self) -> None:
         """Kill every process of the sandbox and remove its cgroups. Idempotent."""
-        self.kill()
+        _kill(self.path)  # every process is in the v2 tree too: the v1 groups need no kill of their own
         for d in [self.path, *self.v1_dirs.values()]:
             _remove(d)
 

@@ -17,7 +17,7 @@ import stat
 import threading
 import time
 
-from .workspace import Moved, Replaced, dir_ident, open_subdir, walk
+from .workspace import CHECK_EVERY, FRESH_NS, Moved, Replaced, dir_ident, open_subdir, walk
 
 MIN_ENTRY_BYTES = 4096  # an entry costs at least an inode and a block
 FIRST_CHECK_S = 0.05    # commands shorter than this are measured once, at their end
@@ -25,23 +25,18 @@ MIN_INTERVAL_S = 0.02   # between two passes, and between two looks of the drain
 SETTLE_S = 0.1          # the pass at a command's end may run this long past its deadline
 WALK_SHARE = 0.1        # this share of the time goes into passes (more near the limit), as much into refreshes
 WATCH_S = 2.0           # a file seen growing is looked at on every pass until it stops for this long
-FRESH_NS = 250_000_000  # an mtime this recent is not trusted: timestamps tick coarsely
-CHECK_EVERY = 256       # entries between two looks at whether to stop
 MAX_MOVES = 3           # passes in a row cut short by moving directories before the check gives up
 
 
 def usage(roots: list[str]) -> int:
     """Bytes the trees under roots take, measured once in full (OSError when directories keep moving).
-    The walk is workspace.walk: by fd, no link followed, each directory the one its parent listed
-    (same device and inode), any depth. A directory closed to us (a command sharing our uid) is
-    opened up for the walk and given its mode back; one that is not ours is not entered."""
+    A directory closed to us is opened up for the walk and given its mode back (Meter._enter)."""
     meter = Meter()
     meter.settle(roots)
     return meter.total
 
 
-class _Dir:
-    """What the Meter remembers of one directory."""
+class _Dir:  # what the Meter remembers of one directory
     __slots__ = ("mtime", "entries", "subdirs", "watch", "total", "refreshed", "own")
 
     def __init__(self):
@@ -72,8 +67,7 @@ class Meter:
         self.moves = 0                 # passes in a row cut short by a directory moving under them
         self._root = None              # (dev, ino) of the root being walked
 
-    def settle(self, roots: list[str]) -> None:
-        """Measure until one whole pass, a refresh of every entry, is done (no deadline)."""
+    def settle(self, roots: list[str]) -> None:  # until one whole refresh pass is done (no deadline)
         self._next_cycle = -math.inf
         while not (self.measure(roots, lambda: False) and self._cycle is None):
             self.check_moves()
@@ -243,9 +237,9 @@ class Meter:
         except (FileNotFoundError, NotADirectoryError, PermissionError, Replaced):
             return None  # gone, replaced since it was listed, or not ours
         except OSError as e:
-            if e.errno != errno.ELOOP:  # a link now, where the listing had a directory
-                raise
-            return None
+            if e.errno == errno.ELOOP:  # a link now, where the listing had a directory
+                return None
+            raise
 
 
 def _bytes(st: os.stat_result) -> int:
@@ -299,8 +293,7 @@ class DiskCheck:
             free = max(0.0, 1.0 - self.meter.total / self.allowed)
             self._stop.wait(max(MIN_INTERVAL_S, self.meter.pass_cost / WALK_SHARE * free))
 
-    def stop(self) -> None:
-        """The passes stop (within CHECK_EVERY entries; the thread is not waited for)."""
+    def stop(self) -> None:  # within CHECK_EVERY entries; the thread is not waited for
         self._stop.set()
 
     def finish(self, deadline: float) -> str | None:

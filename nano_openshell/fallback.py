@@ -21,7 +21,6 @@ INLINE_SCRIPT_BYTES = 64 * 1024  # a longer command travels as a file (argv stri
 _BOOT = ("import sys; p = type(sys)('nano_openshell'); p.__path__ = [sys.argv[1]]; "
          "sys.modules['nano_openshell'] = p; from nano_openshell.initproc import main; main()")
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-_NO_SOCKETS: list[str] = []  # the fallback tier's seccomp filter, compiled once, as hex
 
 
 class Init:
@@ -97,9 +96,8 @@ def run(command: str, cfg: dict, leaf, path: str, deadline: float, output_bytes:
         with open(script, "w") as f:
             f.write(command)
         argv = ["bash", script]
-    if cfg["seccomp"] and not _NO_SOCKETS:
-        _NO_SOCKETS.append(seccomp.deny_list(no_sockets=True).hex())
-    cfg = {**cfg, "argv": argv, "supervisor_pid": os.getpid(), "seccomp": _NO_SOCKETS[0] if cfg["seccomp"] else None}
+    seccomp_hex = seccomp.deny_list(no_sockets=True).hex() if cfg["seccomp"] else None
+    cfg = {**cfg, "argv": argv, "supervisor_pid": os.getpid(), "seccomp": seccomp_hex}
     init = Init(cfg, leaf, path)
     try:
         return drain(init.proc, deadline, output_bytes, init.stop, owned, disk, init.ended)

@@ -19,7 +19,8 @@ import sys
 import tempfile
 import threading
 
-from .owned import left_behind, start_time
+from .owned import start_time, sweep
+from .workspace import rmtree
 
 WORKDIR = "/workspace"
 RUN_DIR = "/run/nano-openshell"
@@ -146,7 +147,7 @@ def view_dir() -> str:
     with _LOCK:
         if _VIEW.get("pid") != os.getpid() or not os.path.isdir(_VIEW["path"]):  # a forked child makes its own
             parent = "/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir()  # not tempfile's: a caller may remove it
-            _sweep_views(parent)
+            sweep(parent, VIEW_PREFIX, remove=rmtree)
             path = tempfile.mkdtemp(prefix=f"{VIEW_PREFIX}{os.getpid()}.{start_time(os.getpid())}-", dir=parent)
             os.chmod(path, 0o755)
             os.mkdir(os.path.join(path, "empty"), 0o555)
@@ -156,15 +157,6 @@ def view_dir() -> str:
             _VIEW.update(pid=os.getpid(), path=path)
             atexit.register(_remove_view_at_exit, os.getpid(), path)
         return _VIEW["path"]
-
-
-def _sweep_views(parent: str) -> None:
-    for path in left_behind(parent, VIEW_PREFIX):
-        try:
-            if os.lstat(path).st_uid == os.geteuid():
-                shutil.rmtree(path, ignore_errors=True)
-        except OSError:
-            pass
 
 
 def _remove_view_at_exit(pid: int, path: str) -> None:

@@ -129,7 +129,7 @@ def temp_dir(kind: str) -> str:
     if _ME["pid"] != pid:
         with _SWEEP_LOCK:
             if _ME["pid"] != pid:
-                _sweep(tempfile.gettempdir())
+                sweep(tempfile.gettempdir())
                 _ME["tag"] = f"{pid}.{start_time(pid)}"
                 _ME["pid"] = pid  # last: a thread that sees our pid also sees our tag
     return tempfile.mkdtemp(prefix=f"nano-openshell-{kind}-{_ME['tag']}-")
@@ -145,11 +145,12 @@ def left_behind(parent: str, prefix: str) -> list[str]:
     return [os.path.join(parent, m.string) for m in matches if m and start_time(int(m[1])) != int(m[2])]
 
 
-def _sweep(parent: str) -> None:
-    for path in left_behind(parent, "nano-openshell-(?:%s)-" % "|".join(KINDS)):
+def sweep(parent: str, prefix: str = "nano-openshell-(?:%s)-" % "|".join(KINDS), remove=remove_later) -> None:
+    """Remove (by default in the background) what gone processes left in parent: ours, or as root a sandbox uid's."""
+    for path in left_behind(parent, prefix):
         try:
             owner = os.lstat(path).st_uid
         except OSError:
             continue
         if owner == os.geteuid() or (os.geteuid() == 0 and owner in SANDBOX_UIDS):
-            remove_later(path)
+            remove(path)

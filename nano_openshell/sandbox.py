@@ -4,16 +4,13 @@
         r = sb.exec("echo hi", timeout=10)
         r.exit_code, r.stdout, r.stderr, r.timed_out, r.truncated, r.duration_ms, r.tier
 
-Tiers (probe.py says which work here, and why): "namespaced" (bwrap: namespaced.py, launcher.py),
-"fallback" (an init per command with Landlock and seccomp: fallback.py) and "none" (that init
-unconfined, only with allow_unisolated=True). Every tier kills the whole process tree at the
-timeout, closes stdin, caps the output kept and the files' disk use (disk.py), and gives the command
-an allowlisted environment. As root, each Sandbox runs its commands under an unprivileged uid of its
-own and hands the workspace to it before every exec (workspace.Handover): the workspace's parents
-must be world-traversable. Where the host lets us (cgroup.py), a cgroup caps memory and processes for
-the sandbox as a whole. A namespaced Sandbox keeps its namespaces (and /tmp) for its life; each
-command gets a fresh TMPDIR. What a Sandbox does not protect here is listed in its `gaps`. A process
-leaving without its atexit handlers (os._exit, a fatal signal) calls close_all() first (owned.py).
+Tiers (probe.py says which work here): "namespaced" (bwrap: namespaced.py, launcher.py), "fallback"
+(an init per command with Landlock and seccomp: fallback.py), "none" (only with allow_unisolated).
+Every tier kills the whole tree at the timeout, closes stdin, caps output and disk use (disk.py) and
+allowlists the environment. As root, each Sandbox runs as an unprivileged uid of its own and hands
+the workspace to it before every exec (workspace.Handover): its parents must be world-traversable.
+A namespaced Sandbox keeps its namespaces (and /tmp) for its life; each command gets a fresh TMPDIR.
+A process leaving without its atexit handlers calls close_all() first (owned.py).
 """
 
 import asyncio
@@ -38,9 +35,7 @@ from .workspace import Handover, remove, remove_later
 SAFE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 PASSED_THROUGH = ("LANG", "LC_ALL", "TERM", "TZ")  # harmless supervisor settings the command inherits
 PROXY_URL = "http://127.0.0.1:3128"
-_EXECUTOR: list[concurrent.futures.ThreadPoolExecutor] = []  # aexec's threads, made at its first call
-_EXECUTOR_LOCK = threading.Lock()
-_NAMESPACED_SECCOMP: list[bytes] = []  # compiled once
+_EXECUTOR = concurrent.futures.ThreadPoolExecutor(64, thread_name_prefix="nano-openshell")  # aexec's (threads: on use)
 
 
 class Sandbox:
@@ -154,22 +149,18 @@ class Sandbox:
         self._socket_fd = os.open(sock, os.O_PATH | os.O_CLOEXEC)
         self._owned.fds.append(self._socket_fd)
 
-    def _start_namespaces(self) -> None:
-        """This Sandbox's bwrap and init: started now, booting in the background."""
+    def _start_namespaces(self) -> None:  # bwrap and the init start now, booting in the background
         ws_fd = os.open(self.workspace, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         self._owned.fds.append(ws_fd)
-        if not _NAMESPACED_SECCOMP:
-            _NAMESPACED_SECCOMP.append(seccomp.deny_list())
         try:
             self._namespaces = self._owned.init = launcher.Namespaces(
                 self.probe["capabilities"]["bwrap"], self.limits.tmp_bytes, self.uid, ws_fd, self._mounts,
-                self._socket_fd, _NAMESPACED_SECCOMP[0], self.cgroup.leaf() if self.cgroup else None, SAFE_PATH)
+                self._socket_fd, seccomp.deny_list(), self.cgroup.leaf() if self.cgroup else None, SAFE_PATH)
         except launcher.InitDied as e:
             raise SandboxError(str(e)) from None
         self._namespaces.get()
 
-    def _gaps(self) -> list[str]:
-        """The probe's gaps for this tier, the memory one as this Sandbox's cgroup decides."""
+    def _gaps(self) -> list[str]:  # the probe's, the memory one as this Sandbox's cgroup decides
         gaps = [g for g in self.probe["tiers"][self.tier]["gaps"] if not g.startswith("memory")]
         if self.cgroup is not None and "memory" in self.cgroup.capped:
             return gaps
@@ -214,10 +205,7 @@ class Sandbox:
                           round((time.monotonic() - start) * 1000, 3), self.tier, list(self.gaps))
 
     async def aexec(self, command, timeout: float = 30.0) -> ExecResult:
-        with _EXECUTOR_LOCK:
-            if not _EXECUTOR:
-                _EXECUTOR.append(concurrent.futures.ThreadPoolExecutor(64, thread_name_prefix="nano-openshell"))
-        return await asyncio.get_running_loop().run_in_executor(_EXECUTOR[0], self.exec, command, timeout)
+        return await asyncio.get_running_loop().run_in_executor(_EXECUTOR, self.exec, command, timeout)
 
     def _hand_over(self, deadline: float) -> bool:
         """As root, the workspace and mounts to the sandbox's uid: False when the deadline came first."""
@@ -230,8 +218,7 @@ class Sandbox:
         finally:
             self._handover_lock.release()
 
-    def _disk_check(self, extra_roots: list[str]) -> DiskCheck:
-        """Limits.disk_bytes over the host directories the command can write to."""
+    def _disk_check(self, extra_roots: list[str]) -> DiskCheck:  # over every host directory it can write
         return DiskCheck(self._disk, [self.workspace, *self._mounts.values(), *extra_roots], self.limits.disk_bytes)
 
     def _exec_namespaced(self, command: str, deadline: float, disk: DiskCheck):

@@ -10,6 +10,7 @@
 
 import ctypes
 import errno
+import functools
 import os
 import struct
 import sys
@@ -115,6 +116,7 @@ def _no_sockets() -> list[tuple[str, list[bytes]]]:
     return [("socket", _deny(errno.EAFNOSUPPORT)), ("socketpair", _connected_stream_pairs_only())]
 
 
+@functools.cache  # compiled once per process and arguments
 def deny_list(no_sockets: bool = False, arch: str | None = None) -> bytes:
     rules = [(n, _deny()) for n in DENIED]
     # clone3 passes its flags in a struct that BPF cannot read: ENOSYS makes glibc fall back to clone

@@ -16,8 +16,8 @@ import stat
 import threading
 import time
 
-FRESH_NS = 250_000_000
-CHECK_EVERY = 256  # entries between two looks at the clock
+FRESH_NS = 250_000_000  # an mtime this recent is not trusted: timestamps tick coarsely
+CHECK_EVERY = 256       # entries between two looks at the clock (or whether to stop)
 EXIT_WAIT = 30.0
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
