@@ -1,9 +1,6 @@
 """A cgroup per Sandbox: one kill for everything its commands started, and memory and process caps for
-the sandbox as a whole (docs/design.md, Cgroups).
-
-    cg, why = SandboxCgroup.create(memory_bytes, processes)   # None and the reason where we cannot
-    leaf = cg.leaf(); leaf.add(pid)    # before pid starts anything: its descendants stay inside
-    leaf.kill(); leaf.close()          # one command (or one bwrap); cg.close(): kill all, remove
+the sandbox as a whole (docs/design.md, Cgroups). A pid is added to its leaf before it starts anything:
+its descendants stay inside.
 
 Made under the supervisor's own cgroup v2 (or its parent, where that one hands controllers down and
 is ours to write), processes only in its leaves; a hybrid host's v1 memory or pids controller gets a
@@ -86,7 +83,6 @@ def _v2_parent(base: str) -> tuple[str, bool]:
 
 
 def _sweep(parents: list[str]) -> None:
-    """Remove the empty cgroups of supervisors that are gone."""
     for parent in parents:
         for path in left_behind(parent, "nano-openshell-"):
             if not _populated(path):
@@ -94,7 +90,6 @@ def _sweep(parents: list[str]) -> None:
 
 
 def _kill(path: str) -> None:
-    """Kill every process in the cgroup tree at path."""
     try:
         _write(os.path.join(path, "cgroup.kill"), "1")
         return
@@ -161,7 +156,6 @@ class Leaf:
         _kill(self.path)
 
     def close(self) -> None:
-        """Kill what is left, wait until it is gone, remove the leaf."""
         _kill(self.path)
         _remove(self.path)
 

@@ -70,7 +70,6 @@ def _built() -> tuple[str, int] | None:
 
 
 def why_not() -> str:
-    """Why binary() is None ("" when it is not)."""
     return _WHY.get(_key(), "")
 
 
@@ -105,15 +104,13 @@ def _cache_dir() -> str:
             st = os.lstat(candidate)
         except OSError:
             continue
-        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022 \
-                and os.access(candidate, os.W_OK):
+        if _trusted(st, stat.S_ISDIR) and os.access(candidate, os.W_OK):
             return candidate
     return tempfile.mkdtemp(prefix="nano-openshell-init-")
 
 
-def _trusted(st: os.stat_result) -> bool:
-    """A regular file of ours that no other user can write."""
-    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022
+def _trusted(st: os.stat_result, kind=stat.S_ISREG) -> bool:  # ours, and no other user can write it
+    return kind(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022
 
 
 def _build(key: str) -> str:

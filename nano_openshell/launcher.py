@@ -57,7 +57,6 @@ class NotStarted(RuntimeError):
 
 
 class Namespaces:
-    """A Sandbox's bwrap and init: how to start them, and the one running."""
 
     def __init__(self, bwrap: str, tmp_bytes: int, uid: int | None, workspace_fd: int, mounts: dict[str, str],
                  socket_fd: int | None, seccomp_program: bytes, cgroup_leaf, path: str):
@@ -166,7 +165,6 @@ class Init:
 
     @property
     def _proc(self) -> subprocess.Popen | None:
-        """bwrap, once the spawner thread started it; None when it could not be started."""
         return self._started.result()
 
     def _join_cgroup(self, leaf, info_r: int) -> None:

@@ -255,7 +255,6 @@ def _processes() -> dict:
 
 
 def _tree(procs: dict, roots: set) -> set:
-    """roots and every descendant of them."""
     children = {}
     for pid, (ppid, _) in procs.items():
         children.setdefault(ppid, []).append(pid)

@@ -67,7 +67,6 @@ class SandboxPool:
             sb.close()
 
     def idle(self) -> int:
-        """How many booted, unused sandboxes are ready now."""
         with self._idle.lock:
             return len(self._idle.sandboxes)
 

@@ -203,13 +203,10 @@ class ProxyServer:
             reason = f"unsupported protocol version {req['protocol']!r}; this supervisor speaks {PROTOCOL_VERSION}"
             self._audit(client, "GET", "", 0, HANDSHAKE_PATH, "deny", None, reason, 400)
             return _quiet(conn.sendall, _response(400, reason))
-        body = json.dumps(self.handshake_info()).encode()
+        body = json.dumps({"protocol": PROTOCOL_VERSION, "tier": self.info.get("tier"), "policy_sha256":
+                           self.policy.sha256, "capabilities": self.info.get("capabilities", {})}).encode()
         conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
                      + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
-
-    def handshake_info(self) -> dict:
-        return {"protocol": PROTOCOL_VERSION, "tier": self.info.get("tier"),
-                "capabilities": self.info.get("capabilities", {}), "policy_sha256": self.policy.sha256}
 
     def _audit(self, client, method, host, port, path, decision, rule, reason, status) -> None:
         if self._log is not None:
@@ -218,7 +215,6 @@ class ProxyServer:
 
 
 class AuditLog:
-    """One JSONL line per decision, bounded on disk (see the module's docstring)."""
 
     def __init__(self, path: str, max_bytes: int):
         self.path, self.max_bytes = path, max_bytes

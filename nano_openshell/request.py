@@ -186,9 +186,8 @@ def _check_host_header(headers, host: str, port: int, method: str, path: str) ->
         raise BadRequest(400, "more than one Host header", method, host, port, path)
     if not values:
         return
-    default = None if method == "CONNECT" else 80
-    try:
-        h_host, h_port = _authority(values[0], default if default else port, method)
+    try:  # CONNECT's Host may leave out the port it connects to
+        h_host, h_port = _authority(values[0], port if method == "CONNECT" else 80, method)
     except BadRequest as e:
         raise BadRequest(400, f"bad Host header: {e.reason}", method, host, port, path) from None
     if (h_host, h_port) != (host, port):

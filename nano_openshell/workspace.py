@@ -265,12 +265,10 @@ def _remove_loop() -> None:  # waited for at interpreter exit, up to EXIT_WAIT
 
 
 def finish(timeout: float = EXIT_WAIT) -> None:
-    """Wait, up to timeout, until the background removals are done."""
     end = time.monotonic() + timeout
     while _LEFT.unfinished_tasks and time.monotonic() < end:
         time.sleep(0.05)
 
 
 def pending() -> int:
-    """Directories still being removed in the background."""
     return _LEFT.unfinished_tasks
