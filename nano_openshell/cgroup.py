@@ -147,8 +147,7 @@ class Leaf:
     def __init__(self, path: str, v1_dirs: list[str]):
         self.path, self._v1_dirs = path, v1_dirs
 
-    def add(self, pid: int) -> None:
-        """Move pid in; what it starts afterwards is born inside."""
+    def add(self, pid: int) -> None:  # what pid starts afterwards is born inside
         for d in [self.path, *self._v1_dirs]:
             _write(os.path.join(d, "cgroup.procs"), str(pid))
 
@@ -168,8 +167,7 @@ class SandboxCgroup:
         self._leaves = itertools.count()
 
     @classmethod
-    def create(cls, memory_bytes: int, processes: int) -> "tuple[SandboxCgroup | None, str]":
-        """A new cgroup with these caps, or (None, why not)."""
+    def create(cls, memory_bytes: int, processes: int) -> "tuple[SandboxCgroup | None, str]":  # or (None, why)
         global _layout
         name = f"nano-openshell-{os.getpid()}.{start_time(os.getpid())}-{next(_counter)}-{secrets.token_hex(3)}"
         made = []
@@ -227,8 +225,7 @@ class SandboxCgroup:
             _remove(d)
 
 
-def check() -> dict:
-    """What a Sandbox would get here (probe.py): a real cgroup made and removed again."""
+def check() -> dict:  # what a Sandbox would get here (probe.py): a real cgroup, made and removed
     cg, why = SandboxCgroup.create(1 << 30, 64)
     if cg is not None:
         cg.close()

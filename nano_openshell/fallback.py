@@ -24,9 +24,7 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 class Init:
-    """One command's init, seen from the supervisor: Init(cfg, leaf) starts it (in the leaf, when the
-    Sandbox has a cgroup), stop() kills the command's whole tree, ended() says when and how the
-    command itself ended, close() once it is over."""
+    """One command's init, seen from the supervisor (started in the leaf when the Sandbox has a cgroup)."""
 
     def __init__(self, cfg: dict, leaf=None, path: str = "/usr/bin:/bin"):
         self.leaf = leaf
@@ -88,8 +86,7 @@ class Init:
 
 
 def run(command: str, cfg: dict, leaf, path: str, deadline: float, output_bytes: int, owned, disk):
-    """`bash -c command` in a new init; cfg: the init's (initproc.main), "seccomp" a bool here.
-    Returns output.drain's (code, stdout, stderr, timed_out)."""
+    """`bash -c command` in a new init, drained (output.drain); cfg: initproc.main's, "seccomp" a bool here."""
     argv = ["bash", "-c", command]
     if len(command.encode()) > INLINE_SCRIPT_BYTES:
         script = os.path.join(cfg["tmpdir"], ".nano-openshell-command.sh")

@@ -39,14 +39,12 @@ def kind() -> str:
     return "python"
 
 
-def binary() -> str | None:
-    """The compiled init's path (built on first use), or None where no C compiler works."""
+def binary() -> str | None:  # built on first use; None where no C compiler works
     built = _built()
     return built[0] if built else None
 
 
-def open_binary() -> int:
-    """A new fd of the checked binary, to exec as /proc/self/fd/N (the caller closes it)."""
+def open_binary() -> int:  # a new fd of the checked binary, to exec as /proc/self/fd/N
     built = _built()
     if built is None:
         raise RuntimeError(f"the C init cannot be built here: {why_not()}")

@@ -184,12 +184,8 @@ class Init:
             try:
                 if self._joining is not None:
                     self._joining.result(max(0.0, deadline - time.monotonic()))
-                status_r, status_w = os.pipe()
+                status_r = self._request(("ping",), [], deadline)
                 try:
-                    try:
-                        self._send(("ping",), [status_w], deadline)
-                    finally:
-                        os.close(status_w)
                     self._answered = Command(self, 0, status_r)._line(deadline - time.monotonic()) == b"R"
                 finally:
                     os.close(status_r)
@@ -238,16 +234,21 @@ class Init:
                 raise InitDied(self.dead) from None
         if not self.alive():
             raise NotDelivered(self.dead)
-        status_r, status_w = os.pipe()
         cid = next(self._ids)
+        fds = [out_w, err_w] + ([script_fd] if script_fd else [])
+        return Command(self, cid, self._request(("run", cid, argv, env), fds, deadline))
+
+    def _request(self, msg: tuple, fds: list[int], deadline: float) -> int:
+        """Send msg with the write end of a new status pipe before fds; returns its read end."""
+        status_r, status_w = os.pipe()
         try:
-            self._send(("run", cid, argv, env), [status_w, out_w, err_w] + ([script_fd] if script_fd else []), deadline)
+            self._send(msg, [status_w] + fds, deadline)
         except BaseException:
             os.close(status_r)
             raise
         finally:
             os.close(status_w)
-        return Command(self, cid, status_r)
+        return status_r
 
     def kill(self, cid: int) -> None:
         try:
@@ -258,11 +259,8 @@ class Init:
     def abort(self, why: str) -> None:
         """Kill the whole sandbox now (bwrap; the init and its pid namespace go with it)."""
         self.dead = self.dead or why
-        try:
-            if self._proc is not None:
-                self._proc.kill()
-        except OSError:
-            pass
+        if self._proc is not None:
+            self._proc.kill()  # Popen.kill: a no-op once it has exited
 
     def close(self) -> None:
         self.closed, self.dead = True, self.dead or "the sandbox is closed"

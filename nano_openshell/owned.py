@@ -64,8 +64,7 @@ class Owned:
         remove(path, float("inf"))
         raise SandboxError("the sandbox was closed while it started")
 
-    def track(self, kill) -> None:
-        """A command started: release() kills it; once released, it is killed at once."""
+    def track(self, kill) -> None:  # a command started: release() kills it (at once when released already)
         with self.lock:
             if not self.released:
                 self.running.add(kill)

@@ -25,8 +25,7 @@ BOOT_TIMEOUT = 10.0  # a sandbox not booted by then is closed, never pooled
 
 class SandboxPool:
     def __init__(self, size: int, boots: int = 1, **sandbox_kwargs):
-        """size: how many booted, unused Sandboxes to keep ready; boots: how many boot at once;
-        sandbox_kwargs: what Sandbox() takes, except workspace and mounts (every sandbox has its own)."""
+        """size: how many booted, unused Sandboxes to keep ready; boots: how many boot at once."""
         for name, value, least in (("size", size, 0), ("boots", boots, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"SandboxPool {name} must be an int >= {least}, got {value!r}")
@@ -45,8 +44,7 @@ class SandboxPool:
             self._refill()
 
     def take(self, mounts: dict[str, str | None] | None = None) -> Sandbox:
-        """A fresh Sandbox of the pool's kwargs, booted if one was ready; the caller closes it.
-        With mounts, a new Sandbox with them (not pooled)."""
+        """A fresh Sandbox, booted if one was ready (with mounts: a new one, never pooled); the caller closes it."""
         if mounts:
             return Sandbox(**self._kwargs, mounts=mounts)
         while True:
@@ -95,8 +93,7 @@ class SandboxPool:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _refill(self) -> None:
-        """Under the lock: start the boots that bring ready + booting up to size."""
+    def _refill(self) -> None:  # under the lock
         while not (self._idle.closed or self._failing) and len(self._idle.sandboxes) + self._booting < self.size:
             self._booting += 1
             try:

@@ -34,7 +34,6 @@ from .workspace import Handover, remove, remove_later
 
 SAFE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 PASSED_THROUGH = ("LANG", "LC_ALL", "TERM", "TZ")  # harmless supervisor settings the command inherits
-PROXY_URL = "http://127.0.0.1:3128"
 _EXECUTOR = concurrent.futures.ThreadPoolExecutor(64, thread_name_prefix="nano-openshell")  # aexec's (threads: on use)
 
 
@@ -168,7 +167,7 @@ class Sandbox:
         return gaps + [f"memory is capped per process (RLIMIT_AS), not per sandbox: {why}"]
 
     def path_of(self, path: str) -> str:
-        """The host directory behind a path of the sandbox: /workspace or one of the Sandbox's mounts."""
+        """The host directory behind /workspace or one of the Sandbox's mounts."""
         if path == namespaced.WORKDIR:
             return self.workspace
         if path not in self._mounts:
@@ -180,8 +179,6 @@ class Sandbox:
         env = {"PATH": SAFE_PATH, "HOME": home, "PWD": home, "TMPDIR": tmpdir, "SHELL": "/bin/bash",
                "USER": "sandbox", "LOGNAME": "sandbox", "LANG": "C.UTF-8", "TERM": "dumb"}
         env.update({k: os.environ[k] for k in PASSED_THROUGH if k in os.environ})
-        if self._proxy is not None:
-            env.update(HTTP_PROXY=PROXY_URL, HTTPS_PROXY=PROXY_URL, http_proxy=PROXY_URL, https_proxy=PROXY_URL)
         return {**env, **self._extra_env}
 
     def exec(self, command, timeout: float = 30.0) -> ExecResult:
@@ -263,8 +260,8 @@ class Sandbox:
         return self.tier != "namespaced" or (not self._closed and self._namespaces.ready(time.monotonic() + timeout))
 
     def close(self) -> None:
-        """Kill every command still running (its exec returns with exit_code -9), stop the proxy,
-        close our fds, remove the cgroup and the temporary workspace. Idempotent."""
+        """Kill every command still running (its exec returns with exit_code -9), give back what it holds
+        (owned.py). Idempotent."""
         self._closed = True
         self._release()
 

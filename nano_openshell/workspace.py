@@ -68,8 +68,7 @@ def walk(root: int, listing, enter, leave) -> bool:
             os.close(cur)
 
 
-def dir_ident(fd: int) -> tuple[int, int]:
-    """(st_dev, st_ino) of an open directory: which directory it is, whatever its name now."""
+def dir_ident(fd: int) -> tuple[int, int]:  # which directory it is, whatever its name now
     st = os.fstat(fd)
     return st.st_dev, st.st_ino
 
@@ -102,8 +101,7 @@ class Handover:
         self.known: dict[tuple[int, int], tuple[int, tuple[str, ...]]] = {}  # (dev, ino) -> mtime, subdirs
         self.entries = 0  # entries the last walk looked at
 
-    def claim_root(self) -> None:
-        """Only the top directory (bwrap must enter it as the sandbox's uid when it starts)."""
+    def claim_root(self) -> None:  # only the top directory: bwrap enters it as the sandbox's uid
         fd = os.open(self.root, _DIR_FLAGS)
         try:
             os.fchown(fd, self.uid, self.uid)
@@ -247,8 +245,7 @@ _REMOVER: list[threading.Thread] = []
 _REMOVER_LOCK = threading.Lock()
 
 
-def remove_later(path: str) -> None:
-    """Finish removing path in the background (one thread for the whole process)."""
+def remove_later(path: str) -> None:  # in the background, one thread for the whole process
     with _REMOVER_LOCK:
         if not _REMOVER:
             _REMOVER.append(threading.Thread(target=_remove_loop, name="nano-openshell-remove", daemon=True))
