@@ -9,6 +9,7 @@ it is empty. A command cannot move itself out: the files are not its uid's, or L
 read-only.
 """
 
+import contextlib
 import itertools
 import os
 import secrets
@@ -101,17 +102,13 @@ def _kill(path: str) -> None:
     while time.monotonic() < end:
         pids = []
         for dirpath, _, _ in os.walk(path):
-            try:
+            with contextlib.suppress(OSError):
                 pids += [int(p) for p in _read(os.path.join(dirpath, "cgroup.procs")).split()]
-            except OSError:
-                pass
         if not pids:
             return
         for pid in pids:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         time.sleep(0.001)
 
 

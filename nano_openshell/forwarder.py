@@ -1,10 +1,8 @@
-"""In-sandbox forwarder: 127.0.0.1:PORT -> the supervisor proxy's Unix socket.
-
-Runs inside the sandbox as `<python> -I -S -c <this file's text> SOCKET PORT` (the sandbox may see
-neither this package nor this Python), so it imports only the standard library's C modules (the
-socket and threading modules would double its start-up, the network's cost per command). It prints
-"ready" or "error: ..." once listening, and dies with the shell that started it. On the host side,
-sandbox_prelude() is the bash snippet that starts it.
+"""In-sandbox forwarder: 127.0.0.1:PORT -> the supervisor proxy's Unix socket, started by the bash
+that sandbox_prelude() returns as `<python> -I -S -c <this file's text> SOCKET PORT` (the sandbox may see
+neither this package nor this Python). It imports only C modules (socket and threading would double
+its start-up, the network's cost per command), prints "ready" or "error: ..." once listening, and
+dies with the shell that started it.
 """
 
 import _socket
@@ -48,8 +46,7 @@ def sandbox_prelude(socket_path_inside_sandbox, port=FORWARDER_PORT, python=None
     ])
 
 
-def _source() -> str:
-    """This whole file, as sent to `python -c` (it runs main() as __main__)."""
+def _source() -> str:  # this whole file, as sent to `python -c` (it runs main() as __main__)
     with open(os.path.abspath(__file__), encoding="utf-8") as f:
         return f.read()
 

@@ -12,6 +12,7 @@ KILL_WAIT of a kill request gets the whole sandbox killed.
 
 import array
 import concurrent.futures
+import contextlib
 import json
 import os
 import select
@@ -251,10 +252,8 @@ class Init:
         return status_r
 
     def kill(self, cid: int) -> None:
-        try:
+        with contextlib.suppress(InitDied):  # gone: so is the command
             self._send(("kill", cid), [], time.monotonic() + 0.1)
-        except InitDied:
-            pass  # gone: so is the command
 
     def abort(self, why: str) -> None:
         """Kill the whole sandbox now (bwrap; the init and its pid namespace go with it)."""
@@ -302,10 +301,8 @@ class Command:
             raise InitDied(self._init.dead or "the sandbox's init died")
         if line.startswith(b"E"):
             raise NotStarted(line[1:].decode(errors="replace"))
-        try:
+        with contextlib.suppress(ValueError):
             self.returncode = int(line[1:]) if line.startswith(b"X") else -9
-        except ValueError:
-            pass
         return self.returncode
 
     def _line(self, timeout):
@@ -362,11 +359,9 @@ def run(start_init, script: str, env: dict[str, str], deadline: float, output_by
 
 
 def _write_all(fd: int, data: bytes) -> None:
-    try:
+    with contextlib.suppress(OSError):  # bwrap failed: the first command says why
         with open(fd, "wb") as f:
             f.write(data)
-    except OSError:
-        pass  # bwrap failed: the first command says why
 
 
 def _exited(proc: subprocess.Popen, timeout: float) -> bool:

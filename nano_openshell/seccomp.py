@@ -1,11 +1,8 @@
-"""Seccomp filters as classic BPF, compiled here without libseccomp.
-
-  deny_list()           the namespaced tier's filter, handed to bwrap through --seccomp FD
-  deny_list(no_sockets) the fallback tier's: the deny list, no socket() at all and only connected
-                        AF_UNIX stream socketpairs (_no_sockets says why)
-  deny_namespaces()     what a rootless container does to us (no unshare, setns, clone(CLONE_NEW*)):
-                        `python -c "import sys; from nano_openshell.seccomp import main; sys.exit(main())"
-                        --deny-namespaces -- CMD...` execs CMD under it (scripts/test_legs.sh, leg 2)
+"""Seccomp filters as classic BPF, compiled here without libseccomp: deny_list() for the namespaced
+tier (bwrap --seccomp FD), deny_list(no_sockets=True) for the fallback tier (_no_sockets says why), and
+deny_namespaces(), what a rootless container does to us, which `python -c "import sys; from
+nano_openshell.seccomp import main; sys.exit(main())" --deny-namespaces -- CMD...` execs CMD under
+(scripts/test_legs.sh, leg 2).
 """
 
 import ctypes

@@ -10,6 +10,7 @@ not seen). The walk stops at the deadline; the next one goes on from what it fin
 """
 
 import atexit
+import contextlib
 import os
 import queue
 import stat
@@ -131,12 +132,10 @@ class Handover:
                         is_dir = entry.is_dir(follow_symlinks=False)
                         if is_dir:
                             subdirs.append(entry.name)
-                        try:
+                        with contextlib.suppress(FileNotFoundError):
                             est = entry.stat(follow_symlinks=False)
                             if est.st_uid != uid and (is_dir or est.st_nlink == 1):
                                 os.chown(entry.name, uid, uid, dir_fd=fd, follow_symlinks=False)
-                        except FileNotFoundError:
-                            pass
                 subdirs = tuple(subdirs)
             if st.st_mtime_ns < fresh_after:
                 done[st.st_dev, st.st_ino] = (st.st_mtime_ns, subdirs)
@@ -189,10 +188,8 @@ def remove(path: str, deadline: float) -> bool:
             return None
 
     def leave(parent: int, name: str, _fd: int, _mode) -> None:
-        try:
+        with contextlib.suppress(OSError):  # not empty: a subdirectory that could not be opened; rmdir below says so
             os.rmdir(name, dir_fd=parent)
-        except OSError:
-            pass  # not empty: a subdirectory that could not be opened; rmdir below says so
 
     try:
         if not walk(fd, lambda d: _opened_up_listing(d, count, deadline), enter, leave):
@@ -207,10 +204,8 @@ def remove(path: str, deadline: float) -> bool:
 
 def _opened_up_listing(fd: int, count: list[int], deadline: float) -> list | None:
     """Give the directory u+rwx and unlink its files; its subdirectories, for walk (None: the deadline)."""
-    try:
+    with contextlib.suppress(OSError):
         os.fchmod(fd, 0o700)
-    except OSError:
-        pass
     entries = []
     with os.scandir(fd) as it:
         for e in it:  # a directory of millions of files takes a while to list alone
@@ -225,19 +220,15 @@ def _opened_up_listing(fd: int, count: list[int], deadline: float) -> list | Non
         if is_dir:
             subdirs.append((name, None))
         else:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(name, dir_fd=fd)
-            except FileNotFoundError:
-                pass
     return subdirs
 
 
 def rmtree(path: str) -> None:
     """rm -rf path now, through whatever read-only, closed or deeply nested directories a command left."""
-    try:
+    with contextlib.suppress(OSError):
         remove(path, float("inf"))
-    except OSError:
-        pass
 
 
 _LEFT: "queue.Queue[str]" = queue.Queue()
