@@ -1,12 +1,10 @@
 """A cgroup per Sandbox: one kill for everything its commands started, and memory and process caps for
-the sandbox as a whole (docs/design.md, Cgroups). A pid is added to its leaf before it starts anything:
-its descendants stay inside.
+the sandbox as a whole (docs/design.md, Cgroups). A pid joins its leaf before it starts anything.
 
 Made under the supervisor's own cgroup v2 (or its parent, where that one hands controllers down and
 is ours to write), processes only in its leaves; a hybrid host's v1 memory or pids controller gets a
-group of the same name. kill() writes cgroup.kill, or before Linux 5.14 SIGKILLs cgroup.procs until
-it is empty. A command cannot move itself out: the files are not its uid's, or Landlock keeps /sys
-read-only.
+group of the same name. A kill writes cgroup.kill, or before Linux 5.14 SIGKILLs cgroup.procs until it
+is empty. A command cannot move itself out: the files are not its uid's, or Landlock keeps /sys read-only.
 """
 
 import contextlib

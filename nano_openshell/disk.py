@@ -50,9 +50,8 @@ class _Dir:  # what the Meter remembers of one directory
 
 
 class Meter:
-    """The bytes a Sandbox's directories take (total), kept up to date pass after pass (measure), one
-    walker at a time (lock). Trees are per root; a root that comes and goes (the fallback tier's
-    TMPDIR) is forgotten when it goes."""
+    """The bytes a Sandbox's directories take (total), kept up to date pass after pass, one walker at a
+    time (lock). A root that comes and goes (the fallback tier's TMPDIR) is forgotten when it goes."""
 
     def __init__(self):
         self.lock = threading.Lock()
@@ -89,12 +88,8 @@ class Meter:
         if self._cycle is None and started >= self._next_cycle:
             self._cycle, self._cycle_cost = started, 0.0
         cycle = self._cycle
-        complete = True
         try:
-            for root in roots:
-                if not self._measure_root(root, stop):
-                    complete = False
-                    break
+            complete = all(self._measure_root(root, stop) for root in roots)  # up to the first one cut short
         except Moved:  # a directory moved to another parent while we were in it: what was seen is kept
             complete = False
             self.moves += 1
@@ -255,11 +250,9 @@ def _leave(_parent: int, _name: str, d: int, mode) -> None:
 
 
 class DiskCheck:
-    """One command's check, on the Sandbox's Meter: drain() calls over() while the command runs (a
-    line for its stderr when it took the files past what is allowed), finish() at its end. The first
-    over() at FIRST_CHECK_S starts the thread that runs the passes; finish() stops it and measures
-    once more, within the deadline. Allowed is the limit, or what the files took when the command
-    started if that was more."""
+    """One command's check, on the Sandbox's Meter: drain() calls over() while the command runs, finish()
+    at its end. The first over() at FIRST_CHECK_S starts the thread that runs the passes. Allowed is the
+    limit, or what the files took when the command started if that was more."""
 
     def __init__(self, meter: Meter, roots: list[str], limit: int):
         self.meter, self.roots, self.limit = meter, roots, limit
@@ -297,9 +290,8 @@ class DiskCheck:
         self._stop.set()
 
     def finish(self, deadline: float) -> str | None:
-        """At the command's end (the deadline, or SETTLE_S from now if later): the thread stopped, one
-        more pass, so that the next command starts from what is there; a line for its stderr when the
-        files are over the limit."""
+        """At the command's end (by the deadline, or SETTLE_S from now if later) one more pass, so that the
+        next command starts from what is there; a line for its stderr when the files are over the limit."""
         deadline = max(deadline, time.monotonic() + SETTLE_S)
         self.stop()
         if self._thread is not None:

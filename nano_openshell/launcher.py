@@ -58,7 +58,6 @@ class NotStarted(RuntimeError):
 
 
 class Namespaces:
-
     def __init__(self, bwrap: str, tmp_bytes: int, uid: int | None, workspace_fd: int, mounts: dict[str, str],
                  socket_fd: int | None, seccomp_program: bytes, cgroup_leaf, path: str):
         self.init_binary = init_build.binary() if init_build.kind() == "c" else None

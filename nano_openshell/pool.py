@@ -103,9 +103,8 @@ class SandboxPool:
                 return
 
     def _boot(self) -> None:
-        """In a boot thread: a new Sandbox, pooled once its init answers. One that raised or did not
-        boot is closed, and refills wait until a take() makes a sandbox the normal way again (which
-        raises to its caller what went wrong), rather than failing over and over in the background."""
+        """A new Sandbox, pooled once its init answers. After one that failed, refills wait until a take()
+        makes one the normal way (raising what went wrong) rather than fail over and over in the background."""
         sb, ready = None, False
         with contextlib.suppress(Exception):
             sb = Sandbox(**self._kwargs)

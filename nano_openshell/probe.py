@@ -1,9 +1,8 @@
 """Which isolation tier works here, and why: never chosen silently.
 
-probe() -> {"tier": best working tier, "reason": why, "tiers": {tier: {"ok", "reason", "gaps"}},
-            "capabilities": {...}}, once per process (refresh=True recomputes). The namespaced tier
-counts only once a real bwrap sandbox with our command line has run, a cgroup once one was made.
-gaps: what that tier does not protect on this host, one sentence each (Sandbox.gaps: its own).
+probe() -> {"tier", "reason", "tiers": {tier: {"ok", "reason", "gaps"}}, "capabilities"}, once per
+process (refresh=True recomputes). The namespaced tier counts only once a real bwrap sandbox with our
+command line has run, a cgroup once one was made. gaps: what a tier does not protect on this host.
 """
 
 import contextlib

@@ -216,7 +216,6 @@ class ProxyServer:
 
 
 class AuditLog:
-
     def __init__(self, path: str, max_bytes: int):
         self.path, self.max_bytes = path, max_bytes
         self._lock = threading.Lock()

@@ -255,8 +255,8 @@ class Sandbox:
                 remove_later(tmpdir)
 
     def wait_ready(self, timeout: float = 10.0) -> bool:
-        """Wait, running nothing, until the first command would not wait for the init's boot (the
-        namespaced tier; the others start an init per command): False when it died or took longer."""
+        """Wait, running nothing, until a command would not wait for the init's boot (namespaced tier; the
+        others start an init per command): False when it died or took longer."""
         return self.tier != "namespaced" or (not self._closed and self._namespaces.ready(time.monotonic() + timeout))
 
     def close(self) -> None:
