@@ -118,8 +118,7 @@ def _populated(path: str) -> bool:
 
 
 def _remove(path: str, wait: float = EMPTY_WAIT) -> None:
-    """rmdir a cgroup tree (leaves first) once its processes are gone; one still busy after `wait`
-    is left behind."""
+    """rmdir a cgroup tree (leaves first) once its processes are gone; one busy after `wait` is left."""
     end = time.monotonic() + wait
     while _populated(path) and time.monotonic() < end:
         time.sleep(0.001)

@@ -54,9 +54,8 @@ def _children_now(pid: int) -> list[int]:
 
 
 def _scanned_children(root: int):
-    """pid -> its children, all taken from one pass over /proc (for a kernel without children files).
-    Newest first, and each child of root killed as soon as it is read: the newest link of a chain
-    that forks faster than the pass goes before it forks on."""
+    """pid -> its children, from one pass over /proc (a kernel without children files). Newest first, each
+    child of root killed once read: the newest link of a chain forking faster than the pass goes first."""
     out = {}
     for pid in sorted((int(name) for name in os.listdir("/proc") if name.isdigit()), reverse=True):
         try:

@@ -34,8 +34,7 @@ _POOLS_LOCK = threading.Lock()
 
 
 def _pool(name: str, workers: int) -> concurrent.futures.ThreadPoolExecutor:
-    """Long-lived threads of this process ("bwrap": the one every bwrap starts from); a forked child
-    has none of its parent's threads and makes its own."""
+    """Long-lived threads of this process, by name; a forked child (none of its parent's) makes its own."""
     with _POOLS_LOCK:
         if _POOLS.get("pid") != os.getpid():
             _POOLS.clear()
@@ -178,8 +177,7 @@ class Init:
             self.abort(f"the sandbox could not be moved into its cgroup ({e!r}); it was killed")
 
     def ready(self, deadline: float) -> bool:
-        """Has the init booted (in its cgroup, answering a ping)? Unlike spawn(), kills no sandbox slow to
-        boot: False at the deadline or once it is dead."""
+        """Has the init booted (in its cgroup, answering a ping)? Unlike spawn(), kills none slow to boot."""
         if not self._answered:
             try:
                 if self._joining is not None:

@@ -213,8 +213,7 @@ def workspace_args(workspace_fd: int) -> list[str]:
 
 
 def check_mounts(mounts) -> dict:
-    """Sandbox(mounts={path: None or a host directory}), checked: each path absolute, normalised, clear
-    of what the sandbox provides itself; ValueError/TypeError say why not."""
+    """Sandbox(mounts={path: None or a host directory}), checked; ValueError/TypeError say why not."""
     if not mounts:
         return {}
     if not isinstance(mounts, dict):

@@ -162,9 +162,8 @@ class Init:
                 _remove_tree(cmd.tmp, deadline)
 
     def reap(self) -> tuple[list, bool]:
-        """Reap every exited child without blocking: (the commands whose main process it was, whether
-        any child is left). Each such command is told at once that it ended (before what it left is
-        killed: a deadline passing meanwhile is not its own)."""
+        """Reap every exited child: (commands whose main process it was, whether a child is left). Each is
+        told at once that it ended, before what it left is killed (a deadline passing then is not its own)."""
         done = []
         while True:
             try:

@@ -1,10 +1,10 @@
 """What a Sandbox holds on the host and gives back on close, and every one still held (close_all).
 
-A Sandbox's release runs at close(), when it is collected, or at interpreter exit. A process that
-leaves without any of those (os._exit after a fatal error, a signal it dies of) calls close_all()
-first. One that cannot (SIGKILL, the OOM killer) leaves its temporary directories, cgroups and view
-directory behind: their names carry its pid and start time, and a later process removes those whose
-owner is gone. Processes in other pid namespaces sharing the temp dir would look gone: we assume none.
+A Sandbox's release runs at close(), when it is collected, or at interpreter exit; a process leaving
+without those (os._exit, a fatal signal) calls close_all() first. One that cannot (SIGKILL, the OOM
+killer) leaves its temporary directories, cgroups and view directory behind: their names carry its pid
+and start time, and a later process removes those whose owner is gone. Processes in other pid
+namespaces sharing the temp dir would look gone: we assume none.
 """
 
 import os
@@ -29,8 +29,8 @@ _SWEEP_LOCK = threading.Lock()
 
 
 def start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (/proc/PID/stat field 22), None when gone:
-    with the pid, it names a process that a reused pid cannot impersonate."""
+    """Clock ticks since boot at the process's start (None when gone): with the pid, a reused pid cannot
+    impersonate it."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             return int(f.read().rsplit(b")", 1)[1].split()[19])
@@ -120,8 +120,7 @@ def close_all(budget: float = CLOSE_ALL_BUDGET) -> None:
 
 
 def temp_dir(kind: str) -> str:
-    """A new directory in the temp dir, nano-openshell-<kind>-<pid>.<start time>-...; the first one a
-    process makes removes, in the background, those of processes that are gone."""
+    """A new nano-openshell-<kind>-<pid>.<start time>-... in the temp dir; a process's first sweeps."""
     if kind not in KINDS:
         raise ValueError(f"temp_dir kind must be one of {KINDS}, got {kind!r}")
     pid = os.getpid()

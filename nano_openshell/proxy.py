@@ -5,10 +5,9 @@ Clients (the in-sandbox forwarder) send absolute-form requests (`GET http://host
 one JSONL audit line, and served on its own connection, then closed: no second request rides along
 unchecked. The name is resolved once and only the addresses checked are connected to (no DNS
 rebinding between check and use). Beyond a rate (a token bucket) requests get 429 unparsed.
-The supervisor's handshake, `GET /.openshell/handshake` with `X-OpenShell-Protocol: 1`, is answered
-with {"protocol", "tier", "capabilities", "policy_sha256"}; another protocol version gets 400.
-The audit log stays bounded whatever a sandbox sends: fields cut to FIELD_CHARS, the file rotated at
-max_bytes (one old file kept), refusals by the rate limit summarised at most once a SUMMARY_EVERY.
+The supervisor's handshake (handshake()) gets {"protocol", "tier", "capabilities", "policy_sha256"},
+or 400 for another protocol version. The audit log stays bounded whatever a sandbox sends: fields cut
+to FIELD_CHARS, the file rotated at max_bytes (one old file kept), rate-limit refusals summarised.
 """
 
 from __future__ import annotations
@@ -165,8 +164,7 @@ class ProxyServer:
             self._slots.release()
 
     def _decide_and_connect(self, conn, client, req):
-        """The decision on the name, then on the addresses it resolves to; a connection to one of
-        those, or None (the client was answered)."""
+        """Decide on the name, then on its addresses; a connection to one of those, or None (answered)."""
         m, host, port, path = req["method"], req["host"], req["port"], req["path"]
         policy_path = None if req["kind"] == "connect" else path
 

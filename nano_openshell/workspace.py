@@ -1,12 +1,11 @@
 """A sandbox's directories on the host, which its commands may change under us: walked by fd, never
 through a link (walk), handed to the sandbox's uid (Handover), removed within a deadline (remove).
 
-Handover (as root), before each command: whatever the host wrote since becomes the sandbox uid's. A
-link is never followed and a file with several hard links is left alone (it could be a host file),
-so a planted link cannot make us chown a host file. A directory whose mtime has not moved since it
-was handed over holds no new entry, so an unchanged tree costs one fstat per directory (an mtime
-younger than FRESH_NS is not trusted: timestamps tick coarsely; a file the host chowns in place is
-not seen). The walk stops at the deadline; the next one goes on from what it finished.
+Handover (as root), before each command: whatever the host wrote since becomes the sandbox uid's. No
+link is followed and a file with several hard links is left alone (it could be a host file), so a
+planted link cannot make us chown a host file. A directory whose mtime has not moved since (an mtime
+younger than FRESH_NS is not trusted) holds no new entry: an unchanged tree costs one fstat per
+directory (a file the host chowns in place is not seen). A walk cut by the deadline goes on next time.
 """
 
 import atexit
@@ -169,8 +168,7 @@ class Handover:
 
 
 def remove(path: str, deadline: float) -> bool:
-    """rm -rf path without following links, until the deadline; True when it is gone (the rest:
-    remove_later). Directories a command closed are opened up first."""
+    """rm -rf path, no link followed, closed directories opened up, until the deadline; True when gone."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
