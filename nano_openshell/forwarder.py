@@ -120,8 +120,7 @@ def main(argv) -> int:
         print("error: usage: forwarder.py SOCKET PORT", flush=True)
         return 2
     socket_path, port = argv[0], int(argv[1])
-    parent = os.getppid()
-    _thread.start_new_thread(_watch_parent, (parent,))
+    _thread.start_new_thread(_watch_parent, (os.getppid(),))
     try:
         ls = _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM)
         ls.setsockopt(_socket.SOL_SOCKET, _socket.SO_REUSEADDR, 1)

@@ -199,8 +199,7 @@ def _content_length(headers, method, host, port, path) -> int:
     if "transfer-encoding" in headers:
         raise BadRequest(400, "Transfer-Encoding request bodies are not supported; send Content-Length",
                          method, host, port, path)
-    values = {v for raw in headers.get("content-length", []) for v in raw.split(",")}
-    values = {v.strip() for v in values}
+    values = {v.strip() for raw in headers.get("content-length", []) for v in raw.split(",")}
     if not values:
         return 0
     if len(values) != 1 or not next(iter(values)).isdigit():

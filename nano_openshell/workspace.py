@@ -140,12 +140,6 @@ class Handover:
                 done[st.st_dev, st.st_ino] = (st.st_mtime_ns, subdirs)
             return [(name, None) for name in subdirs]
 
-        def enter(name: str, _ident, parent: int):
-            try:
-                return os.open(name, _DIR_FLAGS, dir_fd=parent), None
-            except OSError:  # gone, or no longer a directory
-                return None
-
         root = os.open(self.root, _DIR_FLAGS)
         try:
             st = os.fstat(root)
@@ -154,7 +148,7 @@ class Handover:
                 os.fchmod(root, 0o700)
             while True:
                 try:
-                    complete = walk(root, listing, enter, lambda *_: None)
+                    complete = walk(root, listing, _enter, lambda *_: None)
                     break
                 except Moved:  # a command moved a directory while we were in it: walk again
                     continue
@@ -179,18 +173,12 @@ def remove(path: str, deadline: float) -> bool:
     fd = os.open(path, _DIR_FLAGS)
     count = [0]
 
-    def enter(name: str, _ident, parent: int):
-        try:
-            return open_subdir(name, parent)
-        except OSError:  # gone, or no longer a directory
-            return None
-
     def leave(parent: int, name: str, _fd: int, _mode) -> None:
         with contextlib.suppress(OSError):  # not empty: a subdirectory that could not be opened; rmdir below says so
             os.rmdir(name, dir_fd=parent)
 
     try:
-        if not walk(fd, lambda d: _opened_up_listing(d, count, deadline), enter, leave):
+        if not walk(fd, lambda d: _opened_up_listing(d, count, deadline), _enter, leave):
             return False
     except Moved:
         return False  # never follow it out of the tree: the background remover tries again
@@ -198,6 +186,14 @@ def remove(path: str, deadline: float) -> bool:
         os.close(fd)
     os.rmdir(path)
     return True
+
+
+def _enter(name: str, _ident, parent: int):
+    """walk's enter in a tree of ours: the subdirectory (opened up if closed), None when it is gone."""
+    try:
+        return open_subdir(name, parent)
+    except OSError:  # gone, or no longer a directory
+        return None
 
 
 def _opened_up_listing(fd: int, count: list[int], deadline: float) -> list | None:
@@ -245,8 +241,7 @@ def remove_later(path: str) -> None:  # in the background, one thread for the wh
 
 def _remove_loop() -> None:  # waited for at interpreter exit, up to EXIT_WAIT
     while True:
-        path = _LEFT.get()
-        rmtree(path)
+        rmtree(_LEFT.get())
         _LEFT.task_done()
 
 
