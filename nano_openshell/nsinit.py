@@ -46,11 +46,7 @@ class Init:
         while True:
             for fd, _ in poller.poll():
                 if fd == self.wake_r:
-                    try:
-                        while os.read(self.wake_r, 512):
-                            pass
-                    except BlockingIOError:
-                        pass
+                    _quiet(os.read, self.wake_r, 1 << 16)  # a byte per signal; any left wakes the poll again
                     self.settle()
                 else:
                     self.receive()
