@@ -1,12 +1,11 @@
 """The disk a sandbox's files take, and the check that kills a command taking it past Limits.disk_bytes.
 
-The host directories a sandbox writes to (workspace, mounts; in the tiers without namespaces its
-TMPDIR) are measured while a command runs, and it is killed once they hold more than the limit, or
-than they held when it started if that was more (a command is killed for what it adds). Counted:
-the blocks each entry holds, a hard-linked inode's shared out over its links, at least 4 KiB an
-entry. Meter keeps the total up to date in passes that list again only directories whose mtime
-moved and stat only new or growing files, with a refresh cycle looking at every entry; they run in
-a thread of their own, so no walk holds a deadline up. docs/design.md (Disk) says what gets through.
+The host directories a sandbox writes to (workspace, mounts; without namespaces its TMPDIR) are
+measured while a command runs; it is killed once they hold more than the limit, or than when it
+started if that was more (a command is killed for what it adds). Counted: each entry's blocks (a
+hard-linked inode's shared over its links), at least 4 KiB. Meter's passes list again only directories
+whose mtime moved and stat only new or growing files, a refresh cycle looking at every entry, in a
+thread of their own: no walk holds a deadline up. docs/design.md (Disk) says what gets through.
 """
 from __future__ import annotations
 

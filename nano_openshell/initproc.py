@@ -1,13 +1,12 @@
 """The fallback tier's per-command init: `python -I -S`, its config marshalled on stdin (fallback.py).
 
 A child subreaper in a new session: every process the command starts, setsid and double-forked
-escapees included, is reparented to it when its parent dies. When the command exits, or on SIGTERM
-(the supervisor died: PDEATHSIG), it kills its whole tree (kill_descendants) and exits with the
-command's status, which it first tells the supervisor with the time the command ended: a deadline
-that passes during the kill is not the command's. The command runs with rlimits, under the
-sandbox's uid as root, no_new_privs, Landlock (workspace and its tmp writable, the rest read-only,
-/proc hidden, no TCP, signals scoped) and the seccomp filter without sockets; the init stays outside
-them, where the command can neither signal it nor read its /proc entries.
+escapees included, is reparented to it. When the command exits, or on SIGTERM (the supervisor died:
+PDEATHSIG), it kills its whole tree and exits with the command's status, first telling the
+supervisor when the command ended (a deadline passing during the kill is not the command's). The
+command runs with rlimits, as root under the sandbox's uid, no_new_privs, Landlock and the seccomp
+filter without sockets; the init stays outside them, where the command can neither signal it nor
+read its /proc entries.
 """
 
 import ctypes

@@ -3,11 +3,10 @@ nsinit.py without a C compiler), each command.
 
 Namespaces.get() starts `[uid drop] bwrap <layout> --as-pid-1 -- INIT FD` and returns at once (a
 command sent before the init boots waits in the socket). Every bwrap starts from one long-lived
-thread: --die-with-parent fires when the THREAD that started it ends. close() closes the socket: the
-init exits, and the kernel kills its pid namespace. The init runs beside the commands, under their
-uid: what it reports is untrusted, no deadline depends on it (when it says a command ended decides
-only whether that command's result is a timeout), and a command it does not report gone within
-KILL_WAIT of a kill request gets the whole sandbox killed.
+thread: --die-with-parent fires when the THREAD that started it ends. Closing the socket ends the init
+and its pid namespace. The init runs beside the commands, under their uid: what it reports is
+untrusted, no deadline depends on it (when it says a command ended decides only whether that result
+is a timeout), and a command it does not report gone within KILL_WAIT of a kill gets the sandbox killed.
 """
 
 import array

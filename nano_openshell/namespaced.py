@@ -3,11 +3,10 @@
 New user, mount, pid, net, ipc, uts and cgroup namespaces, no capability, the seccomp deny list. A
 read-only bind still lets connect() reach a listening Unix socket, and a net namespace does not stop
 a pathname socket, so the sandbox sees no host directory it does not need: /usr, /bin, /sbin, /lib*
-(any directory under them a non-root user could write hidden behind an empty one), a copy of the
-world-readable part of a curated /etc, the Python it runs when not under /usr; the rest is its own: a
-read-only tmpfs root with empty /root and /home, its /proc, a minimal /dev, size-capped /tmp and
-/dev/shm, the proxy socket, the workspace and its mounts. As root, bwrap runs under the sandbox's
-uid (uid_drop_argv): host files stay root's in there.
+(what a non-root user could write under them hidden), a copy of the world-readable part of a curated
+/etc, the Python it runs when not under /usr; the rest is its own: a read-only tmpfs root, its /proc,
+a minimal /dev, size-capped /tmp and /dev/shm, the proxy socket, the workspace and its mounts. As
+root, bwrap runs under the sandbox's uid (uid_drop_argv): host files stay root's in there.
 """
 
 import atexit

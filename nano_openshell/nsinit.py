@@ -285,11 +285,7 @@ def _remove_tree(path: str, deadline: float, dir_fd=None, depth: int = 0) -> Non
     _quiet(os.rmdir, path, dir_fd=dir_fd)
 
 
-def main(argv) -> None:
-    Init(int(argv[0])).serve()
-
-
 if __name__ == "__main__":  # init_build.PYTHON_BOOT runs this file's code as __main__
     import sys
 
-    main(sys.argv[1:])
+    Init(int(sys.argv[1])).serve()

@@ -42,11 +42,10 @@ class Sandbox:
                  min_tier: str = "namespaced", allow_unisolated: bool = False,
                  tier: str | None = None, env: dict[str, str] | None = None,
                  mounts: dict[str, str | None] | None = None, use_cgroup: bool = True):
-        """tier: exactly this tier (it must work here and be >= min_tier), None: the best one.
-        env: variables for the command on top of the allowlist. mounts: {path in the sandbox: None or
-        a host directory}: a writable directory of this Sandbox's own at each path (namespaced tier),
-        empty or a copy, removed at close (path_of(path): where the host sees it).
-        use_cgroup=False: no cgroup even where one could be made."""
+        """tier: exactly this tier (it must work here and be >= min_tier), None: the best one. env: on top
+        of the allowlist. mounts: {path in the sandbox: None or a host directory}: a writable directory of
+        this Sandbox's own at each path (namespaced tier), empty or a copy, removed at close (path_of(path):
+        where the host sees it). use_cgroup=False: no cgroup even where one could be made."""
         self.limits = limits if limits is not None else Limits()
         if not isinstance(self.limits, Limits):
             raise TypeError("limits must be a Limits")
