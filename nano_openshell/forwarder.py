@@ -19,9 +19,8 @@ CHUNK = 64 * 1024
 
 
 def sandbox_prelude(socket_path_inside_sandbox, port=FORWARDER_PORT, python=None) -> str:
-    """Bash that starts the forwarder in the background, waits (up to READY_TIMEOUT_S) until it
-    listens, and points the usual proxy variables at it: put it before the agent's command. Its
-    interpreter: `python` if the sandbox can run it, else python3 from the sandbox's PATH."""
+    """Bash to put before the agent's command: starts the forwarder (`python`, else the sandbox's python3),
+    waits up to READY_TIMEOUT_S until it listens, and points the usual proxy variables at it."""
     import shlex  # host side only: not in the forwarder's start-up
 
     if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:

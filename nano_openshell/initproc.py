@@ -93,11 +93,10 @@ def _kill(pid: int, parents: tuple[int, ...]) -> bool:
 def kill_descendants(root: int) -> None:
     """SIGKILL root's whole tree, even one that forks faster than /proc can be read. root must not reap
     meanwhile (the init calls this before it reaps, the supervisor with the init stopped): its children
-    only accumulate, each a pid nobody can reuse, and every orphan of the tree joins them. A round
-    kills root's children and walks down, killing each process before reading its children: once
-    SIGKILL is pending a process cannot fork, so the list it shows then is final, and a child that
-    dies after the read had its children reparented to root for the next round. It ends when two
-    rounds in a row find the same children, every one exited: nothing is left."""
+    only accumulate, each a pid nobody can reuse, and every orphan of the tree joins them. A round kills
+    root's children and walks down, killing each process before reading its children: with SIGKILL
+    pending a process cannot fork, so that list is final, and a child that dies after the read had its
+    children reparented to root. It ends when two rounds in a row find the same children, all exited."""
     settled = None  # root's children, when the last round found every one exited
     exited = set()  # root's children that have exited: they stay so, as root reaps none
     signalled = set()

@@ -14,7 +14,7 @@ import threading
 import time
 
 from .api import SandboxError
-from .workspace import finish, remove, remove_later
+from .workspace import finish, remove, remove_later, remove_soon
 
 REMOVE_BUDGET = 0.5      # release() removes temporary directories for this long, the rest in the background
 CLOSE_ALL_BUDGET = 2.0   # close_all() removes them all itself, for up to this long (the process is leaving)
@@ -97,13 +97,7 @@ class Owned:
             os.close(self.fds.pop())
         deadline = time.monotonic() + (REMOVE_BUDGET if budget is None else budget)
         while self.dirs:
-            path = self.dirs.pop()
-            try:
-                gone = remove(path, deadline)
-            except OSError:
-                gone = False
-            if not gone:
-                remove_later(path)
+            remove_soon(self.dirs.pop(), deadline)
 
 
 def close_all(budget: float = CLOSE_ALL_BUDGET) -> None:

@@ -80,8 +80,7 @@ class SandboxPool:
             return True
 
     def close(self) -> None:
-        """Stop refilling, wait for the boots under way, and close every sandbox nobody took.
-        Taken sandboxes are their takers' to close. Idempotent."""
+        """Stop refilling, wait for the boots under way, close every sandbox nobody took. Idempotent."""
         with self._idle.lock:
             self._idle.closed = True
         self._boots.shutdown(wait=True, cancel_futures=True)

@@ -31,11 +31,11 @@ class Replaced(Exception):
 
 
 def walk(root: int, listing, enter, leave) -> bool:
-    """Depth first under the directory open at root, down by name and back up by "..", which must be
-    the directory it came from (Moved): any depth, one more fd at a time, no path. listing(fd) does a
-    directory's work and gives its subdirectories [(name, (dev, ino) or None)], or None to stop
-    (False); enter(name, ident, parent_fd) -> (fd, state) or None to pass over; leave(parent_fd,
-    name, fd, state) on the way back up. True when the whole tree was done."""
+    """Depth first under the directory open at root, down by name and back up by "..", which must be the
+    directory it came from (Moved): any depth, one fd more at a time, no path. listing(fd) does a
+    directory's work and gives [(subdirectory name, (dev, ino) or None)], or None to stop (False);
+    enter(name, ident, parent_fd) -> (fd, state) or None to pass over; leave(parent_fd, name, fd, state)
+    on the way back up. True when the whole tree was done."""
     cur = root
     levels = [(dir_ident(root), listing(root), None, None)]  # per depth: (dev, ino), subdirs left, name, state
     try:
@@ -223,6 +223,14 @@ def rmtree(path: str) -> None:
     """rm -rf path now, through whatever read-only, closed or deeply nested directories a command left."""
     with contextlib.suppress(OSError):
         remove(path, float("inf"))
+
+
+def remove_soon(path: str, deadline: float) -> None:
+    """remove() until the deadline; whatever is left, remove_later()."""
+    with contextlib.suppress(OSError):
+        if time.monotonic() < deadline and remove(path, deadline):
+            return
+    remove_later(path)
 
 
 _LEFT: "queue.Queue[str]" = queue.Queue()
