@@ -58,9 +58,8 @@ def _hierarchies() -> tuple[str | None, dict[str, str]]:
 
 
 def _v2_parent(base: str) -> tuple[str, bool]:
-    """Where the sandbox's v2 cgroup goes, and whether memory and pids can be capped there: our own
-    cgroup, if it hands both controllers down (or we can make it: only a cgroup without processes
-    can); else its parent, if that one already does and we may write it; else our own, uncapped."""
+    """(where the sandbox's v2 cgroup goes, can memory and pids be capped there): our own cgroup if it hands
+    both down (or we can make it: only one without processes can), else its parent if it does and is ours."""
     def hands_down(d: str, file: str = "cgroup.subtree_control") -> bool:
         return {"memory", "pids"} <= set(_read(os.path.join(d, file)).split())
 

@@ -71,8 +71,7 @@ class Meter:
             self.check_moves()
 
     def check_moves(self) -> None:
-        """OSError once MAX_MOVES passes in a row were cut short by directories moving under them: a
-        command moving them all the time would keep the rest of its tree from being looked at."""
+        """OSError after MAX_MOVES passes cut short by moving directories: their moves would hide the rest."""
         if self.moves >= MAX_MOVES:
             raise OSError(errno.ESTALE, "the sandbox's directories kept moving while they were measured")
 
@@ -211,8 +210,7 @@ class Meter:
         self._prune(dirs, d.subdirs.pop(name, None))
 
     def _prune(self, dirs: dict, ident) -> None:
-        """Forget a directory no longer under its name and what is below it, at once (not at the end
-        of the pass), unless this pass found it somewhere else already."""
+        """Forget a directory gone from its name, and what is below it, now, unless this pass saw it elsewhere."""
         stack = [] if ident is None else [ident]
         while stack:
             ident = stack.pop()

@@ -70,8 +70,8 @@ class Init:
         self.proc.kill()
 
     def ended(self) -> tuple[int, float] | None:
-        """(exit code, time.monotonic()) of the command itself, as the init reported it before killing
-        what it left; None if it did not (the command was killed first). Once the init is over."""
+        """(exit code, time.monotonic()) of the command as the init reported it, once the init is over;
+        None if the command was killed first."""
         os.set_blocking(self._ended_r, False)
         try:
             code, at = os.read(self._ended_r, 64).split()

@@ -1,10 +1,10 @@
 """The namespaced tier's init as a program: nsinit.c compiled once per machine, or None (nsinit.py then).
 
-The binary is cached by the hash of its source and compiler command in a directory only this user
-can write (~/.cache/nano-openshell, else a private one in the temp directory): a file another user
-could replace would run as every sandbox's pid 1. It is opened and checked once, and every sandbox
-execs that open file (open_binary): a later swap of the path changes nothing.
-NANO_OPENSHELL_INIT=python forces the Python init (and =c fails loudly where it cannot be built).
+The binary is cached by the hash of its source and compiler command in a directory only this user can
+write (~/.cache/nano-openshell, else a private one in the temp directory): a file another user could
+replace would run as every sandbox's pid 1. Every sandbox execs the one file opened and checked
+(open_binary): a later swap of the path changes nothing. NANO_OPENSHELL_INIT=python forces the
+Python init (and =c fails loudly where it cannot be built).
 """
 
 import functools

@@ -146,7 +146,11 @@ class Init:
             done += more
         if not self.running and others:  # nothing runs: everything but us goes (none left: nothing to do)
             _kill_all()
-            _reap_all()
+            while True:  # and is reaped
+                try:
+                    os.waitpid(-1, 0)
+                except ChildProcessError:
+                    break
         for cmd, status in done:
             _quiet(os.write, cmd.status_fd, b"X%d\n" % _exit_code(cmd, status))
             os.close(cmd.status_fd)
@@ -195,8 +199,7 @@ _TMP_PREFIX = "/tmp/.command-%s-" % os.urandom(4).hex()
 
 
 def _fresh_dir(cid) -> str | None:
-    """A new private directory in /tmp for one command (its TMPDIR); None if /tmp cannot take one
-    (the command filled it): the command then gets /tmp itself, rather than not running."""
+    """A new private TMPDIR in /tmp for one command; None (it gets /tmp itself) when /tmp is full."""
     for attempt in range(3):  # a name another command made first is passed over
         path = _TMP_PREFIX + str(cid) + ("-" + os.urandom(4).hex() if attempt else "")
         try:
@@ -211,14 +214,6 @@ def _fresh_dir(cid) -> str | None:
 
 def _kill_all() -> None:  # as pid 1: a process forking meanwhile is listed or fails the fork (SIGKILL pending)
     _quiet(os.kill, -1, 9)
-
-
-def _reap_all() -> None:
-    while True:
-        try:
-            os.waitpid(-1, 0)
-        except ChildProcessError:
-            return
 
 
 def _children() -> set | None:

@@ -55,8 +55,7 @@ class Owned:
             _HELD.add(self)
 
     def add_dir(self, path: str) -> None:
-        """A directory made for this Sandbox, on its maker's thread: when close_all() released the
-        Sandbox meanwhile, the directory goes at once (no one would remove it later)."""
+        """A directory made for this Sandbox; when close_all() released it meanwhile, removed at once."""
         with self.lock:
             if not self.released:
                 self.dirs.append(path)
@@ -76,8 +75,8 @@ class Owned:
             self.running.discard(kill)
 
     def release(self, budget: float | None = None) -> None:
-        """Give everything back, once (close() and close_all() may both come here). Temporary
-        directories are removed for `budget` seconds (None: REMOVE_BUDGET), the rest in the background."""
+        """Give everything back, once (close() and close_all() may both come here); temporary directories
+        go within `budget` seconds (None: REMOVE_BUDGET), the rest in the background."""
         with _HELD_LOCK:
             _HELD.discard(self)
         with self.lock:

@@ -78,24 +78,22 @@ def _try_namespaced(bwrap: str | None) -> tuple[bool, str, str]:
     version = ""
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         version = subprocess.run([bwrap, "--version"], capture_output=True, timeout=5).stdout.decode().strip()
-    argv, fds = namespaced.base_argv(bwrap, 1 << 20, os.geteuid() == 0), []
     ws = tempfile.mkdtemp(prefix="nano-openshell-probe-")
+    ws_fd = os.open(ws, os.O_PATH | os.O_DIRECTORY)
     r, w = os.pipe()
     try:
-        ws_fd = os.open(ws, os.O_PATH | os.O_DIRECTORY)
-        fds.append(ws_fd)
         os.write(w, seccomp.deny_list())
         os.close(w)
-        argv += namespaced.workspace_args(ws_fd) + namespaced.command_args(r) + ["/bin/true"]
+        argv = (namespaced.base_argv(bwrap, 1 << 20, os.geteuid() == 0) + namespaced.workspace_args(ws_fd)
+                + namespaced.command_args(r) + ["/bin/true"])
         user = {}
         if os.geteuid() == 0:  # the Sandbox drops to an unprivileged uid: probe exactly that
             os.chown(ws, 65534, 65534)
             user = dict(user=65534, group=65534, extra_groups=[])
-        ok, err = _run(argv, env={"PATH": "/usr/bin:/bin"}, pass_fds=tuple(fds + [r]), **user)
+        ok, err = _run(argv, env={"PATH": "/usr/bin:/bin"}, pass_fds=(ws_fd, r), **user)
     finally:
         os.close(r)
-        for fd in fds:
-            os.close(fd)
+        os.close(ws_fd)
         shutil.rmtree(ws, ignore_errors=True)
     if ok:
         return True, f"bwrap {version} at {bwrap} runs a sandbox with user, mount, pid, net, ipc, uts namespaces", version

@@ -104,12 +104,11 @@ def _connected_stream_pairs_only() -> list[bytes]:
 
 
 def _no_sockets() -> list[tuple[str, list[bytes]]]:
-    """No socket() of any family, AF_UNIX included, and socketpair() only for connected AF_UNIX
-    stream and seqpacket pairs. Where the host's filesystem is in view (the fallback tier), any
-    socket that can connect() or sendto() reaches every host pathname Unix socket its uid may write
-    (docker's, an engine's): Landlock scopes only abstract ones (ABI 6), pathname ones from ABI 9,
-    and seccomp cannot read the path. A connected stream pair cannot be connected again (EISCONN)
-    nor given an address to send to; a datagram pair could do both, so it is refused too."""
+    """No socket() at all, and socketpair() only for connected AF_UNIX stream and seqpacket pairs. Where
+    the host's filesystem is in view (the fallback tier), a socket that can connect() or sendto() reaches
+    every host pathname Unix socket its uid may write (docker's, an engine's): Landlock scopes only
+    abstract ones (ABI 6), pathname ones from ABI 9, and seccomp cannot read the path. A connected stream
+    pair cannot be connected again (EISCONN) nor given an address; a datagram pair could do both."""
     return [("socket", _deny(errno.EAFNOSUPPORT)), ("socketpair", _connected_stream_pairs_only())]
 
 
