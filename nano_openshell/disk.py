@@ -28,8 +28,7 @@ MAX_MOVES = 3           # passes in a row cut short by moving directories before
 
 
 def usage(roots: list[str]) -> int:
-    """Bytes the trees under roots take, measured once in full (OSError when directories keep moving).
-    A directory closed to us is opened up for the walk and given its mode back (Meter._enter)."""
+    """Bytes the trees under roots take, measured once in full (OSError when directories keep moving)."""
     meter = Meter()
     meter.settle(roots)
     return meter.total

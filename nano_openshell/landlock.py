@@ -57,10 +57,6 @@ def abi_version() -> int:  # 0 when the kernel has no Landlock (or it is disable
         return 0
 
 
-def handled_fs(abi: int) -> int:
-    return (1 << 13) - 1 | (REFER if abi >= 2 else 0) | (TRUNCATE if abi >= 3 else 0) | (IOCTL_DEV if abi >= 5 else 0)
-
-
 def readable_without_proc() -> list[tuple[str, int]]:  # (path, rights)
     out = [("/", READ_DIR)]
     for name in sorted(os.listdir("/")):
@@ -76,7 +72,7 @@ def restrict(rw: list[str], devices: list[str] = ("/dev/null", "/dev/zero"), abi
     abi = abi_version() if abi is None else abi
     if abi < 1:
         raise OSError("Landlock is not available on this kernel")
-    fs = handled_fs(abi)
+    fs = (1 << 13) - 1 | (REFER if abi >= 2 else 0) | (TRUNCATE if abi >= 3 else 0) | (IOCTL_DEV if abi >= 5 else 0)
     # (path, rights, required): an entry of / that went away since the listing is skipped
     rules = ([(p, r, False) for p, r in readable_without_proc()] + [(p, fs, True) for p in rw]
              + [(p, FILE_RIGHTS | READ_FILE, True) for p in devices])

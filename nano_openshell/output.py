@@ -1,5 +1,6 @@
 """A command's output and end, bounded whatever the command does: what every tier's exec reads."""
 
+import contextlib
 import math
 import os
 import select
@@ -101,11 +102,9 @@ def drain(proc: subprocess.Popen, deadline: float, cap: int, kill, owned=None,
                 timed_out = True
                 stop(now)
                 break
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=max(0.0, min(deadline, check_disk(now)) - now))
                 break
-            except subprocess.TimeoutExpired:
-                pass
         proc.wait()
         line = disk.finish(deadline) if disk is not None else None
         if line is not None:

@@ -43,9 +43,8 @@ class ProxyServer:
     def __init__(self, policy, socket_path, audit_path=None, info=None, *, resolve=None,
                  socket_mode=0o600, header_timeout=10.0, connect_timeout=10.0,
                  idle_timeout=60.0, max_connections=256, rate=(50, 200), audit_max_bytes=4 << 20):
-        """policy: a Policy or a policy file path (PolicyError if invalid: nothing starts).
-        resolve(host, port) -> [ip, ...] replaces DNS (pinned names, like curl --resolve).
-        rate: (requests per second, burst) for everyone on this socket together; None: no limit."""
+        """policy: a Policy or its file (PolicyError if invalid: nothing starts). resolve(host, port) -> [ip,
+        ...] replaces DNS (like curl --resolve). rate: (per second, burst) for the whole socket; None: no limit."""
         self.policy = policy if isinstance(policy, Policy) else Policy.load(policy)
         self.socket_path = str(socket_path)
         self.audit_path = str(audit_path) if audit_path is not None else None
