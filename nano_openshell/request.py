@@ -114,7 +114,8 @@ def parse_request(head: bytes) -> dict:
         drop |= {t.strip().lower() for t in v.split(",")}
     out += [f"{name}: {v}" for name, v in raw_headers if name.lower() not in drop]
     if "host" not in headers:
-        out.append(f"Host: {_hostport(host, port, 80)}")
+        name = f"[{host}]" if ":" in host else host  # an IPv6 address in brackets, port 80 left out
+        out.append(f"Host: {name}" + ("" if port == 80 else f":{port}"))
     out.append("Connection: close")
     upstream_head = ("\r\n".join(out) + "\r\n\r\n").encode("ascii")
     return {"kind": "http", "method": method, "host": host, "port": port, "path": path,
@@ -205,8 +206,3 @@ def _content_length(headers, method, host, port, path) -> int:
     if len(values) != 1 or not next(iter(values)).isdigit():
         raise BadRequest(400, "malformed Content-Length", method, host, port, path)
     return int(next(iter(values)))
-
-
-def _hostport(host: str, port: int, default: int) -> str:
-    h = f"[{host}]" if ":" in host else host
-    return h if port == default else f"{h}:{port}"
