@@ -75,8 +75,7 @@ class Meter:
             raise OSError(errno.ESTALE, "the sandbox's directories kept moving while they were measured")
 
     def forget(self, root: str) -> None:
-        for d in self._trees.pop(root, {}).values():
-            self.total -= d.total
+        self.total -= sum(d.total for d in self._trees.pop(root, {}).values())
 
     def measure(self, roots: list[str], stop) -> bool:
         """One pass over roots; False when stop() said to stop first, or a directory moved under it

@@ -57,8 +57,7 @@ def bwrap_candidates() -> list[str]:
 
 
 def find_bwrap() -> str | None:
-    found = bwrap_candidates()
-    return found[0] if found else None
+    return next(iter(bwrap_candidates()), None)
 
 
 def uid_drop_argv(uid: int) -> list[str] | None:
@@ -192,17 +191,13 @@ def base_argv(bwrap: str, tmp_size: int, drop_uid: bool) -> list[str]:
             elif os.path.isdir(path):
                 binds.append(path)
         binds += [p for p in sandbox_python(drop_uid)[1] if not any(_under(p, b) for b in binds)]
-        for path in binds:
-            argv += ["--ro-bind", path, path]
-        for path in hidden_dirs(tuple(binds)):
-            argv += ["--ro-bind", os.path.join(view, "empty"), path]
+        argv += [arg for path in binds for arg in ("--ro-bind", path, path)]
+        argv += [arg for path in hidden_dirs(tuple(binds)) for arg in ("--ro-bind", os.path.join(view, "empty"), path)]
         # every writable tmpfs is memory: only /tmp and /dev/shm are writable, each size-capped; the
         # root tmpfs (holding /run and the empty /root and /home) is made read-only (command_args)
         argv += ["--ro-bind", os.path.join(view, "etc"), "/etc", "--proc", "/proc", "--dev", "/dev",
                  "--size", str(tmp_size), "--tmpfs", "/dev/shm", "--size", str(tmp_size), "--tmpfs", "/tmp",
-                 "--dir", RUN_DIR]
-        for hidden in HIDDEN:
-            argv += ["--dir", hidden]
+                 "--dir", RUN_DIR] + [arg for hidden in HIDDEN for arg in ("--dir", hidden)]
         _CACHE[key] = argv
     return list(_CACHE[key])
 

@@ -30,7 +30,7 @@ from .forwarder import sandbox_prelude
 from .owned import SANDBOX_UIDS, Owned, close_all, temp_dir  # noqa: F401 (close_all: what a leaving process calls)
 from .probe import TIERS, probe
 from .proxy import PROTOCOL_VERSION, ProxyServer, handshake
-from .workspace import Handover, remove_soon
+from .workspace import Handover, remove_later, remove_soon
 
 SAFE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 PASSED_THROUGH = ("LANG", "LC_ALL", "TERM", "TZ")  # harmless supervisor settings the command inherits
@@ -246,7 +246,10 @@ class Sandbox:
         finally:
             with self._disk.lock:  # it goes with the command: no longer counted (drain stopped the passes)
                 self._disk.forget(tmpdir)
-            remove_soon(tmpdir, deadline)  # it may hold any number of files: the rest in the background
+            if time.monotonic() < deadline:  # it may hold any number of files: the rest in the background
+                remove_soon(tmpdir, deadline)
+            else:
+                remove_later(tmpdir)
 
     def wait_ready(self, timeout: float = 10.0) -> bool:
         """Wait, running nothing, until a command would not wait for the init's boot (namespaced tier; the

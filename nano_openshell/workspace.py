@@ -228,7 +228,7 @@ def rmtree(path: str) -> None:
 def remove_soon(path: str, deadline: float) -> None:
     """remove() until the deadline; whatever is left, remove_later()."""
     with contextlib.suppress(OSError):
-        if time.monotonic() < deadline and remove(path, deadline):
+        if remove(path, deadline):
             return
     remove_later(path)
 
