@@ -1,17 +1,13 @@
 """A cgroup per Sandbox: one kill for everything its commands started, and memory and process caps for
-the sandbox as a whole (docs/design.md, Cgroups).
-
-    cg, why = SandboxCgroup.create(memory_bytes, processes)   # None and the reason where we cannot
-    leaf = cg.leaf(); leaf.add(pid)    # before pid starts anything: its descendants stay inside
-    leaf.kill(); leaf.close()          # one command (or one bwrap); cg.close(): kill all, remove
+the sandbox as a whole (docs/design.md, Cgroups). A pid joins its leaf before it starts anything.
 
 Made under the supervisor's own cgroup v2 (or its parent, where that one hands controllers down and
 is ours to write), processes only in its leaves; a hybrid host's v1 memory or pids controller gets a
-group of the same name. kill() writes cgroup.kill, or before Linux 5.14 SIGKILLs cgroup.procs until
-it is empty. A command cannot move itself out: the files are not its uid's, or Landlock keeps /sys
-read-only.
+group of the same name. A kill writes cgroup.kill, or before Linux 5.14 SIGKILLs cgroup.procs until it
+is empty. A command cannot move itself out: the files are not its uid's, or Landlock keeps /sys read-only.
 """
 
+import contextlib
 import itertools
 import os
 import secrets
@@ -62,9 +58,8 @@ def _hierarchies() -> tuple[str | None, dict[str, str]]:
 
 
 def _v2_parent(base: str) -> tuple[str, bool]:
-    """Where the sandbox's v2 cgroup goes, and whether memory and pids can be capped there: our own
-    cgroup, if it hands both controllers down (or we can make it: only a cgroup without processes
-    can); else its parent, if that one already does and we may write it; else our own, uncapped."""
+    """(where the sandbox's v2 cgroup goes, can memory and pids be capped there): our own cgroup if it hands
+    both down (or we can make it: only one without processes can), else its parent if it does and is ours."""
     def hands_down(d: str, file: str = "cgroup.subtree_control") -> bool:
         return {"memory", "pids"} <= set(_read(os.path.join(d, file)).split())
 
@@ -86,7 +81,6 @@ def _v2_parent(base: str) -> tuple[str, bool]:
 
 
 def _sweep(parents: list[str]) -> None:
-    """Remove the empty cgroups of supervisors that are gone."""
     for parent in parents:
         for path in left_behind(parent, "nano-openshell-"):
             if not _populated(path):
@@ -94,7 +88,6 @@ def _sweep(parents: list[str]) -> None:
 
 
 def _kill(path: str) -> None:
-    """Kill every process in the cgroup tree at path."""
     try:
         _write(os.path.join(path, "cgroup.kill"), "1")
         return
@@ -106,17 +99,13 @@ def _kill(path: str) -> None:
     while time.monotonic() < end:
         pids = []
         for dirpath, _, _ in os.walk(path):
-            try:
+            with contextlib.suppress(OSError):
                 pids += [int(p) for p in _read(os.path.join(dirpath, "cgroup.procs")).split()]
-            except OSError:
-                pass
         if not pids:
             return
         for pid in pids:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         time.sleep(0.001)
 
 
@@ -128,8 +117,7 @@ def _populated(path: str) -> bool:
 
 
 def _remove(path: str, wait: float = EMPTY_WAIT) -> None:
-    """rmdir a cgroup tree (leaves first) once its processes are gone; one still busy after `wait`
-    is left behind."""
+    """rmdir a cgroup tree (leaves first) once its processes are gone; one busy after `wait` is left."""
     end = time.monotonic() + wait
     while _populated(path) and time.monotonic() < end:
         time.sleep(0.001)
@@ -152,8 +140,7 @@ class Leaf:
     def __init__(self, path: str, v1_dirs: list[str]):
         self.path, self._v1_dirs = path, v1_dirs
 
-    def add(self, pid: int) -> None:
-        """Move pid in; what it starts afterwards is born inside."""
+    def add(self, pid: int) -> None:  # what pid starts afterwards is born inside
         for d in [self.path, *self._v1_dirs]:
             _write(os.path.join(d, "cgroup.procs"), str(pid))
 
@@ -161,7 +148,6 @@ class Leaf:
         _kill(self.path)
 
     def close(self) -> None:
-        """Kill what is left, wait until it is gone, remove the leaf."""
         _kill(self.path)
         _remove(self.path)
 
@@ -174,8 +160,7 @@ class SandboxCgroup:
         self._leaves = itertools.count()
 
     @classmethod
-    def create(cls, memory_bytes: int, processes: int) -> "tuple[SandboxCgroup | None, str]":
-        """A new cgroup with these caps, or (None, why not)."""
+    def create(cls, memory_bytes: int, processes: int) -> "tuple[SandboxCgroup | None, str]":  # or (None, why)
         global _layout
         name = f"nano-openshell-{os.getpid()}.{start_time(os.getpid())}-{next(_counter)}-{secrets.token_hex(3)}"
         made = []
@@ -226,18 +211,14 @@ class SandboxCgroup:
         os.mkdir(path)
         return Leaf(path, list(self.v1_dirs.values()))
 
-    def kill(self) -> None:
-        _kill(self.path)  # every process is in the v2 tree too: the v1 groups need no kill of their own
-
     def close(self) -> None:
         """Kill every process of the sandbox and remove its cgroups. Idempotent."""
-        self.kill()
+        _kill(self.path)  # every process is in the v2 tree too: the v1 groups need no kill of their own
         for d in [self.path, *self.v1_dirs.values()]:
             _remove(d)
 
 
-def check() -> dict:
-    """What a Sandbox would get here (probe.py): a real cgroup made and removed again."""
+def check() -> dict:  # what a Sandbox would get here (probe.py): a real cgroup, made and removed
     cg, why = SandboxCgroup.create(1 << 30, 64)
     if cg is not None:
         cg.close()

@@ -1,12 +1,11 @@
 """The disk a sandbox's files take, and the check that kills a command taking it past Limits.disk_bytes.
 
-The host directories a sandbox writes to (workspace, mounts; in the tiers without namespaces its
-TMPDIR) are measured while a command runs, and it is killed once they hold more than the limit, or
-than they held when it started if that was more (a command is killed for what it adds). Counted:
-the blocks each entry holds, a hard-linked inode's shared out over its links, at least 4 KiB an
-entry. Meter keeps the total up to date in passes that list again only directories whose mtime
-moved and stat only new or growing files, with a refresh cycle looking at every entry; they run in
-a thread of their own, so no walk holds a deadline up. docs/design.md (Disk) says what gets through.
+The host directories a sandbox writes to (workspace, mounts; without namespaces its TMPDIR) are
+measured while a command runs; it is killed once they hold more than the limit, or than when it
+started if that was more (a command is killed for what it adds). Counted: each entry's blocks (a
+hard-linked inode's shared over its links), at least 4 KiB. Meter's passes list again only directories
+whose mtime moved and stat only new or growing files, a refresh cycle looking at every entry, in a
+thread of their own: no walk holds a deadline up. docs/design.md (Disk) says what gets through.
 """
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ import stat
 import threading
 import time
 
-from .workspace import Moved, Replaced, dir_ident, open_subdir, walk
+from .workspace import CHECK_EVERY, FRESH_NS, Moved, Replaced, dir_ident, open_subdir, walk
 
 MIN_ENTRY_BYTES = 4096  # an entry costs at least an inode and a block
 FIRST_CHECK_S = 0.05    # commands shorter than this are measured once, at their end
@@ -25,23 +24,17 @@ MIN_INTERVAL_S = 0.02   # between two passes, and between two looks of the drain
 SETTLE_S = 0.1          # the pass at a command's end may run this long past its deadline
 WALK_SHARE = 0.1        # this share of the time goes into passes (more near the limit), as much into refreshes
 WATCH_S = 2.0           # a file seen growing is looked at on every pass until it stops for this long
-FRESH_NS = 250_000_000  # an mtime this recent is not trusted: timestamps tick coarsely
-CHECK_EVERY = 256       # entries between two looks at whether to stop
 MAX_MOVES = 3           # passes in a row cut short by moving directories before the check gives up
 
 
 def usage(roots: list[str]) -> int:
-    """Bytes the trees under roots take, measured once in full (OSError when directories keep moving).
-    The walk is workspace.walk: by fd, no link followed, each directory the one its parent listed
-    (same device and inode), any depth. A directory closed to us (a command sharing our uid) is
-    opened up for the walk and given its mode back; one that is not ours is not entered."""
+    """Bytes the trees under roots take, measured once in full (OSError when directories keep moving)."""
     meter = Meter()
     meter.settle(roots)
     return meter.total
 
 
-class _Dir:
-    """What the Meter remembers of one directory."""
+class _Dir:  # what the Meter remembers of one directory
     __slots__ = ("mtime", "entries", "subdirs", "watch", "total", "refreshed", "own")
 
     def __init__(self):
@@ -55,9 +48,8 @@ class _Dir:
 
 
 class Meter:
-    """The bytes a Sandbox's directories take (total), kept up to date pass after pass (measure), one
-    walker at a time (lock). Trees are per root; a root that comes and goes (the fallback tier's
-    TMPDIR) is forgotten when it goes."""
+    """The bytes a Sandbox's directories take (total), kept up to date pass after pass, one walker at a
+    time (lock). A root that comes and goes (the fallback tier's TMPDIR) is forgotten when it goes."""
 
     def __init__(self):
         self.lock = threading.Lock()
@@ -72,21 +64,18 @@ class Meter:
         self.moves = 0                 # passes in a row cut short by a directory moving under them
         self._root = None              # (dev, ino) of the root being walked
 
-    def settle(self, roots: list[str]) -> None:
-        """Measure until one whole pass, a refresh of every entry, is done (no deadline)."""
+    def settle(self, roots: list[str]) -> None:  # until one whole refresh pass is done (no deadline)
         self._next_cycle = -math.inf
         while not (self.measure(roots, lambda: False) and self._cycle is None):
             self.check_moves()
 
     def check_moves(self) -> None:
-        """OSError once MAX_MOVES passes in a row were cut short by directories moving under them: a
-        command moving them all the time would keep the rest of its tree from being looked at."""
+        """OSError after MAX_MOVES passes cut short by moving directories: their moves would hide the rest."""
         if self.moves >= MAX_MOVES:
             raise OSError(errno.ESTALE, "the sandbox's directories kept moving while they were measured")
 
     def forget(self, root: str) -> None:
-        for d in self._trees.pop(root, {}).values():
-            self.total -= d.total
+        self.total -= sum(d.total for d in self._trees.pop(root, {}).values())
 
     def measure(self, roots: list[str], stop) -> bool:
         """One pass over roots; False when stop() said to stop first, or a directory moved under it
@@ -95,12 +84,8 @@ class Meter:
         if self._cycle is None and started >= self._next_cycle:
             self._cycle, self._cycle_cost = started, 0.0
         cycle = self._cycle
-        complete = True
         try:
-            for root in roots:
-                if not self._measure_root(root, stop):
-                    complete = False
-                    break
+            complete = all(self._measure_root(root, stop) for root in roots)  # up to the first one cut short
         except Moved:  # a directory moved to another parent while we were in it: what was seen is kept
             complete = False
             self.moves += 1
@@ -223,8 +208,7 @@ class Meter:
         self._prune(dirs, d.subdirs.pop(name, None))
 
     def _prune(self, dirs: dict, ident) -> None:
-        """Forget a directory no longer under its name and what is below it, at once (not at the end
-        of the pass), unless this pass found it somewhere else already."""
+        """Forget a directory gone from its name, and what is below it, now, unless this pass saw it elsewhere."""
         stack = [] if ident is None else [ident]
         while stack:
             ident = stack.pop()
@@ -243,9 +227,9 @@ class Meter:
         except (FileNotFoundError, NotADirectoryError, PermissionError, Replaced):
             return None  # gone, replaced since it was listed, or not ours
         except OSError as e:
-            if e.errno != errno.ELOOP:  # a link now, where the listing had a directory
-                raise
-            return None
+            if e.errno == errno.ELOOP:  # a link now, where the listing had a directory
+                return None
+            raise
 
 
 def _bytes(st: os.stat_result) -> int:
@@ -261,11 +245,9 @@ def _leave(_parent: int, _name: str, d: int, mode) -> None:
 
 
 class DiskCheck:
-    """One command's check, on the Sandbox's Meter: drain() calls over() while the command runs (a
-    line for its stderr when it took the files past what is allowed), finish() at its end. The first
-    over() at FIRST_CHECK_S starts the thread that runs the passes; finish() stops it and measures
-    once more, within the deadline. Allowed is the limit, or what the files took when the command
-    started if that was more."""
+    """One command's check, on the Sandbox's Meter: drain() calls over() while the command runs, finish()
+    at its end. The first over() at FIRST_CHECK_S starts the thread that runs the passes. Allowed is the
+    limit, or what the files took when the command started if that was more."""
 
     def __init__(self, meter: Meter, roots: list[str], limit: int):
         self.meter, self.roots, self.limit = meter, roots, limit
@@ -299,14 +281,12 @@ class DiskCheck:
             free = max(0.0, 1.0 - self.meter.total / self.allowed)
             self._stop.wait(max(MIN_INTERVAL_S, self.meter.pass_cost / WALK_SHARE * free))
 
-    def stop(self) -> None:
-        """The passes stop (within CHECK_EVERY entries; the thread is not waited for)."""
+    def stop(self) -> None:  # within CHECK_EVERY entries; the thread is not waited for
         self._stop.set()
 
     def finish(self, deadline: float) -> str | None:
-        """At the command's end (the deadline, or SETTLE_S from now if later): the thread stopped, one
-        more pass, so that the next command starts from what is there; a line for its stderr when the
-        files are over the limit."""
+        """At the command's end (by the deadline, or SETTLE_S from now if later) one more pass, so that the
+        next command starts from what is there; a line for its stderr when the files are over the limit."""
         deadline = max(deadline, time.monotonic() + SETTLE_S)
         self.stop()
         if self._thread is not None:

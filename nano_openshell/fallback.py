@@ -21,13 +21,10 @@ INLINE_SCRIPT_BYTES = 64 * 1024  # a longer command travels as a file (argv stri
 _BOOT = ("import sys; p = type(sys)('nano_openshell'); p.__path__ = [sys.argv[1]]; "
          "sys.modules['nano_openshell'] = p; from nano_openshell.initproc import main; main()")
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-_NO_SOCKETS: list[str] = []  # the fallback tier's seccomp filter, compiled once, as hex
 
 
 class Init:
-    """One command's init, seen from the supervisor: Init(cfg, leaf) starts it (in the leaf, when the
-    Sandbox has a cgroup), stop() kills the command's whole tree, ended() says when and how the
-    command itself ended, close() once it is over."""
+    """One command's init, seen from the supervisor (started in the leaf when the Sandbox has a cgroup)."""
 
     def __init__(self, cfg: dict, leaf=None, path: str = "/usr/bin:/bin"):
         self.leaf = leaf
@@ -73,8 +70,8 @@ class Init:
         self.proc.kill()
 
     def ended(self) -> tuple[int, float] | None:
-        """(exit code, time.monotonic()) of the command itself, as the init reported it before killing
-        what it left; None if it did not (the command was killed first). Once the init is over."""
+        """(exit code, time.monotonic()) of the command as the init reported it, once the init is over;
+        None if the command was killed first."""
         os.set_blocking(self._ended_r, False)
         try:
             code, at = os.read(self._ended_r, 64).split()
@@ -89,17 +86,15 @@ class Init:
 
 
 def run(command: str, cfg: dict, leaf, path: str, deadline: float, output_bytes: int, owned, disk):
-    """`bash -c command` in a new init; cfg: the init's (initproc.main), "seccomp" a bool here.
-    Returns output.drain's (code, stdout, stderr, timed_out)."""
+    """`bash -c command` in a new init, drained (output.drain); cfg: initproc.main's, "seccomp" a bool here."""
     argv = ["bash", "-c", command]
     if len(command.encode()) > INLINE_SCRIPT_BYTES:
         script = os.path.join(cfg["tmpdir"], ".nano-openshell-command.sh")
         with open(script, "w") as f:
             f.write(command)
         argv = ["bash", script]
-    if cfg["seccomp"] and not _NO_SOCKETS:
-        _NO_SOCKETS.append(seccomp.deny_list(no_sockets=True).hex())
-    cfg = {**cfg, "argv": argv, "supervisor_pid": os.getpid(), "seccomp": _NO_SOCKETS[0] if cfg["seccomp"] else None}
+    seccomp_hex = seccomp.deny_list(no_sockets=True).hex() if cfg["seccomp"] else None
+    cfg = {**cfg, "argv": argv, "supervisor_pid": os.getpid(), "seccomp": seccomp_hex}
     init = Init(cfg, leaf, path)
     try:
         return drain(init.proc, deadline, output_bytes, init.stop, owned, disk, init.ended)

@@ -1,10 +1,8 @@
-"""In-sandbox forwarder: 127.0.0.1:PORT -> the supervisor proxy's Unix socket.
-
-Runs inside the sandbox as `<python> -I -S -c <this file's text> SOCKET PORT` (the sandbox may see
-neither this package nor this Python), so it imports only the standard library's C modules (the
-socket and threading modules would double its start-up, the network's cost per command). It prints
-"ready" or "error: ..." once listening, and dies with the shell that started it. On the host side,
-sandbox_prelude() is the bash snippet that starts it.
+"""In-sandbox forwarder: 127.0.0.1:PORT -> the supervisor proxy's Unix socket, started by the bash
+that sandbox_prelude() returns as `<python> -I -S -c <this file's text> SOCKET PORT` (the sandbox may see
+neither this package nor this Python). It imports only C modules (socket and threading would double
+its start-up, the network's cost per command), prints "ready" or "error: ..." once listening, and
+dies with the shell that started it.
 """
 
 import _socket
@@ -21,9 +19,8 @@ CHUNK = 64 * 1024
 
 
 def sandbox_prelude(socket_path_inside_sandbox, port=FORWARDER_PORT, python=None) -> str:
-    """Bash that starts the forwarder in the background, waits (up to READY_TIMEOUT_S) until it
-    listens, and points the usual proxy variables at it: put it before the agent's command. Its
-    interpreter: `python` if the sandbox can run it, else python3 from the sandbox's PATH."""
+    """Bash to put before the agent's command: starts the forwarder (`python`, else the sandbox's python3),
+    waits up to READY_TIMEOUT_S until it listens, and points the usual proxy variables at it."""
     import shlex  # host side only: not in the forwarder's start-up
 
     if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
@@ -48,8 +45,7 @@ def sandbox_prelude(socket_path_inside_sandbox, port=FORWARDER_PORT, python=None
     ])
 
 
-def _source() -> str:
-    """This whole file, as sent to `python -c` (it runs main() as __main__)."""
+def _source() -> str:  # this whole file, as sent to `python -c` (it runs main() as __main__)
     with open(os.path.abspath(__file__), encoding="utf-8") as f:
         return f.read()
 
@@ -115,7 +111,7 @@ def _serve(fd: int, socket_path: str, slots) -> None:
             return
         _pipe(conn, up)
     finally:
-        slots.release()
+        slots.append(None)
 
 
 def main(argv) -> int:
@@ -123,8 +119,7 @@ def main(argv) -> int:
         print("error: usage: forwarder.py SOCKET PORT", flush=True)
         return 2
     socket_path, port = argv[0], int(argv[1])
-    parent = os.getppid()
-    _thread.start_new_thread(_watch_parent, (parent,))
+    _thread.start_new_thread(_watch_parent, (os.getppid(),))
     try:
         ls = _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM)
         ls.setsockopt(_socket.SOL_SOCKET, _socket.SO_REUSEADDR, 1)
@@ -137,31 +132,15 @@ def main(argv) -> int:
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)  # release the readiness pipe
     os.close(devnull)
-    busy = _Slots(MAX_CONNECTIONS)
+    slots = [None] * MAX_CONNECTIONS  # list.pop and append are atomic: a semaphore without threading's start-up
     while True:
         fd, _ = ls._accept()
-        if not busy.acquire():
+        try:
+            slots.pop()
+        except IndexError:
             os.close(fd)
             continue
-        _thread.start_new_thread(_serve, (fd, socket_path, busy))
-
-
-class _Slots:
-    """A counting semaphore from _thread's lock (threading would cost start-up time)."""
-
-    def __init__(self, n: int):
-        self.free, self.lock = n, _thread.allocate_lock()
-
-    def acquire(self) -> bool:
-        with self.lock:
-            if self.free == 0:
-                return False
-            self.free -= 1
-            return True
-
-    def release(self) -> None:
-        with self.lock:
-            self.free += 1
+        _thread.start_new_thread(_serve, (fd, socket_path, slots))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """The namespaced tier's init as a program: nsinit.c compiled once per machine, or None (nsinit.py then).
 
-The binary is cached by the hash of its source and compiler command in a directory only this user
-can write (~/.cache/nano-openshell, else a private one in the temp directory): a file another user
-could replace would run as every sandbox's pid 1. It is opened and checked once, and every sandbox
-execs that open file (open_binary): a later swap of the path changes nothing.
-NANO_OPENSHELL_INIT=python forces the Python init (and =c fails loudly where it cannot be built).
+The binary is cached by the hash of its source and compiler command in a directory only this user can
+write (~/.cache/nano-openshell, else a private one in the temp directory): a file another user could
+replace would run as every sandbox's pid 1. Every sandbox execs the one file opened and checked
+(open_binary): a later swap of the path changes nothing. NANO_OPENSHELL_INIT=python forces the
+Python init (and =c fails loudly where it cannot be built).
 """
 
 import functools
@@ -39,14 +39,12 @@ def kind() -> str:
     return "python"
 
 
-def binary() -> str | None:
-    """The compiled init's path (built on first use), or None where no C compiler works."""
+def binary() -> str | None:  # built on first use; None where no C compiler works
     built = _built()
     return built[0] if built else None
 
 
-def open_binary() -> int:
-    """A new fd of the checked binary, to exec as /proc/self/fd/N (the caller closes it)."""
+def open_binary() -> int:  # a new fd of the checked binary, to exec as /proc/self/fd/N
     built = _built()
     if built is None:
         raise RuntimeError(f"the C init cannot be built here: {why_not()}")
@@ -70,7 +68,6 @@ def _built() -> tuple[str, int] | None:
 
 
 def why_not() -> str:
-    """Why binary() is None ("" when it is not)."""
     return _WHY.get(_key(), "")
 
 
@@ -105,15 +102,13 @@ def _cache_dir() -> str:
             st = os.lstat(candidate)
         except OSError:
             continue
-        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022 \
-                and os.access(candidate, os.W_OK):
+        if _trusted(st, stat.S_ISDIR) and os.access(candidate, os.W_OK):
             return candidate
     return tempfile.mkdtemp(prefix="nano-openshell-init-")
 
 
-def _trusted(st: os.stat_result) -> bool:
-    """A regular file of ours that no other user can write."""
-    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022
+def _trusted(st: os.stat_result, kind=stat.S_ISREG) -> bool:  # ours, and no other user can write it
+    return kind(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022
 
 
 def _build(key: str) -> str:

@@ -1,13 +1,12 @@
 """The fallback tier's per-command init: `python -I -S`, its config marshalled on stdin (fallback.py).
 
 A child subreaper in a new session: every process the command starts, setsid and double-forked
-escapees included, is reparented to it when its parent dies. When the command exits, or on SIGTERM
-(the supervisor died: PDEATHSIG), it kills its whole tree (kill_descendants) and exits with the
-command's status, which it first tells the supervisor with the time the command ended: a deadline
-that passes during the kill is not the command's. The command runs with rlimits, under the
-sandbox's uid as root, no_new_privs, Landlock (workspace and its tmp writable, the rest read-only,
-/proc hidden, no TCP, signals scoped) and the seccomp filter without sockets; the init stays outside
-them, where the command can neither signal it nor read its /proc entries.
+escapees included, is reparented to it. When the command exits, or on SIGTERM (the supervisor died:
+PDEATHSIG), it kills its whole tree and exits with the command's status, first telling the
+supervisor when the command ended (a deadline passing during the kill is not the command's). The
+command runs with rlimits, as root under the sandbox's uid, no_new_privs, Landlock and the seccomp
+filter without sockets; the init stays outside them, where the command can neither signal it nor
+read its /proc entries.
 """
 
 import ctypes
@@ -54,9 +53,8 @@ def _children_now(pid: int) -> list[int]:
 
 
 def _scanned_children(root: int):
-    """pid -> its children, all taken from one pass over /proc (for a kernel without children files).
-    Newest first, and each child of root killed as soon as it is read: the newest link of a chain
-    that forks faster than the pass goes before it forks on."""
+    """pid -> its children, from one pass over /proc (a kernel without children files). Newest first, each
+    child of root killed once read: the newest link of a chain forking faster than the pass goes first."""
     out = {}
     for pid in sorted((int(name) for name in os.listdir("/proc") if name.isdigit()), reverse=True):
         try:
@@ -95,11 +93,10 @@ def _kill(pid: int, parents: tuple[int, ...]) -> bool:
 def kill_descendants(root: int) -> None:
     """SIGKILL root's whole tree, even one that forks faster than /proc can be read. root must not reap
     meanwhile (the init calls this before it reaps, the supervisor with the init stopped): its children
-    only accumulate, each a pid nobody can reuse, and every orphan of the tree joins them. A round
-    kills root's children and walks down, killing each process before reading its children: once
-    SIGKILL is pending a process cannot fork, so the list it shows then is final, and a child that
-    dies after the read had its children reparented to root for the next round. It ends when two
-    rounds in a row find the same children, every one exited: nothing is left."""
+    only accumulate, each a pid nobody can reuse, and every orphan of the tree joins them. A round kills
+    root's children and walks down, killing each process before reading its children: with SIGKILL
+    pending a process cannot fork, so that list is final, and a child that dies after the read had its
+    children reparented to root. It ends when two rounds in a row find the same children, all exited."""
     settled = None  # root's children, when the last round found every one exited
     exited = set()  # root's children that have exited: they stay so, as root reaps none
     signalled = set()

@@ -4,8 +4,8 @@ restrict(rw=[...]) makes the calling thread (and what it execs) read-only everyw
 few devices, hides /proc but for a few system-wide files (PROC_VISIBLE), denies every TCP bind and
 connect (ABI >= 4), and scopes signals and abstract Unix sockets to its own domain (ABI >= 6): a
 command cannot signal the supervisor or its init. Landlock grants, never subtracts: "read-only but
-/proc" is a rule per entry of / plus listing / itself (a procfs mounted elsewhere stays readable). UDP and pathname Unix sockets are
-seccomp.py's (no socket() at all in the fallback tier).
+/proc" is a rule per entry of / plus listing / itself (a procfs mounted elsewhere stays readable).
+UDP and pathname Unix sockets are seccomp.py's (no socket() at all in the fallback tier).
 """
 
 import ctypes
@@ -50,20 +50,14 @@ def _syscall(name: str, *args) -> int:
     return r
 
 
-def abi_version() -> int:
-    """0 when the kernel has no Landlock (or it is disabled)."""
+def abi_version() -> int:  # 0 when the kernel has no Landlock (or it is disabled)
     try:
         return _syscall("create_ruleset", None, ctypes.c_size_t(0), ctypes.c_uint32(_CREATE_RULESET_VERSION))
     except (OSError, AttributeError):
         return 0
 
 
-def handled_fs(abi: int) -> int:
-    return (1 << 13) - 1 | (REFER if abi >= 2 else 0) | (TRUNCATE if abi >= 3 else 0) | (IOCTL_DEV if abi >= 5 else 0)
-
-
-def readable_without_proc() -> list[tuple[str, int]]:
-    """(path, rights): every entry of / but /proc read-only, / itself listable, PROC_VISIBLE readable."""
+def readable_without_proc() -> list[tuple[str, int]]:  # (path, rights)
     out = [("/", READ_DIR)]
     for name in sorted(os.listdir("/")):
         path = "/" + name
@@ -78,7 +72,7 @@ def restrict(rw: list[str], devices: list[str] = ("/dev/null", "/dev/zero"), abi
     abi = abi_version() if abi is None else abi
     if abi < 1:
         raise OSError("Landlock is not available on this kernel")
-    fs = handled_fs(abi)
+    fs = (1 << 13) - 1 | (REFER if abi >= 2 else 0) | (TRUNCATE if abi >= 3 else 0) | (IOCTL_DEV if abi >= 5 else 0)
     # (path, rights, required): an entry of / that went away since the listing is skipped
     rules = ([(p, r, False) for p, r in readable_without_proc()] + [(p, fs, True) for p in rw]
              + [(p, FILE_RIGHTS | READ_FILE, True) for p in devices])

@@ -3,15 +3,15 @@ nsinit.py without a C compiler), each command.
 
 Namespaces.get() starts `[uid drop] bwrap <layout> --as-pid-1 -- INIT FD` and returns at once (a
 command sent before the init boots waits in the socket). Every bwrap starts from one long-lived
-thread: --die-with-parent fires when the THREAD that started it ends. close() closes the socket: the
-init exits, and the kernel kills its pid namespace. The init runs beside the commands, under their
-uid: what it reports is untrusted, no deadline depends on it (when it says a command ended decides
-only whether that command's result is a timeout), and a command it does not report gone within
-KILL_WAIT of a kill request gets the whole sandbox killed.
+thread: --die-with-parent fires when the THREAD that started it ends. Closing the socket ends the init
+and its pid namespace. The init runs beside the commands, under their uid: what it reports is
+untrusted, no deadline depends on it (when it says a command ended decides only whether that result
+is a timeout), and a command it does not report gone within KILL_WAIT of a kill gets the sandbox killed.
 """
 
 import array
 import concurrent.futures
+import contextlib
 import json
 import os
 import select
@@ -33,8 +33,7 @@ _POOLS_LOCK = threading.Lock()
 
 
 def _pool(name: str, workers: int) -> concurrent.futures.ThreadPoolExecutor:
-    """Long-lived threads of this process ("bwrap": the one every bwrap starts from); a forked child
-    has none of its parent's threads and makes its own."""
+    """Long-lived threads of this process, by name; a forked child (none of its parent's) makes its own."""
     with _POOLS_LOCK:
         if _POOLS.get("pid") != os.getpid():
             _POOLS.clear()
@@ -57,8 +56,6 @@ class NotStarted(RuntimeError):
 
 
 class Namespaces:
-    """A Sandbox's bwrap and init: how to start them, and the one running."""
-
     def __init__(self, bwrap: str, tmp_bytes: int, uid: int | None, workspace_fd: int, mounts: dict[str, str],
                  socket_fd: int | None, seccomp_program: bytes, cgroup_leaf, path: str):
         self.init_binary = init_build.binary() if init_build.kind() == "c" else None
@@ -166,7 +163,6 @@ class Init:
 
     @property
     def _proc(self) -> subprocess.Popen | None:
-        """bwrap, once the spawner thread started it; None when it could not be started."""
         return self._started.result()
 
     def _join_cgroup(self, leaf, info_r: int) -> None:
@@ -180,18 +176,13 @@ class Init:
             self.abort(f"the sandbox could not be moved into its cgroup ({e!r}); it was killed")
 
     def ready(self, deadline: float) -> bool:
-        """Has the init booted (in its cgroup, answering a ping)? Unlike spawn(), kills no sandbox slow to
-        boot: False at the deadline or once it is dead."""
+        """Has the init booted (in its cgroup, answering a ping)? Unlike spawn(), kills none slow to boot."""
         if not self._answered:
             try:
                 if self._joining is not None:
                     self._joining.result(max(0.0, deadline - time.monotonic()))
-                status_r, status_w = os.pipe()
+                status_r = self._request(("ping",), [], deadline)
                 try:
-                    try:
-                        self._send(("ping",), [status_w], deadline)
-                    finally:
-                        os.close(status_w)
                     self._answered = Command(self, 0, status_r)._line(deadline - time.monotonic()) == b"R"
                 finally:
                     os.close(status_r)
@@ -240,31 +231,31 @@ class Init:
                 raise InitDied(self.dead) from None
         if not self.alive():
             raise NotDelivered(self.dead)
-        status_r, status_w = os.pipe()
         cid = next(self._ids)
+        fds = [out_w, err_w] + ([script_fd] if script_fd else [])
+        return Command(self, cid, self._request(("run", cid, argv, env), fds, deadline))
+
+    def _request(self, msg: tuple, fds: list[int], deadline: float) -> int:
+        """Send msg with the write end of a new status pipe before fds; returns its read end."""
+        status_r, status_w = os.pipe()
         try:
-            self._send(("run", cid, argv, env), [status_w, out_w, err_w] + ([script_fd] if script_fd else []), deadline)
+            self._send(msg, [status_w] + fds, deadline)
         except BaseException:
             os.close(status_r)
             raise
         finally:
             os.close(status_w)
-        return Command(self, cid, status_r)
+        return status_r
 
     def kill(self, cid: int) -> None:
-        try:
+        with contextlib.suppress(InitDied):  # gone: so is the command
             self._send(("kill", cid), [], time.monotonic() + 0.1)
-        except InitDied:
-            pass  # gone: so is the command
 
     def abort(self, why: str) -> None:
         """Kill the whole sandbox now (bwrap; the init and its pid namespace go with it)."""
         self.dead = self.dead or why
-        try:
-            if self._proc is not None:
-                self._proc.kill()
-        except OSError:
-            pass
+        if self._proc is not None:
+            self._proc.kill()  # Popen.kill: a no-op once it has exited
 
     def close(self) -> None:
         self.closed, self.dead = True, self.dead or "the sandbox is closed"
@@ -306,10 +297,8 @@ class Command:
             raise InitDied(self._init.dead or "the sandbox's init died")
         if line.startswith(b"E"):
             raise NotStarted(line[1:].decode(errors="replace"))
-        try:
+        with contextlib.suppress(ValueError):
             self.returncode = int(line[1:]) if line.startswith(b"X") else -9
-        except ValueError:
-            pass
         return self.returncode
 
     def _line(self, timeout):
@@ -366,11 +355,9 @@ def run(start_init, script: str, env: dict[str, str], deadline: float, output_by
 
 
 def _write_all(fd: int, data: bytes) -> None:
-    try:
+    with contextlib.suppress(OSError):  # bwrap failed: the first command says why
         with open(fd, "wb") as f:
             f.write(data)
-    except OSError:
-        pass  # bwrap failed: the first command says why
 
 
 def _exited(proc: subprocess.Popen, timeout: float) -> bool:

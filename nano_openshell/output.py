@@ -1,5 +1,6 @@
 """A command's output and end, bounded whatever the command does: what every tier's exec reads."""
 
+import contextlib
 import math
 import os
 import select
@@ -44,13 +45,11 @@ class Capped:
 
 def drain(proc: subprocess.Popen, deadline: float, cap: int, kill, owned=None,
           disk=None, ended=None) -> tuple[int, Capped, Capped, bool]:
-    """Read stdout/stderr until EOF or the deadline; at the deadline kill (the tier's way), give the
-    pipes KILL_GRACE to reach EOF (they do once the tree is dead) and stop reading regardless.
-    owned: the Sandbox's (track/untrack), so that close() kills the command meanwhile. disk: a
-    disk.DiskCheck, looked at while the command lives (over the limit: killed, not timed out) and
-    finished at its end, within the deadline; what it says goes to stderr. timed_out comes with -9.
-    ended() -> (exit code, time.monotonic()) of the command itself, as its init reported it, or None:
-    a command that ended before the deadline did not time out, though killing its leftovers ran late."""
+    """Read stdout/stderr until EOF or the deadline; at the deadline kill (the tier's way) and give the
+    pipes KILL_GRACE to reach EOF. owned: the Sandbox's, so that close() kills the command meanwhile.
+    disk: a DiskCheck (over the limit: killed, not timed out; its lines go to stderr). ended() -> (exit
+    code, time.monotonic()) of the command itself as its init reported it, or None: a command that ended
+    before the deadline did not time out, though killing its leftovers ran late."""
     out, err = Capped(cap), Capped(cap)
     sinks = {proc.stdout.fileno(): out, proc.stderr.fileno(): err}
     poller = select.poll()  # not selectors: no epoll instance to make and close per command
@@ -65,8 +64,7 @@ def drain(proc: subprocess.Popen, deadline: float, cap: int, kill, owned=None,
         kill()
 
     def check_disk(now: float) -> float:
-        """Kill when the files are over the limit; the time to look again. The walk runs in a thread of
-        its own (disk.DiskCheck): this only reads its total, so the deadline never waits for a walk."""
+        """Kill when the files are over the limit; the time to look again (only reads DiskCheck's total)."""
         if disk is None or killed:
             return math.inf
         reason = disk.over(now)
@@ -104,11 +102,9 @@ def drain(proc: subprocess.Popen, deadline: float, cap: int, kill, owned=None,
                 timed_out = True
                 stop(now)
                 break
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=max(0.0, min(deadline, check_disk(now)) - now))
                 break
-            except subprocess.TimeoutExpired:
-                pass
         proc.wait()
         line = disk.finish(deadline) if disk is not None else None
         if line is not None:

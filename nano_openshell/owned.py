@@ -1,10 +1,10 @@
 """What a Sandbox holds on the host and gives back on close, and every one still held (close_all).
 
-A Sandbox's release runs at close(), when it is collected, or at interpreter exit. A process that
-leaves without any of those (os._exit after a fatal error, a signal it dies of) calls close_all()
-first. One that cannot (SIGKILL, the OOM killer) leaves its temporary directories, cgroups and view
-directory behind: their names carry its pid and start time, and a later process removes those whose
-owner is gone. Processes in other pid namespaces sharing the temp dir would look gone: we assume none.
+A Sandbox's release runs at close(), when it is collected, or at interpreter exit; a process leaving
+without those (os._exit, a fatal signal) calls close_all() first. One that cannot (SIGKILL, the OOM
+killer) leaves its temporary directories, cgroups and view directory behind: their names carry its pid
+and start time, and a later process removes those whose owner is gone. Processes in other pid
+namespaces sharing the temp dir would look gone: we assume none.
 """
 
 import os
@@ -14,7 +14,7 @@ import threading
 import time
 
 from .api import SandboxError
-from .workspace import finish, remove, remove_later
+from .workspace import finish, remove, remove_later, remove_soon
 
 REMOVE_BUDGET = 0.5      # release() removes temporary directories for this long, the rest in the background
 CLOSE_ALL_BUDGET = 2.0   # close_all() removes them all itself, for up to this long (the process is leaving)
@@ -29,8 +29,8 @@ _SWEEP_LOCK = threading.Lock()
 
 
 def start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (/proc/PID/stat field 22), None when gone:
-    with the pid, it names a process that a reused pid cannot impersonate."""
+    """Clock ticks since boot at the process's start (None when gone): with the pid, a reused pid cannot
+    impersonate it."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             return int(f.read().rsplit(b")", 1)[1].split()[19])
@@ -55,8 +55,7 @@ class Owned:
             _HELD.add(self)
 
     def add_dir(self, path: str) -> None:
-        """A directory made for this Sandbox, on its maker's thread: when close_all() released the
-        Sandbox meanwhile, the directory goes at once (no one would remove it later)."""
+        """A directory made for this Sandbox; when close_all() released it meanwhile, removed at once."""
         with self.lock:
             if not self.released:
                 self.dirs.append(path)
@@ -64,8 +63,7 @@ class Owned:
         remove(path, float("inf"))
         raise SandboxError("the sandbox was closed while it started")
 
-    def track(self, kill) -> None:
-        """A command started: release() kills it; once released, it is killed at once."""
+    def track(self, kill) -> None:  # a command started: release() kills it (at once when released already)
         with self.lock:
             if not self.released:
                 self.running.add(kill)
@@ -77,8 +75,8 @@ class Owned:
             self.running.discard(kill)
 
     def release(self, budget: float | None = None) -> None:
-        """Give everything back, once (close() and close_all() may both come here). Temporary
-        directories are removed for `budget` seconds (None: REMOVE_BUDGET), the rest in the background."""
+        """Give everything back, once (close() and close_all() may both come here); temporary directories
+        go within `budget` seconds (None: REMOVE_BUDGET), the rest in the background."""
         with _HELD_LOCK:
             _HELD.discard(self)
         with self.lock:
@@ -98,13 +96,7 @@ class Owned:
             os.close(self.fds.pop())
         deadline = time.monotonic() + (REMOVE_BUDGET if budget is None else budget)
         while self.dirs:
-            path = self.dirs.pop()
-            try:
-                gone = remove(path, deadline)
-            except OSError:
-                gone = False
-            if not gone:
-                remove_later(path)
+            remove_soon(self.dirs.pop(), deadline)
 
 
 def close_all(budget: float = CLOSE_ALL_BUDGET) -> None:
@@ -121,15 +113,14 @@ def close_all(budget: float = CLOSE_ALL_BUDGET) -> None:
 
 
 def temp_dir(kind: str) -> str:
-    """A new directory in the temp dir, nano-openshell-<kind>-<pid>.<start time>-...; the first one a
-    process makes removes, in the background, those of processes that are gone."""
+    """A new nano-openshell-<kind>-<pid>.<start time>-... in the temp dir; a process's first sweeps."""
     if kind not in KINDS:
         raise ValueError(f"temp_dir kind must be one of {KINDS}, got {kind!r}")
     pid = os.getpid()
     if _ME["pid"] != pid:
         with _SWEEP_LOCK:
             if _ME["pid"] != pid:
-                _sweep(tempfile.gettempdir())
+                sweep(tempfile.gettempdir())
                 _ME["tag"] = f"{pid}.{start_time(pid)}"
                 _ME["pid"] = pid  # last: a thread that sees our pid also sees our tag
     return tempfile.mkdtemp(prefix=f"nano-openshell-{kind}-{_ME['tag']}-")
@@ -145,11 +136,12 @@ def left_behind(parent: str, prefix: str) -> list[str]:
     return [os.path.join(parent, m.string) for m in matches if m and start_time(int(m[1])) != int(m[2])]
 
 
-def _sweep(parent: str) -> None:
-    for path in left_behind(parent, "nano-openshell-(?:%s)-" % "|".join(KINDS)):
+def sweep(parent: str, prefix: str = "nano-openshell-(?:%s)-" % "|".join(KINDS), remove=remove_later) -> None:
+    """Remove (by default in the background) what gone processes left in parent: ours, or as root a sandbox uid's."""
+    for path in left_behind(parent, prefix):
         try:
             owner = os.lstat(path).st_uid
         except OSError:
             continue
         if owner == os.geteuid() or (os.geteuid() == 0 and owner in SANDBOX_UIDS):
-            remove_later(path)
+            remove(path)

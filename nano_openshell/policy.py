@@ -76,10 +76,8 @@ class Rule:
 
 def normalize_host(raw: str) -> str:
     """Lower-case, strip one trailing dot, IDNA (UTS 46) to ASCII; IP literals to canonical form.
-
-    Raises HostError for anything ambiguous: userinfo, empty labels, non-canonical numeric IPv4
-    forms such as 127.1 or 0x7f000001 (inet_aton would read them as loopback), zone ids.
-    """
+    HostError for anything ambiguous: userinfo, empty labels, non-canonical numeric IPv4 forms such as
+    127.1 or 0x7f000001 (inet_aton would read them as loopback), zone ids."""
     if not isinstance(raw, str) or not raw:
         raise HostError("empty host")
     if "@" in raw:

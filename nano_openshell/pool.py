@@ -5,14 +5,14 @@
     pool.close()                                   # closes the ones nobody took
 
 A pooled Sandbox IS a fresh one, made earlier: no command ever ran in it, and none is given back.
-take() hands out a booted one (Sandbox.wait_ready) and starts booting its replacement; with none
-ready it makes one the normal way, so it is never slower than no pool. Refills boot `boots` at a
-time in the background. take(mounts=...) makes a new Sandbox, never pooled. Idle sandboxes are
-closed by close(), when the pool is collected, and at interpreter exit.
+take() hands out a booted one and starts booting its replacement; with none ready it makes one the
+normal way, so it is never slower than no pool. Idle sandboxes are closed by close(), when the pool
+is collected, and at interpreter exit.
 """
 
 import collections
 import concurrent.futures
+import contextlib
 import threading
 import time
 import weakref
@@ -25,8 +25,7 @@ BOOT_TIMEOUT = 10.0  # a sandbox not booted by then is closed, never pooled
 
 class SandboxPool:
     def __init__(self, size: int, boots: int = 1, **sandbox_kwargs):
-        """size: how many booted, unused Sandboxes to keep ready; boots: how many boot at once;
-        sandbox_kwargs: what Sandbox() takes, except workspace and mounts (every sandbox has its own)."""
+        """size: how many booted, unused Sandboxes to keep ready; boots: how many boot at once."""
         for name, value, least in (("size", size, 0), ("boots", boots, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"SandboxPool {name} must be an int >= {least}, got {value!r}")
@@ -45,8 +44,7 @@ class SandboxPool:
             self._refill()
 
     def take(self, mounts: dict[str, str | None] | None = None) -> Sandbox:
-        """A fresh Sandbox of the pool's kwargs, booted if one was ready; the caller closes it.
-        With mounts, a new Sandbox with them (not pooled)."""
+        """A fresh Sandbox, booted if one was ready (with mounts: a new one, never pooled); the caller closes it."""
         if mounts:
             return Sandbox(**self._kwargs, mounts=mounts)
         while True:
@@ -67,7 +65,6 @@ class SandboxPool:
             sb.close()
 
     def idle(self) -> int:
-        """How many booted, unused sandboxes are ready now."""
         with self._idle.lock:
             return len(self._idle.sandboxes)
 
@@ -83,8 +80,7 @@ class SandboxPool:
             return True
 
     def close(self) -> None:
-        """Stop refilling, wait for the boots under way, and close every sandbox nobody took.
-        Taken sandboxes are their takers' to close. Idempotent."""
+        """Stop refilling, wait for the boots under way, close every sandbox nobody took. Idempotent."""
         with self._idle.lock:
             self._idle.closed = True
         self._boots.shutdown(wait=True, cancel_futures=True)
@@ -96,8 +92,7 @@ class SandboxPool:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _refill(self) -> None:
-        """Under the lock: start the boots that bring ready + booting up to size."""
+    def _refill(self) -> None:  # under the lock
         while not (self._idle.closed or self._failing) and len(self._idle.sandboxes) + self._booting < self.size:
             self._booting += 1
             try:
@@ -107,15 +102,12 @@ class SandboxPool:
                 return
 
     def _boot(self) -> None:
-        """In a boot thread: a new Sandbox, pooled once its init answers. One that raised or did not
-        boot is closed, and refills wait until a take() makes a sandbox the normal way again (which
-        raises to its caller what went wrong), rather than failing over and over in the background."""
+        """A new Sandbox, pooled once its init answers. After one that failed, refills wait until a take()
+        makes one the normal way (raising what went wrong) rather than fail over and over in the background."""
         sb, ready = None, False
-        try:
+        with contextlib.suppress(Exception):
             sb = Sandbox(**self._kwargs)
             ready = sb.wait_ready(BOOT_TIMEOUT)
-        except Exception:
-            pass
         with self._idle.lock:
             self._booting -= 1
             if ready and not self._idle.closed:

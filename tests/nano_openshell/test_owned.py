@@ -89,7 +89,7 @@ def test_the_workspace_of_a_killed_process_goes_with_the_next_process_sandbox_an
         for proc in (killed, alive):
             proc.kill()
             proc.wait(timeout=30)
-    owned_mod._sweep(tempfile.gettempdir())  # the holder just killed: its workspace goes too
+    owned_mod.sweep(tempfile.gettempdir())  # the holder just killed: its workspace goes too
     workspace_mod.finish(30)
     assert not os.path.exists(alive_ws)
 
