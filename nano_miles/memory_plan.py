@@ -130,7 +130,7 @@ def estimate(cfg, layout, model_path: str, shared: bool) -> MemoryPlan:
     plan.rollout["sandboxes"] = _in_flight(cfg) * SANDBOX_BYTES  # closed when their episode ends
     if layout.trainer_device == "cpu":
         t, low_precision = cfg.trainer, dtype != torch.float32
-        checkpointing = t.gradient_checkpointing if t.gradient_checkpointing is not None else True
+        checkpointing = t.gradient_checkpointing if t.gradient_checkpointing is not None else not cfg.true_on_policy
         plan.resident["trainer weights"] = weights
         if low_precision:
             plan.resident["FP32 masters"] = 4 * P

@@ -9,7 +9,9 @@ code. So a token's log-prob has the same bits decoded in a batch of 1 or 64, aft
 hit or a chunked prefill, and recomputed by the trainer over the whole sequence.
 
 Backends, by the tensor's device: CUDA runs batch_invariant_triton.py (one launch configuration per
-kernel); CPU runs torch ops in an order written out here. An elementwise IEEE op gives the same bits
+kernel, attention as the online softmax above); CPU runs torch ops in an order written out here, its
+attention a softmax over all of a row's keys at once, scores and weighted values from GEMM tiles of
+one shape, sums over keys as pairwise trees that keys after the row's position leave unchanged. An elementwise IEEE op gives the same bits
 wherever the element sits; a library GEMM rounds a row differently with the row count, but not with
 its neighbours or place within one fixed call shape, so linear pads rows to tiles of ROW_TILE and
 runs every tile through the same GEMM shape (the tests check rows against batches and thread counts).
@@ -30,6 +32,9 @@ from nano_miles.engine import batch_invariant_triton  # triton itself only where
 
 KEY_BLOCK = 64             # attention reduces over keys in blocks of this many, from position 0, in order
 ROW_TILE = 32              # torch backend: linear runs the library GEMM on tiles of exactly this many rows
+QUERY_TILE = 16            # torch backend: attention's GEMMs take query rows in tiles of this many
+_ATTENTION_CHUNK = 1 << 20  # torch backend: attention scores held at once (bounds its memory)
+_ELEMENTWISE_CHUNK = 1 << 15  # torch backend: exp works through its input in pieces of this many
 
 
 def _triton(t: torch.Tensor):
@@ -55,7 +60,7 @@ def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 _LOG2E, _LN2 = 1.4426950408889634, 0.6931471805599453
 _LN2_HI, _LN2_LO = 6.93147180369123816490e-01, 1.90821492927058770002e-10  # n * _LN2_HI is exact
-_EXP_COEFFS = [1.0 / math.factorial(k) for k in range(14)]  # Taylor to r^13, |r| <= ln2/2
+_EXP_COEFFS = [1.0 / math.factorial(k) for k in range(10)]  # Taylor to r^9, |r| <= ln2/2: error < 1e-11
 _LOG_COEFFS = [2.0 / (2 * k + 1) for k in range(12)]        # 2 atanh(z) = sum 2 z^(2k+1)/(2k+1)
 
 
@@ -70,10 +75,21 @@ def _exp(x: torch.Tensor) -> torch.Tensor:
     """exp of a float32 tensor, the same bits for an element wherever it sits."""
     if x.device.type != "cpu":
         return torch.exp(x)  # CUDA applies one per-element routine to every position
-    d = x.double().clamp(-200.0, 200.0)  # exp(-inf) -> 0 and exp(+big) -> inf once rounded to float32
-    n = torch.round(d * _LOG2E)
-    two_n = ((n.to(torch.int64) + 1023) << 52).view(torch.float64)  # 2**n from its bits
-    return (_horner((d - n * _LN2_HI) - n * _LN2_LO, _EXP_COEFFS) * two_n).float()
+    flat, out = x.reshape(-1), torch.empty(x.shape, dtype=torch.float32)
+    for i in range(0, flat.numel(), _ELEMENTWISE_CHUNK):  # pieces that stay in cache through the ~25 passes
+        out.view(-1)[i:i + _ELEMENTWISE_CHUNK] = _exp_piece(flat[i:i + _ELEMENTWISE_CHUNK])
+    return out
+
+
+def _exp_piece(x):
+    d = x.double().clamp_(-200.0, 200.0)  # exp(-inf) -> 0 and exp(+big) -> inf once rounded to float32
+    n = (d * _LOG2E).round_()
+    two_n = n.to(torch.int64).add_(1023).bitwise_left_shift_(52).view(torch.float64)  # 2**n from its bits
+    r = d.sub_(n * _LN2_HI).sub_(n.mul_(_LN2_LO))
+    p = torch.full_like(r, _EXP_COEFFS[-1])
+    for c in reversed(_EXP_COEFFS[:-1]):
+        p.mul_(r).add_(c)
+    return p.mul_(two_n).float()
 
 
 def _log(x: torch.Tensor) -> torch.Tensor:
@@ -134,28 +150,47 @@ def paged_attention(q, k_cache, v_cache, block_tables, positions, queries_per_ta
         return tk.paged_attention(q, k_cache, v_cache, block_tables, positions, queries_per_table, KEY_BLOCK)
     R, H, D = q.shape
     _, BS, KV, _ = k_cache.shape
-    G = H // KV
-    tables = block_tables[torch.arange(R, device=q.device) // queries_per_table]  # [R, N]
-    capacity = tables.shape[1] * BS
-    qf = q.float().view(R, KV, G, 1, D)
-    m = torch.full((R, KV, G), float("-inf"), device=q.device)
-    l, acc = torch.zeros(R, KV, G, device=q.device), torch.zeros(R, KV, G, D, device=q.device)
-    # A block entirely after a row's position is an exact no-op for it (p = 0, alpha = exp(0) = 1), so
-    # looping to the longest context gives each row the result of looping to its own.
-    for start in range(0, int(positions.max()) + 1, KEY_BLOCK):
-        pos = torch.arange(start, start + KEY_BLOCK, device=q.device)
-        slot = pos.clamp(max=capacity - 1)                          # masked below; any real key will do
-        blocks = tables[:, slot // BS]                              # [R, T]
-        k = k_cache[blocks, slot % BS].float().permute(0, 2, 1, 3)  # [R, KV, T, D]
-        v = v_cache[blocks, slot % BS].float().permute(0, 2, 1, 3)
-        s = tree_sum(qf * k.unsqueeze(2)) * D ** -0.5              # [R, KV, G, T]
-        s = s.masked_fill((pos[None, :] > positions[:, None])[:, None, None, :], float("-inf"))
-        m_new = torch.maximum(m, s.amax(-1))
-        p, alpha = _exp(s - m_new.unsqueeze(-1)), _exp(m - m_new)
-        l = l * alpha + tree_sum(p)
-        acc = acc * alpha.unsqueeze(-1) + tree_sum(p.unsqueeze(-1) * v.unsqueeze(2), dim=-2)
-        m = m_new
-    return (acc / l.unsqueeze(-1)).view(R, H, D).to(q.dtype)
+    G, S = H // KV, R // queries_per_table                      # S sequences of queries_per_table rows
+    # Keys 0..max position in whole KEY_BLOCKs, gathered page by page, per (sequence, KV head).
+    num_keys = KEY_BLOCK * (int(positions.max()) // KEY_BLOCK + 1)
+    page = torch.arange(-(-num_keys // BS), device=q.device).clamp(max=block_tables.shape[1] - 1)  # masked below
+    keys, vals = (c[block_tables[:S, page]].flatten(1, 2)[:, :num_keys].float().view(S, -1, KEY_BLOCK, KV, D)
+                  for c in (k_cache, v_cache))
+    keys_t = keys.permute(0, 3, 1, 4, 2).reshape(S * KV, -1, D, KEY_BLOCK)  # [S*KV, blocks, D, KEY_BLOCK]
+    vals = vals.permute(0, 3, 1, 2, 4).reshape(S * KV, -1, KEY_BLOCK, D)
+    # Query rows per (sequence, KV head): its G heads at each position, in tiles of QUERY_TILE rows.
+    M = queries_per_table * G
+    tiles = -(-M // QUERY_TILE)
+    rows = q.float().view(S, queries_per_table, KV, G, D).permute(0, 2, 1, 3, 4).reshape(S, KV, M, D)
+    rows = F.pad(rows, (0, 0, 0, tiles * QUERY_TILE - M)).view(S * KV * tiles, QUERY_TILE, D)
+    row_pos = positions.view(S, 1, queries_per_table).repeat_interleave(G, -1).expand(S, KV, M)
+    row_pos = F.pad(row_pos, (0, tiles * QUERY_TILE - M)).reshape(S * KV * tiles, QUERY_TILE)
+    # A decode tile holds only its G heads' rows: the softmax skips the padding rows (they are the last).
+    used = M if tiles == 1 else QUERY_TILE
+    out = torch.empty_like(rows)
+    per_chunk = max(1, _ATTENTION_CHUNK // (QUERY_TILE * num_keys))
+    for t0 in range(0, rows.shape[0], per_chunk):
+        t1 = min(t0 + per_chunk, rows.shape[0])
+        n, pos = t1 - t0, row_pos[t0:t1, :used]
+        nb = int(pos.max()) // KEY_BLOCK + 1                    # key blocks wholly after every row: skipped
+        unit = slice(t0, t1) if tiles == 1 else torch.arange(t0, t1, device=q.device) // tiles
+        k, v = keys_t[unit, :nb], vals[unit, :nb]               # each tile's keys [n, nb, D, KB], values [n, nb, KB, D]
+        # Every GEMM is one [QUERY_TILE, D] x [D, KEY_BLOCK] tile (then [QUERY_TILE, KEY_BLOCK] x
+        # [KEY_BLOCK, D]): one call shape, so a row's bits depend on neither its tile-mates nor its place.
+        s = torch.bmm(rows[t0:t1, None].expand(n, nb, QUERY_TILE, D).reshape(-1, QUERY_TILE, D),
+                      k.reshape(-1, D, KEY_BLOCK)).view(n, nb, QUERY_TILE, KEY_BLOCK)[:, :, :used] * D ** -0.5
+        key_pos = torch.arange(nb * KEY_BLOCK, device=q.device).view(nb, 1, KEY_BLOCK)
+        s.masked_fill_(key_pos > pos[:, None, :, None], float("-inf"))
+        # Softmax over all of a row's keys at once. Keys after its position give p = 0 exactly, so a
+        # tree sum padded with them (a longer call, a longer trainer sequence) adds only exact zeros.
+        # Summing blocks, then the keys of a block, is the tree over the keys in position order.
+        p = _exp(s - s.amax((1, 3), keepdim=True))
+        total = tree_sum(tree_sum(p, dim=1), dim=-1)
+        p = F.pad(p, (0, 0, 0, QUERY_TILE - used))              # the GEMM's rows back, padding as zeros
+        pv = torch.bmm(p.view(-1, QUERY_TILE, KEY_BLOCK), v.reshape(-1, KEY_BLOCK, D)).view(n, nb, QUERY_TILE, D)
+        out[t0:t1, :used] = tree_sum(pv, dim=1)[:, :used] / total.unsqueeze(-1)
+    out = out.view(S, KV, tiles * QUERY_TILE, D)[:, :, :M].reshape(S, KV, queries_per_table, G, D)
+    return out.permute(0, 2, 1, 3, 4).reshape(R, H, D).to(q.dtype)
 
 
 def _causal_attention_value(q, k, v):

@@ -51,7 +51,7 @@ class TrainerConfig:
         "compute dtype: float32 | bfloat16 (masters and AdamW state are FP32)"))
     micro_batch_size: int = 0     # sequences per forward/backward; 0 = auto (8 on GPU, 1 on CPU)
     logprob_chunk: int = 0        # tokens per lm_head -> float32 log_softmax chunk; 0 = auto (1024 on GPU, 128 on CPU: 0.08 GB a [chunk, vocab] tensor for Qwen)
-    gradient_checkpointing: bool | None = None  # recompute decoder layers in backward; none = on for a CPU trainer (a 4096-token episode keeps ~12 GB of activations without it), off on GPU
+    gradient_checkpointing: bool | None = None  # recompute decoder layers in backward; none = on for a CPU trainer (a 4096-token episode keeps ~12 GB of activations without it), off on GPU and in true on-policy mode (it would rerun the exact forward)
     compute_entropy: bool = True  # report the policy entropy (one more pass over each chunk's logits)
     nproc: int = 1                # trainer ranks: FSDP2 shards, one GPU each (gloo processes on CPU); train starts them itself
     dist_timeout_s: float = 300.0  # seconds before any collective of the trainer ranks fails the run

@@ -56,7 +56,10 @@ class Trainer:
         cfg = dataclasses.replace(  # the autos, decided here once
             cfg, micro_batch_size=cfg.micro_batch_size or (8 if on_gpu else 1),
             logprob_chunk=cfg.logprob_chunk or (1024 if on_gpu else 128),
-            gradient_checkpointing=not on_gpu if cfg.gradient_checkpointing is None else cfg.gradient_checkpointing)
+            # Recomputing a layer re-runs its forward, and in true on-policy mode that is the exact ops,
+            # which cost far more than the activations they would keep.
+            gradient_checkpointing=not (on_gpu or cfg.true_on_policy) if cfg.gradient_checkpointing is None
+            else cfg.gradient_checkpointing)
         self.cfg, self.dtype = cfg, DTYPES[cfg.dtype]
         if self.env and cfg.true_on_policy:
             raise ValueError("true on-policy mode runs the engine's model over unsharded parameters: it needs "

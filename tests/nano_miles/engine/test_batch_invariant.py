@@ -124,6 +124,23 @@ def test_attention_rows_do_not_depend_on_pages_batch_or_split(dtype):
         assert torch.equal(second, whole[70:])
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_attention_rows_do_not_depend_on_chunks_threads_or_sequence_length(threads, monkeypatch):
+    """The softmax is over all of a row's keys at once: a trainer sequence longer than the row's
+    position, scores taken a few tiles at a time, or another thread count change no bit."""
+    L, H, KV, D = 300, 4, 2, 16
+    q, k, v = randn(1, L, H, D, seed=8), randn(1, L, KV, D, seed=9), randn(1, L, KV, D, seed=10)
+    whole = bi.causal_attention(q, k, v)[0]
+    torch.set_num_threads(threads)
+    monkeypatch.setattr(bi, "_ATTENTION_CHUNK", bi.QUERY_TILE * 384)  # one tile at a time
+    assert torch.equal(bi.causal_attention(q, k, v)[0], whole)
+    assert torch.equal(bi.causal_attention(q[:, :90], k[:, :90], v[:, :90])[0], whole[:90])
+    k_cache, v_cache, table = paged(k[0], v[0], 16, 3)
+    rows = torch.tensor([0, 64, 200, 299])
+    decode = bi.paged_attention(q[0, rows], k_cache, v_cache, table.repeat(4, 1), rows)
+    assert torch.equal(decode, whole[rows])
+
+
 def test_gradients_are_the_ordinary_ops_gradients():
     x = randn(6, 32, seed=8).requires_grad_()
     w = randn(48, 32, seed=9).requires_grad_()

@@ -88,6 +88,7 @@ def test_trainer_logprobs_equal_the_engines_at_any_batch_and_the_first_ppo_step_
     engine = Engine(EngineConfig(model=str(tiny_model_path), dtype=dtype, true_on_policy=True, block_size=4,
                                  num_kv_blocks=512, max_num_batched_tokens=16))  # 16: long prompts are chunked
     trainer = Trainer(TrainerConfig(model=str(tiny_model_path), dtype=dtype, true_on_policy=True, micro_batch_size=4))
+    assert trainer.cfg.gradient_checkpointing is False  # by default: a recomputed layer would rerun the exact ops
     trajs = rollouts(engine)
     batch = assert_exact(trainer, trajs)
     assert int(batch.loss_mask.sum()) > 80

@@ -1,0 +1,46 @@
+"""True on-policy mode against normal mode on CPU: the same 1-step run of the tiny model (fp32,
+group 4, 2 tasks, up to 256 tokens a turn over 6 turns), once each, one after the other.
+
+A step is its rollout plus its update (`step_s` in metrics.jsonl); the row gives both modes' figures,
+the ratio (goal: true on-policy within 2x of normal mode) and the parity true on-policy kept (0.0).
+
+  PYTHONPATH=. .venv/bin/python bench/true_on_policy_cpu.py
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from bench.results import git_commit, save, utc_now  # noqa: E402
+
+SETS = ["model=tiny-random-qwen2", "steps=1", "dtype=float32", "report_to=none"]
+
+
+def one_run(true_on_policy: bool, run_dir: str) -> dict:
+    sets = SETS + [f"run_dir={run_dir}", f"true_on_policy={str(true_on_policy).lower()}"]
+    cmd = [sys.executable, "-m", "nano_miles.cli", "train"] + [a for s in sets for a in ("--set", s)]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        row = json.loads(f.readline())
+    return {"step_s": round(row["step_s"], 2), "rollout_s": round(row["rollout_s"], 2),
+            "update_s": round(row["step_s"] - row["rollout_s"], 2), "response_tokens": row["response_tokens"],
+            "parity_max": row["parity_max"]}
+
+
+def main():
+    with tempfile.TemporaryDirectory() as tmp:
+        normal = one_run(False, os.path.join(tmp, "normal"))
+        exact = one_run(True, os.path.join(tmp, "true_on_policy"))
+    record = {"bench": "true_on_policy_cpu", "normal": normal, "true_on_policy": exact,
+              "slower_x": round(exact["step_s"] / normal["step_s"], 2), "date": utc_now(), "commit": git_commit(),
+              "machine": f"{platform.machine()}, {os.cpu_count()} cores, no GPU"}
+    print(save(record))
+
+
+if __name__ == "__main__":
+    main()
