@@ -24,7 +24,10 @@ SETS = ["model=tiny-random-qwen2", "steps=1", "dtype=float32", "report_to=none"]
 def one_run(true_on_policy: bool, run_dir: str) -> dict:
     sets = SETS + [f"run_dir={run_dir}", f"true_on_policy={str(true_on_policy).lower()}"]
     cmd = [sys.executable, "-m", "nano_miles.cli", "train"] + [a for s in sets for a in ("--set", s)]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0:  # its last line says why (nano-miles prints one line for bad input)
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        sys.exit(f"true_on_policy_cpu: nano-miles train (true_on_policy={true_on_policy}) failed: {last}")
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         row = json.loads(f.readline())
     return {"step_s": round(row["step_s"], 2), "rollout_s": round(row["rollout_s"], 2),

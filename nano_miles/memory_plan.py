@@ -17,6 +17,7 @@ import torch
 
 from nano_miles.dtypes import DTYPES
 from nano_miles.engine.model import ModelConfig
+from nano_miles.trainer.config import checkpoints_layers
 
 GB = 1e9
 TRAINER_RUNTIME = int(0.9 * GB)  # torch + transformers + the loop, measured on the CPU job
@@ -130,7 +131,7 @@ def estimate(cfg, layout, model_path: str, shared: bool) -> MemoryPlan:
     plan.rollout["sandboxes"] = _in_flight(cfg) * SANDBOX_BYTES  # closed when their episode ends
     if layout.trainer_device == "cpu":
         t, low_precision = cfg.trainer, dtype != torch.float32
-        checkpointing = t.gradient_checkpointing if t.gradient_checkpointing is not None else not cfg.true_on_policy
+        checkpointing = checkpoints_layers(t.gradient_checkpointing, on_gpu=False, true_on_policy=cfg.true_on_policy)
         plan.resident["trainer weights"] = weights
         if low_precision:
             plan.resident["FP32 masters"] = 4 * P

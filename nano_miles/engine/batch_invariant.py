@@ -11,10 +11,11 @@ hit or a chunked prefill, and recomputed by the trainer over the whole sequence.
 Backends, by the tensor's device: CUDA runs batch_invariant_triton.py (one launch configuration per
 kernel, attention as the online softmax above); CPU runs torch ops in an order written out here, its
 attention a softmax over all of a row's keys at once, scores and weighted values from GEMM tiles of
-one shape, sums over keys as pairwise trees that keys after the row's position leave unchanged. An elementwise IEEE op gives the same bits
-wherever the element sits; a library GEMM rounds a row differently with the row count, but not with
-its neighbours or place within one fixed call shape, so linear pads rows to tiles of ROW_TILE and
-runs every tile through the same GEMM shape (the tests check rows against batches and thread counts).
+one shape, sums over keys as pairwise trees that keys after the row's position leave unchanged.
+An elementwise IEEE op gives the same bits wherever the element sits; a library GEMM rounds a row
+differently with the row count, but not with its neighbours or place within one fixed call shape, so
+linear pads rows to tiles of ROW_TILE and runs every tile through the same GEMM shape (the tests check
+rows against batches and thread counts).
 Torch finishes a vectorised loop with scalar libm, so exp/log may differ in the last bit with the
 position: other reductions are pairwise trees of adds (`tree_sum`), and exp/log polynomials of + and *.
 
@@ -65,9 +66,10 @@ _LOG_COEFFS = [2.0 / (2 * k + 1) for k in range(12)]        # 2 atanh(z) = sum 2
 
 
 def _horner(z, coeffs):
+    """sum coeffs[k] z**k, in place on one buffer (elementwise mul_ and add_: exact per element)."""
     p = torch.full_like(z, coeffs[-1])
     for c in reversed(coeffs[:-1]):
-        p = p * z + c
+        p.mul_(z).add_(c)
     return p
 
 
@@ -86,10 +88,7 @@ def _exp_piece(x):
     n = (d * _LOG2E).round_()
     two_n = n.to(torch.int64).add_(1023).bitwise_left_shift_(52).view(torch.float64)  # 2**n from its bits
     r = d.sub_(n * _LN2_HI).sub_(n.mul_(_LN2_LO))
-    p = torch.full_like(r, _EXP_COEFFS[-1])
-    for c in reversed(_EXP_COEFFS[:-1]):
-        p.mul_(r).add_(c)
-    return p.mul_(two_n).float()
+    return _horner(r, _EXP_COEFFS).mul_(two_n).float()
 
 
 def _log(x: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,13 @@ class OptimConfig:
             raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
 
 
+def checkpoints_layers(setting: bool | None, on_gpu: bool, true_on_policy: bool) -> bool:
+    """trainer.gradient_checkpointing with its auto (None) decided: on for a CPU trainer, whose
+    activations are the memory to save, but not in true on-policy mode, where a recomputed layer
+    reruns the exact ops, which cost far more than the activations they would keep."""
+    return not (on_gpu or true_on_policy) if setting is None else setting
+
+
 @dataclass
 class TrainerConfig:
     """The trainer's own knobs are the `trainer.*` keys of `nano-miles train`; the fields marked

@@ -37,7 +37,7 @@ from nano_miles.engine.model import CausalLM
 from nano_miles.engine.shared_weights import SharedWeights
 from nano_miles.engine.weights import NonFiniteWeights, non_finite
 from nano_miles.trainer import fsdp, heap
-from nano_miles.trainer.config import OptimConfig, TrainerConfig  # noqa: F401 (also imported from here)
+from nano_miles.trainer.config import OptimConfig, TrainerConfig, checkpoints_layers  # noqa: F401 (also imported from here)
 from nano_miles.trainer.logprob_head import exact_head_logprobs, head_logprobs
 from nano_miles.trainer.loss import loss_normalizer, parity_metrics, parity_sums, policy_loss
 from nano_miles.trainer.lr_schedule import lr_at
@@ -56,10 +56,7 @@ class Trainer:
         cfg = dataclasses.replace(  # the autos, decided here once
             cfg, micro_batch_size=cfg.micro_batch_size or (8 if on_gpu else 1),
             logprob_chunk=cfg.logprob_chunk or (1024 if on_gpu else 128),
-            # Recomputing a layer re-runs its forward, and in true on-policy mode that is the exact ops,
-            # which cost far more than the activations they would keep.
-            gradient_checkpointing=not (on_gpu or cfg.true_on_policy) if cfg.gradient_checkpointing is None
-            else cfg.gradient_checkpointing)
+            gradient_checkpointing=checkpoints_layers(cfg.gradient_checkpointing, on_gpu, cfg.true_on_policy))
         self.cfg, self.dtype = cfg, DTYPES[cfg.dtype]
         if self.env and cfg.true_on_policy:
             raise ValueError("true on-policy mode runs the engine's model over unsharded parameters: it needs "
