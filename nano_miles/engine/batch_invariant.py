@@ -16,8 +16,9 @@ An elementwise IEEE op gives the same bits wherever the element sits; a library 
 differently with the row count, but not with its neighbours or place within one fixed call shape, so
 linear pads rows to tiles of ROW_TILE and runs every tile through the same GEMM shape (the tests check
 rows against batches and thread counts).
-Torch finishes a vectorised loop with scalar libm, so exp/log may differ in the last bit with the
-position: other reductions are pairwise trees of adds (`tree_sum`), and exp/log polynomials of + and *.
+Other reductions are pairwise trees of adds (`tree_sum`); torch's exp and log give an element the
+same bits wherever it sits (its vector routine covers a loop's tail too), unlike sigmoid, whose
+loop finishes with scalar libm, so silu is written with exp.
 
 Training: the forward VALUES come from these kernels, the gradients from the usual fast ops (linear
 and log_softmax with their analytic backward; the others by differentiating the fast expression).
@@ -35,7 +36,6 @@ KEY_BLOCK = 64             # attention reduces over keys in blocks of this many,
 ROW_TILE = 32              # torch backend: linear runs the library GEMM on tiles of exactly this many rows
 QUERY_TILE = 16            # torch backend: attention's GEMMs take query rows in tiles of this many
 _ATTENTION_CHUNK = 1 << 20  # torch backend: attention scores held at once (bounds its memory)
-_ELEMENTWISE_CHUNK = 1 << 15  # torch backend: exp works through its input in pieces of this many
 
 
 def _triton(t: torch.Tensor):
@@ -57,49 +57,6 @@ def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     while x.shape[0] > 1:
         x = x[:x.shape[0] // 2] + x[x.shape[0] // 2:]
     return x[0]
-
-
-_LOG2E, _LN2 = 1.4426950408889634, 0.6931471805599453
-_LN2_HI, _LN2_LO = 6.93147180369123816490e-01, 1.90821492927058770002e-10  # n * _LN2_HI is exact
-_EXP_COEFFS = [1.0 / math.factorial(k) for k in range(10)]  # Taylor to r^9, |r| <= ln2/2: error < 1e-11
-_LOG_COEFFS = [2.0 / (2 * k + 1) for k in range(12)]        # 2 atanh(z) = sum 2 z^(2k+1)/(2k+1)
-
-
-def _horner(z, coeffs):
-    """sum coeffs[k] z**k, in place on one buffer (elementwise mul_ and add_: exact per element)."""
-    p = torch.full_like(z, coeffs[-1])
-    for c in reversed(coeffs[:-1]):
-        p.mul_(z).add_(c)
-    return p
-
-
-def _exp(x: torch.Tensor) -> torch.Tensor:
-    """exp of a float32 tensor, the same bits for an element wherever it sits."""
-    if x.device.type != "cpu":
-        return torch.exp(x)  # CUDA applies one per-element routine to every position
-    flat, out = x.reshape(-1), torch.empty(x.shape, dtype=torch.float32)
-    for i in range(0, flat.numel(), _ELEMENTWISE_CHUNK):  # pieces that stay in cache through the ~25 passes
-        out.view(-1)[i:i + _ELEMENTWISE_CHUNK] = _exp_piece(flat[i:i + _ELEMENTWISE_CHUNK])
-    return out
-
-
-def _exp_piece(x):
-    d = x.double().clamp_(-200.0, 200.0)  # exp(-inf) -> 0 and exp(+big) -> inf once rounded to float32
-    n = (d * _LOG2E).round_()
-    two_n = n.to(torch.int64).add_(1023).bitwise_left_shift_(52).view(torch.float64)  # 2**n from its bits
-    r = d.sub_(n * _LN2_HI).sub_(n.mul_(_LN2_LO))
-    return _horner(r, _EXP_COEFFS).mul_(two_n).float()
-
-
-def _log(x: torch.Tensor) -> torch.Tensor:
-    """log of a positive float32 tensor (same guarantee as _exp)."""
-    if x.device.type != "cpu":
-        return torch.log(x)
-    mant, expo = torch.frexp(x.double())       # x = mant * 2**expo, mant in [0.5, 1)
-    low = mant < math.sqrt(0.5)
-    mant, expo = torch.where(low, mant * 2.0, mant), torch.where(low, expo - 1, expo)  # |z| <= 0.172 below
-    z = (mant - 1.0) / (mant + 1.0)
-    return (expo.double() * _LN2 + z * _horner(z * z, _LOG_COEFFS)).float()
 
 
 def _linear_value(x, weight, bias, out_dtype):
@@ -131,14 +88,14 @@ def _silu_mul_value(gate, up):
     if (tk := _triton(gate)) is not None:
         return tk.silu_mul(gate, up)
     g = gate.float()
-    return (g / (1.0 + _exp(-g))).to(gate.dtype) * up
+    return (g / (1.0 + torch.exp(-g))).to(gate.dtype) * up
 
 
 def _log_softmax_value(logits):
     if (tk := _triton(logits)) is not None:
         return tk.log_softmax(logits)
     z = logits.float() - logits.float().amax(-1, keepdim=True)  # max is exact in any order
-    return z - _log(tree_sum(_exp(z))).unsqueeze(-1)
+    return z - torch.log(tree_sum(torch.exp(z))).unsqueeze(-1)
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, positions, queries_per_table: int = 1):
@@ -183,7 +140,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, positions, queries_per_ta
         # Softmax over all of a row's keys at once. Keys after its position give p = 0 exactly, so a
         # tree sum padded with them (a longer call, a longer trainer sequence) adds only exact zeros.
         # Summing blocks, then the keys of a block, is the tree over the keys in position order.
-        p = _exp(s - s.amax((1, 3), keepdim=True))
+        p = torch.exp(s - s.amax((1, 3), keepdim=True))
         total = tree_sum(tree_sum(p, dim=1), dim=-1)
         p = F.pad(p, (0, 0, 0, QUERY_TILE - used))              # the GEMM's rows back, padding as zeros
         pv = torch.bmm(p.view(-1, QUERY_TILE, KEY_BLOCK), v.reshape(-1, KEY_BLOCK, D)).view(n, nb, QUERY_TILE, D)
