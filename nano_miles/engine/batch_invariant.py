@@ -10,8 +10,9 @@ hit or a chunked prefill, and recomputed by the trainer over the whole sequence.
 
 Backends, by the tensor's device: CUDA runs batch_invariant_triton.py (one launch configuration per
 kernel, attention as the online softmax above); CPU runs torch ops in an order written out here, its
-attention a softmax over all of a row's keys at once, scores and weighted values from GEMM tiles of
-one shape, sums over keys as pairwise trees that keys after the row's position leave unchanged.
+attention a softmax over all of a row's keys at once, scores and weighted values (and, through a
+column of ones, the weights' sum) from GEMM tiles of one shape, then a pairwise tree over key blocks;
+keys after the row's position add exact zeros, so a longer call or sequence changes no bit.
 An elementwise IEEE op gives the same bits wherever the element sits; a library GEMM rounds a row
 differently with the row count, but not with its neighbours or place within one fixed call shape, so
 linear pads rows to tiles of ROW_TILE and runs every tile through the same GEMM shape (the tests check
@@ -47,15 +48,22 @@ def _triton(t: torch.Tensor):
     return batch_invariant_triton
 
 
-def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Sum over `dim` in a fixed order: zero-pad to a power of two, then add the two halves until one
-    is left (the summed dim moved outermost, so each add is one vectorised pass)."""
+def tree_sum(x: torch.Tensor, dim: int = -1, inplace: bool = False) -> torch.Tensor:
+    """Sum over `dim` in a fixed order: element i is added to element i + width/2 (width the length
+    rounded up to a power of two; one without a partner stays as it is), halving until one is left.
+    Zero elements past the end change nothing, so the order is the length's alone. With inplace the
+    partial sums are written over x."""
     x = x.movedim(dim, 0)
-    width = 1 << max(0, (x.shape[0] - 1).bit_length())
-    if width != x.shape[0]:
-        x = torch.cat((x, x.new_zeros((width - x.shape[0], *x.shape[1:]))))
-    while x.shape[0] > 1:
-        x = x[:x.shape[0] // 2] + x[x.shape[0] // 2:]
+    n = x.shape[0]
+    half = (1 << max(0, (n - 1).bit_length())) >> 1
+    if n > 1 and not inplace:
+        x = torch.cat((x[:n - half] + x[half:n], x[n - half:half]))
+        n = half
+        half >>= 1
+    while n > 1:
+        x[:n - half] += x[half:n]
+        n = half
+        half >>= 1
     return x[0]
 
 
@@ -67,7 +75,7 @@ def _linear_value(x, weight, bias, out_dtype):
     M = rows.shape[0]
     if M % ROW_TILE:
         rows = torch.cat((rows, rows.new_zeros(ROW_TILE - M % ROW_TILE, K)))
-    wt = weight.float().t().contiguous()
+    wt = weight.float().t()
     # Every GEMM call has the one shape [ROW_TILE, K] x [K, N], so the library picks the same blocking
     # (and K order) for every tile, and a row's bits do not depend on its neighbours or its place.
     out = torch.cat([rows[r:r + ROW_TILE] @ wt for r in range(0, rows.shape[0], ROW_TILE)])[:M]
@@ -107,45 +115,59 @@ def paged_attention(q, k_cache, v_cache, block_tables, positions, queries_per_ta
     R, H, D = q.shape
     _, BS, KV, _ = k_cache.shape
     G, S = H // KV, R // queries_per_table                      # S sequences of queries_per_table rows
-    # Keys 0..max position in whole KEY_BLOCKs, gathered page by page, per (sequence, KV head).
+    # Keys 0..max position in whole KEY_BLOCKs, gathered page by page, per (sequence, KV head): keys
+    # [KEY_BLOCK, D] (the GEMM reads them transposed), values [KEY_BLOCK, D + 1] with a column of
+    # ones, so the GEMM that weights a block's values also sums its weights.
     num_keys = KEY_BLOCK * (int(positions.max()) // KEY_BLOCK + 1)
     page = torch.arange(-(-num_keys // BS), device=q.device).clamp(max=block_tables.shape[1] - 1)  # masked below
-    keys, vals = (c[block_tables[:S, page]].flatten(1, 2)[:, :num_keys].float().view(S, -1, KEY_BLOCK, KV, D)
+    pages = block_tables[:S, page].reshape(-1)
+    keys, vals = (c.index_select(0, pages).view(S, -1, KV, D)[:, :num_keys].view(S, -1, KEY_BLOCK, KV, D)
                   for c in (k_cache, v_cache))
-    keys_t = keys.permute(0, 3, 1, 4, 2).reshape(S * KV, -1, D, KEY_BLOCK)  # [S*KV, blocks, D, KEY_BLOCK]
-    vals = vals.permute(0, 3, 1, 2, 4).reshape(S * KV, -1, KEY_BLOCK, D)
-    # Query rows per (sequence, KV head): its G heads at each position, in tiles of QUERY_TILE rows.
+    blocks = num_keys // KEY_BLOCK
+    keys_b = torch.empty(S * KV, blocks, KEY_BLOCK, D, dtype=torch.float32, device=q.device)
+    keys_b.view(S, KV, blocks, KEY_BLOCK, D).copy_(keys.permute(0, 3, 1, 2, 4))
+    vals_1 = torch.empty(S * KV, blocks, KEY_BLOCK, D + 1, dtype=torch.float32, device=q.device)
+    vals_1.view(S, KV, blocks, KEY_BLOCK, D + 1)[..., :D] = vals.permute(0, 3, 1, 2, 4)
+    vals_1[..., D] = 1.0
+    # Query rows per (sequence, KV head): its G heads at each position, in tiles of QUERY_TILE rows,
+    # scaled before the GEMM (D ** -0.5 is a power of two for the usual head sizes: exact).
     M = queries_per_table * G
     tiles = -(-M // QUERY_TILE)
-    rows = q.float().view(S, queries_per_table, KV, G, D).permute(0, 2, 1, 3, 4).reshape(S, KV, M, D)
+    rows = (q.float() * D ** -0.5).view(S, queries_per_table, KV, G, D).permute(0, 2, 1, 3, 4).reshape(S, KV, M, D)
     rows = F.pad(rows, (0, 0, 0, tiles * QUERY_TILE - M)).view(S * KV * tiles, QUERY_TILE, D)
     row_pos = positions.view(S, 1, queries_per_table).repeat_interleave(G, -1).expand(S, KV, M)
     row_pos = F.pad(row_pos, (0, tiles * QUERY_TILE - M)).reshape(S * KV * tiles, QUERY_TILE)
-    # A decode tile holds only its G heads' rows: the softmax skips the padding rows (they are the last).
+    # A decode tile holds only its G heads' rows: the softmax skips the padding rows (they are the
+    # last; a GEMM row depends on its own row of the operand alone, so theirs are left as they are).
     used = M if tiles == 1 else QUERY_TILE
-    out = torch.empty_like(rows)
+    out = torch.empty(rows.shape[0], used, D, dtype=torch.float32, device=q.device)
     per_chunk = max(1, _ATTENTION_CHUNK // (QUERY_TILE * num_keys))
-    for t0 in range(0, rows.shape[0], per_chunk):
-        t1 = min(t0 + per_chunk, rows.shape[0])
+    # Chunks of tiles: of several (sequence, KV head) units when each has one tile (decode), else
+    # within one unit, whose keys every tile of the chunk then shares.
+    step = tiles if tiles > 1 else rows.shape[0]
+    for t0 in (t for u0 in range(0, rows.shape[0], step) for t in range(u0, u0 + step, per_chunk)):
+        t1 = min(t0 + per_chunk, t0 - t0 % step + step)
         n, pos = t1 - t0, row_pos[t0:t1, :used]
         nb = int(pos.max()) // KEY_BLOCK + 1                    # key blocks wholly after every row: skipped
-        unit = slice(t0, t1) if tiles == 1 else torch.arange(t0, t1, device=q.device) // tiles
-        k, v = keys_t[unit, :nb], vals[unit, :nb]               # each tile's keys [n, nb, D, KB], values [n, nb, KB, D]
+        if tiles == 1:
+            k, v = keys_b[t0:t1, :nb], vals_1[t0:t1, :nb]       # each tile's keys [n, nb, KB, D], values [n, nb, KB, D+1]
+        else:
+            k, v = (x[t0 // tiles, :nb].expand(n, nb, *x.shape[2:]) for x in (keys_b, vals_1))
         # Every GEMM is one [QUERY_TILE, D] x [D, KEY_BLOCK] tile (then [QUERY_TILE, KEY_BLOCK] x
-        # [KEY_BLOCK, D]): one call shape, so a row's bits depend on neither its tile-mates nor its place.
+        # [KEY_BLOCK, D + 1]): one call shape, so a row's bits depend on neither its tile-mates nor its place.
         s = torch.bmm(rows[t0:t1, None].expand(n, nb, QUERY_TILE, D).reshape(-1, QUERY_TILE, D),
-                      k.reshape(-1, D, KEY_BLOCK)).view(n, nb, QUERY_TILE, KEY_BLOCK)[:, :, :used] * D ** -0.5
-        key_pos = torch.arange(nb * KEY_BLOCK, device=q.device).view(nb, 1, KEY_BLOCK)
-        s.masked_fill_(key_pos > pos[:, None, :, None], float("-inf"))
-        # Softmax over all of a row's keys at once. Keys after its position give p = 0 exactly, so a
-        # tree sum padded with them (a longer call, a longer trainer sequence) adds only exact zeros.
-        # Summing blocks, then the keys of a block, is the tree over the keys in position order.
-        p = torch.exp(s - s.amax((1, 3), keepdim=True))
-        total = tree_sum(tree_sum(p, dim=1), dim=-1)
-        p = F.pad(p, (0, 0, 0, QUERY_TILE - used))              # the GEMM's rows back, padding as zeros
-        pv = torch.bmm(p.view(-1, QUERY_TILE, KEY_BLOCK), v.reshape(-1, KEY_BLOCK, D)).view(n, nb, QUERY_TILE, D)
-        out[t0:t1, :used] = tree_sum(pv, dim=1)[:, :used] / total.unsqueeze(-1)
-    out = out.view(S, KV, tiles * QUERY_TILE, D)[:, :, :M].reshape(S, KV, queries_per_table, G, D)
+                      k.reshape(-1, KEY_BLOCK, D).transpose(1, 2)).view(n, nb, QUERY_TILE, KEY_BLOCK)
+        p = s[:, :, :used]
+        first = int(pos.min()) // KEY_BLOCK                     # blocks before it are wholly visible to every row
+        key_pos = torch.arange(first * KEY_BLOCK, nb * KEY_BLOCK, device=q.device).view(nb - first, 1, KEY_BLOCK)
+        p[:, first:].masked_fill_(key_pos > pos[:, None, :, None], float("-inf"))
+        # Softmax over all of a row's keys at once. Keys after its position give p = 0 exactly, so
+        # a sum padded with them (a longer call, a longer trainer sequence) adds only exact zeros.
+        p.sub_(p.amax((1, 3), keepdim=True)).exp_()
+        pv = torch.bmm(s.view(-1, QUERY_TILE, KEY_BLOCK), v.reshape(-1, KEY_BLOCK, D + 1)).view(n, nb, QUERY_TILE, D + 1)
+        acc = tree_sum(pv, dim=1, inplace=True)[:, :used]      # over blocks, in position order's tree
+        out[t0:t1] = acc[..., :D] / acc[..., D:]
+    out = out.view(S, KV, tiles * used, D)[:, :, :M].reshape(S, KV, queries_per_table, G, D)
     return out.permute(0, 2, 1, 3, 4).reshape(R, H, D).to(q.dtype)
 
 
