@@ -124,7 +124,8 @@ class Engine:
         self.kv = KVCache(mc.num_layers, self.num_kv_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
                           self.dtype, self.device)
         self.blocks = BlockManager(self.num_kv_blocks, config.block_size)
-        self.scheduler = Scheduler(self.blocks, config.max_running_requests, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.blocks, config.max_running_requests, config.max_num_batched_tokens,
+                                   budget_pads_rows=self.device.type == "cpu")
         self.seqs: dict[str, Sequence] = {}
         self.pending: list[FinishedRequest] = []  # aborted requests, returned by the next step()
         self.busy_s = {"prefill": 0.0, "decode": 0.0}  # seconds spent in step() per phase, since start

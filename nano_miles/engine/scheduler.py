@@ -1,7 +1,7 @@
 """Continuous batching: which sequences run in the next forward, and with how many tokens.
 
 A step is a PREFILL step (sequences with more than one uncomputed token, chunked under a token
-budget that counts the padded rows) or a DECODE step (every running sequence computes its newest token). Requests join as soon
+budget) or a DECODE step (every running sequence computes its newest token). Requests join as soon
 as blocks allow and leave the moment they finish. When decode runs out of blocks, the latest
 admitted sequence is preempted: its blocks are freed and it is recomputed later, tokens kept.
 """
@@ -40,8 +40,12 @@ class Sequence:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_running: int, max_batched_tokens: int):
+    def __init__(self, blocks: BlockManager, max_running: int, max_batched_tokens: int, budget_pads_rows: bool = True):
         self.blocks, self.max_running, self.max_batched_tokens = blocks, max_running, max_batched_tokens
+        # Whether the budget bounds the padded rows (rows x longest chunk) or the tokens alone. A CPU
+        # forward costs its padded rows; a GPU one costs its step more than its padding, so there
+        # fewer, fuller steps win (the engine picks by device; docs/design.md has the figures).
+        self.budget_pads_rows = budget_pads_rows
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -70,14 +74,22 @@ class Scheduler:
         return ("decode", decode) if decode else (None, [])
 
     def _prefill(self) -> list:
-        """The next prefill step. The forward pads every row to the step's longest chunk, so the budget
-        bounds rows x that length, not the tokens alone: the oldest sequence with tokens to compute sets
+        """The next prefill step. The forward pads every row to the step's longest chunk, so on CPU the
+        budget bounds rows x that length, not the tokens alone: the oldest sequence with tokens to compute sets
         the length (its chunk, at most the budget), and the others whose tokens fit in it join while the
         padded step stays within the budget. Longer ones wait for a step they lead: a 40-token
         observation in the row of a 1,500-token prompt would cost the forward 37 times its work."""
         todo = [seq for seq in self.running if seq.num_uncomputed > 1]
         if not todo:
             return []
+        if not self.budget_pads_rows:  # the tokens alone, in admission order, the last one chunked
+            step, budget = [], self.max_batched_tokens
+            for seq in todo:
+                if budget <= 0:
+                    break
+                step.append((seq, min(seq.num_uncomputed, budget)))
+                budget -= step[-1][1]
+            return step
         length = min(todo[0].num_uncomputed, self.max_batched_tokens)
         step = [(todo[0], length)]
         for seq in todo[1:]:

@@ -34,3 +34,17 @@ def test_the_rows_of_a_step_stop_at_the_budget():
     waiting(s, *[20] * 8)
     _, step = s.schedule()
     assert [n for _, n in step] == [20] * 5  # 5 x 20 = 100; the sixth row would pad past it
+
+
+def test_on_a_gpu_the_budget_counts_tokens_alone():
+    """A GPU step costs more than its padding: sequences join in admission order until the tokens
+    fill the budget, the last one chunked to what is left."""
+    s = Scheduler(BlockManager(512, 16), max_running=16, max_batched_tokens=256, budget_pads_rows=False)
+    waiting(s, 40, 900, 30, 64)
+    kind, step = s.schedule()
+    assert kind == "prefill"
+    assert [(seq.rid, n) for seq, n in step] == [("r0", 40), ("r1", 216)]
+    for seq, n in step:
+        seq.num_computed_tokens += n
+    _, step = s.schedule()
+    assert [(seq.rid, n) for seq, n in step] == [("r1", 256)]
