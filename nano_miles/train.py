@@ -26,7 +26,8 @@ from nano_miles.config import ConfigError, add_config_arguments, config_from_arg
 from nano_miles.engine.client import EngineUnavailable
 from nano_miles.engine.weights import NonFiniteWeights
 from nano_miles.telemetry import memory_gb, read_metrics, run_summary, step_metrics
-from nano_miles.train_setup import Run, RunFailed, Stopped, TrainConfig, check_world
+from nano_miles.train_config import TrainConfig, check_world
+from nano_miles.train_setup import Run, RunFailed, Stopped
 from nano_miles.trainer.checkpoint import check_resumable, checkpoint_folder, export_model
 from nano_miles.trainer.checkpoint_files import read_json
 from nano_miles.trainer.distributed import (DistError, check_nproc, is_collective_failure, launch_ranks, main_guard,

@@ -12,7 +12,7 @@ from nano_miles.rollout.batch import Trajectory, build_rollout_batch
 from nano_miles.engine.process import start_engine_process
 from nano_miles.config import ConfigError, load_config, parse_set
 from nano_miles.engine.engine import Engine, EngineConfig, SamplingParams
-from nano_miles.train_setup import TrainConfig, train_layout
+from nano_miles.train_config import TrainConfig, train_layout
 from nano_miles.trainer.trainer import Trainer, TrainerConfig
 
 PREFIX = [1, 77, 301, 5, 912, 44, 610, 23, 9, 450, 99, 17]  # shared by every prompt: prefix-cache hits
