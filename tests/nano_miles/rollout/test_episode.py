@@ -22,6 +22,7 @@ from nano_miles.rollout.env import EnvConfig
 from nano_miles.models.prepare import load_tokenizer
 from nano_miles.rollout.episode import RolloutConfig, rollout_groups, run_episode
 from nano_miles.tasks import get_task, select_tasks
+from nano_openshell import workspace
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +87,9 @@ def private_tmp(monkeypatch):
 
 
 def workspaces(d):
+    """The sandbox workspaces left in d, once removals that ran past their deadline (handed to the
+    background remover on a busy machine) are done."""
+    workspace.finish()
     return glob.glob(os.path.join(d, "nano-openshell-ws-*"))
 
 
