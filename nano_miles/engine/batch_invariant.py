@@ -145,8 +145,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, positions, queries_per_ta
     # Chunks of tiles: of several (sequence, KV head) units when each has one tile (decode), else
     # within one unit, whose keys every tile of the chunk then shares.
     step = tiles if tiles > 1 else rows.shape[0]
-    for t0 in (t for u0 in range(0, rows.shape[0], step) for t in range(u0, u0 + step, per_chunk)):
-        t1 = min(t0 + per_chunk, t0 - t0 % step + step)
+    chunks = [(t, min(t + per_chunk, u0 + step)) for u0 in range(0, rows.shape[0], step)
+              for t in range(u0, u0 + step, per_chunk)]
+    for t0, t1 in chunks:
         n, pos = t1 - t0, row_pos[t0:t1, :used]
         nb = int(pos.max()) // KEY_BLOCK + 1                    # key blocks wholly after every row: skipped
         if tiles == 1:
