@@ -3,7 +3,8 @@ observations (the next turn of episodes already running), as in an agentic rollo
 
 Random-initialised weights of the real shapes; all requests are added at once and run to their first
 sampled token; reports the engine's prefill steps and seconds (busy_s["prefill"]). One forward pads
-every row of a prefill step to its longest chunk, so how the scheduler groups rows decides the work.
+every row of a prefill step to its longest chunk, so how the scheduler groups rows decides the work;
+with the Triton kernels (a GPU's default) the step is packed, no padding.
 
   PYTHONPATH=. python3 bench/prefill_mix.py                          # GPU: 0.5B shapes, bf16
   PYTHONPATH=. python3 bench/prefill_mix.py --device cpu --shapes tiny --long 1200 --short 40
@@ -46,6 +47,8 @@ def main(argv=None) -> int:
     ap.add_argument("--short", type=int, default=60, help="tokens of each short observation")
     ap.add_argument("--shorts", type=int, default=60)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "triton"),
+                    help="engine.attention_backend: torch pads a prefill step, triton packs it")
     ap.add_argument("--label", default="")
     ap.add_argument("--dry-run", action="store_true", help="print only; do not append to bench/results.jsonl")
     args = ap.parse_args(argv)
@@ -53,7 +56,8 @@ def main(argv=None) -> int:
     folder = tempfile.mkdtemp(prefix="bench_prefill_mix_")
     torch.manual_seed(0)
     Qwen2ForCausalLM(model_config(args.shapes)).save_pretrained(folder)
-    engine = Engine(EngineConfig(model=folder, device=args.device, dtype=dtype, num_kv_blocks=4096))
+    engine = Engine(EngineConfig(model=folder, device=args.device, dtype=dtype, num_kv_blocks=4096,
+                                 attention_backend=args.attention_backend))
     lengths = [args.long] * args.longs + [args.short] * args.shorts
     run(engine, lengths, SHAPES[args.shapes]["vocab_size"])  # warm-up
     seconds, steps = [], 0
@@ -62,6 +66,7 @@ def main(argv=None) -> int:
         steps, s = run(engine, lengths, SHAPES[args.shapes]["vocab_size"])
         seconds.append(s)
     record = {"bench": "prefill_mix", "label": args.label, "shapes": args.shapes, "dtype": dtype,
+              "attention_backend": engine.attention_backend, "packed": engine.packed_prefill,
               "longs": [args.longs, args.long], "shorts": [args.shorts, args.short], "prefill_steps": steps,
               "prefill_s_median": sorted(seconds)[len(seconds) // 2], "prefill_s": seconds,
               "date": utc_now(), "commit": git_commit(),

@@ -120,12 +120,17 @@ class Engine:
         self.attention_backend = "triton" if usable and config.attention_backend != "torch" else "torch"
         if self.attention_backend == "triton":
             self.model.decode_attention = triton_attention.paged_decode_attention
+        # Packed prefill steps, decoding sequences riding along (not in true on-policy mode, whose
+        # batch-invariant loop serves every row the same way).
+        self.packed_prefill = self.attention_backend == "triton" and not config.true_on_policy
+        if self.packed_prefill:
+            self.model.prefill_attention = triton_attention.packed_prefill_attention
         self.num_kv_blocks = config.num_kv_blocks or self._auto_num_blocks()
         self.kv = KVCache(mc.num_layers, self.num_kv_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
                           self.dtype, self.device)
         self.blocks = BlockManager(self.num_kv_blocks, config.block_size)
         self.scheduler = Scheduler(self.blocks, config.max_running_requests, config.max_num_batched_tokens,
-                                   budget_pads_rows=self.device.type == "cpu")
+                                   budget_pads_rows=self.device.type == "cpu", mix_decode=self.packed_prefill)
         self.seqs: dict[str, Sequence] = {}
         self.pending: list[FinishedRequest] = []  # aborted requests, returned by the next step()
         self.busy_s = {"prefill": 0.0, "decode": 0.0}  # seconds spent in step() per phase, since start
@@ -230,6 +235,8 @@ class Engine:
         pad = self.graphs.bucket(len(work), self._num_blocks(work)) if kind == "decode" and self.graphs else None
         if pad is not None:
             logits = self.graphs.run(self._prepare(work, *pad))[:len(work)]
+        elif kind == "prefill" and self.packed_prefill:
+            logits = self.model(self._prepare_packed(work), self.kv.k, self.kv.v)
         else:
             logits = self.model(self._prepare(work), self.kv.k, self.kv.v).float()
         rows = []
@@ -274,6 +281,26 @@ class Engine:
                 p = np.arange(start, start + n)
                 ids[i, :n], pos[i, :n], slots[i, :n] = seq.token_ids[start:start + n], p, tables[i, p // bs] * bs + p % bs
         return Batch(*(torch.from_numpy(x).to(self.device, non_blocking=True) for x in (ids, pos, slots, tables, last)))
+
+    def _prepare_packed(self, work) -> Batch:
+        """`work` as one packed row: every sequence's new tokens side by side, cut into tiles of at most
+        TILE_ROWS tokens of one sequence for the prefill kernel (model.py, triton_attention.py)."""
+        bs, rows = self.config.block_size, triton_attention.TILE_ROWS
+        T = sum(n for _, n in work)
+        ids, pos, slots = (np.empty(T, dtype=np.int64) for _ in range(3))
+        tables = np.full((len(work), self._num_blocks(work)), self.kv.trash_block, dtype=np.int64)
+        last, tiles, at = np.empty(len(work), dtype=np.int64), [], 0
+        for i, (seq, n) in enumerate(work):
+            start, table = seq.num_computed_tokens, seq.block_table
+            used = (start + n + bs - 1) // bs
+            tables[i, :used] = table[:used]
+            p = np.arange(start, start + n)
+            ids[at:at + n], pos[at:at + n], slots[at:at + n] = seq.token_ids[start:start + n], p, tables[i, p // bs] * bs + p % bs
+            tiles.extend((i, at + j, min(rows, n - j)) for j in range(0, n, rows))
+            at += n
+            last[i] = at - 1
+        arrays = (ids[None], pos[None], slots[None], tables, last, np.array(tiles, dtype=np.int32))
+        return Batch(*(torch.from_numpy(x).to(self.device, non_blocking=True) for x in arrays))
 
     def _sample(self, logits, seqs):
         for i, seq in enumerate(seqs):

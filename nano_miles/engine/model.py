@@ -5,7 +5,9 @@ files load by name.
 One forward serves prefill and decode: the batch is padded to [B, Q] (Q = 1 for decode); every query
 token writes its K/V into the cache at `slot_mapping`, then attends over its sequence's pages through
 `block_tables`, masked by key position <= its position. Padded rows use position 0 and write into a
-spare "trash" block, so shapes stay static for CUDA graphs and no row is ever fully masked.
+spare "trash" block, so shapes stay static for CUDA graphs and no row is ever fully masked. With the
+Triton kernels a prefill step is packed instead: one row [1, T] of every sequence's tokens side by
+side, no padding, `tiles` saying which tokens belong to which sequence (triton_attention.py).
 
 True on-policy mode (`use_batch_invariant_ops`): every op goes through batch_invariant.py, whose
 results do not depend on the batch or on how a sequence was split; the trainer runs this same module
@@ -92,6 +94,9 @@ class Batch:
     slot_mapping: torch.Tensor  # [B, Q] int64, flat cache slot (block * block_size + offset) to write
     block_tables: torch.Tensor  # [B, N] int64, the sequence's blocks (padding: the trash block)
     last_index: torch.Tensor    # [B] int64, which query column to take logits from
+    # Packed prefill (B = 1, Q = T tokens of S sequences): block_tables has S rows, last_index holds each
+    # sequence's last token in the row, tiles [n, 3] int32 (block-table row, first token, tokens).
+    tiles: torch.Tensor | None = None
 
 
 class RMSNorm(nn.Module):
@@ -132,13 +137,17 @@ class Attention(nn.Module):
         return lin(attend(q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v), self.o_proj.weight)
 
 
-def paged_attention(q, k, v, batch: Batch, k_cache, v_cache, attn_info, decode_attention=None, exact=False):
+def paged_attention(q, k, v, batch: Batch, k_cache, v_cache, attn_info, decode_attention=None, exact=False,
+                    prefill_attention=None):
     """The engine's attention: this step's keys/values into the cache, then read over its pages."""
     B, Q, H, D = q.shape
     KV = k.shape[2]
     slots = batch.slot_mapping.reshape(-1)
     k_cache.view(-1, KV, D).index_copy_(0, slots, k.reshape(-1, KV, D).to(k_cache.dtype))
     v_cache.view(-1, KV, D).index_copy_(0, slots, v.reshape(-1, KV, D).to(v_cache.dtype))
+    if batch.tiles is not None:  # packed prefill: [1, T] tokens of many sequences
+        return prefill_attention(q.view(Q, H, D), k_cache, v_cache, batch.block_tables, batch.positions.view(Q),
+                                 batch.tiles).view(B, Q, H * D)
     if exact:  # every query row, prefill or decode, through the same batch-invariant loop over its pages
         return batch_invariant.paged_attention(q.reshape(B * Q, H, D), k_cache, v_cache, batch.block_tables,
                                                batch.positions.reshape(-1), queries_per_table=Q).view(B, Q, H * D)
@@ -198,6 +207,7 @@ class CausalLM(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope_cache = None        # (cos, sin) [max_pos, D], built on the right device by init_rope
         self.decode_attention = None  # optional paged kernel for Q == 1 batches (set by the engine)
+        self.prefill_attention = None  # the paged kernel of packed prefill batches (set with decode_attention)
         self.batch_invariant = False  # true on-policy mode: see use_batch_invariant_ops
         self._lm_head_fp32 = self._lm_head_version = None  # FP32 copy of the output projection
 
@@ -261,12 +271,15 @@ class CausalLM(nn.Module):
                         else self.refresh_lm_head_fp32())
 
     def forward(self, batch: Batch, k_caches, v_caches) -> torch.Tensor:
-        """FP32 logits [B, V] of the query column `batch.last_index` of each row."""
+        """FP32 logits [B, V] of the query column `batch.last_index` of each row (packed: [S, V], one a
+        sequence)."""
         cos = self.rope_cache[0][batch.positions].unsqueeze(2)  # [B, Q, 1, D], broadcast over heads
         sin = self.rope_cache[1][batch.positions].unsqueeze(2)
         B, Q = batch.input_ids.shape
         decode_attention = self.decode_attention if Q == 1 and not self.batch_invariant else None
-        if decode_attention is not None:
+        if batch.tiles is not None:
+            attn_info = None  # the packed kernel masks by batch.positions and batch.tiles
+        elif decode_attention is not None:
             attn_info = batch.positions[:, 0] + 1  # the paged kernel's context lengths (keys before them)
         elif self.batch_invariant:
             attn_info = None  # the batch-invariant loop masks by batch.positions itself
@@ -277,8 +290,10 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(batch.input_ids)
         for layer, kc, vc in zip(self.model.layers, k_caches, v_caches):
             x = layer(x, cos, sin, partial(paged_attention, batch=batch, k_cache=kc, v_cache=vc, attn_info=attn_info,
-                                           decode_attention=decode_attention, exact=self.batch_invariant))
-        return self.logits(self.model.norm(x[torch.arange(B, device=x.device), batch.last_index]))
+                                           decode_attention=decode_attention, exact=self.batch_invariant,
+                                           prefill_attention=self.prefill_attention))
+        last = x[0, batch.last_index] if batch.tiles is not None else x[torch.arange(B, device=x.device), batch.last_index]
+        return self.logits(self.model.norm(last))
 
     def forward_sequences(self, input_ids: torch.Tensor, checkpoint_layers: bool = False) -> torch.Tensor:
         """The trainer's forward: final-normed hidden states [B, L, hidden] of whole right-padded

@@ -1,7 +1,9 @@
 """Continuous batching: which sequences run in the next forward, and with how many tokens.
 
 A step is a PREFILL step (sequences with more than one uncomputed token, chunked under a token
-budget) or a DECODE step (every running sequence computes its newest token). Requests join as soon
+budget) or a DECODE step (every running sequence computes its newest token). An engine whose forward
+packs a prefill step's tokens (no padding) lets the decoding sequences ride in its prefill steps too,
+as vLLM and SGLang's mixed chunked prefill do: a new turn's prefill then stalls nobody's decoding. Requests join as soon
 as blocks allow and leave the moment they finish. When decode runs out of blocks, the latest
 admitted sequence is preempted: its blocks are freed and it is recomputed later, tokens kept.
 """
@@ -40,12 +42,14 @@ class Sequence:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_running: int, max_batched_tokens: int, budget_pads_rows: bool = True):
+    def __init__(self, blocks: BlockManager, max_running: int, max_batched_tokens: int, budget_pads_rows: bool = True,
+                 mix_decode: bool = False):
         self.blocks, self.max_running, self.max_batched_tokens = blocks, max_running, max_batched_tokens
         # Whether the budget bounds the padded rows (rows x longest chunk) or the tokens alone. A CPU
         # forward costs its padded rows; a GPU one costs its step more than its padding, so there
         # fewer, fuller steps win (the engine picks by device; docs/design.md has the figures).
         self.budget_pads_rows = budget_pads_rows
+        self.mix_decode = mix_decode  # decoding sequences join prefill steps (a packed forward only)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -58,7 +62,7 @@ class Scheduler:
         self._admit()
         prefill = self._prefill()
         if prefill:
-            return "prefill", prefill
+            return "prefill", self._decoding_beside(prefill) + prefill if self.mix_decode else prefill
         decode, preempted = [], set()
         for seq in list(self.running):
             if id(seq) in preempted:  # preempted below while making room for an earlier one
@@ -72,6 +76,14 @@ class Scheduler:
             else:
                 decode.append((seq, 1))
         return ("decode", decode) if decode else (None, [])
+
+    def _decoding_beside(self, prefill) -> list:
+        """The decoding sequences that can join a prefill step: one token each, outside the token budget
+        (at most max_running of them). One the cache has no block for waits for a decode step, where
+        preemption makes room."""
+        chunked = {id(seq) for seq, _ in prefill}
+        return [(seq, 1) for seq in self.running if seq.num_uncomputed == 1 and id(seq) not in chunked
+                and self.blocks.ensure_slots(seq, len(seq.token_ids))]
 
     def _prefill(self) -> list:
         """The next prefill step. The forward pads every row to the step's longest chunk, so on CPU the

@@ -1,9 +1,12 @@
-"""Decode attention straight over the paged KV cache (Triton; CUDA only).
+"""Attention straight over the paged KV cache (Triton; CUDA only).
 
-The torch path gathers every sequence's pages into a padded [B, L, KV, D] copy before SDPA; this
-kernel reads each page once where it lies. One program per (sequence, KV head) computes all G query
-heads of that KV head with an online softmax over TILE-key tiles (flash-decoding without the split).
-Used by the model for Q == 1 batches when `triton` imports and the cache is on a GPU.
+The torch path gathers every sequence's pages into a padded [B, L, KV, D] copy before SDPA, and pads
+every row of a prefill step to its longest chunk; these kernels read each page where it lies.
+- Decode (Q == 1 batches): one program per (sequence, KV head) computes all G query heads of that KV
+  head with an online softmax over TILE-key tiles (flash-decoding without the split).
+- Packed prefill: the step's tokens of every sequence side by side in one row, no padding; one
+  program per (tile of up to TILE_ROWS tokens of one sequence, query head) reads that sequence's keys
+  up to the tile's last position, causally masked. Decode rows may ride in the same step (a tile of one).
 """
 
 import torch
@@ -55,6 +58,70 @@ if triton is not None:
         out = acc / l[:, None]
         tl.store(o_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
                  mask=(g < G)[:, None])
+
+
+TILE_ROWS = 64  # query tokens of one sequence a prefill program computes (the engine cuts its tiles to this)
+
+if triton is not None:
+    @triton.jit
+    def _packed_prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, tile_ptr, o_ptr, scale,
+                               stride_qt, stride_qh, stride_cblk, stride_cpos, stride_chead, stride_btb,
+                               stride_ot, stride_oh,
+                               G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr,
+                               TILE: tl.constexpr, PRECISION: tl.constexpr):
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        kvh = h // G
+        seq = tl.load(tile_ptr + t * 3)          # its row of the block tables
+        first = tl.load(tile_ptr + t * 3 + 1)    # its first token in the packed row
+        n = tl.load(tile_ptr + t * 3 + 2)        # its tokens (<= ROWS)
+        r = tl.arange(0, ROWS)
+        d = tl.arange(0, D)
+        live = r < n
+        q = tl.load(q_ptr + (first + r)[:, None] * stride_qt + h * stride_qh + d[None, :], mask=live[:, None], other=0.0)
+        q_pos = tl.load(pos_ptr + first + r, mask=live, other=0)  # a dead row sees key 0: never all masked
+        ctx = tl.load(pos_ptr + first + n - 1) + 1                # a sequence's positions rise along its tile
+        m = tl.full([ROWS], float("-inf"), tl.float32)
+        l = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, D], tl.float32)
+        offs = tl.arange(0, TILE)
+        for start in range(0, ctx, TILE):
+            pos = start + offs
+            valid = pos < ctx
+            blk = tl.load(bt_ptr + seq * stride_btb + pos // BS, mask=valid, other=0)
+            base = blk[:, None] * stride_cblk + (pos % BS)[:, None] * stride_cpos + kvh * stride_chead + d[None, :]
+            k = tl.load(k_ptr + base, mask=valid[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            l = l * alpha + tl.sum(p, 1)
+            v = tl.load(v_ptr + base, mask=valid[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m = m_new
+        out = acc / l[:, None]
+        tl.store(o_ptr + (first + r)[:, None] * stride_ot + h * stride_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=live[:, None])
+
+
+def packed_prefill_attention(q, k_cache, v_cache, block_tables, positions, tiles):
+    """q: [T, H, D], the packed tokens of S sequences; block_tables: [S, N]; positions: [T];
+    tiles: [n, 3] int (block-table row, first token, tokens <= TILE_ROWS), covering every token once,
+    a tile within one sequence. Token t attends to its sequence's keys at positions <= positions[t]
+    (its own K/V already in the cache). Returns [T, H, D]."""
+    T, H, D = q.shape
+    _, BS, KV, _ = k_cache.shape
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    _packed_prefill_kernel[(tiles.shape[0], H)](
+        q, k_cache, v_cache, block_tables, positions, tiles, out, D ** -0.5,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        G=H // KV, D=D, BS=BS, ROWS=TILE_ROWS, TILE=32,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    return out
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens):

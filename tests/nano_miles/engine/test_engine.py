@@ -387,3 +387,29 @@ def test_bf16_logits_are_fp32_and_follow_weight_updates(tiny):
     eng.add_request("b", p, sp)
     after = run_all(eng)["b"]
     assert after.output_ids != before.output_ids
+
+
+def test_a_packed_prefill_step_lays_every_token_out_once(tiny):
+    """The packed row a Triton engine runs (engine._prepare_packed): each sequence's new tokens side by
+    side with the slots the padded layout writes, its last token's index, and tiles of at most
+    TILE_ROWS tokens within one sequence that cover every token once."""
+    from nano_miles.engine.triton_attention import TILE_ROWS
+    eng = make_engine(tiny, max_num_batched_tokens=4096)
+    for i, n in enumerate((150, 1, 70)):
+        eng.add_request(f"r{i}", list(range(5 + i, 5 + i + n)), SamplingParams(max_new_tokens=1))
+    eng.scheduler._admit()
+    work = [(eng.seqs["r0"], 150), (eng.seqs["r1"], 1), (eng.seqs["r2"], 70)]
+    packed, padded = eng._prepare_packed(work), eng._prepare(work)
+    assert packed.input_ids.shape == (1, 221) and packed.block_tables.shape[0] == 3
+    assert packed.last_index.tolist() == [149, 150, 220]
+    starts = [0, 150, 151]
+    for i, (seq, n) in enumerate(work):
+        row = slice(starts[i], starts[i] + n)
+        assert packed.input_ids[0, row].tolist() == seq.token_ids[:n]
+        assert packed.positions[0, row].tolist() == list(range(n))
+        assert torch.equal(packed.slot_mapping[0, row], padded.slot_mapping[i, :n])
+    covered = []
+    for seq_row, first, n in packed.tiles.tolist():
+        assert 1 <= n <= TILE_ROWS and starts[seq_row] <= first and first + n <= starts[seq_row] + work[seq_row][1]
+        covered.extend(range(first, first + n))
+    assert sorted(covered) == list(range(221))

@@ -48,3 +48,32 @@ def test_on_a_gpu_the_budget_counts_tokens_alone():
         seq.num_computed_tokens += n
     _, step = s.schedule()
     assert [(seq.rid, n) for seq, n in step] == [("r1", 256)]
+
+
+def test_with_a_packed_forward_decoding_sequences_ride_in_a_prefill_step():
+    """A new turn's prefill stalls nobody: every decoding sequence computes its newest token in the
+    same step (outside the token budget), while a sequence still in its prompt keeps its chunk."""
+    s = Scheduler(BlockManager(512, 16), max_running=16, max_batched_tokens=256, budget_pads_rows=False,
+                  mix_decode=True)
+    first, second = waiting(s, 40, 30)
+    _, step = s.schedule()
+    for seq, n in step:
+        seq.num_computed_tokens += n
+        seq.token_ids.append(7)  # each sampled a token: one uncomputed token, decoding
+    newcomer, = waiting(s, 300)
+    kind, step = s.schedule()
+    assert kind == "prefill"
+    assert [(seq, n) for seq, n in step] == [(first, 1), (second, 1), (newcomer, 256)]
+    assert all(len(seq.block_table) * 16 >= len(seq.token_ids) for seq in (first, second))  # their slots exist
+
+
+def test_without_a_packed_forward_a_prefill_step_holds_prefill_alone():
+    s = Scheduler(BlockManager(512, 16), max_running=16, max_batched_tokens=256, budget_pads_rows=False)
+    waiting(s, 40)
+    _, step = s.schedule()
+    for seq, n in step:
+        seq.num_computed_tokens += n
+        seq.token_ids.append(7)
+    waiting(s, 300)
+    kind, step = s.schedule()
+    assert kind == "prefill" and [n for _, n in step] == [256]
