@@ -4,7 +4,7 @@ observations (the next turn of episodes already running), as in an agentic rollo
 Random-initialised weights of the real shapes; all requests are added at once and run to their first
 sampled token; reports the engine's prefill steps and seconds (busy_s["prefill"]). One forward pads
 every row of a prefill step to its longest chunk, so how the scheduler groups rows decides the work;
-with the Triton kernels (a GPU's default) the step is packed, no padding.
+with --packed (engine.packed_prefill, GPU) the step is packed, no padding.
 
   PYTHONPATH=. python3 bench/prefill_mix.py                          # GPU: 0.5B shapes, bf16
   PYTHONPATH=. python3 bench/prefill_mix.py --device cpu --shapes tiny --long 1200 --short 40
@@ -47,8 +47,7 @@ def main(argv=None) -> int:
     ap.add_argument("--short", type=int, default=60, help="tokens of each short observation")
     ap.add_argument("--shorts", type=int, default=60)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "triton"),
-                    help="engine.attention_backend: torch pads a prefill step, triton packs it")
+    ap.add_argument("--packed", action="store_true", help="engine.packed_prefill (GPU): no padding, decoders ride along")
     ap.add_argument("--label", default="")
     ap.add_argument("--dry-run", action="store_true", help="print only; do not append to bench/results.jsonl")
     args = ap.parse_args(argv)
@@ -57,7 +56,7 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     Qwen2ForCausalLM(model_config(args.shapes)).save_pretrained(folder)
     engine = Engine(EngineConfig(model=folder, device=args.device, dtype=dtype, num_kv_blocks=4096,
-                                 attention_backend=args.attention_backend))
+                                 packed_prefill=args.packed))
     lengths = [args.long] * args.longs + [args.short] * args.shorts
     run(engine, lengths, SHAPES[args.shapes]["vocab_size"])  # warm-up
     seconds, steps = [], 0

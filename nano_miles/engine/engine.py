@@ -39,6 +39,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192  # prefill token budget of one step (longer prompts are chunked)
     cuda_graph: bool = True             # capture decode steps as CUDA graphs (GPU only)
     attention_backend: str = "auto"     # decode attention: torch (gather + SDPA) | triton (paged kernel, GPU) | auto
+    packed_prefill: bool = False        # triton backend: prefill steps packed (no padding), decoding sequences riding in them
     kv_cache_memory_fraction: float = 0.85  # share of the GPU's free memory for the KV cache (ignored on CPU)
     cpu_kv_cache_bytes: int = 2 << 30   # KV-cache bytes on CPU when num_kv_blocks is none
     seed: int = 0                       # seed of the sampling generator (requests may bring their own sampling_seed)
@@ -60,6 +61,9 @@ class EngineConfig:
             raise ValueError(f"engine.device={self.device}: only {torch.cuda.device_count()} CUDA device(s) are visible")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"engine.attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+        if self.packed_prefill and (self.true_on_policy or self.attention_backend == "torch"):
+            raise ValueError("engine.packed_prefill needs the triton attention backend and normal mode "
+                             "(true on-policy serves every row through its batch-invariant loop)")
         if not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError(f"engine.kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
         for key in ("max_running_requests", "block_size", "max_num_batched_tokens", "num_kv_blocks", "max_model_len"):
@@ -120,9 +124,9 @@ class Engine:
         self.attention_backend = "triton" if usable and config.attention_backend != "torch" else "torch"
         if self.attention_backend == "triton":
             self.model.decode_attention = triton_attention.paged_decode_attention
-        # Packed prefill steps, decoding sequences riding along (not in true on-policy mode, whose
-        # batch-invariant loop serves every row the same way).
-        self.packed_prefill = self.attention_backend == "triton" and not config.true_on_policy
+        if config.packed_prefill and self.attention_backend != "triton":
+            raise ValueError("engine.packed_prefill needs triton, a CUDA device and a power-of-two head_dim >= 16")
+        self.packed_prefill = config.packed_prefill  # off by default until bench/loop_step.py shows it on a GPU
         if self.packed_prefill:
             self.model.prefill_attention = triton_attention.packed_prefill_attention
         self.num_kv_blocks = config.num_kv_blocks or self._auto_num_blocks()

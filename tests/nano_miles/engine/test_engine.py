@@ -413,3 +413,13 @@ def test_a_packed_prefill_step_lays_every_token_out_once(tiny):
         assert 1 <= n <= TILE_ROWS and starts[seq_row] <= first and first + n <= starts[seq_row] + work[seq_row][1]
         covered.extend(range(first, first + n))
     assert sorted(covered) == list(range(221))
+
+
+def test_packed_prefill_is_refused_where_it_cannot_run(tiny):
+    """engine.packed_prefill needs the Triton kernels (a GPU) and normal mode: anywhere else, one clear
+    error before anything loads."""
+    for bad in ({"attention_backend": "torch"}, {"true_on_policy": True}):
+        with pytest.raises(ValueError, match="packed_prefill needs the triton attention backend"):
+            EngineConfig(model=tiny, packed_prefill=True, **bad)
+    with pytest.raises(ValueError, match="packed_prefill needs triton, a CUDA device"):
+        make_engine(tiny, packed_prefill=True)

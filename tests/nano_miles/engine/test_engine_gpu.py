@@ -136,7 +136,7 @@ def test_packed_prefill_with_decoding_riders_equals_the_torch_path(tiny):
                 return done
     a = staggered(Engine(EngineConfig(model=tiny, device="cuda", dtype="float32", attention_backend="torch")))
     eng = Engine(EngineConfig(model=tiny, device="cuda", dtype="float32", attention_backend="triton",
-                              max_num_batched_tokens=256))
+                              packed_prefill=True, max_num_batched_tokens=256))
     assert eng.packed_prefill and eng.scheduler.mix_decode
     b = staggered(eng)
     assert len(a) == len(b) == 48
