@@ -145,7 +145,10 @@ class Meter:
             d.mtime = st.st_mtime_ns if st.st_mtime_ns < fresh_after else None
         else:  # the same entries as last time: only those being watched are looked at
             now = time.monotonic()
-            for name in list(d.watch):
+            for i, name in enumerate(list(d.watch)):  # every new empty file is watched: any number of them
+                if i % CHECK_EVERY == CHECK_EVERY - 1 and stop():
+                    self._cut = True  # the rest stay watched for the next pass
+                    return []
                 try:
                     st = os.stat(name, dir_fd=fd, follow_symlinks=False)
                 except FileNotFoundError:

@@ -96,6 +96,32 @@ def test_a_pass_stopped_inside_a_closed_directory_gives_it_its_mode_back(tmp_pat
         os.chmod(hidden, 0o700)
 
 
+def test_a_pass_over_many_watched_files_stops_when_told(tmp_path):
+    """Every new empty file is watched (it may be being written): a directory whose listing has not
+    changed since has each of them looked at again. Thousands of them are no reason to run past the
+    deadline: the pass stops within CHECK_EVERY of them when told, and the rest stay watched."""
+    from nano_openshell.disk import Meter
+    from nano_openshell.workspace import CHECK_EVERY
+
+    for i in range(4 * CHECK_EVERY):
+        (tmp_path / f"f{i}").write_bytes(b"")
+    os.utime(tmp_path, (1, 1))  # an mtime old enough to be trusted: the next pass does not list it again
+    meter = Meter()
+    assert meter.measure([str(tmp_path)], lambda: False)
+    (watched,) = [d.watch for d in meter._trees[str(tmp_path)].values()]
+    assert len(watched) == 4 * CHECK_EVERY
+    meter._next_cycle = math.inf  # no refresh cycle: the pass looks only at what is watched
+    looks = []
+
+    def stop_after_the_root() -> bool:
+        looks.append(1)
+        return len(looks) > 1
+
+    assert meter.measure([str(tmp_path)], stop_after_the_root) is False
+    assert 3 * CHECK_EVERY <= len(watched) < 4 * CHECK_EVERY  # at most CHECK_EVERY looked at before it stopped
+    assert meter.measure([str(tmp_path)], lambda: False) and not watched  # the next pass finishes them
+
+
 def test_tmpdir_is_bounded_too(make_sandbox):
     """The namespaced tier's TMPDIR is its own tmpfs of Limits.tmp_bytes (the write fails there); the
     other tiers' is on the host, and counted against disk_bytes (the command is killed)."""
