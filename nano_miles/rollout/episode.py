@@ -199,23 +199,33 @@ async def run_episode(client, fmt: ChatFormat, task: Task, seed: int, group_id: 
             weight_versions=[] if scripted else versions, scripted=scripted)
     finally:
         # In a worker thread, after whatever setup or command is in flight (env.close waits for it).
-        # A cancel that lands while we wait for it (rollout_groups cancels the rest on a first error)
-        # must not end the episode before its sandbox is gone: shield the close and wait it out.
+        # Cancels that land meanwhile (rollout_groups cancels the rest on a first error, asyncio.run
+        # cancels what is left) must not end the episode before its sandbox is gone.
         t = time.perf_counter()
-        closing = loop.run_in_executor(executor, env.close)
         try:
-            await asyncio.shield(closing)
-        except asyncio.CancelledError:
-            await closing
-            raise
+            await wait_out(loop.run_in_executor(executor, env.close))
         finally:
             clock.sandbox_s += time.perf_counter() - t + env.exec_s
             clock.ended = time.perf_counter()
 
 
+async def wait_out(future: asyncio.Future):
+    """future's result, however many times we are cancelled while it runs; then the cancel is raised."""
+    cancelled = False
+    while not future.done():
+        try:
+            await asyncio.shield(future)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return future.result()
+
+
 async def settle(jobs: list[asyncio.Future]) -> list:
     """The results of `jobs`, in order. On the first error (EngineUnavailable...) or our own
-    cancellation: cancel the rest once, let every episode close its sandbox, then raise."""
+    cancellation: cancel the rest once, wait until every one has ended (each episode closes its
+    sandbox first), however often we are cancelled meanwhile, then raise."""
     if not jobs:
         return []
     try:
@@ -224,7 +234,7 @@ async def settle(jobs: list[asyncio.Future]) -> list:
         if not all(j.done() for j in jobs):
             for j in jobs:
                 j.cancel()
-            await asyncio.wait(jobs)
+            await wait_out(asyncio.gather(*jobs, return_exceptions=True))
     errors = [j.exception() for j in jobs if not j.cancelled() and j.exception() is not None]
     if errors:
         raise errors[0]

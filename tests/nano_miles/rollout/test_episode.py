@@ -11,7 +11,7 @@ import json
 import math
 import os
 import tempfile
-import time
+import threading
 
 import pytest
 
@@ -22,7 +22,7 @@ from nano_miles.rollout.env import EnvConfig
 from nano_miles.models.prepare import load_tokenizer
 from nano_miles.rollout.episode import RolloutConfig, rollout_groups, run_episode
 from nano_miles.tasks import get_task, select_tasks
-from nano_openshell import workspace
+from nano_openshell import Sandbox, workspace
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +144,7 @@ def test_engine_unavailable_propagates_and_cleans_up(tok, private_tmp):
 
 def test_cancelled_twice_leaks_no_sandbox(engine_server, tok, private_tmp):
     """The train loop may cancel a rollout (and cancel again while it cleans up): every sandbox
-    still closes, after the setup or command that was in flight."""
+    still closes, after the setup or command that was in flight, before the rollout ends."""
     cfg = RolloutConfig(group_size=8, max_new_tokens=64, env=EnvConfig(max_turns=6))
 
     async def main():
@@ -156,12 +156,52 @@ def test_cancelled_twice_leaks_no_sandbox(engine_server, tok, private_tmp):
         job.cancel()
         with pytest.raises(asyncio.CancelledError):
             await job
+        assert workspaces(private_tmp) == []
 
     asyncio.run(main())
-    deadline = time.monotonic() + 30
-    while workspaces(private_tmp) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert workspaces(private_tmp) == []
+
+
+class StalledPolicy:
+    """A model that never answers: the episode waits in /generate until it is cancelled."""
+
+    def __init__(self):
+        self.asked = asyncio.Event()
+
+    async def generate(self, **_):
+        self.asked.set()
+        await asyncio.Event().wait()
+
+
+def test_an_episode_ends_only_once_its_sandbox_is_closed_however_often_it_is_cancelled(fmt, private_tmp):
+    """A cancelled episode closes its sandbox in a worker thread; a second cancel meanwhile (the
+    rollout's own cleanup, then asyncio.run's) could end it with the close still under way, so a
+    caller could find workspaces left after the rollout had failed. It ends when the close has."""
+    closing, may_close = threading.Event(), threading.Event()
+
+    class SlowToClose(Sandbox):
+        def close(self):
+            closing.set()
+            may_close.wait(60)
+            super().close()
+
+    async def main():
+        policy = StalledPolicy()
+        episode = asyncio.ensure_future(run_episode(policy, fmt, get_task("kernel_name"), 0, "g", RolloutConfig(),
+                                                    sandbox_factory=lambda: SlowToClose(min_tier="fallback")))
+        await policy.asked.wait()
+        episode.cancel()
+        await asyncio.to_thread(closing.wait, 60)  # the episode is in its close
+        for _ in range(2):
+            episode.cancel()
+            await asyncio.sleep(0)  # (the episode takes each cancel in turn)
+        done, _ = await asyncio.wait([episode], timeout=0.3)
+        assert not done, "the episode ended before its sandbox was closed"
+        may_close.set()
+        with pytest.raises(asyncio.CancelledError):
+            await episode
+        assert workspaces(private_tmp) == []
+
+    asyncio.run(main())
 
 
 # ---- a scripted policy: garbage on demand ---------------------------------------------------------
