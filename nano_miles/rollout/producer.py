@@ -29,7 +29,7 @@ from tqdm import tqdm
 from nano_miles.rollout.anatomy import RolloutAnatomy
 from nano_miles.rollout.batch import Trajectory
 from nano_miles.rollout.dynamic_sampling import SamplingTally, TrainRolloutConfig, has_signal
-from nano_miles.rollout.episode import GroupRunner, group_key
+from nano_miles.rollout.episode import GroupRunner, group_key, wait_out
 from nano_miles.rollout.guidance import guide_group
 from nano_miles.tasks.api import Task
 
@@ -217,7 +217,7 @@ async def _play_step(runner: GroupRunner, stream: TaskStream, target: int, cfg: 
         # closes its sandbox before it ends (run_episode), and the gather collects their errors.
         for job in running:
             job.cancel()
-        await asyncio.gather(*running, return_exceptions=True)
+        await wait_out(asyncio.gather(*running, return_exceptions=True))
     anatomy.refill_s += time.perf_counter() - first_wave_done if len(played) > first_wave else 0.0
     return [played[i] for i in range(len(played))]
 
