@@ -28,7 +28,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench.results import git_commit, save, utc_now  # noqa: E402
+from bench.results import add_dry_run, git_commit, save, utc_now  # noqa: E402
 from nano_miles.engine import batch_invariant# noqa: E402
 from nano_miles.engine.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from nano_miles.engine.model import CausalLM  # noqa: E402
@@ -163,6 +163,7 @@ def main():
     ap.add_argument("--shapes", default="qwen2.5-0.5b", choices=sorted(SHAPES))
     ap.add_argument("--true-on-policy", action="store_true",
                     help="also run the requests in true on-policy mode (batch-invariant kernels) and report the slowdown")
+    add_dry_run(ap)
     args = ap.parse_args()
     gpu = args.device.startswith("cuda")
     conc = [int(c) for c in (args.concurrency or ("64,256" if gpu else "8")).split(",")]
@@ -225,7 +226,7 @@ def main():
     table = (f"{record['date']}, commit {record['commit']}, {record['machine']}, {record['dtype']}, "
              f"CUDA graphs {record['cuda_graph']}, decode attention {record['attention']}\n\n" + "\n".join(lines))
     print(table)
-    save(record, "engine_throughput.md", extra_text=table)
+    save(record, "engine_throughput.md", extra_text=table, dry_run=args.dry_run)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.results import git_commit, save, utc_now  # noqa: E402
+from bench.results import add_dry_run, git_commit, save, utc_now  # noqa: E402
 
 # The ninth round's recipe (docs/headline/LOG.md), without its evaluations and checkpoints.
 NINTH = ["model=qwen2.5-coder-0.5b-instruct", "mode=async", "tasks=train", "tasks_per_step=8",
@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip", type=int, default=1, help="first steps left out of the figures (warm-up)")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--run-dir", help="keep the run here (default: a temporary directory)")
+    add_dry_run(ap)
     args = ap.parse_args(argv)
     if args.steps <= args.skip:
         print(f"loop_step: --steps ({args.steps}) must be more than --skip ({args.skip})", file=sys.stderr)
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     record = {"bench": "loop_step", "recipe": args.recipe, "steps": args.steps, "skipped": args.skip,
               "extra_sets": args.sets, **summarise(rows), "date": utc_now(), "commit": git_commit(),
               "machine": machine()}
-    print(save(record, "loop_step.json"))
+    print(save(record, "loop_step.json", dry_run=args.dry_run))
     return 0
 
 

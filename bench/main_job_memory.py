@@ -10,9 +10,9 @@ fell in (from the run's own output lines).
 
   PYTHONPATH=. .venv/bin/python bench/main_job_memory.py                       # the default job, 1 step
   PYTHONPATH=. .venv/bin/python bench/main_job_memory.py --steps 8             # the whole default job
-  PYTHONPATH=. .venv/bin/python bench/main_job_memory.py --set model=tiny-random-qwen2 --no-save  # a rehearsal
+  PYTHONPATH=. .venv/bin/python bench/main_job_memory.py --set model=tiny-random-qwen2 --dry-run  # a rehearsal
 
-One line goes to bench/results.jsonl (bench/results.py), unless --no-save.
+One line goes to bench/results.jsonl (bench/results.py), unless --dry-run.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.results import git_commit, save, utc_now  # noqa: E402
+from bench.results import add_dry_run, git_commit, save, utc_now  # noqa: E402
 
 GB = 1e9
 
@@ -133,7 +133,7 @@ def main() -> int:
                     help="kill the run if the machine's MemAvailable falls below this (a shared machine)")
     ap.add_argument("--label", default="", help="what this run measures (kept in the record)")
     ap.add_argument("--timeline", default="", help="write every sample (seconds, PSS per role) and the output lines here")
-    ap.add_argument("--no-save", action="store_true", help="print only; do not append to bench/results.jsonl")
+    add_dry_run(ap)
     args = ap.parse_args()
 
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="main-job-", dir=os.environ.get("BENCH_TMP")))
@@ -184,8 +184,7 @@ def main() -> int:
     print(f"peak PSS of the whole tree {record['peak_pss_gb']} GB at {record['peak_at_s']} s "
           f"({record['peak_by_role_pss_gb']}); run dir {record['run_dir_gb']} GB {listing}; "
           f"wall {record['wall_s']} s; exit {rc}")
-    if not args.no_save:
-        save(record, "main_job_memory.json")
+    save(record, "main_job_memory.json", dry_run=args.dry_run)
     return rc
 
 

@@ -19,7 +19,7 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench.results import git_commit, save, utc_now  # noqa: E402
+from bench.results import add_dry_run, git_commit, save, utc_now  # noqa: E402
 from bench.train_step import SHAPES, model_config  # noqa: E402
 from nano_miles.engine.engine import Engine, EngineConfig  # noqa: E402
 from nano_miles.engine.sampling import SamplingParams  # noqa: E402
@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--packed", action="store_true", help="engine.packed_prefill (GPU): no padding, decoders ride along")
     ap.add_argument("--label", default="")
-    ap.add_argument("--dry-run", action="store_true", help="print only; do not append to bench/results.jsonl")
+    add_dry_run(ap)
     args = ap.parse_args(argv)
     dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
     folder = tempfile.mkdtemp(prefix="bench_prefill_mix_")
@@ -72,8 +72,7 @@ def main(argv=None) -> int:
               "machine": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else f"cpu x{os.cpu_count()}"}
     print(f"{args.longs} x {args.long} + {args.shorts} x {args.short} tokens: {steps} prefill step(s), "
           f"{record['prefill_s_median'] * 1000:.1f} ms (median of {args.repeats})")
-    if not args.dry_run:
-        print(save(record, "prefill_mix.json"))
+    print(save(record, "prefill_mix.json", dry_run=args.dry_run))
     return 0
 
 

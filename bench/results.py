@@ -28,10 +28,17 @@ def utc_now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-def save(record: dict, out_name: str | None = None, extra_text: str | None = None) -> str:
+def add_dry_run(parser) -> None:
+    """Every bench that records takes --dry-run (a rehearsal: its line printed, nothing recorded)."""
+    parser.add_argument("--dry-run", action="store_true", help="print only; do not append to bench/results.jsonl")
+
+
+def save(record: dict, out_name: str | None = None, extra_text: str | None = None, dry_run: bool = False) -> str:
     """Append the record to bench/results.jsonl; with $OUT set also write it (and extra_text, e.g. the
-    printed table) to $OUT/out_name. Returns the JSON line."""
+    printed table) to $OUT/out_name. Returns the JSON line. dry_run: record nothing, only return it."""
     line = json.dumps(record)
+    if dry_run:
+        return line
     with open(RESULTS, "a") as f:
         f.write(line + "\n")
     if out_name and os.environ.get("OUT"):

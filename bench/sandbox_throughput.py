@@ -44,7 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.results import git_commit, save, utc_now  # noqa: E402
+from bench.results import add_dry_run, git_commit, save, utc_now  # noqa: E402
 from nano_openshell import Sandbox, SandboxPool, probe  # noqa: E402
 from nano_openshell.namespaced import find_bwrap, uid_drop_argv  # noqa: E402
 
@@ -140,6 +140,7 @@ def main() -> None:
     ap.add_argument("--episodes", type=int, default=40, help="sequential episodes per round (0: skip)")
     ap.add_argument("--pool-size", type=int, default=4, help="pooled episodes' SandboxPool size (0: skip them)")
     ap.add_argument("--think-ms", type=float, default=0, help="pooled episodes also with this sleep between commands")
+    add_dry_run(ap)
     args = ap.parse_args()
 
     p = probe()
@@ -257,7 +258,7 @@ def main() -> None:
               "load_average": round(load, 2), "load_average_before": round(load_before, 2),
               "config": vars(args), "results": rows, "episodes_ms": episodes, "bare_bwrap_run_ms": bare_ms,
               "plain_cpu_command_ms": plain_cpu}
-    save(record, "sandbox_throughput.json")
+    save(record, "sandbox_throughput.json", dry_run=args.dry_run)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench.results import git_commit, save, utc_now  # noqa: E402
+from bench.results import add_dry_run, git_commit, save, utc_now  # noqa: E402
 from nano_miles.engine.client import AsyncEngineClient  # noqa: E402
 from nano_miles.engine.process import start_engine_process  # noqa: E402
 from nano_miles.engine.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
@@ -110,6 +110,7 @@ def main():
     ap.add_argument("--new", type=int, default=None)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads for both (default: torch's)")
     ap.add_argument("--repeat", type=int, default=3, help="runs per point; the best counts (shared machines are noisy)")
+    add_dry_run(ap)
     args = ap.parse_args()
     gpu = args.device.startswith("cuda")
     concurrencies = args.concurrency or ([64, 256] if gpu else [16, 64])
@@ -135,7 +136,7 @@ def main():
         "config": {"device": args.device, "dtype": args.dtype, "model": os.path.basename(folder.rstrip("/")),
                    "prompt": args.prompt, "new_tokens": args.new, "repeat": args.repeat,
                    "threads": args.threads}, "results": results}
-    save(record, "server_throughput.txt", extra_text=table)
+    save(record, "server_throughput.txt", extra_text=table, dry_run=args.dry_run)
 
 
 if __name__ == "__main__":

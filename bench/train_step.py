@@ -45,7 +45,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from bench.results import git_commit, save, utc_now
+from bench.results import add_dry_run, git_commit, save, utc_now
 from nano_miles.rollout.batch import Trajectory, build_rollout_batch
 from nano_miles.trainer.distributed import DistError, check_nproc, launch, run_rank
 from nano_miles.trainer.trainer import OptimConfig, Trainer, TrainerConfig
@@ -263,7 +263,7 @@ def main():
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--dry-run", action="store_true", help="print only; do not append to bench/results.jsonl")
+    add_dry_run(ap)
     ap.add_argument("--true-on-policy", action="store_true", help="also time the step in true on-policy mode")
     ap.add_argument("--profile", action="store_true",
                     help="profile one more step of each trainer timed (GPU busy vs idle time, top ops)")
@@ -326,8 +326,7 @@ def main():
         r.pop("profile", None)
     record = dict(bench="train_step", date=utc_now(), commit=git_commit(), machine=name, torch=torch.__version__,
                   config=vars(args), results=rows)
-    if not args.dry_run:
-        save(record, "train_step.json", extra_text=profiles or None)
+    save(record, "train_step.json", extra_text=profiles or None, dry_run=args.dry_run)
 
 
 if __name__ == "__main__":

@@ -4,10 +4,11 @@ group 4, 2 tasks, up to 256 tokens a turn over 6 turns), once each, one after th
 A step is its rollout plus its update (`step_s` in metrics.jsonl); the row gives both modes' figures,
 the ratio (goal: true on-policy within 2x of normal mode) and the parity true on-policy kept (0.0).
 
-  PYTHONPATH=. .venv/bin/python bench/true_on_policy_cpu.py
+  PYTHONPATH=. .venv/bin/python bench/true_on_policy_cpu.py            # --dry-run: a rehearsal, nothing recorded
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -16,7 +17,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench.results import git_commit, save, utc_now  # noqa: E402
+from bench.results import add_dry_run, git_commit, save, utc_now  # noqa: E402
 
 SETS = ["model=tiny-random-qwen2", "steps=1", "dtype=float32", "report_to=none"]
 
@@ -36,13 +37,16 @@ def one_run(true_on_policy: bool, run_dir: str) -> dict:
 
 
 def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_dry_run(ap)
+    args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         normal = one_run(False, os.path.join(tmp, "normal"))
         exact = one_run(True, os.path.join(tmp, "true_on_policy"))
     record = {"bench": "true_on_policy_cpu", "normal": normal, "true_on_policy": exact,
               "slower_x": round(exact["step_s"] / normal["step_s"], 2), "date": utc_now(), "commit": git_commit(),
               "machine": f"{platform.machine()}, {os.cpu_count()} cores, no GPU"}
-    print(save(record))
+    print(save(record, dry_run=args.dry_run))
 
 
 if __name__ == "__main__":

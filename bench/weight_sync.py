@@ -36,7 +36,7 @@ import time
 
 import torch
 
-from bench.results import git_commit, save, utc_now
+from bench.results import add_dry_run, git_commit, save, utc_now
 from bench.train_step import SHAPES, make_model
 from nano_miles.rollout.batch import Trajectory, build_rollout_batch
 from nano_miles.engine.process import start_engine_process
@@ -183,7 +183,7 @@ def main():
     ap.add_argument("--label", default="")
     ap.add_argument("--watchdog-s", type=float, default=240.0)
     ap.add_argument("--timeout-s", type=float, default=60.0, help="per HTTP call / broadcast / rendezvous")
-    ap.add_argument("--dry-run", action="store_true", help="print only; do not append to bench/results.jsonl")
+    add_dry_run(ap)
     ap.add_argument("--busy-requests", type=int, default=0, help="requests each engine decodes during "
                     "the syncs (train.py's async mode: the in-loop sync); 0: idle engines")
     ap.add_argument("--parity-tokens", type=int, default=64, help="new tokens per parity rollout (0: skip)")
@@ -289,8 +289,7 @@ def main():
                   config=vars(args), bytes=nbytes, raw_copy_ms=raw_one, raw_per_tensor_ms=raw_many,
                   parity_mean=parity_row and parity_row[0], parity_max=parity_row and parity_row[1],
                   nccl_p2p_disable=os.environ.get("NCCL_P2P_DISABLE"), results=rows)
-    if not args.dry_run:
-        save(record, f"weight_sync{('_' + args.label) if args.label else ''}.json")
+    save(record, f"weight_sync{('_' + args.label) if args.label else ''}.json", dry_run=args.dry_run)
 
 
 if __name__ == "__main__":
