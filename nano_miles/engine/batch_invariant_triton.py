@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import torch
 
+from nano_miles.engine.triton_attention import dot_precision
+
 try:
     import triton
     import triton.language as tl
+
+    from nano_miles.engine.triton_attention import online_softmax_tile
 except ImportError:  # CPU-only installs use the torch backend
     triton = None
 
@@ -104,29 +108,13 @@ if triton is not None:
         m = tl.full([G_PAD], float("-inf"), tl.float32)
         l = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, D], tl.float32)
-        offs = tl.arange(0, TILE)
         for start in range(0, ctx, TILE):
-            pos = start + offs
-            valid = pos < ctx
-            blk = tl.load(table + pos // block_size, mask=valid, other=0).to(tl.int64)
-            base = blk[:, None] * stride_cblk + (pos % block_size)[:, None] * stride_cpos + kvh * stride_chead + d[None, :]
-            k = tl.load(k_ptr + base, mask=valid[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m - m_new)
-            l = l * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + base, mask=valid[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m = m_new
+            m, l, acc = online_softmax_tile(q, m, l, acc, start, ctx, table, 0, k_ptr, v_ptr, kvh * stride_chead, d,
+                                            scale, stride_cblk, stride_cpos, block_size,
+                                            TILE=TILE, CAUSAL=False, PRECISION=PRECISION)
         out = acc / l[:, None]
         tl.store(o_ptr + r * stride_or + heads[:, None] * stride_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
                  mask=(g < G)[:, None])
-
-
-def _precision(dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"  # bf16/fp16 operands: the dot is exact products either way
 
 
 def linear(x, weight, bias, out_dtype):
@@ -142,7 +130,7 @@ def linear(x, weight, bias, out_dtype):
         grid = (triton.cdiv(M, t["BM"]), triton.cdiv(N, t["BN"]))
         _linear_kernel[grid](x2, weight, bias if bias is not None else weight, y, M, N, K,
                              x2.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None,
-                             PRECISION=_precision(x.dtype), num_warps=MATMUL_WARPS, num_stages=MATMUL_STAGES, **t)
+                             PRECISION=dot_precision(x.dtype), num_warps=MATMUL_WARPS, num_stages=MATMUL_STAGES, **t)
     return y.view(*x.shape[:-1], N)
 
 
@@ -190,5 +178,5 @@ def paged_attention(q, k_cache, v_cache, block_tables, positions, rows_per_table
             q, k_cache, v_cache, block_tables, positions, out, D ** -0.5, rows_per_table, BS,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
             out.stride(0), out.stride(1),
-            G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, TILE=key_block, PRECISION=_precision(q.dtype))
+            G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, TILE=key_block, PRECISION=dot_precision(q.dtype))
     return out

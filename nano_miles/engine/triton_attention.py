@@ -22,7 +22,37 @@ def available(device: torch.device) -> bool:
     return triton is not None and device.type == "cuda"
 
 
+def dot_precision(dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # bf16/fp16 operands: the dot is exact products either way
+
+
 if triton is not None:
+    @triton.jit
+    def online_softmax_tile(q, m, l, acc, start, ctx, table, q_pos, k_ptr, v_ptr, kv_offset, d, scale,
+                            stride_cblk, stride_cpos, block_size,
+                            TILE: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
+        """The keys at positions start..start+TILE-1 below ctx, read through a block-table row (`table`,
+        a pointer) from the paged cache, folded into the running softmax (max m, sum l, weighted values
+        acc) of the query rows q; CAUSAL: row i sees only keys at positions <= q_pos[i]. Every kernel
+        here and in batch_invariant_triton.py walks its keys this way, a tile at a time in order."""
+        pos = start + tl.arange(0, TILE)
+        valid = pos < ctx
+        blk = tl.load(table + pos // block_size, mask=valid, other=0).to(tl.int64)
+        base = blk[:, None] * stride_cblk + (pos % block_size)[:, None] * stride_cpos + kv_offset + d[None, :]
+        k = tl.load(k_ptr + base, mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        visible = valid[None, :]
+        if CAUSAL:
+            visible = visible & (pos[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + base, mask=valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        return m_new, l, acc
+
     @triton.jit
     def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, o_ptr, scale,
                              stride_qb, stride_qh, stride_cblk, stride_cpos, stride_chead, stride_btb,
@@ -39,22 +69,10 @@ if triton is not None:
         m = tl.full([G_PAD], float("-inf"), tl.float32)
         l = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, D], tl.float32)
-        offs = tl.arange(0, TILE)
         for start in range(0, ctx, TILE):  # ctx is read at run time, so a replayed graph loops right
-            pos = start + offs
-            valid = pos < ctx
-            blk = tl.load(bt_ptr + b * stride_btb + pos // BS, mask=valid, other=0)
-            base = blk[:, None] * stride_cblk + (pos % BS)[:, None] * stride_cpos + kvh * stride_chead + d[None, :]
-            k = tl.load(k_ptr + base, mask=valid[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m - m_new)
-            l = l * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + base, mask=valid[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m = m_new
+            m, l, acc = online_softmax_tile(q, m, l, acc, start, ctx, bt_ptr + b * stride_btb, 0, k_ptr, v_ptr,
+                                            kvh * stride_chead, d, scale, stride_cblk, stride_cpos, BS,
+                                            TILE=TILE, CAUSAL=False, PRECISION=PRECISION)
         out = acc / l[:, None]
         tl.store(o_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
                  mask=(g < G)[:, None])
@@ -84,22 +102,10 @@ if triton is not None:
         m = tl.full([ROWS], float("-inf"), tl.float32)
         l = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, D], tl.float32)
-        offs = tl.arange(0, TILE)
         for start in range(0, ctx, TILE):
-            pos = start + offs
-            valid = pos < ctx
-            blk = tl.load(bt_ptr + seq * stride_btb + pos // BS, mask=valid, other=0)
-            base = blk[:, None] * stride_cblk + (pos % BS)[:, None] * stride_cpos + kvh * stride_chead + d[None, :]
-            k = tl.load(k_ptr + base, mask=valid[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-            s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m - m_new)
-            l = l * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + base, mask=valid[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m = m_new
+            m, l, acc = online_softmax_tile(q, m, l, acc, start, ctx, bt_ptr + seq * stride_btb, q_pos, k_ptr, v_ptr,
+                                            kvh * stride_chead, d, scale, stride_cblk, stride_cpos, BS,
+                                            TILE=TILE, CAUSAL=True, PRECISION=PRECISION)
         out = acc / l[:, None]
         tl.store(o_ptr + (first + r)[:, None] * stride_ot + h * stride_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
                  mask=live[:, None])
@@ -119,7 +125,7 @@ def packed_prefill_attention(q, k_cache, v_cache, block_tables, positions, tiles
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         G=H // KV, D=D, BS=BS, ROWS=TILE_ROWS, TILE=32,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION=dot_precision(q.dtype),
     )
     return out
 
@@ -138,6 +144,6 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens):
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BS=BS, TILE=tile,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION=dot_precision(q.dtype),
     )
     return out
