@@ -15,6 +15,7 @@ resolving a folder or a cached name (what every command does) must not pay for t
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -126,18 +127,25 @@ def prepare(model: str | GGUFModel, cache_dir: str | os.PathLike | None = None, 
     if not force and _is_current(target, recipe):
         return target
     root.mkdir(parents=True, exist_ok=True)
-    print(f"preparing {name} in {target}", file=sys.stderr)
-    with tempfile.TemporaryDirectory(prefix=f".{name}.tmp-", dir=root, ignore_cleanup_errors=True) as staging:
-        stage = pathlib.Path(staging)
-        out = stage / "model"
-        out.mkdir()
-        if name == TINY_MODEL:
-            tiny.write_tiny_model(out)
-            provenance = {"name": name, "seed": tiny.SEED}
-        else:
-            provenance = _prepare_gguf(spec, out, stage, parts_dir)
-        (out / MANIFEST).write_text(json.dumps({**provenance, "format": CACHE_FORMAT, "recipe": recipe}, indent=1) + "\n")
-        _commit(out, target)
+    # One preparation of an entry at a time on this machine: a second process (two jobs, or test
+    # workers, started on an empty cache) waits for the first and reuses its entry instead of
+    # building it again and swapping the folder under a reader's feet.
+    with open(root / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not force and _is_current(target, recipe):
+            return target
+        print(f"preparing {name} in {target}", file=sys.stderr)
+        with tempfile.TemporaryDirectory(prefix=f".{name}.tmp-", dir=root, ignore_cleanup_errors=True) as staging:
+            stage = pathlib.Path(staging)
+            out = stage / "model"
+            out.mkdir()
+            if name == TINY_MODEL:
+                tiny.write_tiny_model(out)
+                provenance = {"name": name, "seed": tiny.SEED}
+            else:
+                provenance = _prepare_gguf(spec, out, stage, parts_dir)
+            (out / MANIFEST).write_text(json.dumps({**provenance, "format": CACHE_FORMAT, "recipe": recipe}, indent=1) + "\n")
+            _commit(out, target)
     return target
 
 

@@ -103,7 +103,25 @@ def test_a_cache_entry_is_reused_and_rebuilt_when_forced_or_stale(tmp_path):
         marker.write_text("x")
         models.prepare(TINY_MODEL, cache_dir=tmp_path)
         assert not marker.exists() and json.loads((path / "nano_miles.json").read_text()) == manifest
-    assert sorted(p.name for p in tmp_path.iterdir()) == [TINY_MODEL]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".{TINY_MODEL}.lock", TINY_MODEL]
+
+
+def test_two_processes_preparing_at_once_build_the_entry_once(tmp_path):
+    # Two jobs (or two test workers) started together on an empty cache: the second waits for the
+    # first and reuses its entry, rather than building it again and swapping the folder under it.
+    cache = tmp_path / "cache"
+    script = (f"import sys\nfrom nano_miles.models import prepare as models\nsys.stdin.readline()\n"
+              f"print(models.prepare({TINY_MODEL!r}, cache_dir={str(cache)!r}))\n")
+    procs = [subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    for p in procs:  # release both at once (each reads its line once imported)
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert {out.strip() for out, _ in outs} == {str(cache / TINY_MODEL)}
+    assert sum(err.count(f"preparing {TINY_MODEL}") for _, err in outs) == 1, outs
+    assert sorted(p.name for p in cache.iterdir()) == [f".{TINY_MODEL}.lock", TINY_MODEL]
 
 
 def test_cache_dir_comes_from_the_environment(tmp_path, monkeypatch):
@@ -319,7 +337,7 @@ def test_smollm2_converts_from_its_gguf_and_answers(tmp_path):
     tok, model, text = greedy(path, [{"role": "user", "content": "What is the capital of France?"}], 12)
     assert type(model).__name__ == "LlamaForCausalLM" and model.dtype == torch.float32
     assert "Paris" in text
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["smollm2-135m-instruct"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".smollm2-135m-instruct.lock", "smollm2-135m-instruct"]
 
 
 def test_qwen_default_model_converts_and_writes_shell_commands():
