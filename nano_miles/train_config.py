@@ -12,9 +12,8 @@ from nano_miles.engine.layout import Layout, plan_layout
 from nano_miles.job import RolloutCommandConfig
 from nano_miles.rollout.dynamic_sampling import TrainRolloutConfig
 from nano_miles.telemetry import parse_report_to
-from nano_miles.trainer.config import OptimConfig, TrainerConfig
+from nano_miles.trainer.config import OptimConfig, SyncConfig, TrainerConfig
 from nano_miles.trainer.loss import AdvantageConfig, LossConfig
-from nano_miles.trainer.weight_sync import SyncConfig
 
 MODES = ("sync", "async")
 

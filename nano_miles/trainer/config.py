@@ -1,4 +1,5 @@
-"""The trainer's keys: `trainer.*` and `optim.*` of `nano-miles train`."""
+"""The trainer's keys: `trainer.*`, `optim.*` and `sync.*` (the weight sync, trainer/weight_sync.py)
+of `nano-miles train`."""
 from __future__ import annotations
 
 import math
@@ -81,3 +82,33 @@ class TrainerConfig:
             raise ValueError(f"trainer.dist_timeout_s must be > 0, got {self.dist_timeout_s}")
         if not self.temperature > 0:  # greedy rollouts (T=0) have no distribution to train
             raise ValueError(f"the trainer's temperature must be > 0, got {self.temperature}")
+
+
+TRANSPORTS = ("auto", "ipc", "distributed", "disk", "shared")
+PAUSE_MODES = ("in_place", "auto")  # "auto": what older configs hold; it is in_place now
+_REMOVED = {"staged": "sync.transport=distributed (NCCL: what auto picks for a GPU without P2P)",
+            "drain": "sync.pause_mode=in_place", "retract": "sync.pause_mode=in_place",
+            "abort": "sync.pause_mode=in_place"}
+
+
+@dataclass
+class SyncConfig:
+    """`sync.*`: how each new version of the weights reaches the engines (trainer/weight_sync.py)."""
+    transport: str = "auto"        # auto | ipc | distributed | disk | shared (CPU, mode=sync: one copy of the weights)
+    verify: bool = False           # compare per-tensor checksums with every engine after each sync
+    bucket_mb: float = 1024.0      # MiB per flattened bucket (one HTTP call / broadcast each)
+    timeout_s: float = 300.0       # per HTTP call and per broadcast
+    master_address: str = "127.0.0.1"  # distributed: the address this (rank 0) process's store listens on, and only it
+    master_port: int = 0           # 0: a free port
+    disk_dir: str = ""             # disk: the folder written each sync ("" = a temporary folder)
+    pause_mode: str = "in_place"   # requests in flight during a sync keep their KV and continue under the new weights (the one mode; docs/design.md)
+
+    def __post_init__(self):
+        for key, allowed in (("transport", TRANSPORTS), ("pause_mode", PAUSE_MODES)):
+            value = getattr(self, key)
+            if value in _REMOVED:
+                raise ValueError(f"sync.{key}={value} is no longer offered: use {_REMOVED[value]}")
+            if value not in allowed:
+                raise ValueError(f"sync.{key} must be one of {allowed}, got {value!r}")
+        if not self.bucket_mb > 0 or not self.timeout_s > 0:
+            raise ValueError(f"sync.bucket_mb and sync.timeout_s must be > 0, got {self.bucket_mb}, {self.timeout_s}")

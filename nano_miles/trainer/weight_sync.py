@@ -19,7 +19,6 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from urllib.parse import urlparse
 
 import torch
@@ -29,35 +28,9 @@ from nano_miles.dtypes import dtype_name
 from nano_miles.engine import weight_group as G
 from nano_miles.engine import weights as W
 from nano_miles.engine.client import EngineClient, EngineUnavailable
+from nano_miles.trainer.config import SyncConfig
 
-TRANSPORTS = ("auto", "ipc", "distributed", "disk", "shared")
-PAUSE_MODES = ("in_place", "auto")  # "auto": what older configs hold; it is in_place now
-_REMOVED = {"staged": "sync.transport=distributed (NCCL: what auto picks for a GPU without P2P)",
-            "drain": "sync.pause_mode=in_place", "retract": "sync.pause_mode=in_place",
-            "abort": "sync.pause_mode=in_place"}
 _LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0"}
-
-
-@dataclass
-class SyncConfig:
-    transport: str = "auto"        # auto | ipc | distributed | disk | shared (CPU, mode=sync: one copy of the weights)
-    verify: bool = False           # compare per-tensor checksums with every engine after each sync
-    bucket_mb: float = 1024.0      # MiB per flattened bucket (one HTTP call / broadcast each)
-    timeout_s: float = 300.0       # per HTTP call and per broadcast
-    master_address: str = "127.0.0.1"  # distributed: the address this (rank 0) process's store listens on, and only it
-    master_port: int = 0           # 0: a free port
-    disk_dir: str = ""             # disk: the folder written each sync ("" = a temporary folder)
-    pause_mode: str = "in_place"   # requests in flight during a sync keep their KV and continue under the new weights (the one mode; docs/design.md)
-
-    def __post_init__(self):
-        for key, allowed in (("transport", TRANSPORTS), ("pause_mode", PAUSE_MODES)):
-            value = getattr(self, key)
-            if value in _REMOVED:
-                raise ValueError(f"sync.{key}={value} is no longer offered: use {_REMOVED[value]}")
-            if value not in allowed:
-                raise ValueError(f"sync.{key} must be one of {allowed}, got {value!r}")
-        if not self.bucket_mb > 0 or not self.timeout_s > 0:
-            raise ValueError(f"sync.bucket_mb and sync.timeout_s must be > 0, got {self.bucket_mb}, {self.timeout_s}")
 
 
 class WeightSyncError(RuntimeError):

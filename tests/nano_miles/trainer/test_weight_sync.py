@@ -11,7 +11,8 @@ from nano_miles import cli
 from nano_miles.engine.weights import NonFiniteWeights, checksums
 from nano_miles.rollout.batch import Trajectory, build_rollout_batch
 from nano_miles.trainer.trainer import OptimConfig, Trainer, TrainerConfig
-from nano_miles.trainer.weight_sync import SyncConfig, WeightSync, WeightSyncError, choose_transport
+from nano_miles.trainer.config import SyncConfig
+from nano_miles.trainer.weight_sync import WeightSync, WeightSyncError, choose_transport
 
 
 def engine_rollouts(client, seed, n=4, max_new=10):
