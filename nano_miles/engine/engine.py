@@ -39,7 +39,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192  # prefill token budget of one step (longer prompts are chunked)
     cuda_graph: bool = True             # capture decode steps as CUDA graphs (GPU only)
     attention_backend: str = "auto"     # decode attention: torch (gather + SDPA) | triton (paged kernel, GPU) | auto
-    packed_prefill: bool = False        # triton backend: prefill steps packed (no padding), decoding sequences riding in them
+    packed_prefill: bool | None = None  # prefill steps packed (no padding), decoding sequences riding in them; none = wherever the triton backend runs in normal mode
     kv_cache_memory_fraction: float = 0.85  # share of the GPU's free memory for the KV cache (ignored on CPU)
     cpu_kv_cache_bytes: int = 2 << 30   # KV-cache bytes on CPU when num_kv_blocks is none
     seed: int = 0                       # seed of the sampling generator (requests may bring their own sampling_seed)
@@ -113,10 +113,6 @@ class Engine:
             torch.cuda.empty_cache()  # the unpacked copies are free now; let the KV-cache sizing see it
         self.model.init_rope(self.max_model_len, self.device, self.dtype)
         self.model.refresh_lm_head_fp32()
-        if self.dtype != torch.float32 and self.device.type == "cuda":
-            # The FP32 lm_head matmul takes bf16-valued inputs, which TF32 represents exactly: the
-            # FP32-accumulated result at bf16-like speed. No other FP32 matmul runs in a bf16 engine.
-            torch.set_float32_matmul_precision("high")
         D = mc.head_dim
         usable = triton_attention.available(self.device) and D >= 16 and D & (D - 1) == 0
         if config.attention_backend == "triton" and not usable:
@@ -126,7 +122,9 @@ class Engine:
             self.model.decode_attention = triton_attention.paged_decode_attention
         if config.packed_prefill and self.attention_backend != "triton":
             raise ValueError("engine.packed_prefill needs triton, a CUDA device and a power-of-two head_dim >= 16")
-        self.packed_prefill = config.packed_prefill  # off by default until bench/loop_step.py shows it on a GPU
+        # On by default where it can run: the ninth recipe's loop step took half the time with it (docs/design.md)
+        self.packed_prefill = config.packed_prefill if config.packed_prefill is not None else \
+            self.attention_backend == "triton" and not config.true_on_policy
         if self.packed_prefill:
             self.model.prefill_attention = triton_attention.packed_prefill_attention
         self.num_kv_blocks = config.num_kv_blocks or self._auto_num_blocks()

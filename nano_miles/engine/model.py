@@ -267,8 +267,17 @@ class CausalLM(nn.Module):
         """FP32 logits of final-normed hidden states [..., hidden]."""
         if self.batch_invariant:  # bf16 operands, FP32 products and sums: the same values as the FP32 copy
             return batch_invariant.linear(hidden, self.lm_head_weight(), out_dtype=torch.float32)
-        return F.linear(hidden.float(), self._lm_head_fp32 if self._lm_head_fp32 is not None
-                        else self.refresh_lm_head_fp32())
+        w = self.refresh_lm_head_fp32() if self._lm_head_fp32 is None else self._lm_head_fp32
+        if self._lm_head_fp32 is None or w.device.type != "cuda":  # FP32 weights, or a CPU engine
+            return F.linear(hidden.float(), w)
+        # bf16-valued operands are exact in TF32: the FP32-accumulated result at bf16-like speed. Only
+        # for this matmul: the process's own setting (an FP32 engine or trainer beside us) stays as it was.
+        before = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("high")
+        try:
+            return F.linear(hidden.float(), w)
+        finally:
+            torch.set_float32_matmul_precision(before)
 
     def forward(self, batch: Batch, k_caches, v_caches) -> torch.Tensor:
         """FP32 logits [B, V] of the query column `batch.last_index` of each row (packed: [S, V], one a

@@ -424,3 +424,4 @@ def test_packed_prefill_is_refused_where_it_cannot_run(tiny):
             EngineConfig(model=tiny, packed_prefill=True, **bad)
     with pytest.raises(ValueError, match="packed_prefill needs triton, a CUDA device"):
         make_engine(tiny, packed_prefill=True)
+    assert not make_engine(tiny).packed_prefill  # left unset: on only where it can run (a GPU)

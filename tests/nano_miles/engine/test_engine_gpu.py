@@ -138,8 +138,18 @@ def test_packed_prefill_with_decoding_riders_equals_the_torch_path(tiny):
     eng = Engine(EngineConfig(model=tiny, device="cuda", dtype="float32", attention_backend="triton",
                               packed_prefill=True, max_num_batched_tokens=256))
     assert eng.packed_prefill and eng.scheduler.mix_decode
+    assert Engine(EngineConfig(model=tiny, device="cuda", dtype="float32", num_kv_blocks=64)).packed_prefill  # the default
     b = staggered(eng)
     assert len(a) == len(b) == 48
     for rid in a:
         assert b[rid].output_ids == a[rid].output_ids, rid
         assert torch.allclose(torch.tensor(b[rid].output_logprobs), torch.tensor(a[rid].output_logprobs), atol=1e-4)
+
+
+def test_a_bf16_engine_leaves_the_processs_fp32_matmuls_as_it_found_them(tiny):
+    """A bf16 engine runs its FP32 lm_head matmul in TF32 (bf16-valued operands are exact there), but an
+    FP32 engine or trainer in the same process keeps IEEE FP32 matmuls."""
+    before = torch.get_float32_matmul_precision()
+    eng = Engine(EngineConfig(model=tiny, device="cuda", dtype="bfloat16"))
+    run(eng, requests(4, 1024))
+    assert torch.get_float32_matmul_precision() == before == "highest"
