@@ -149,7 +149,7 @@ def test_packed_prefill_with_decoding_riders_equals_the_torch_path(tiny):
 def test_a_bf16_engine_leaves_the_processs_fp32_matmuls_as_it_found_them(tiny):
     """A bf16 engine runs its FP32 lm_head matmul in TF32 (bf16-valued operands are exact there), but an
     FP32 engine or trainer in the same process keeps IEEE FP32 matmuls."""
-    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")  # as a fresh process has it (a bf16 trainer sets its own)
     eng = Engine(EngineConfig(model=tiny, device="cuda", dtype="bfloat16"))
     run(eng, requests(4, 1024))
-    assert torch.get_float32_matmul_precision() == before == "highest"
+    assert torch.get_float32_matmul_precision() == "highest"
