@@ -1,5 +1,5 @@
 """A loop step of a named recipe, run alone: N steps of `nano-miles train`, then one row of step
-seconds (median, p90), where the rollout's wall went, tokens per step, sync ms and parity.
+seconds (median, p90), where the rollout's wall went, tokens per step, sync ms (and its phases) and parity.
 
   PYTHONPATH=. .venv/bin/python bench/loop_step.py --recipe ninth --steps 30          (one GPU)
   PYTHONPATH=. .venv/bin/python bench/loop_step.py --recipe tiny --steps 4            (CPU rehearsal)
@@ -40,6 +40,9 @@ BREAKDOWN = ("rollout_s", "engine_prefill_s", "engine_decode_s", "engine_idle_s"
              "refill_groups", "refill_s", "guide_s")
 
 
+SYNC_PHASES = ("pause", "prepare", "pack", "send", "free", "resume")  # WeightSync.sync's phases_ms
+
+
 def median(values: list) -> float | None:
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
@@ -58,6 +61,7 @@ def summarise(rows: list[dict]) -> dict:
             "response_tokens_per_step": median([r.get("response_tokens") for r in rows]),
             "trajectories_per_step": median([r.get("trajectories") for r in rows]),
             "sync_ms_median": median([r.get("sync_ms") for r in rows]),
+            "sync_phases_ms_median": {p: median([r.get(f"sync_{p}_ms") for r in rows]) for p in SYNC_PHASES},
             "parity_mean_median": median([r.get("parity_mean") for r in rows]),
             "parity_stale_mean_median": median([r.get("parity_stale_mean") for r in rows]),
             "parity_max": max((r["parity_max"] for r in rows if r.get("parity_max") is not None), default=None)}

@@ -113,6 +113,8 @@ def step_metrics(step: int, rollout, staleness: list[int], max_staleness: int, t
         "parity_stale_mean": train.get("logprob_diff_stale_mean"),
         "update_skipped": skipped, "updates": train.get("updates", 1) if train else 0,
         "sync_ms": sync["ms"], "sync_transport": sync["transport"], "sync_verified": sync["verified"],
+        # where the sync's milliseconds went: pause, prepare, pack, send, free, resume (trainer/weight_sync.py)
+        **{f"sync_{phase}_ms": ms for phase, ms in (sync.get("phases_ms") or {}).items()},
         "weight_version": sync["weight_version"], "rollout_s": rollout.seconds, "response_tokens": response_tokens,
         "response_tokens_mean": response_tokens / len(trajs) if trajs else None,
         "tokens_per_s": response_tokens / max(rollout.seconds, 1e-9),

@@ -258,7 +258,7 @@ class WeightSync:
         if self._group is None:
             self._init_group()
         for i, (bucket, last) in enumerate(buckets):
-            start = time.perf_counter()
+            start = self._paused()  # (waits for the pause before the first bucket: timed as pause, not send)
             names, dtypes, shapes = zip(*[(n, dtype_name(t.dtype), list(t.shape)) for n, t in bucket])
             # The persistent send buffer, grown to the largest bucket: a broadcast has read it when it
             # returns (work.wait orders our stream after it), so the next flatten may overwrite it.
@@ -268,7 +268,6 @@ class WeightSync:
                 self._send_buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             # The engines' HTTP calls and our broadcast run at once (each side blocks in the collective
             # until the other joins); both have timeouts, so a dead peer cannot hang us.
-            self._paused()
             http = self._pool.submit(self._on_all, lambda c: c.update_weights_from_distributed(
                 names, dtypes, shapes, group_name=self._group_name, load_format="flattened_bucket",
                 weight_version=version if last else None, flush_cache=last, timeout=self.cfg.timeout_s))
@@ -287,9 +286,10 @@ class WeightSync:
     def _send_disk(self, buckets, version):
         self._disk_dir = self._disk_dir or tempfile.mkdtemp(prefix="nano-miles-weights-")
         os.makedirs(self._disk_dir, exist_ok=True)
+        named = [(n, x) for bucket, _ in buckets for n, x in bucket]  # gathering them is timed as prepare
         start = time.perf_counter()
         tmp = os.path.join(self._disk_dir, ".model.safetensors.tmp")
-        save_file({n: x.contiguous().cpu() for bucket, _ in buckets for n, x in bucket}, tmp)
+        save_file({n: x.contiguous().cpu() for n, x in named}, tmp)
         os.replace(tmp, os.path.join(self._disk_dir, "model.safetensors"))  # engines never see half a file
         self._phase("pack", start)
         start = self._paused()
