@@ -40,9 +40,6 @@ BREAKDOWN = ("rollout_s", "engine_prefill_s", "engine_decode_s", "engine_idle_s"
              "refill_groups", "refill_s", "guide_s")
 
 
-SYNC_PHASES = ("pause", "prepare", "pack", "send", "free", "resume")  # WeightSync.sync's phases_ms
-
-
 def median(values: list) -> float | None:
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
@@ -55,13 +52,14 @@ def p90(values: list) -> float | None:
 
 def summarise(rows: list[dict]) -> dict:
     """The figures of a run's step rows: medians, and the step seconds' p90."""
+    sync_phases = [k for k in (rows[0] if rows else {}) if k.startswith("sync_") and k.endswith("_ms") and k != "sync_ms"]
     return {"steps_measured": len(rows),
             "step_s_median": median([r.get("step_s") for r in rows]), "step_s_p90": p90([r.get("step_s") for r in rows]),
             "breakdown_median": {k: median([r.get(k) for r in rows]) for k in BREAKDOWN},
             "response_tokens_per_step": median([r.get("response_tokens") for r in rows]),
             "trajectories_per_step": median([r.get("trajectories") for r in rows]),
             "sync_ms_median": median([r.get("sync_ms") for r in rows]),
-            "sync_phases_ms_median": {p: median([r.get(f"sync_{p}_ms") for r in rows]) for p in SYNC_PHASES},
+            "sync_phases_ms_median": {k[len("sync_"):-len("_ms")]: median([r.get(k) for r in rows]) for k in sync_phases},
             "parity_mean_median": median([r.get("parity_mean") for r in rows]),
             "parity_stale_mean_median": median([r.get("parity_stale_mean") for r in rows]),
             "parity_max": max((r["parity_max"] for r in rows if r.get("parity_max") is not None), default=None)}
