@@ -1,5 +1,6 @@
 """A loop step of a named recipe, run alone: N steps of `nano-miles train`, then one row of step
-seconds (median, p90), where the rollout's wall went, tokens per step, sync ms (and its phases) and parity.
+seconds (median, p90), where the rollout's wall went, tokens per step, sync ms (its phases, the engine's side
+of its send) and parity.
 
   PYTHONPATH=. .venv/bin/python bench/loop_step.py --recipe ninth --steps 30          (one GPU)
   PYTHONPATH=. .venv/bin/python bench/loop_step.py --recipe tiny --steps 4            (CPU rehearsal)
@@ -52,7 +53,9 @@ def p90(values: list) -> float | None:
 
 def summarise(rows: list[dict]) -> dict:
     """The figures of a run's step rows: medians, and the step seconds' p90."""
-    sync_phases = [k for k in (rows[0] if rows else {}) if k.startswith("sync_") and k.endswith("_ms") and k != "sync_ms"]
+    sync_keys = [k for k in (rows[0] if rows else {}) if k.startswith("sync_") and k.endswith("_ms") and k != "sync_ms"]
+    sync_phases = [k for k in sync_keys if not k.startswith("sync_engine_")]
+    engine_phases = [k for k in sync_keys if k.startswith("sync_engine_")]
     return {"steps_measured": len(rows),
             "step_s_median": median([r.get("step_s") for r in rows]), "step_s_p90": p90([r.get("step_s") for r in rows]),
             "breakdown_median": {k: median([r.get(k) for r in rows]) for k in BREAKDOWN},
@@ -60,6 +63,9 @@ def summarise(rows: list[dict]) -> dict:
             "trajectories_per_step": median([r.get("trajectories") for r in rows]),
             "sync_ms_median": median([r.get("sync_ms") for r in rows]),
             "sync_phases_ms_median": {k[len("sync_"):-len("_ms")]: median([r.get(k) for r in rows]) for k in sync_phases},
+            # the engine's side of the send phase
+            "sync_engine_ms_median": {k[len("sync_engine_"):-len("_ms")]: median([r.get(k) for r in rows])
+                                      for k in engine_phases},
             "parity_mean_median": median([r.get("parity_mean") for r in rows]),
             "parity_stale_mean_median": median([r.get("parity_stale_mean") for r in rows]),
             "parity_max": max((r["parity_max"] for r in rows if r.get("parity_max") is not None), default=None)}

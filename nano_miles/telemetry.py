@@ -115,6 +115,9 @@ def step_metrics(step: int, rollout, staleness: list[int], max_staleness: int, t
         "sync_ms": sync["ms"], "sync_transport": sync["transport"], "sync_verified": sync["verified"],
         # where the sync's milliseconds went: pause, prepare, pack, send, free, resume (trainer/weight_sync.py)
         **{f"sync_{phase}_ms": ms for phase, ms in (sync.get("phases_ms") or {}).items()},
+        # and the engine's side of its send: total, and parse, decode, wait, copy, release, answer where the
+        # transport has them (engine/weight_receiver.py)
+        **{f"sync_engine_{phase}_ms": ms for phase, ms in (sync.get("engine_ms") or {}).items()},
         "weight_version": sync["weight_version"], "rollout_s": rollout.seconds, "response_tokens": response_tokens,
         "response_tokens_mean": response_tokens / len(trajs) if trajs else None,
         "tokens_per_s": response_tokens / max(rollout.seconds, 1e-9),

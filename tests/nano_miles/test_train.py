@@ -110,6 +110,7 @@ def test_two_step_run_writes_the_run_directory_and_advances_the_engine(tmp_path)
         assert r["parity_max"] <= 1e-5  # FP32 trainer vs FP32 engine on CPU
         phases = [r[f"sync_{p}_ms"] for p in ("pause", "prepare", "pack", "send", "free", "resume")]
         assert all(ms >= 0 for ms in phases) and sum(phases) <= r["sync_ms"]  # where the sync's time went
+        assert 0 <= r["sync_engine_total_ms"] <= r["sync_send_ms"]  # of the send, the engine's own part
     assert [r["weight_version"] for r in rows] == ["1", "2"]
     assert "reward" in out and "parity" in out  # the live table ...
     header = next(line for line in out.splitlines() if "parity" in line)
