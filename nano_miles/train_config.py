@@ -73,6 +73,10 @@ class TrainConfig(RolloutCommandConfig):
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.max_staleness < 0 or self.max_engine_restarts < 0:
             raise ValueError("max_staleness and max_engine_restarts must be >= 0")
+        if self.rollout.carry_over and (self.mode != "async" or self.max_staleness < 2):
+            # a group started while step v is built may end in step v+1's, trained on by version v+1
+            raise ValueError("rollout.carry_over carries groups into the next step: it needs mode=async and "
+                             f"max_staleness >= 2 (got mode={self.mode}, max_staleness={self.max_staleness})")
         if (self.eval_every < 0 or min(self.eval_samples, self.eval_instances) < 1 or self.eval_alfa_tasks < 0
                 or (self.keep_best and not self.eval_every)):
             raise ValueError("eval_every and eval_alfa_tasks must be >= 0 (0 = off), eval_samples and eval_instances "

@@ -28,7 +28,7 @@ from nano_miles.evaluate import RunEvaluation
 from nano_miles.job import model_folder, selected_tasks
 from nano_miles.memory_plan import plan_memory, uses_shared_weights
 from nano_miles.rollout.batch import staleness
-from nano_miles.rollout.producer import AsyncProducer, SyncProducer, TaskStream, roll_out_step
+from nano_miles.rollout.producer import AsyncProducer, SyncProducer, TaskStream, play_step_rollout
 from nano_miles.rollout.sandbox import check_sandbox, sandbox_factory
 from nano_miles.tasks import training_tasks
 from nano_miles.telemetry import MetricsLog, check_report_to
@@ -134,8 +134,8 @@ class Run:
             self.log = MetricsLog(self.run_dir, resume_after_step=self.start_step if resume_dir else None,
                                   echo=self.echo, report_to=cfg.report_to, config=to_dict(cfg))
             self._connect()
-            self.producer = (AsyncProducer(self._roll_out, cfg.steps) if cfg.mode == "async"
-                             else SyncProducer(self._roll_out))
+            self.producer = (AsyncProducer(self._roll_out, cfg.steps, carry_over=cfg.rollout.carry_over)
+                             if cfg.mode == "async" else SyncProducer(self._roll_out))
         # Fresh engines serve the base weights: catch them up (shared, one process only: they map ours).
         if self.trainer.step or (self.lead and self.syncer.transport == "shared"):
             self.sync(self.start_step)
@@ -172,10 +172,10 @@ class Run:
         self.engines.wait_restarts()
         self._connect()
 
-    def _roll_out(self, step: int, desc: str):
+    async def _roll_out(self, step: int, desc: str, carry):
         cfg = self.cfg  # the pool's replicas are read at call time: a restart changes them
-        return roll_out_step(step, self.stream, cfg.tasks_per_step, self.engines, self.tokenizer, cfg.rollout,
-                             cfg.seed, desc, sandbox_factory=self.make_sandbox)
+        return await play_step_rollout(step, self.stream, cfg.tasks_per_step, self.engines, self.tokenizer,
+                                       cfg.rollout, cfg.seed, desc, sandbox_factory=self.make_sandbox, carry=carry)
 
     def collect(self, step: int):
         """(rollout, staleness, kept trajectories, skip reason) of `step`, the first two rank 0's. A dead

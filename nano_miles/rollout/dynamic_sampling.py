@@ -32,6 +32,7 @@ class TrainRolloutConfig(RolloutConfig):
     oversample: float = 1.0          # dynamic sampling: a round (the first wave) is this many times tasks_per_step groups (verl's gen_batch_size / train_batch_size)
     pass_over_saturated: int = 0     # a task whose last group had equal rewards (all solved, or none) is passed over at its next N appearances in the task stream; 0 = off
     guide_unsolved: bool = False     # a group no sample solved gets the task's scripted solution as one of its samples (nano_miles/rollout/guidance.py)
+    carry_over: bool = False         # mode=async: a step ends once the groups that came back fill its batch; groups still running go on into the next step (needs max_staleness >= 2)
 
     def __post_init__(self):
         super().__post_init__()
@@ -80,6 +81,7 @@ class SamplingTally:
     passed_over: int = 0        # task appearances the stream passed over (rollout.pass_over_saturated)
     guided: int = 0             # groups given a scripted sample (rollout.guide_unsolved)
     guide_rejected: int = 0     # unsolved groups left unguided: their scripted episode was not judged correct
+    carried: int = 0            # rollout.carry_over: groups left to the next step (still running, or beyond the batch)
 
     @property
     def dropped(self) -> int:
@@ -100,4 +102,5 @@ class SamplingTally:
         return {"groups_generated": self.generated, "groups_kept": self.kept, "groups_dropped": self.dropped,
                 "dropped_group_share": self.dropped * share, "zero_variance_share": self.without_signal * share,
                 "sampling_rounds": self.rounds, "sampling_note": self.note, "tasks_passed_over": self.passed_over,
-                "groups_guided": self.guided, "groups_guide_rejected": self.guide_rejected}
+                "groups_guided": self.guided, "groups_guide_rejected": self.guide_rejected,
+                "groups_carried": self.carried}

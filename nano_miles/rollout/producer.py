@@ -40,13 +40,17 @@ class TaskStream:
 
     pass_over (rollout.pass_over_saturated): a task whose last group had no learning signal (every
     sample solved it, or none did) is passed over at its next `pass_over` appearances, so rollouts
-    go to tasks that still teach something; a group with a signal clears that (saw())."""
+    go to tasks that still teach something; a group with a signal clears that (saw()).
+
+    pending (rollout.carry_over): tasks taken whose groups were in no batch yet when the state was
+    saved (still running, or finished beyond the batch); a restored stream hands them out first."""
 
     def __init__(self, tasks: list, seed: int, position: int = 0, pass_over: int = 0):
         if not tasks:
             raise ValueError("no tasks selected")
         self.tasks, self.seed, self.position, self.pass_over = list(tasks), seed, position, pass_over
         self.passes: dict[str, int] = {}  # task id -> its appearances still to pass over
+        self.retake: list = []  # restored pending tasks, taken before the order goes on
         self._epoch_order = (-1, [])
 
     def _order(self, epoch: int) -> list:
@@ -58,6 +62,8 @@ class TaskStream:
 
     def take(self, k: int) -> list:
         out = []
+        while self.retake and len(out) < k:
+            out.append(self.retake.pop(0))
         while len(out) < k:  # ends: every pass over uses one up, and none are added here
             epoch, i = divmod(self.position, len(self.tasks))
             task = self._order(epoch)[i]
@@ -76,15 +82,21 @@ class TaskStream:
         elif self.pass_over:
             self.passes[task_id] = self.pass_over
 
-    def state(self) -> dict:
-        return {"position": self.position, "passes": dict(self.passes)}
+    def state(self, pending: list | None = None) -> dict:
+        """What a resume needs; `pending`: the tasks taken but in no batch yet (their ids)."""
+        state = {"position": self.position, "passes": dict(self.passes)}
+        pending = [t.id for t in self.retake] + list(pending or [])
+        return {**state, "pending": pending} if pending else state
 
     def restore(self, state: dict | int) -> None:
-        """Back to a state() (an int: a checkpoint's position from before pass_over existed)."""
+        """Back to a state() (an int: a checkpoint's position from before pass_over existed). Pending
+        tasks no longer in the run's task set are left out."""
         if isinstance(state, int):
-            self.position, self.passes = state, {}
+            self.position, self.passes, self.retake = state, {}, []
         else:
+            by_id = {t.id: t for t in self.tasks}
             self.position, self.passes = state["position"], dict(state["passes"])
+            self.retake = [by_id[i] for i in state.get("pending", []) if i in by_id]
 
 
 @dataclass
@@ -158,24 +170,62 @@ class _Played:
         return any(t.finish_reason != "infra_error" for t in self.group)
 
 
+@dataclass
+class Carry:
+    """rollout.carry_over: what a step leaves to the next instead of waiting for it (its groups still
+    running, and finished groups beyond its batch), and the runner they play on. It lives on the
+    async producer's event loop, across steps; close() cancels what is left."""
+    running: dict = field(default_factory=dict)  # group job -> its task, in the order they were started
+    ready: list = field(default_factory=list)    # _Played groups that came back beyond a batch
+    runner: GroupRunner | None = None
+    requests: list = field(default_factory=list)  # the runner's /generate calls per replica at the last step's end
+
+    def task_ids(self) -> list[str]:
+        return [t.id for t in self.running.values()] + [g.task.id for g in self.ready]
+
+    async def close(self) -> None:
+        for job in self.running:
+            job.cancel()
+        await wait_out(asyncio.gather(*self.running, return_exceptions=True))
+        self.running, self.ready = {}, []
+        if self.runner is not None:
+            await self.runner.close()
+            self.runner = None
+
+
 async def _play_step(runner: GroupRunner, stream: TaskStream, target: int, cfg: TrainRolloutConfig, seed: int,
-                     tally: SamplingTally, anatomy: RolloutAnatomy, on_start) -> list[_Played]:
-    """The step's groups, in the order they were started (their index in the step): a first wave of
-    round_size(target), then, with dynamic sampling, one more each time a group comes back without a
-    signal while the groups with one and those still running cannot fill the batch, up to the bound.
-    It ends when every group started has come back.
+                     tally: SamplingTally, anatomy: RolloutAnatomy, on_start, carry: Carry | None) -> list[_Played]:
+    """The step's groups that came back, in the order they were started (their index in the step): a
+    first wave of round_size(target), then, with dynamic sampling, one more each time a group comes
+    back without a signal while the groups with one and those still running cannot fill the batch, up
+    to the bound. It ends when every group started has come back.
 
     Surplus groups (an oversampled first wave still running when the batch is full) are not cancelled:
     they finish and are dropped, as verl does. The batch is then the first groups with a signal in
     start order, whatever their speed; cancelling would keep the groups that ended first (short
     episodes: a length bias) and make the batch depend on timing, for little: the engine has already
-    spent most of their tokens, and no refill is started beside them."""
+    spent most of their tokens, and no refill is started beside them.
+
+    With `carry` (rollout.carry_over) the step never waits for its slowest group: it starts with the
+    last step's leftovers, keeps round_size(target) groups running, and ends as soon as the groups
+    that came back fill the batch (or the bound's worth came back); the groups still running go on
+    into the next step. Nothing is cancelled or dropped for being slow, so long episodes are trained
+    on a step later (their staleness bounded by max_staleness), not left out."""
     first_wave = cfg.round_size(target)
     bound = first_wave * cfg.max_sampling_rounds if cfg.dynamic_sampling else first_wave
     played: dict[int, _Played] = {}
     running: dict[asyncio.Task, int] = {}  # group job -> its index in the step
     started_tasks: list = []
-    with_signal, first_wave_done = 0, None
+    with_signal, came_back, first_wave_done = 0, 0, None
+    if carry is not None:  # the last step's leftovers first, in the order they were started
+        for job, task in carry.running.items():
+            running[job] = len(started_tasks)
+            started_tasks.append(task)
+        for g in carry.ready:
+            played[len(started_tasks)] = g
+            started_tasks.append(g.task)
+            with_signal += g.signal
+        carry.running, carry.ready = {}, []
 
     async def play(index: int, task) -> _Played:
         task_seed, group_id = group_key(task, seed, index)
@@ -191,67 +241,90 @@ async def _play_step(runner: GroupRunner, stream: TaskStream, target: int, cfg: 
     def start() -> None:
         position = stream.position
         (task,) = stream.take(1)
-        tally.passed_over += stream.position - position - 1
+        tally.passed_over += max(0, stream.position - position - 1)
         running[asyncio.ensure_future(play(len(started_tasks), task))] = len(started_tasks)
         started_tasks.append(task)
         on_start(len(started_tasks) - first_wave)  # groups started after the first wave (refills)
 
+    def batch_full() -> bool:  # carry: the groups that came back fill the batch, or the bound's worth did
+        return (with_signal if cfg.dynamic_sampling else len(played)) >= target or came_back >= bound
+
     try:
-        for _ in range(first_wave):
+        for _ in range(first_wave - len(running)):
             start()
-        while running:
+        while running and not (carry is not None and batch_full()):
             done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
             for job in done:
                 index = running.pop(job)
                 played[index] = job.result()  # a group's error (no engine left) fails the step
                 with_signal += played[index].signal
+                came_back += 1
             if first_wave_done is None and all(i in played for i in range(first_wave)):
                 first_wave_done = time.perf_counter()
+            if carry is not None:  # keep the width in flight: what the batch does not need goes on
+                while len(running) < first_wave and not batch_full():
+                    start()
+                continue
             # Refill: a group came back without a signal and the groups kept or still running cannot
             # fill the batch. Not while every group so far was lost to the sandbox: more would be too.
             while (cfg.dynamic_sampling and len(started_tasks) < bound and with_signal + len(running) < target
                    and any(g.got_through for g in played.values())):
                 start()
+        if carry is not None:
+            carry.running, running = {job: started_tasks[i] for job, i in running.items()}, {}
     finally:
         # Only on an error (or our own cancellation): cancel the groups still running; each episode
         # closes its sandbox before it ends (run_episode), and the gather collects their errors.
         for job in running:
             job.cancel()
         await wait_out(asyncio.gather(*running, return_exceptions=True))
-    anatomy.refill_s += time.perf_counter() - first_wave_done if len(played) > first_wave else 0.0
-    return [played[i] for i in range(len(played))]
+    if first_wave_done is not None and len(played) > first_wave:
+        anatomy.refill_s += time.perf_counter() - first_wave_done
+    return [played[i] for i in sorted(played)]
 
 
-def roll_out_step(step: int, stream: TaskStream, tasks_per_step: int, engines, tokenizer,
-                  cfg: TrainRolloutConfig, run_seed: int, desc: str = "rollout", sandbox_factory=None) -> StepRollout:
-    """Take the step's tasks from `stream` and roll out a group of each on `engines` (URLs or an
-    EnginePool), with a progress bar (episodes done, ETA) on stderr. With cfg.dynamic_sampling, groups
-    without a learning signal are dropped and more tasks taken as they come back, until the batch has
-    `tasks_per_step` groups or the step started its bound of groups (dynamic_sampling.py).
-    On any failure the stream is put back, so that a retry takes the same tasks with the same seeds."""
-    before = stream.state()
+async def play_step_rollout(step: int, stream: TaskStream, tasks_per_step: int, engines, tokenizer,
+                            cfg: TrainRolloutConfig, run_seed: int, desc: str = "rollout", sandbox_factory=None,
+                            carry: Carry | None = None) -> StepRollout:
+    """roll_out_step on a running event loop; with `carry` (rollout.carry_over), the step takes what
+    the last one left and leaves it what its batch does not need (see _play_step)."""
+    before = stream.state(carry.task_ids() if carry else None)
     tally = SamplingTally(cfg.dynamic_sampling, tasks_per_step, max_rounds=cfg.max_sampling_rounds)
     anatomy, clocks = RolloutAnatomy(), []
     t0 = time.perf_counter()
+    runner = carry.runner if carry is not None and carry.runner is not None else None
     try:
         with tqdm(total=0, desc=desc, unit="ep", leave=False, dynamic_ncols=True) as bar:
             def on_start(refills: int):
                 bar.total += cfg.group_size
-                bar.set_description(f"{desc} ({refills} refill(s))" if refills > 0 else desc)
+                bar.set_description(f"{desc} ({refills} refill(s))" if refills > 0 and carry is None else desc)
 
-            async def play_step():
-                runner = GroupRunner(engines, tokenizer, cfg, sandbox_factory, lambda: bar.update(1), clocks)
-                try:
-                    groups = await _play_step(runner, stream, tasks_per_step, cfg, step_seed(run_seed, step), tally,
-                                              anatomy, on_start)
-                    return groups, runner.stats([g.task for g in groups], [t for g in groups for t in g.episodes])
-                finally:
+            if runner is None:
+                runner = GroupRunner(engines, tokenizer, cfg, sandbox_factory)
+                if carry is not None:
+                    carry.runner = runner
+            runner.on_episode_done, runner.clocks = lambda: bar.update(1), clocks
+            try:
+                groups = await _play_step(runner, stream, tasks_per_step, cfg, step_seed(run_seed, step), tally,
+                                          anatomy, on_start, carry)
+            finally:
+                if carry is None:
                     await runner.close()
-            groups, stats = asyncio.run(play_step())
     except BaseException:
         stream.restore(before)
         raise
     anatomy.add_rollout(clocks, time.perf_counter())
+    if carry is not None:  # usable groups beyond the batch are the next step's, not dropped
+        usable = [i for i, g in enumerate(groups) if (g.signal if cfg.dynamic_sampling else g.group)]
+        surplus = set(usable[tasks_per_step:])
+        carry.ready = [groups[i] for i in sorted(surplus)]
+        groups = [g for i, g in enumerate(groups) if i not in surplus]
+    stats = runner.stats([g.task for g in groups], [t for g in groups for t in g.episodes])
+    if carry is not None:  # the runner's counts run on across steps: this step's share
+        counts = stats["engine_requests"]
+        stats["engine_requests"] = [n - (carry.requests[i] if i < len(carry.requests) else 0)
+                                    for i, n in enumerate(counts)]
+        carry.requests = counts
     # The stream learns the groups' outcomes (pass_over) once the step is done, in the order they were
     # started: what the step took from it then never depends on which group happened to end first.
     for g in groups:
@@ -265,24 +338,37 @@ def roll_out_step(step: int, stream: TaskStream, tasks_per_step: int, engines, t
     tally.without_signal = len(groups) - len(signal)  # groups lost to setup failures have none either
     tally.guided = sum(g.replaced is not None for g in groups)
     tally.guide_rejected = sum(g.guide_rejected for g in groups)
+    tally.carried = len(carry.task_ids()) if carry is not None else 0
     dropped = [g.replaced for g in groups if g.replaced is not None]
     if cfg.dynamic_sampling:  # groups without a signal, and the surplus of an oversampled step
         dropped += [t for i, g in enumerate(groups) if i not in kept for t in g.group]
         if tally.note:
             print(f"step {step}: {tally.note}", file=sys.stderr)
     return StepRollout(step, [t for i in kept for t in groups[i].group], time.perf_counter() - t0,
-                       stats["setup_failures"], stream.position, stream.state(), stats["setup_errors"],
-                       engine_requests=stats["engine_requests"], dropped=dropped, sampling=tally, anatomy=anatomy)
+                       stats["setup_failures"], stream.position, stream.state(carry.task_ids() if carry else None),
+                       stats["setup_errors"], engine_requests=stats["engine_requests"], dropped=dropped,
+                       sampling=tally, anatomy=anatomy)
+
+
+def roll_out_step(step: int, stream: TaskStream, tasks_per_step: int, engines, tokenizer,
+                  cfg: TrainRolloutConfig, run_seed: int, desc: str = "rollout", sandbox_factory=None) -> StepRollout:
+    """Take the step's tasks from `stream` and roll out a group of each on `engines` (URLs or an
+    EnginePool), with a progress bar (episodes done, ETA) on stderr. With cfg.dynamic_sampling, groups
+    without a learning signal are dropped and more tasks taken as they come back, until the batch has
+    `tasks_per_step` groups or the step started its bound of groups (dynamic_sampling.py).
+    On any failure the stream is put back, so that a retry takes the same tasks with the same seeds."""
+    return asyncio.run(play_step_rollout(step, stream, tasks_per_step, engines, tokenizer, cfg, run_seed, desc,
+                                         sandbox_factory))
 
 
 class SyncProducer:
     """On-policy: a step's rollouts start when the trainer asks for them, with the latest weights."""
 
     def __init__(self, roll_out):
-        self.roll_out = roll_out  # roll_out(step, desc) -> StepRollout
+        self.roll_out = roll_out  # async roll_out(step, desc, carry) -> StepRollout (play_step_rollout)
 
     def get(self, step: int) -> StepRollout:
-        return self.roll_out(step, f"step {step} rollout")
+        return asyncio.run(self.roll_out(step, f"step {step} rollout", None))
 
     # nothing runs between steps: nothing to start, restart or stop
     def start(self, first_step: int) -> None: pass
@@ -295,34 +381,45 @@ class AsyncProducer:
     step trains. The queue holds one finished step, so rollouts run at most one step ahead of
     training; the engine's weights change under in-flight episodes, and each turn records the
     weight_version it was sampled with, which is what staleness is measured on. A failed step is
-    handed to the trainer as its error (the stream already put back), and the thread stops."""
+    handed to the trainer as its error (the stream already put back), and the thread stops.
+    With carry_over (rollout.carry_over) a step's slowest groups go on into the next step (Carry),
+    playing on while the finished step waits for the trainer."""
 
-    def __init__(self, roll_out, last_step: int):
-        self.roll_out, self.last_step = roll_out, last_step
+    def __init__(self, roll_out, last_step: int, carry_over: bool = False):
+        self.roll_out, self.last_step, self.carry_over = roll_out, last_step, carry_over
         self.queue: queue.Queue = queue.Queue(maxsize=1)
         self._stop = threading.Event()
         self._thread = None
 
     def start(self, first_step: int) -> None:
         self._stop.clear()
-        self._thread = threading.Thread(target=self._loop, args=(first_step,), daemon=True, name="rollout-producer")
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._produce(first_step)), daemon=True,
+                                        name="rollout-producer")
         self._thread.start()
 
-    def _loop(self, step: int) -> None:
-        while not self._stop.is_set() and step <= self.last_step:
-            try:
-                item = self.roll_out(step, f"step {step} rollout (async)")
-            except Exception as e:  # handed to the training thread, which decides what to do
-                item = e
-            while not self._stop.is_set():
+    async def _produce(self, step: int) -> None:
+        carry = Carry() if self.carry_over else None
+        try:
+            while not self._stop.is_set() and step <= self.last_step:
                 try:
-                    self.queue.put((step, item), timeout=0.2)
-                    break
-                except queue.Full:
-                    continue
-            if isinstance(item, Exception):
+                    item = await self.roll_out(step, f"step {step} rollout (async)", carry)
+                except Exception as e:  # handed to the training thread, which decides what to do
+                    item = e
+                await asyncio.to_thread(self._hand_over, step, item)  # the carried groups play on meanwhile
+                if isinstance(item, Exception):
+                    return
+                step += 1
+        finally:
+            if carry is not None:
+                await carry.close()
+
+    def _hand_over(self, step: int, item) -> None:
+        while not self._stop.is_set():
+            try:
+                self.queue.put((step, item), timeout=0.2)
                 return
-            step += 1
+            except queue.Full:
+                continue
 
     def get(self, step: int) -> StepRollout:
         got, item = self.queue.get()

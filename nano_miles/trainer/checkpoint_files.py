@@ -72,9 +72,11 @@ def _is_count(value) -> bool:
 
 
 def _is_position(value) -> bool:
-    """The task stream's state() ({"position", "passes"}), or a bare position."""
+    """The task stream's state() ({"position", "passes"[, "pending"]}), or a bare position."""
     if isinstance(value, dict):
-        return _is_count(value.get("position")) and isinstance(value.get("passes"), dict)
+        pending = value.get("pending", [])
+        return (_is_count(value.get("position")) and isinstance(value.get("passes"), dict)
+                and isinstance(pending, list) and all(isinstance(i, str) for i in pending))
     return _is_count(value)
 
 

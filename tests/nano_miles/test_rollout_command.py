@@ -65,7 +65,8 @@ def test_one_default_per_key_across_commands(capsys):
     assert rollout["engine"] == evaluate["engine"] == train["engine"]
     # train's rollout.* is every command's rollout.* plus its own task-sampling keys, nothing renamed
     train_only = {f.name for f in fields(TrainRolloutConfig)} - {f.name for f in fields(RolloutConfig)}
-    assert train_only == {"dynamic_sampling", "max_sampling_rounds", "oversample", "pass_over_saturated", "guide_unsolved"}
+    assert train_only == {"dynamic_sampling", "max_sampling_rounds", "oversample", "pass_over_saturated", "guide_unsolved",
+                          "carry_over"}
     assert rollout["rollout"] == evaluate["rollout"] == {k: v for k, v in train["rollout"].items() if k not in train_only}
     assert train["rollout"]["group_size"] == 4 and train["rollout"]["env"]["max_turns"] == 6
     # eval's --samples is the group size; set it and the TOML says so.

@@ -179,6 +179,22 @@ def test_resume_after_sigkill_loses_and_repeats_no_step(tmp_path, traversable_tm
     assert [r["weight_version"] for r in rows] == ["1", "2", "3"]
 
 
+def test_an_async_run_with_carry_over_checkpoints_its_carried_tasks_and_resumes_them_first(tmp_path):
+    run_dir = tmp_path / "run"
+    carry = ["--set", "mode=async", "--set", "rollout.carry_over=true", "--set", "max_staleness=2"]
+    _finish(_train([*carry, "--set", "steps=2", "--set", f"run_dir={run_dir}"]))
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2] and all(r["trajectories"] == 4 for r in rows)
+    assert all(r["staleness_trained_max"] <= 2 for r in rows)
+    pending = json.loads((run_dir / "checkpoint" / "state.json").read_text())["stream"]["pending"]
+    assert pending and rows[-1]["groups_carried"] == len(pending)  # groups still running after step 2
+    _finish(_train(["--resume", str(run_dir), *carry, "--set", "steps=3"]))
+    third = read_metrics(run_dir / "metrics.jsonl")[-1]
+    still = json.loads((run_dir / "checkpoint" / "state.json").read_text())["stream"].get("pending", [])
+    # the resumed run started them first: each was trained on in step 3 or is still carried after it
+    assert third["step"] == 3 and set(pending) <= set(third["task_ids"]) | set(still)
+
+
 def test_ctrl_c_leaves_a_resumable_checkpoint_and_no_orphans(tmp_path):
     run_dir = tmp_path / "run"
     proc = _train(["--set", "steps=50", "--set", f"run_dir={run_dir}"])

@@ -25,7 +25,8 @@ from nano_miles.rollout.env import EnvConfig, default_sandbox
 from nano_miles.rollout.episode import group_key
 from nano_miles.memory_plan import job_kv_cache_bytes
 from nano_miles.models.prepare import load_tokenizer
-from nano_miles.rollout.producer import AsyncProducer, SyncProducer, TaskStream, roll_out_step, step_seed
+from nano_miles.rollout.producer import (AsyncProducer, SyncProducer, TaskStream, play_step_rollout, roll_out_step,
+                                         step_seed)
 from nano_miles.tasks import select_tasks
 from nano_miles.telemetry import read_metrics
 from nano_miles.train import RunFailed, TrainConfig, TrainingRun
@@ -141,8 +142,8 @@ def test_groups_without_a_signal_are_dropped_and_the_batch_refilled(mode, tok, s
     order = [t.id for t in TaskStream(tasks, seed=3).take(4 * len(tasks))]
     cfg = _cfg(dynamic_sampling=True, max_sampling_rounds=8)
 
-    def roll_out(step, desc):
-        return roll_out_step(step, stream, 2, [engine.url], tok, cfg, run_seed=0, desc=desc)
+    def roll_out(step, desc, carry):
+        return play_step_rollout(step, stream, 2, [engine.url], tok, cfg, run_seed=0, desc=desc, carry=carry)
     producer = SyncProducer(roll_out) if mode == "sync" else AsyncProducer(roll_out, last_step=2)
     producer.start(1)
     try:
@@ -238,6 +239,49 @@ class HeldEngine(ScriptedEngine):
     def close(self):
         self.closing.set()
         super().close()
+
+
+class GatedEngine(ScriptedEngine):
+    """A ScriptedEngine that holds every turn of step 1's first group (run seed 0) until `gate` is set."""
+
+    def __init__(self, tok):
+        super().__init__(tok)
+        self.gate, self.held = threading.Event(), threading.Event()
+
+    def answer(self, body: dict) -> tuple[int, dict]:
+        task_seed = int(body["rid"].split("-t")[0].rsplit("-", 1)[1])
+        if task_seed == step_seed(0, 1) * 100_003:  # group_key: the index-0 group of step 1
+            self.held.set()
+            self.gate.wait(timeout=120)
+        return super().answer(body)
+
+
+def test_with_carry_over_a_step_takes_the_groups_that_came_back_and_carries_the_slowest_on(tok):
+    """Step 1 is handed over while its first group is still held; that group goes on into step 2 (as a
+    pending task of step 1's stream state, which a resume rolls out first) and is trained on there."""
+    tasks = select_tasks(TASKS)
+    slow = TaskStream(tasks, seed=3).take(1)[0].id
+    engine, stream = GatedEngine(tok), TaskStream(tasks, seed=3)
+
+    def roll_out(step, desc, carry):
+        return play_step_rollout(step, stream, 2, [engine.url], tok, _cfg(), run_seed=0, desc=desc, carry=carry)
+    producer = AsyncProducer(roll_out, last_step=2, carry_over=True)
+    producer.start(1)
+    try:
+        first = producer.get(1)
+        assert engine.held.is_set() and not engine.gate.is_set()  # the slow group was running throughout
+        assert len(first.trajectories) == 4 and slow not in {t.task_id for t in first.trajectories}
+        assert first.stream_state["pending"][0] == slow and first.sampling.metrics()["groups_carried"] >= 1
+        engine.gate.set()
+        second = producer.get(2)
+        assert slow in {t.task_id for t in second.trajectories} and len(second.trajectories) == 4
+    finally:
+        engine.gate.set()
+        producer.stop()
+        engine.close()
+    resumed = TaskStream(tasks, seed=3)
+    resumed.restore(first.stream_state)
+    assert resumed.take(1)[0].id == slow  # a resume from step 1 rolls the carried group out first
 
 
 def test_a_refill_starts_while_the_first_wave_is_still_running(tok):
@@ -377,7 +421,10 @@ def test_the_memory_plan_holds_an_oversampled_round(tiny_model_path):
      "rollout.dynamic_sampling needs rollout.group_size >= 2"),
     (["rollout.max_sampling_rounds=0"], "rollout.max_sampling_rounds must be >= 1, got 0"),
     (["rollout.oversample=0.5"], "rollout.oversample must be >= 1, got 0.5"),
-    (["rollout.pass_over_saturated=-1"], r"rollout.pass_over_saturated must be in \[0, 100\] \(0 = off\), got -1")])
+    (["rollout.pass_over_saturated=-1"], r"rollout.pass_over_saturated must be in \[0, 100\] \(0 = off\), got -1"),
+    (["rollout.carry_over=true", "mode=sync", "max_staleness=2"],
+     "rollout.carry_over carries groups into the next step: it needs mode=async and max_staleness >= 2"),
+    (["rollout.carry_over=true", "mode=async"], r"rollout.carry_over .* \(got mode=async, max_staleness=1\)")])
 def test_settings_that_cannot_work_are_one_line(sets, message):
     with pytest.raises(ConfigError, match=f"^{message}"):
         load_config(TrainConfig, None, parse_set(sets))

@@ -10,7 +10,7 @@ from nano_miles.engine.client import EngineUnavailable
 from nano_miles.rollout.dynamic_sampling import TrainRolloutConfig
 from nano_miles.models.prepare import load_tokenizer
 from nano_miles.rollout.batch import staleness
-from nano_miles.rollout.producer import AsyncProducer, SyncProducer, TaskStream, roll_out_step
+from nano_miles.rollout.producer import AsyncProducer, SyncProducer, TaskStream, play_step_rollout
 from nano_miles.tasks import select_tasks
 from nano_openshell import Sandbox
 
@@ -23,10 +23,11 @@ def tok(tiny_model_path):
 
 
 def _producer(mode, stream, tok, **kw):
-    def roll_out(step, desc):
-        return roll_out_step(step, stream, 2, DEAD_ENGINE, tok, TrainRolloutConfig(group_size=2, max_new_tokens=8),
-                             run_seed=0, desc=desc, **kw)
-    return SyncProducer(roll_out) if mode == "sync" else AsyncProducer(roll_out, last_step=3)
+    def roll_out(step, desc, carry):
+        return play_step_rollout(step, stream, 2, DEAD_ENGINE, tok, TrainRolloutConfig(group_size=2, max_new_tokens=8),
+                                 run_seed=0, desc=desc, carry=carry, **kw)
+    return (SyncProducer(roll_out) if mode == "sync"
+            else AsyncProducer(roll_out, last_step=3, carry_over=mode == "async+carry"))
 
 
 def test_task_stream_is_seeded_and_resumable():
@@ -69,9 +70,9 @@ def test_a_task_without_a_signal_is_passed_over_at_its_next_appearances_and_the_
     assert [t.id for t in off.take(8)] == plain[:8]
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", "async", "async+carry"])
 def test_setup_failures_are_counted_in_both_modes(mode, tok):
-    """Episodes whose sandbox setup failed are counted on the step (async mode used to report 0)."""
+    """Episodes whose sandbox setup failed are counted on the step."""
     stream = TaskStream(select_tasks("kernel_name,md5_file"), seed=0)
     broken = functools.partial(Sandbox, workspace="/nonexistent/workspace")  # a real sandbox that fails to start
     producer = _producer(mode, stream, tok, sandbox_factory=broken)
@@ -79,13 +80,17 @@ def test_setup_failures_are_counted_in_both_modes(mode, tok):
     try:
         for step in (1, 2):
             got = producer.get(step)
-            assert (got.step, got.trajectories, got.setup_failures) == (step, [], 4)
-            assert got.data_position == 2 * step
+            assert (got.step, got.trajectories) == (step, [])
+            assert got.setup_failures == 2 * got.sampling.generated  # both episodes of each group that came back
+            if mode == "async+carry":  # the tasks taken beyond the batch are pending, the next step's
+                assert got.data_position - len(got.stream_state.get("pending", [])) >= 2 * step
+            else:
+                assert (got.sampling.generated, got.data_position) == (2, 2 * step)
     finally:
         producer.stop()
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", "async", "async+carry"])
 def test_a_failed_step_puts_the_stream_back(mode, tok):
     """A dead engine fails the step; the stream is where it was, so the retry takes the same tasks."""
     stream = TaskStream(select_tasks("kernel_name,md5_file,nth_line"), seed=0)

@@ -278,6 +278,8 @@ def damaged_copies(tmp_path: Path) -> dict:
         "state.json without a step": ("state.json", lambda f: f.write_text('{"data_position": 2}')),
         "state.json with a broken RNG": ("state.json", lambda f: f.write_text(json.dumps(
             dict(json.loads(f.read_text()), rng={"python": [3, [1, 2], None], "torch": [0]})))),
+        "state.json with pending tasks that are not ids": ("state.json", lambda f: f.write_text(json.dumps(
+            dict(json.loads(f.read_text()), stream={"position": 2, "passes": {}, "pending": [{"id": 1}]})))),
         "no state.json": ("state.json", lambda f: f.unlink()),
     }
     copies = {}
