@@ -48,8 +48,12 @@ class RolloutAnatomy:
     engine_busy: dict = field(default_factory=dict)  # phase -> engine seconds, summed over replicas
     replicas: set = field(default_factory=set)
 
-    def add_rollout(self, clocks: list[EpisodeClock], ended: float) -> None:
-        """The episodes of a step's rollout, which ended at `ended`."""
+    def add_rollout(self, clocks: list[EpisodeClock], started: float, ended: float,
+                    busy_seen: dict | None = None) -> None:
+        """The episodes of a step's rollout, which ran from `started` to `ended`. An episode carried
+        in from the last step (rollout.carry_over) counts from `started`; busy_seen, if given, holds
+        each (replica, phase) counter's value at the last step's end (updated here), so the engines'
+        busy seconds are the step's own whoever asked."""
         done = [c for c in clocks if c.ended]
         for c in done:
             self.generate_s += c.generate_s
@@ -57,7 +61,7 @@ class RolloutAnatomy:
             self.episode_s += c.wall
             self.env_s += max(0.0, c.wall - c.generate_s - c.sandbox_s)
         if done:
-            self.critical_path_s += max(c.wall for c in done)
+            self.critical_path_s += max(c.ended - max(c.started, started) for c in done)
             self.straggler_s += max(0.0, ended - statistics.median(c.ended for c in done))
         first: dict = {}
         last: dict = {}
@@ -69,6 +73,9 @@ class RolloutAnatomy:
                 key = (c.replica, phase)
                 first[key] = min(first.get(key, float("inf")), c.busy_first.get(phase, 0.0))
                 last[key] = max(last.get(key, 0.0), c.busy_last[phase])
+        if busy_seen is not None:
+            first = {key: busy_seen.get(key, v) for key, v in first.items()}
+            busy_seen.update(last)
         for key, end in last.items():  # (a restarted engine's counters start again: its span counts as 0)
             self.engine_busy[key[1]] = self.engine_busy.get(key[1], 0.0) + max(0.0, end - first[key])
 

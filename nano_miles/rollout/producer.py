@@ -179,6 +179,7 @@ class Carry:
     ready: list = field(default_factory=list)    # _Played groups that came back beyond a batch
     runner: GroupRunner | None = None
     requests: list = field(default_factory=list)  # the runner's /generate calls per replica at the last step's end
+    busy_seen: dict = field(default_factory=dict)  # the engines' busy counters at the last step's end (anatomy.py)
 
     def task_ids(self) -> list[str]:
         return [t.id for t in self.running.values()] + [g.task.id for g in self.ready]
@@ -313,7 +314,7 @@ async def play_step_rollout(step: int, stream: TaskStream, tasks_per_step: int, 
     except BaseException:
         stream.restore(before)
         raise
-    anatomy.add_rollout(clocks, time.perf_counter())
+    anatomy.add_rollout(clocks, t0, time.perf_counter(), carry.busy_seen if carry is not None else None)
     if carry is not None:  # usable groups beyond the batch are the next step's, not dropped
         usable = [i for i, g in enumerate(groups) if (g.signal if cfg.dynamic_sampling else g.group)]
         surplus = set(usable[tasks_per_step:])

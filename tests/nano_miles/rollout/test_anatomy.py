@@ -4,7 +4,7 @@ own busy counters (meta_info.busy_s)."""
 from nano_miles.models.prepare import load_tokenizer
 from nano_miles.rollout.dynamic_sampling import TrainRolloutConfig
 from nano_miles.rollout.env import EnvConfig
-from nano_miles.rollout.producer import TaskStream, roll_out_step
+from nano_miles.rollout.producer import AsyncProducer, TaskStream, play_step_rollout, roll_out_step
 from nano_miles.tasks import select_tasks
 from nano_miles.telemetry import format_header, format_row, step_metrics
 
@@ -30,3 +30,24 @@ def test_a_steps_metrics_say_where_its_rollout_wall_went(engine_server, tiny_mod
     assert 0 < m["sandbox_share"] < 1
     header, row = format_header().split(), format_row(m).split()
     assert {"eng%", "sbx%", "crit_s", "refill"} <= set(header) and len(row) == len(header)
+
+
+def test_with_carry_over_a_step_counts_only_its_own_window(engine_server, tiny_model_path):
+    """Episodes carried in from the last step count from this step's start, and the engine's busy
+    seconds are those since the last step ended: nothing of the step before is counted again."""
+    tok = load_tokenizer(tiny_model_path)
+    cfg = TrainRolloutConfig(group_size=2, max_new_tokens=8, temperature=1.0, env=EnvConfig(max_turns=2))
+    stream = TaskStream(select_tasks("kernel_name,word_count_total"), seed=0)
+
+    def roll_out(step, desc, carry):
+        return play_step_rollout(step, stream, 2, [engine_server.url], tok, cfg, run_seed=0, desc=desc, carry=carry)
+    producer = AsyncProducer(roll_out, last_step=3, carry_over=True)
+    producer.start(1)
+    try:
+        rollouts = [producer.get(step) for step in (1, 2, 3)]
+    finally:
+        producer.stop()
+    assert any(r.sampling.carried for r in rollouts[:2])  # some step handed groups on
+    for r in rollouts:
+        m = r.anatomy.metrics(r.seconds)
+        assert 0 < m["critical_path_s"] <= r.seconds and 0 < m["engine_busy_share"] <= 1
