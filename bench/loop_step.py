@@ -61,6 +61,9 @@ def summarise(rows: list[dict]) -> dict:
             "breakdown_median": {k: median([r.get(k) for r in rows]) for k in BREAKDOWN},
             "response_tokens_per_step": median([r.get("response_tokens") for r in rows]),
             "trajectories_per_step": median([r.get("trajectories") for r in rows]),
+            # async: trajectories too stale to train on, and (rollout.carry_over) groups handed to the next step
+            "dropped_stale_per_step": median([r.get("dropped_stale") for r in rows]),
+            "groups_carried_per_step": median([r.get("groups_carried") for r in rows]),
             "sync_ms_median": median([r.get("sync_ms") for r in rows]),
             "sync_phases_ms_median": {k[len("sync_"):-len("_ms")]: median([r.get(k) for r in rows]) for k in sync_phases},
             # the engine's side of the send phase
