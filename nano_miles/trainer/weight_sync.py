@@ -18,7 +18,7 @@ import shutil
 import sys
 import tempfile
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlparse
 
 import torch
@@ -31,7 +31,6 @@ from nano_miles.engine.client import EngineClient, EngineUnavailable
 from nano_miles.trainer.config import SyncConfig
 
 _LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0"}
-SYNC_SWITCH_INTERVAL_S = 1e-4  # the GIL's switch interval while a sync runs (sync())
 
 
 class WeightSyncError(RuntimeError):
@@ -111,17 +110,6 @@ class WeightSync:
     def sync(self, weight_version) -> dict:
         """Send the current weights to every engine; return {ms, bytes, transport, verified, buckets,
         weight_version, engines, phases_ms, engine_ms, fast_path}."""
-        # In an async run the rollout thread of this process holds the GIL most of the time, and at
-        # the default switch interval (5 ms) every hand-off of a sync's calls (to the pool thread, the
-        # answer back) waits up to that long for it: switch sooner while the sync runs.
-        interval = sys.getswitchinterval()
-        sys.setswitchinterval(min(interval, SYNC_SWITCH_INTERVAL_S))
-        try:
-            return self._sync(weight_version)
-        finally:
-            sys.setswitchinterval(interval)
-
-    def _sync(self, weight_version) -> dict:
         version, t0 = str(weight_version), time.perf_counter()
         self._phases = dict.fromkeys(("pause", "prepare", "pack", "send", "free", "resume"), 0.0)
         self._answers, sent = [], {"bytes": 0, "buckets": 0, "checksums": None}
@@ -207,13 +195,6 @@ class WeightSync:
         return [self._pool.submit(fn, c) for c in self.clients]
 
     def _on_all(self, fn) -> list:
-        if len(self.clients) == 1:  # on this thread: no hand-off to a pool thread and back
-            done = Future()
-            try:
-                done.set_result(fn(self.clients[0]))
-            except Exception as e:
-                done.set_exception(e)
-            return self._collect([done])
         return self._collect(self._start_all(fn))
 
     def _collect(self, futures) -> list:
