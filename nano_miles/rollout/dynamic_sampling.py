@@ -7,8 +7,8 @@ gen_batch_size / train_batch_size) and judges each as it comes back: a group wit
 dropped and, when the groups kept and those still running cannot fill the batch, one more task is
 taken from the run's task stream and its group started at once, beside the groups still running
 (producer.py). A refill never waits for the slowest episode of the groups before it. The step ends
-when its groups have all come back, with `tasks_per_step` groups with a signal (the first ones, in
-the order they were started) or after starting `rollout.max_sampling_rounds` x round_size groups,
+when its groups have all come back (with rollout.carry_over: once those back fill the batch), with
+`tasks_per_step` groups with a signal (the first ones, in the order they were started) or after starting `rollout.max_sampling_rounds` x round_size groups,
 its bound of work (verl: algorithm.filter_groups with max_num_gen_batches). A step that hits the
 bound trains on the groups it has, or skips its update when it has none, and its metrics say so
 (`sampling_note`). Surplus groups with a signal (an oversampled step) are rolled out, counted and
@@ -32,7 +32,7 @@ class TrainRolloutConfig(RolloutConfig):
     oversample: float = 1.0          # dynamic sampling: a round (the first wave) is this many times tasks_per_step groups (verl's gen_batch_size / train_batch_size)
     pass_over_saturated: int = 0     # a task whose last group had equal rewards (all solved, or none) is passed over at its next N appearances in the task stream; 0 = off
     guide_unsolved: bool = False     # a group no sample solved gets the task's scripted solution as one of its samples (nano_miles/rollout/guidance.py)
-    carry_over: bool = False         # mode=async: a step ends once the groups that came back fill its batch; groups still running go on into the next step (needs max_staleness >= 2)
+    carry_over: bool = False         # mode=async: a step ends once the groups that came back fill its batch; groups still running go on into the next step (needs max_staleness >= 2; 3 drops fewer as stale)
 
     def __post_init__(self):
         super().__post_init__()

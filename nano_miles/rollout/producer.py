@@ -11,6 +11,8 @@ rollout.guide_unsolved) and a group without a signal is replaced at once by a gr
 next task, beside the groups still running. The index-th group started in a step plays with the seed
 group_key(task, step_seed, index), so a step's groups, the tasks it takes and the groups it keeps
 depend on the run's seed and the groups' outcomes only, never on which group ended first.
+With rollout.carry_over (async) a step instead ends once the groups that came back fill its batch,
+and the rest go on into the next step (Carry): faster steps, a batch that depends on timing.
 """
 from __future__ import annotations
 
