@@ -8,10 +8,10 @@ dropped and, when the groups kept and those still running cannot fill the batch,
 taken from the run's task stream and its group started at once, beside the groups still running
 (producer.py). A refill never waits for the slowest episode of the groups before it. The step ends
 when its groups have all come back (with rollout.carry_over: once those back fill the batch), with
-`tasks_per_step` groups with a signal (the first ones, in the order they were started) or after starting `rollout.max_sampling_rounds` x round_size groups,
-its bound of work (verl: algorithm.filter_groups with max_num_gen_batches). A step that hits the
-bound trains on the groups it has, or skips its update when it has none, and its metrics say so
-(`sampling_note`). Surplus groups with a signal (an oversampled step) are rolled out, counted and
+`tasks_per_step` groups with a signal (the first ones, in the order they were started) or after
+starting `rollout.max_sampling_rounds` x round_size groups, its bound of work (verl:
+algorithm.filter_groups with max_num_gen_batches). A step that hits the bound trains on the groups
+it has, or skips its update when it has none, and its metrics say so (`sampling_note`). Surplus groups with a signal (an oversampled step) are rolled out, counted and
 not trained on, as verl does. (`advantage.filter_zero_variance` drops such groups at the update
 without refilling: the batch shrinks instead.)
 """
