@@ -37,6 +37,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None    # KV-cache blocks; none = kv_cache_memory_fraction of free GPU memory, or cpu_kv_cache_bytes
     max_model_len: int | None = None    # context length; none = the model's max_position_embeddings, capped at 32768
     max_num_batched_tokens: int = 8192  # prefill token budget of one step (longer prompts are chunked)
+    num_continuous_decode_steps: int = 1  # decode steps run back to back before a waiting prefill is taken (SGLang's); 1 = prefill at once
     cuda_graph: bool = True             # capture decode steps as CUDA graphs (GPU only)
     attention_backend: str = "auto"     # decode attention: torch (gather + SDPA) | triton (paged kernel, GPU) | auto
     packed_prefill: bool | None = None  # prefill steps packed (no padding), decoding sequences riding in them; none = wherever the triton backend runs in normal mode
@@ -66,7 +67,8 @@ class EngineConfig:
                              "(true on-policy serves every row through its batch-invariant loop)")
         if not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError(f"engine.kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
-        for key in ("max_running_requests", "block_size", "max_num_batched_tokens", "num_kv_blocks", "max_model_len"):
+        for key in ("max_running_requests", "block_size", "max_num_batched_tokens", "num_kv_blocks", "max_model_len",
+                    "num_continuous_decode_steps"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise ValueError(f"engine.{key} must be >= 1, got {getattr(self, key)}")
 
@@ -132,7 +134,8 @@ class Engine:
                           self.dtype, self.device)
         self.blocks = BlockManager(self.num_kv_blocks, config.block_size)
         self.scheduler = Scheduler(self.blocks, config.max_running_requests, config.max_num_batched_tokens,
-                                   budget_pads_rows=self.device.type == "cpu", mix_decode=self.packed_prefill)
+                                   budget_pads_rows=self.device.type == "cpu", mix_decode=self.packed_prefill,
+                                   continuous_decode_steps=config.num_continuous_decode_steps)
         self.seqs: dict[str, Sequence] = {}
         self.pending: list[FinishedRequest] = []  # aborted requests, returned by the next step()
         self.busy_s = {"prefill": 0.0, "decode": 0.0}  # seconds spent in step() per phase, since start

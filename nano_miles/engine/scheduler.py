@@ -43,13 +43,17 @@ class Sequence:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_running: int, max_batched_tokens: int, budget_pads_rows: bool = True,
-                 mix_decode: bool = False):
+                 mix_decode: bool = False, continuous_decode_steps: int = 1):
         self.blocks, self.max_running, self.max_batched_tokens = blocks, max_running, max_batched_tokens
         # Whether the budget bounds the padded rows (rows x longest chunk) or the tokens alone. A CPU
         # forward costs its padded rows; a GPU one costs its step more than its padding, so there
         # fewer, fuller steps win (the engine picks by device; docs/design.md has the figures).
         self.budget_pads_rows = budget_pads_rows
         self.mix_decode = mix_decode  # decoding sequences join prefill steps (a packed forward only)
+        # After a prefill step, continuous_decode_steps - 1 decode steps run before the next prefill
+        # while sequences decode (SGLang's num_continuous_decode_steps): turns that arrive meanwhile
+        # share one prefill step instead of one each, for at most that many steps' wait.
+        self.continuous_decode_steps, self.decode_steps_due = continuous_decode_steps, 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -60,9 +64,12 @@ class Scheduler:
     def schedule(self):
         """Returns ("prefill" | "decode", [(seq, num_tokens)]) or (None, []) when idle."""
         self._admit()
-        prefill = self._prefill()
+        decoding = self.decode_steps_due > 0 and any(seq.num_uncomputed == 1 for seq in self.running)
+        prefill = [] if decoding else self._prefill()
         if prefill:
+            self.decode_steps_due = self.continuous_decode_steps - 1
             return "prefill", self._decoding_beside(prefill) + prefill if self.mix_decode else prefill
+        self.decode_steps_due -= 1
         decode, preempted = [], set()
         for seq in list(self.running):
             if id(seq) in preempted:  # preempted below while making room for an earlier one

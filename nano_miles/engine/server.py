@@ -73,7 +73,8 @@ FLAGS = {"--model": "engine.model", "--model-path": "engine.model", "--device": 
          "--context-length": "engine.max_model_len", "--num-kv-blocks": "engine.num_kv_blocks",
          "--mem-fraction-static": "engine.kv_cache_memory_fraction", "--seed": "engine.seed",
          "--random-seed": "engine.seed", "--served-model-name": "served_model_name", "--threads": "threads",
-         "--weight-version": "weight_version", "--dist-timeout": "dist_timeout", "--api-key": "api_key"}
+         "--weight-version": "weight_version", "--dist-timeout": "dist_timeout", "--api-key": "api_key",
+         "--num-continuous-decode-steps": "engine.num_continuous_decode_steps"}
 SWITCHES = {"--no-cuda-graph": ("engine.cuda_graph", "false"), "--disable-cuda-graph": ("engine.cuda_graph", "false"),
             "--allow-unauthenticated": ("allow_unauthenticated", "true"),
             "--true-on-policy": ("engine.true_on_policy", "true")}

@@ -77,3 +77,28 @@ def test_without_a_packed_forward_a_prefill_step_holds_prefill_alone():
     waiting(s, 300)
     kind, step = s.schedule()
     assert kind == "prefill" and [n for _, n in step] == [256]
+
+
+def test_with_continuous_decode_steps_turns_that_arrive_meanwhile_share_one_prefill_step():
+    """num_continuous_decode_steps=3: after a prefill step two decode steps run while sequences decode,
+    so two turns arriving in them are prefilled together in the third; with nothing decoding a
+    prefill never waits, and the default (1) prefills at once."""
+    def run(n):
+        s = Scheduler(BlockManager(512, 16), max_running=16, max_batched_tokens=256, budget_pads_rows=False,
+                      mix_decode=True, continuous_decode_steps=n)
+        first, = waiting(s, 40)
+        kinds = []
+        for arrivals in ([], [30], [20], []):
+            waiting(s, *arrivals)
+            kind, step = s.schedule()
+            kinds.append((kind, sorted(n for seq, n in step if n > 1)))
+            for seq, n in step:
+                seq.num_computed_tokens += n
+                seq.token_ids.append(7)  # each sampled a token: decoding
+        return kinds
+    assert run(3) == [("prefill", [40]), ("decode", []), ("decode", []), ("prefill", [20, 30])]
+    assert run(1) == [("prefill", [40]), ("prefill", [30]), ("prefill", [20]), ("decode", [])]
+    s = Scheduler(BlockManager(512, 16), max_running=16, max_batched_tokens=256, continuous_decode_steps=3)
+    s.decode_steps_due = 2
+    waiting(s, 50)
+    assert s.schedule()[0] == "prefill"  # nothing decoding: no reason to hold it back
