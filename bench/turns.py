@@ -1,9 +1,9 @@
 """Agentic turns on one engine, in process: what a step's rollout asks of it, without the sandbox.
 
 M episodes of K turns. A turn's context is prefilled (the first: a system prefix all episodes share
-plus a task of its own; each later one: everything so far plus an observation), D tokens are decoded,
-then the tool "runs" for about T ms off the engine (uniform 0.5-1.5 T, seeded) before the next turn
-arrives. Random-initialised weights of the real shapes. Reports the wall until every episode ended,
+plus a task of its own; each later one: everything so far plus an observation), D/4 to 2D tokens are
+decoded (as a policy stops where it stops), then the tool "runs" for 0.5-1.5 T ms off the engine
+(both seeded) before the next turn arrives. Random-initialised weights of the real shapes. Reports the wall until every episode ended,
 the engine's prefill and decode busy seconds, and its prefill and decode steps, for each
 --continuous-decode-steps value (engine.num_continuous_decode_steps: decode steps run back to back
 before a waiting prefill is taken), one after the other on the same engine.
@@ -40,7 +40,6 @@ def run(engine: Engine, args, vocab: int) -> dict:
     system = tokens(args.system)
     context = [system + tokens(args.task) for _ in range(args.episodes)]
     turn, ready, running = [0] * args.episodes, [0.0] * args.episodes, {}
-    params = SamplingParams(max_new_tokens=args.decode, ignore_eos=True)
     busy, steps, ended = dict(engine.busy_s), {"prefill": 0, "decode": 0}, 0
     started = time.perf_counter()
     while ended < args.episodes:
@@ -48,7 +47,8 @@ def run(engine: Engine, args, vocab: int) -> dict:
         for i in range(args.episodes):
             if ready[i] is not None and ready[i] <= now:
                 rid = f"e{i}-t{turn[i]}"
-                engine.add_request(rid, context[i], params)
+                engine.add_request(rid, context[i], SamplingParams(
+                    max_new_tokens=rng.randint(max(1, args.decode // 4), 2 * args.decode), ignore_eos=True))
                 running[rid], ready[i] = i, None
         if not engine.has_unfinished():
             time.sleep(0.0002)  # every episode is in its tool
@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--system", type=int, default=400, help="tokens of the shared system prefix")
     ap.add_argument("--task", type=int, default=120, help="tokens of each episode's task")
-    ap.add_argument("--decode", type=int, default=130, help="tokens decoded a turn")
+    ap.add_argument("--decode", type=int, default=130, help="mean tokens decoded a turn (D/4 to 2D)")
     ap.add_argument("--observation", type=int, default=60, help="tokens of each tool observation")
     ap.add_argument("--tool-ms", type=float, default=150.0, help="mean time a tool call keeps an episode off the engine")
     ap.add_argument("--continuous-decode-steps", default="1,4", help="comma-separated values to measure")
@@ -96,19 +96,19 @@ def main(argv=None) -> int:
     engine = Engine(EngineConfig(model=folder, device=args.device, dtype=dtype, num_kv_blocks=8192))
     vocab = SHAPES[args.shapes]["vocab_size"]
     run(engine, args, vocab)  # warm-up: CUDA graphs, kernels, allocator
-    rows = {}
+    rows = []
     for n in values:
         engine.flush_cache()
         engine.scheduler.continuous_decode_steps = n
-        rows[n] = run(engine, args, vocab)
-        r = rows[n]
+        r = {"continuous_decode_steps": n, **run(engine, args, vocab)}
+        rows.append(r)
         print(f"continuous decode steps {n}: {r['wall_s']:.2f} s wall, prefill {r['prefill_s']:.2f} s in "
               f"{r['prefill_steps']} steps, decode {r['decode_s']:.2f} s in {r['decode_steps']} steps, "
               f"{r['turns_per_s']:.1f} turns/s")
     record = {"bench": "turns", "shapes": args.shapes, "dtype": dtype, "packed": engine.packed_prefill,
               "episodes": args.episodes, "turns": args.turns, "system": args.system, "task": args.task,
               "decode": args.decode, "observation": args.observation, "tool_ms": args.tool_ms,
-              "by_continuous_decode_steps": rows, "date": utc_now(), "commit": git_commit(),
+              "runs": rows, "date": utc_now(), "commit": git_commit(),
               "machine": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else f"cpu x{os.cpu_count()}"}
     print(save(record, "turns.json", dry_run=args.dry_run))
     return 0
