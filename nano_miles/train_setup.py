@@ -28,7 +28,8 @@ from nano_miles.evaluate import RunEvaluation
 from nano_miles.job import model_folder, selected_tasks
 from nano_miles.memory_plan import plan_memory, uses_shared_weights
 from nano_miles.rollout.batch import staleness
-from nano_miles.rollout.producer import AsyncProducer, SyncProducer, TaskStream, play_step_rollout
+from nano_miles.rollout.producer import AsyncProducer, SyncProducer, play_step_rollout
+from nano_miles.rollout.task_stream import TaskStream
 from nano_miles.rollout.sandbox import check_sandbox, sandbox_factory
 from nano_miles.tasks import training_tasks
 from nano_miles.telemetry import MetricsLog, check_report_to

@@ -1,7 +1,7 @@
 """Where a training step's trajectories come from.
 
-`TaskStream` is the run's data order; `roll_out_step` is the one way a step gets its trajectories
-(take the step's tasks from the stream, roll them out, and put the stream back if that fails).
+`roll_out_step` is the one way a step gets its trajectories (take the step's tasks from the run's
+TaskStream, task_stream.py, roll them out, and put the stream back if that fails).
 `SyncProducer` calls it when the trainer asks (on-policy); `AsyncProducer` calls it ahead of the
 trainer on a background thread (rollouts for step v+1 while step v trains).
 
@@ -20,7 +20,6 @@ import asyncio
 import functools
 import math
 import queue
-import random
 import sys
 import threading
 import time
@@ -33,72 +32,8 @@ from nano_miles.rollout.batch import Trajectory
 from nano_miles.rollout.dynamic_sampling import SamplingTally, TrainRolloutConfig, has_signal
 from nano_miles.rollout.episode import GroupRunner, group_key, wait_out
 from nano_miles.rollout.guidance import guide_group
+from nano_miles.rollout.task_stream import TaskStream
 from nano_miles.tasks.api import Task
-
-
-class TaskStream:
-    """The tasks of the run in a seeded order, epoch after epoch; state() is all a resume needs to
-    continue exactly where the run stopped.
-
-    pass_over (rollout.pass_over_saturated): a task whose last group had no learning signal (every
-    sample solved it, or none did) is passed over at its next `pass_over` appearances, so rollouts
-    go to tasks that still teach something; a group with a signal clears that (saw()).
-
-    pending (rollout.carry_over): tasks taken whose groups were in no batch yet when the state was
-    saved (still running, or finished beyond the batch); a restored stream hands them out first."""
-
-    def __init__(self, tasks: list, seed: int, position: int = 0, pass_over: int = 0):
-        if not tasks:
-            raise ValueError("no tasks selected")
-        self.tasks, self.seed, self.position, self.pass_over = list(tasks), seed, position, pass_over
-        self.passes: dict[str, int] = {}  # task id -> its appearances still to pass over
-        self.retake: list = []  # restored pending tasks, taken before the order goes on
-        self._epoch_order = (-1, [])
-
-    def _order(self, epoch: int) -> list:
-        if self._epoch_order[0] != epoch:
-            order = list(self.tasks)
-            random.Random(self.seed * 7919 + epoch).shuffle(order)
-            self._epoch_order = (epoch, order)
-        return self._epoch_order[1]
-
-    def take(self, k: int) -> list:
-        out = []
-        while self.retake and len(out) < k:
-            out.append(self.retake.pop(0))
-        while len(out) < k:  # ends: every pass over uses one up, and none are added here
-            epoch, i = divmod(self.position, len(self.tasks))
-            task = self._order(epoch)[i]
-            self.position += 1
-            left = self.passes.pop(task.id, 0)
-            if left > 1:
-                self.passes[task.id] = left - 1
-            elif not left:
-                out.append(task)
-        return out
-
-    def saw(self, task_id: str, signal: bool) -> None:
-        """The outcome of a group of task_id: with a learning signal or without (see pass_over)."""
-        if self.pass_over and signal:
-            self.passes.pop(task_id, None)
-        elif self.pass_over:
-            self.passes[task_id] = self.pass_over
-
-    def state(self, pending: list | None = None) -> dict:
-        """What a resume needs; `pending`: the tasks taken but in no batch yet (their ids)."""
-        state = {"position": self.position, "passes": dict(self.passes)}
-        pending = [t.id for t in self.retake] + list(pending or [])
-        return {**state, "pending": pending} if pending else state
-
-    def restore(self, state: dict | int) -> None:
-        """Back to a state() (an int: a checkpoint's position from before pass_over existed). Pending
-        tasks no longer in the run's task set are left out."""
-        if isinstance(state, int):
-            self.position, self.passes, self.retake = state, {}, []
-        else:
-            by_id = {t.id: t for t in self.tasks}
-            self.position, self.passes = state["position"], dict(state["passes"])
-            self.retake = [by_id[i] for i in state.get("pending", []) if i in by_id]
 
 
 @dataclass

@@ -18,7 +18,7 @@ from nano_miles.config import ConfigError, load_config, parse_set
 from nano_miles.engine.weights import checksums
 from nano_miles.evaluate import RunEvaluation, alfa_subset, lost, pass_at_k, per_family, solved_by_task
 from nano_miles.models.prepare import load_tokenizer
-from nano_miles.rollout.producer import TaskStream
+from nano_miles.rollout.task_stream import TaskStream
 from nano_miles.tasks import select_tasks
 from nano_miles.telemetry import read_metrics
 from nano_miles.train import TrainConfig, TrainingRun

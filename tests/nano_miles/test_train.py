@@ -27,7 +27,7 @@ from nano_miles.engine.protocol import API_KEY_ENV
 from nano_miles.engine.server import ServerConfig, add_arguments
 from nano_miles.engine.layout import EngineLaunchConfig, plan_layout
 from nano_miles.models.prepare import resolve_model
-from nano_miles.rollout.producer import TaskStream
+from nano_miles.rollout.task_stream import TaskStream
 from nano_miles.tasks import select_tasks
 from nano_miles.telemetry import REQUIRED_KEYS, read_metrics
 from nano_miles.train import RunFailed, TrainConfig, TrainingRun

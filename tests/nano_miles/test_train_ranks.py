@@ -16,7 +16,7 @@ import torch
 
 from nano_miles import cli
 from nano_miles.config import load_config, parse_set
-from nano_miles.rollout.producer import TaskStream
+from nano_miles.rollout.task_stream import TaskStream
 from nano_miles.tasks import select_tasks
 from nano_miles.telemetry import read_metrics
 from nano_miles.train import TrainConfig, TrainingRun

@@ -4,7 +4,8 @@ own busy counters (meta_info.busy_s)."""
 from nano_miles.models.prepare import load_tokenizer
 from nano_miles.rollout.dynamic_sampling import TrainRolloutConfig
 from nano_miles.rollout.env import EnvConfig
-from nano_miles.rollout.producer import AsyncProducer, TaskStream, play_step_rollout, roll_out_step
+from nano_miles.rollout.producer import AsyncProducer, play_step_rollout, roll_out_step
+from nano_miles.rollout.task_stream import TaskStream
 from nano_miles.tasks import select_tasks
 from nano_miles.telemetry import format_header, format_row, step_metrics
 

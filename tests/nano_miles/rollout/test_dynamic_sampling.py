@@ -25,8 +25,8 @@ from nano_miles.rollout.env import EnvConfig, default_sandbox
 from nano_miles.rollout.episode import group_key
 from nano_miles.memory_plan import job_kv_cache_bytes
 from nano_miles.models.prepare import load_tokenizer
-from nano_miles.rollout.producer import (AsyncProducer, SyncProducer, TaskStream, play_step_rollout, roll_out_step,
-                                         step_seed)
+from nano_miles.rollout.producer import AsyncProducer, SyncProducer, play_step_rollout, roll_out_step, step_seed
+from nano_miles.rollout.task_stream import TaskStream
 from nano_miles.tasks import select_tasks
 from nano_miles.telemetry import read_metrics
 from nano_miles.train import RunFailed, TrainConfig, TrainingRun

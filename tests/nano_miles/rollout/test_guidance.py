@@ -16,7 +16,8 @@ from nano_miles.rollout.dynamic_sampling import TrainRolloutConfig
 from nano_miles.rollout.env import EnvConfig
 from nano_miles.rollout.guidance import guide_unsolved, unsolved
 from nano_miles.models.prepare import load_tokenizer, resolve_model
-from nano_miles.rollout.producer import TaskStream, roll_out_step
+from nano_miles.rollout.producer import roll_out_step
+from nano_miles.rollout.task_stream import TaskStream
 from nano_miles.rollout.episode import group_key, run_episode
 from nano_miles.tasks import select_tasks
 from nano_miles.telemetry import read_metrics

@@ -1,4 +1,4 @@
-"""Where a training step's trajectories come from (nano_miles/rollout/producer.py): the data order, the one
+"""Where a training step's trajectories come from (nano_miles/rollout/producer.py): the one
 roll-out-a-step function both modes share, and what each producer hands the trainer. Real sandbox
 and tokenizer; the engine is a closed port where a test needs it dead."""
 import functools
@@ -10,7 +10,8 @@ from nano_miles.engine.client import EngineUnavailable
 from nano_miles.rollout.dynamic_sampling import TrainRolloutConfig
 from nano_miles.models.prepare import load_tokenizer
 from nano_miles.rollout.batch import staleness
-from nano_miles.rollout.producer import AsyncProducer, SyncProducer, TaskStream, play_step_rollout
+from nano_miles.rollout.producer import AsyncProducer, SyncProducer, play_step_rollout
+from nano_miles.rollout.task_stream import TaskStream
 from nano_miles.tasks import select_tasks
 from nano_openshell import Sandbox
 
@@ -28,46 +29,6 @@ def _producer(mode, stream, tok, **kw):
                                  run_seed=0, desc=desc, carry=carry, **kw)
     return (SyncProducer(roll_out) if mode == "sync"
             else AsyncProducer(roll_out, last_step=3, carry_over=mode == "async+carry"))
-
-
-def test_task_stream_is_seeded_and_resumable():
-    tasks = select_tasks("train")
-    a, b = TaskStream(tasks, seed=1), TaskStream(tasks, seed=1)
-    first = [t.id for t in a.take(len(tasks) + 3)]  # across an epoch boundary
-    assert sorted(first[:len(tasks)]) == sorted(t.id for t in tasks)  # each task once per epoch
-    resumed = TaskStream(tasks, seed=1, position=5)
-    assert [t.id for t in resumed.take(4)] == first[5:9] and [t.id for t in b.take(3)] == first[:3]
-    assert [t.id for t in TaskStream(tasks, seed=2).take(len(tasks))] != first[:len(tasks)]
-
-
-def test_a_task_without_a_signal_is_passed_over_at_its_next_appearances_and_the_state_resumes():
-    tasks = select_tasks("kernel_name,md5_file,nth_line,word_count_total")
-    plain = [t.id for t in TaskStream(tasks, seed=3).take(16)]
-    stream = TaskStream(tasks, seed=3, pass_over=2)
-    assert [t.id for t in stream.take(4)] == plain[:4]  # nothing seen yet: the plain order
-    saturated, taught = plain[0], plain[1]
-    stream.saw(saturated, signal=False)
-    stream.saw(taught, signal=False)
-    stream.saw(taught, signal=True)  # a group with a signal clears the pass over
-    assert stream.state() == {"position": 4, "passes": {saturated: 2}}
-    saved = stream.state()
-    taken = [t.id for t in stream.take(6)]  # epochs 1 and 2 pass it over, epoch 3 has it again
-    assert taken == [t for t in plain[4:12] if t != saturated] and stream.position == 12
-    assert stream.state() == {"position": 12, "passes": {}}
-    assert [t.id for t in stream.take(4)] == plain[12:16]
-    resumed = TaskStream(tasks, seed=3, pass_over=2)
-    resumed.restore(saved)
-    assert [t.id for t in resumed.take(6)] == taken
-    old = TaskStream(tasks, seed=3, pass_over=2)
-    old.restore(7)  # a checkpoint from before pass_over: its position, nothing to pass over
-    assert old.state() == {"position": 7, "passes": {}}
-    everything = TaskStream(tasks, seed=3, pass_over=1)  # every task saturated: each is passed over once
-    for t in tasks:
-        everything.saw(t.id, signal=False)
-    assert [t.id for t in everything.take(2)] == plain[4:6] and everything.position == 6
-    off = TaskStream(tasks, seed=3)  # pass_over 0: outcomes change nothing
-    off.saw(plain[0], signal=False)
-    assert [t.id for t in off.take(8)] == plain[:8]
 
 
 @pytest.mark.parametrize("mode", ["sync", "async", "async+carry"])
