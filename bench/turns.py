@@ -3,8 +3,9 @@
 M episodes of K turns. A turn's context is prefilled (the first: a system prefix all episodes share
 plus a task of its own; each later one: everything so far plus an observation), D/4 to 2D tokens are
 decoded (as a policy stops where it stops), then the tool "runs" for 0.5-1.5 T ms off the engine
-(both seeded) before the next turn arrives. Random-initialised weights of the real shapes. Reports the wall until every episode ended,
-the engine's prefill and decode busy seconds, and its prefill and decode steps, for each
+(both seeded) before the next turn arrives. Random-initialised weights of the real shapes. Reports
+the wall until every episode ended, the engine's prefill and decode busy seconds, and its prefill
+and decode steps, for each
 --continuous-decode-steps value (engine.num_continuous_decode_steps: decode steps run back to back
 before a waiting prefill is taken), one after the other on the same engine.
 
@@ -71,6 +72,17 @@ def run(engine: Engine, args, vocab: int) -> dict:
             "decode_steps": steps["decode"], "turns_per_s": args.episodes * args.turns / wall}
 
 
+def step_counts(value: str) -> list[int]:
+    """--continuous-decode-steps: comma-separated integers >= 1 (argparse's one-line error otherwise)."""
+    try:
+        values = [int(v) for v in value.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {value!r}")
+    return values
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -82,22 +94,19 @@ def main(argv=None) -> int:
     ap.add_argument("--decode", type=int, default=130, help="mean tokens decoded a turn (D/4 to 2D)")
     ap.add_argument("--observation", type=int, default=60, help="tokens of each tool observation")
     ap.add_argument("--tool-ms", type=float, default=150.0, help="mean time a tool call keeps an episode off the engine")
-    ap.add_argument("--continuous-decode-steps", default="1,4", help="comma-separated values to measure")
+    ap.add_argument("--continuous-decode-steps", type=step_counts, default="1,4",
+                    help="comma-separated values to measure")
     add_dry_run(ap)
     args = ap.parse_args(argv)
-    values = [int(v) for v in args.continuous_decode_steps.split(",")]
-    if min(values) < 1:
-        print("turns: --continuous-decode-steps values must be >= 1", file=sys.stderr)
-        return 2
     dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
-    folder = tempfile.mkdtemp(prefix="bench_turns_")
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(model_config(args.shapes)).save_pretrained(folder)
-    engine = Engine(EngineConfig(model=folder, device=args.device, dtype=dtype, num_kv_blocks=8192))
+    with tempfile.TemporaryDirectory(prefix="bench_turns_") as folder:  # the weights, loaded once
+        torch.manual_seed(0)
+        Qwen2ForCausalLM(model_config(args.shapes)).save_pretrained(folder)
+        engine = Engine(EngineConfig(model=folder, device=args.device, dtype=dtype, num_kv_blocks=8192))
     vocab = SHAPES[args.shapes]["vocab_size"]
     run(engine, args, vocab)  # warm-up: CUDA graphs, kernels, allocator
     rows = []
-    for n in values:
+    for n in args.continuous_decode_steps:
         engine.flush_cache()
         engine.scheduler.continuous_decode_steps = n
         r = {"continuous_decode_steps": n, **run(engine, args, vocab)}

@@ -230,7 +230,7 @@ async def play_step_rollout(step: int, stream: TaskStream, tasks_per_step: int, 
     tally = SamplingTally(cfg.dynamic_sampling, tasks_per_step, max_rounds=cfg.max_sampling_rounds)
     anatomy, clocks = RolloutAnatomy(), []
     t0 = time.perf_counter()
-    runner = carry.runner if carry is not None and carry.runner is not None else None
+    runner = carry.runner if carry is not None else None  # (None until the first step makes it)
     try:
         with tqdm(total=0, desc=desc, unit="ep", leave=False, dynamic_ncols=True) as bar:
             def on_start(refills: int):

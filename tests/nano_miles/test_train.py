@@ -330,6 +330,7 @@ def test_bad_command_lines_are_clear_errors(tmp_path, capsys):
              (["--set", "nope=1"], "unknown config key 'nope'"),
              (["--set", "updates_per_step=0"], "updates_per_step must be >= 1"),
              (["--set", "engine.attention_backend=fast"], "engine.attention_backend must be auto"),
+             (["--set", "engine.num_continuous_decode_steps=0"], "engine.num_continuous_decode_steps must be >= 1"),
              (["--set", "rollout.temperature=0"], "rollout.temperature must be > 0 to train"),
              (["--set", "rollout.temperature=inf"], "rollout.temperature: expected a finite number, got 'inf'"),
              (["--set", f'tasks_module=["{broken_tasks}"]'],
