@@ -1,6 +1,7 @@
 """The figures of bench/side_by_side.sh's arms: one {"bench": "side_by_side", ...} row per arm.
 
-  python bench/side_by_side.py DIR --arm new=<commit> --arm old=f4cd568 --device "one NVIDIA H100" [--dry-run]
+  python bench/side_by_side.py DIR --arm new=<commit> --arm old=f4cd568 --device "one NVIDIA H100" \
+      [--extra new="rollout.carry_over=true max_staleness=3"] [--dry-run]
 
 DIR holds what `side_by_side.sh watch` brought back: ARM_metrics.jsonl and ARM_evals.jsonl. Steps an
 hour are counted twice: over the steps' own seconds, and over the run's wall clock to its last step
@@ -19,7 +20,7 @@ from bench.loop_step import BREAKDOWN, median, p90  # noqa: E402
 from bench.results import add_dry_run, save, utc_now  # noqa: E402
 
 
-def arm_row(directory: Path, arm: str, commit: str, device: str) -> dict:
+def arm_row(directory: Path, arm: str, commit: str, device: str, extra: str = "") -> dict:
     rows = [json.loads(line) for line in (directory / f"{arm}_metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in rows if "step_s" in r]
     if not steps:
@@ -29,6 +30,7 @@ def arm_row(directory: Path, arm: str, commit: str, device: str) -> dict:
     step_seconds = sum(r["step_s"] for r in steps)
     parity = [r["parity_mean"] for r in steps if r.get("parity_mean") is not None]
     return {"bench": "side_by_side", "arm": arm, "date": utc_now(), "commit": commit, "machine": device,
+            "recipe": "ninth", "extra": extra,
             "steps": len(steps), "step_s_median": median([r["step_s"] for r in steps]),
             "step_s_p90": p90([r["step_s"] for r in steps]),
             "steps_per_hour": round(3600 * len(steps) / step_seconds, 1),
@@ -54,11 +56,13 @@ def main() -> None:
     p.add_argument("dir", type=Path)
     p.add_argument("--arm", action="append", required=True, help="NAME=COMMIT, in the order they ran")
     p.add_argument("--device", required=True, help="the machine the arms ran on, in words")
+    p.add_argument("--extra", action="append", default=[], help='NAME="key=value ...": the --set pairs an arm added')
     add_dry_run(p)
     args = p.parse_args()
+    extras = dict(spec.partition("=")[::2] for spec in args.extra)
     for spec in args.arm:
         arm, _, commit = spec.partition("=")
-        print(save(arm_row(args.dir, arm, commit, args.device), dry_run=args.dry_run))
+        print(save(arm_row(args.dir, arm, commit, args.device, extras.get(arm, "")), dry_run=args.dry_run))
 
 
 if __name__ == "__main__":

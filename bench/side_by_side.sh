@@ -48,7 +48,7 @@ run_arm() {
         | grep --line-buffered -v "/s\]$\|s/ep\]$" >>"$dir/train.log"
     (cd "$tree" && PYTHONPATH="$tree$site" "$py" -m nano_miles.cli eval --model "$dir/run/final" --tasks heldout \
         --samples "${SAMPLES:-4}" --set instances="${INSTANCES:-8}" --set rollout.temperature=0.7 \
-        --set engine.device="$DEVICE" --results-jsonl "$dir/evals.jsonl") 2>&1 | grep -v "it/s\]$" >"$dir/eval.log"
+        --set engine.device="$DEVICE" --results-jsonl "$dir/evals.jsonl") 2>&1 | tr '\r' '\n' | grep -v "/s\]$" >"$dir/eval.log"
     touch "$dir/done"
 }
 
