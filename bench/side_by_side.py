@@ -21,7 +21,10 @@ from bench.results import add_dry_run, save, utc_now  # noqa: E402
 
 
 def arm_row(directory: Path, arm: str, commit: str, device: str, extra: str = "") -> dict:
-    rows = [json.loads(line) for line in (directory / f"{arm}_metrics.jsonl").read_text().splitlines() if line.strip()]
+    metrics = directory / f"{arm}_metrics.jsonl"
+    if not metrics.is_file():
+        raise SystemExit(f"side_by_side: no {metrics} (did `side_by_side.sh watch` bring it back?)")
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     steps = [r for r in rows if "step_s" in r]
     if not steps:
         raise SystemExit(f"side_by_side: {arm} has no step rows in {directory}")
