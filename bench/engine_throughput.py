@@ -21,14 +21,13 @@ import json
 import os
 import platform
 import sys
-import tempfile
 import time
 
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench.results import add_dry_run, git_commit, save, utc_now  # noqa: E402
+from bench.results import add_dry_run, git_commit, save, scratch_dir, utc_now  # noqa: E402
 from nano_miles.engine import batch_invariant# noqa: E402
 from nano_miles.engine.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from nano_miles.engine.model import CausalLM  # noqa: E402
@@ -48,7 +47,7 @@ def sync(device):
 
 def make_model_folder(device, dtype, shapes) -> str:
     torch.manual_seed(0)
-    folder = tempfile.mkdtemp(prefix="bench_qwen05b_")
+    folder = scratch_dir("bench_qwen05b_")
     with torch.device(device):
         model = Qwen2ForCausalLM(Qwen2Config(**shapes)).to(dtype)
     model.save_pretrained(folder)

@@ -14,12 +14,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench.results import add_dry_run, git_commit, save, utc_now  # noqa: E402
+from bench.results import add_dry_run, git_commit, save, scratch_dir, utc_now  # noqa: E402
 from bench.train_step import SHAPES, model_config  # noqa: E402
 from nano_miles.engine.engine import Engine, EngineConfig  # noqa: E402
 from nano_miles.engine.sampling import SamplingParams  # noqa: E402
@@ -52,7 +51,7 @@ def main(argv=None) -> int:
     add_dry_run(ap)
     args = ap.parse_args(argv)
     dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
-    folder = tempfile.mkdtemp(prefix="bench_prefill_mix_")
+    folder = scratch_dir("bench_prefill_mix_")
     torch.manual_seed(0)
     Qwen2ForCausalLM(model_config(args.shapes)).save_pretrained(folder)
     engine = Engine(EngineConfig(model=folder, device=args.device, dtype=dtype, num_kv_blocks=4096,

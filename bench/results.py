@@ -9,6 +9,7 @@ import datetime
 import json
 import os
 import subprocess
+import tempfile
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results.jsonl")
 
@@ -22,6 +23,16 @@ def git_commit() -> str:
                               cwd=os.path.dirname(RESULTS)).stdout.strip() or "unknown"
     except OSError:
         return "unknown"
+
+
+_scratch: list[tempfile.TemporaryDirectory] = []
+
+
+def scratch_dir(prefix: str) -> str:
+    """A temporary folder (random weights a bench writes for its engines to load), removed with
+    everything in it when the bench's process exits."""
+    _scratch.append(tempfile.TemporaryDirectory(prefix=prefix))
+    return _scratch[-1].name
 
 
 def utc_now() -> str:

@@ -12,13 +12,12 @@ import gc
 import os
 import platform
 import sys
-import tempfile
 import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench.results import add_dry_run, git_commit, save, utc_now  # noqa: E402
+from bench.results import add_dry_run, git_commit, save, scratch_dir, utc_now  # noqa: E402
 from nano_miles.engine.client import AsyncEngineClient  # noqa: E402
 from nano_miles.engine.process import start_engine_process  # noqa: E402
 from nano_miles.engine.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
@@ -37,7 +36,7 @@ def model_folder(args) -> str:
         return str(resolve_model("tiny-random-qwen2"))
     from transformers import Qwen2Config, Qwen2ForCausalLM
     torch.manual_seed(0)
-    folder = tempfile.mkdtemp(prefix="bench_server_qwen05b_")
+    folder = scratch_dir("bench_server_qwen05b_")
     Qwen2ForCausalLM(Qwen2Config(**QWEN25_05B)).to(torch.bfloat16).save_pretrained(folder)
     return folder
 

@@ -30,13 +30,12 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import threading
 import time
 
 import torch
 
-from bench.results import add_dry_run, git_commit, save, utc_now
+from bench.results import add_dry_run, git_commit, save, scratch_dir, utc_now
 from bench.train_step import SHAPES, make_model
 from nano_miles.rollout.batch import Trajectory, build_rollout_batch
 from nano_miles.engine.process import start_engine_process
@@ -197,7 +196,7 @@ def main():
     model = make_model(args.shapes, tdev)
     for p in model.parameters():  # parameters only (RoPE buffers stay float32)
         p.data = p.data.to(getattr(torch, dtype))
-    folder = tempfile.mkdtemp(prefix="bench-weight-sync-")
+    folder = scratch_dir("bench-weight-sync-")
     model.save_pretrained(folder)  # the engine starts from these weights (no tokenizer needed)
     trainer = Trainer(TrainerConfig(device=str(tdev), dtype=dtype, micro_batch_size=8), model=model)
     named = trainer.named_weights()
