@@ -8,8 +8,9 @@ Every rank runs this loop. Rank 0 owns the engines, rollouts, telemetry, evaluat
 hands each step's trajectories and its decisions to the others (Run.share), and every rank makes the
 same update, weight sync and checkpoint. The run's parts, and how rank 0 restarts engines that die:
 nano_miles/train_setup.py. Modes: `sync` (every rollout uses the latest weights) and `async` (step v+1
-rolls out while step v trains; a trajectory more than `max_staleness` versions behind is dropped and
-counted, newer ones are corrected by truncated importance sampling: nano_miles/rollout/producer.py).
+rolls out while step v trains; a trajectory more than `max_staleness` versions behind is not trained on
+but keeps its place in its group's advantage baseline, newer ones are corrected by truncated importance
+sampling: nano_miles/rollout/producer.py).
 """
 from __future__ import annotations
 
@@ -96,7 +97,7 @@ class TrainingRun(Run):
     def step(self, step: int) -> dict | None:
         """One step's update and weight sync, on every rank; rank 0's metrics (None on the others)."""
         t0 = time.perf_counter()
-        rollout, stale, kept, skipped = self.collect(step)
+        rollout, stale, trajs, train_on, skipped = self.collect(step)
         self.mid_step = True  # until the step is checkpointed, the trainer is between states
         if self.lead:
             try:  # colocated (shared weights): the idle engine drops its KV memory during the update
@@ -105,8 +106,9 @@ class TrainingRun(Run):
                 self.echo(f"engine memory release: {e}")
         train = {}
         if skipped is None:  # (skipped: every episode lost to the sandbox, or no learning signal)
-            train, skipped = policy_update(self.trainer, kept, self.cfg.advantage, self.pad_id, self.echo,
-                                           updates=self.cfg.updates_per_step, reference=self.reference)
+            train, skipped = policy_update(self.trainer, trajs, self.cfg.advantage, self.pad_id, self.echo,
+                                           updates=self.cfg.updates_per_step, reference=self.reference,
+                                           train_on=train_on)
         if self.trainer.device.type == "cuda":  # the update pays for its queued kernels: sync_ms is the sync's
             torch.cuda.synchronize(self.trainer.device)
         sync = self.sync(step)

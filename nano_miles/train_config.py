@@ -34,7 +34,7 @@ class TrainConfig(RolloutCommandConfig):
     run_dir: str = ""                 # "" = runs/<UTC timestamp>
     tasks_per_step: int = 2           # groups per step; each group is rollout.group_size samples of one task
     mode: str = "sync"                # sync | async
-    max_staleness: int = 1            # async: max weight versions between a trajectory's oldest token and the policy
+    max_staleness: int = 1            # async: max weight versions between a trajectory's oldest token and the policy to train on it (an older one still counts in its group's baseline)
     updates_per_step: int = 1         # optimizer steps per rollout batch (PPO mini-batches of whole groups)
     checkpoint_every: int = 0         # steps between checkpoints; 0 = by time (checkpoint_minutes); always at the end and on Ctrl-C (the latest one is kept)
     checkpoint_minutes: float = 10.0  # checkpoint_every = 0: minutes between checkpoints (longer if the last one blocked the loop for over a tenth of that)

@@ -179,7 +179,8 @@ class Run:
                                        cfg.rollout, cfg.seed, desc, sandbox_factory=self.make_sandbox, carry=carry)
 
     def collect(self, step: int):
-        """(rollout, staleness, kept trajectories, skip reason) of `step`, the first two rank 0's. A dead
+        """(rollout, staleness, trajectories, which to train on, skip reason) of `step`, the first two rank 0's:
+        every trajectory the sandbox did not break, the ones within max_staleness marked. A dead
         replica's episodes move to the others; with none left, a restart, a sync, the same tasks again."""
         attempt = 0
         while True:
@@ -194,8 +195,9 @@ class Run:
                     self.stream_after[step] = rollout.stream_state
                     stale = [staleness(t, self.trainer.step) for t in rollout.trajectories]
                     # Sandbox infrastructure failures are not the policy's doing: counted, never trained on.
-                    message = ("batch", [t for t, s in zip(rollout.trajectories, stale)
-                                         if s <= self.cfg.max_staleness and t.finish_reason != "infra_error"],
+                    # Too stale ones are not trained on but stay in their group's advantage baseline.
+                    usable = [(t, s) for t, s in zip(rollout.trajectories, stale) if t.finish_reason != "infra_error"]
+                    message = ("batch", [t for t, _ in usable], [s <= self.cfg.max_staleness for _, s in usable],
                                rollout.skip_reason)
                 except EngineUnavailable as e:
                     self.interruptible = False

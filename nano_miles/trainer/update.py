@@ -10,7 +10,7 @@ from nano_miles.rollout.batch import build_rollout_batch
 
 
 def policy_update(trainer, trajs, advantage_cfg: AdvantageConfig, pad_id: int, echo=print,
-                  updates: int = 1, reference=None) -> tuple[dict, str | None]:
+                  updates: int = 1, reference=None, train_on: list[bool] | None = None) -> tuple[dict, str | None]:
     """Advantages and `updates` optimizer steps on the batch; returns the trainer's metrics and why
     the update was skipped. `reference` (a ReferencePolicy) gives the KL penalty's log-probs. With N
     ranks every rank calls it with the same trajectories and computes the same advantages.
@@ -20,16 +20,21 @@ def policy_update(trainer, trajs, advantage_cfg: AdvantageConfig, pad_id: int, e
     mini-batch's ratio is taken against the trainer's policy before this step's first update (in sync
     mode the one that sampled), its log-probs computed once: from the second step on the ratio moves
     away from 1 and the clipping engages. With one update the ratio is 1 by construction; TIS
-    (against the engine's own log-probs) corrects the train/inference mismatch either way."""
-    if not trajs:
+    (against the engine's own log-probs) corrects the train/inference mismatch either way.
+
+    `train_on` marks the trajectories the update trains on (None: all); the others (async: sampled
+    more than max_staleness versions back) still count in their group's advantage baseline. Leaving
+    them out of it would bias every group they belong to: the stale ones are its slowest episodes
+    (the most turns, the longest outputs), and the baseline would be the fast ones' alone."""
+    train_on = [True] * len(trajs) if train_on is None else train_on
+    if not any(train_on):
         return {}, "no trajectory within the staleness bound"
-    batch = build_rollout_batch(trajs, pad_id=pad_id, policy_version=trainer.step)  # marks the stale rows
-    advantages, keep = compute_advantages(batch.rewards, batch.group_ids, advantage_cfg)
-    if not bool(keep.all()):  # DAPO dynamic sampling dropped zero-variance groups
-        if not (rows := [i for i, k in enumerate(keep.tolist()) if k]):
-            return {}, "every group had equal rewards (filtered)"
-        batch = build_rollout_batch([trajs[i] for i in rows], pad_id=pad_id, policy_version=trainer.step)
-        advantages = advantages[torch.tensor(rows)]
+    advantages, keep = compute_advantages([float(t.reward) for t in trajs], [t.group_id for t in trajs], advantage_cfg)
+    # DAPO dynamic sampling may have dropped zero-variance groups (keep)
+    if not (rows := [i for i, (k, t) in enumerate(zip(keep.tolist(), train_on)) if k and t]):
+        return {}, "every group had equal rewards (filtered)"
+    batch = build_rollout_batch([trajs[i] for i in rows], pad_id=pad_id, policy_version=trainer.step)  # marks the stale rows
+    advantages = advantages[torch.tensor(rows)]
     minibatches = _minibatches(batch.group_ids, updates)
     old = trainer.logprobs(batch) if len(minibatches) > 1 else None
     if bool(batch.scripted.any()):

@@ -3,7 +3,7 @@ NaN updates skipped, parity measured before any step, the KL penalty to the froz
 import pytest
 import torch
 
-from nano_miles.trainer.loss import AdvantageConfig, LossConfig
+from nano_miles.trainer.loss import AdvantageConfig, LossConfig, compute_advantages
 from nano_miles.rollout.batch import Trajectory, build_rollout_batch
 from nano_miles.models.prepare import resolve_model
 from nano_miles.trainer.reference import ReferencePolicy
@@ -72,6 +72,29 @@ def test_parity_counts_only_tokens_sampled_with_the_trainers_weights(updates):
     metrics, _ = policy_update(trainer, trajs, AdvantageConfig(), pad_id=0, updates=updates)
     assert metrics["logprob_diff_mean"] is None and metrics["logprob_diff_max"] is None
     assert metrics["logprob_diff_stale_mean"] > 0
+
+
+def test_a_trajectory_too_stale_to_train_on_still_counts_in_its_groups_baseline():
+    """Async trains on no trajectory sampled more than max_staleness versions back: a group's slowest
+    episodes. Their rewards stay in their group's mean and std, so the rows trained on get the
+    advantages of the whole group: the update equals a train step on those rows with those advantages."""
+    trajs = [Trajectory(prompt_ids=[1, 2, 3], response_ids=[4 + i, 5, 6], response_logprobs=[-1.0] * 3,
+                        response_mask=[True] * 3, reward=r, group_id="g") for i, r in enumerate((1.0, 1.0, 0.0, 0.0))]
+    model = str(resolve_model("tiny-random-qwen2"))
+    update = Trainer(TrainerConfig(model=model, optim=OptimConfig(lr=1e-3)))
+    metrics, skipped = policy_update(update, trajs, AdvantageConfig(), pad_id=0, train_on=[True, True, True, False])
+    assert skipped is None and metrics["response_tokens"] == 9   # three rows trained on
+
+    whole_group, _ = compute_advantages([1.0, 1.0, 0.0, 0.0], ["g"] * 4)
+    without_it, _ = compute_advantages([1.0, 1.0, 0.0], ["g"] * 3)
+    assert not torch.allclose(whole_group[:3], without_it)      # leaving it out would move every advantage
+    expected = Trainer(TrainerConfig(model=model, optim=OptimConfig(lr=1e-3)))
+    expected.train_step(build_rollout_batch(trajs[:3]), whole_group[:3])
+    for (name, p), q in zip(update.model.named_parameters(), expected.model.parameters()):
+        assert torch.equal(p, q), name
+
+    none_fresh, why = policy_update(update, trajs, AdvantageConfig(), pad_id=0, train_on=[False] * 4)
+    assert none_fresh == {} and why == "no trajectory within the staleness bound"
 
 
 def test_minibatches_keep_groups_whole_and_balanced():
