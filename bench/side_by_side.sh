@@ -8,8 +8,11 @@
 #   watch   wait up to WATCH seconds (or until done), print progress; $OUT gets each arm's metrics,
 #           eval log and bench/side_by_side.py's summary rows
 #
-# Knobs: STEPS (100), ARMS ("new old": the order they run in), NEW_EXTRA (this tree's --set pairs beside the
-# recipe), OLD_TREE (.old), MODEL, DEVICE (cuda:0, else cpu), INSTANCES (8), SAMPLES (4), SEED (1).
+# ARMS names the arms in the order they run: `old` is OLD_TREE (.old), any other name this tree with
+# the --set pairs in EXTRA_<name> beside the recipe, e.g.
+#   ARMS="carry old plain" EXTRA_carry="rollout.carry_over=true max_staleness=3" bash bench/side_by_side.sh start
+# Knobs: STEPS (100), MODEL, DEVICE (cuda:0, else cpu), INSTANCES (8), SAMPLES (4), SEED (1), RECIPE_EXTRA
+# (--set pairs for every arm: a CPU rehearsal's smaller batch).
 set -uo pipefail
 phase="${1:?usage: side_by_side.sh start|watch}"
 OUT="${OUT:-/tmp/mg/out}" SBS="${SBS_DIR:-/tmp/mg/sbs}"; mkdir -p "$OUT" "$SBS"
@@ -21,7 +24,6 @@ site=""; [ -d /tmp/site ] && site=":/tmp/site"
 STEPS="${STEPS:-100}" MODEL="${MODEL:-qwen2.5-coder-0.5b-instruct}" SEED="${SEED:-1}"
 DEVICE="${DEVICE:-$("$py" -c 'import torch; print("cuda:0" if torch.cuda.is_available() else "cpu")')}"
 read -r -a arms <<<"${ARMS:-new old}"
-read -r -a new_extra <<<"${NEW_EXTRA:-}"
 
 # the recipe: the same keys in both trees but the skills catalog's module, which moved
 recipe() {
@@ -35,12 +37,12 @@ recipe() {
 
 # run_arm NAME: train in its tree, then pass@1 of the final policy on held-out
 run_arm() {
-    local name=$1 tree catalog extra=() dir="$SBS/$1"
-    case "$name" in
-    new) tree="$root" catalog=nano_miles.tasks.catalog_skills extra=("${new_extra[@]}") ;;
-    old) tree="$root/${OLD_TREE:-.old}" catalog=nano_miles.task_catalog_skills ;;
-    *) echo "unknown arm $name"; return 2 ;;
-    esac
+    local name=$1 tree=$root catalog=nano_miles.tasks.catalog_skills extra=() dir="$SBS/$1" pairs="EXTRA_$1"
+    if [ "$name" = old ]; then
+        tree="$root/${OLD_TREE:-.old}" catalog=nano_miles.task_catalog_skills
+    else
+        read -r -a extra <<<"${!pairs:-}"
+    fi
     rm -rf "$dir"; mkdir -p "$dir"
     local sets=(); for kv in $(recipe "$catalog") "${extra[@]}"; do sets+=(--set "$kv"); done
     echo "=== $name: train ${sets[*]}" | tee "$dir/train.log"
