@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.loop_step import BREAKDOWN, median, p90  # noqa: E402
+from bench.loop_step import summarise  # noqa: E402
 from bench.results import add_dry_run, save, utc_now  # noqa: E402
 
 
@@ -30,19 +30,13 @@ def arm_row(directory: Path, arm: str, commit: str, device: str, extra: str = ""
         raise SystemExit(f"side_by_side: {arm} has no step rows in {directory}")
     evals = directory / f"{arm}_evals.jsonl"
     heldout = [json.loads(line) for line in evals.read_text().splitlines() if line.strip()] if evals.is_file() else []
-    step_seconds = sum(r["step_s"] for r in steps)
     parity = [r["parity_mean"] for r in steps if r.get("parity_mean") is not None]
     return {"bench": "side_by_side", "arm": arm, "date": utc_now(), "commit": commit, "machine": device,
-            "recipe": "ninth", "extra": extra,
-            "steps": len(steps), "step_s_median": median([r["step_s"] for r in steps]),
-            "step_s_p90": p90([r["step_s"] for r in steps]),
-            "steps_per_hour": round(3600 * len(steps) / step_seconds, 1),
+            "recipe": "ninth", "extra": extra, "steps": len(steps), **summarise(steps),
+            "steps_per_hour": round(3600 * len(steps) / sum(r["step_s"] for r in steps), 1),
             "steps_per_hour_wall": round(3600 * len(steps) / steps[-1]["elapsed_s"], 1),
-            "rollout_s_median": median([r.get("rollout_s") for r in steps]),
-            "sync_ms_median": median([r.get("sync_ms") for r in steps]),
             "parity_mean": statistics.mean(parity) if parity else None,
             "acc_first_last": [steps[0].get("acc"), steps[-1].get("acc")],
-            "breakdown_median": {k: median([r.get(k) for r in steps]) for k in BREAKDOWN if any(k in r for r in steps)},
             "heldout_pass_at_1": _pass_at_1(heldout[-1]) if heldout else None,
             "heldout_protocol": ({k: heldout[-1].get(k) for k in ("samples", "instances", "temperature", "seed")}
                                  if heldout else None)}

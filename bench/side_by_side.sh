@@ -25,26 +25,24 @@ STEPS="${STEPS:-100}" MODEL="${MODEL:-qwen2.5-coder-0.5b-instruct}" SEED="${SEED
 DEVICE="${DEVICE:-$("$py" -c 'import torch; print("cuda:0" if torch.cuda.is_available() else "cpu")')}"
 read -r -a arms <<<"${ARMS:-new old}"
 
-# the recipe: the same keys in both trees but the skills catalog's module, which moved
+# the recipe is bench/loop_step.py's `ninth` (its model, devices and seed overridden here); the old
+# tree takes it too, but for the skills catalog's module, which moved
+ninth=$(PYTHONPATH="$root" "$py" -c 'from bench.loop_step import NINTH; print(" ".join(NINTH))') || exit 1
 recipe() {
-    local catalog=$1
-    echo "model=$MODEL mode=async tasks=train tasks_per_step=8 rollout.group_size=8 optim.lr=3e-6" \
-         "rollout.dynamic_sampling=true tasks_module=$catalog rollout.temperature=0.7 rollout.guide_unsolved=true" \
-         "optim.lr_schedule=cosine optim.min_lr_ratio=0.1 trainer_device=$DEVICE engine.device=$DEVICE" \
-         "seed=$SEED steps=$STEPS checkpoint_every=100000" \
-         "$([ "$DEVICE" = cpu ] || echo engine.num_kv_blocks=24576) ${RECIPE_EXTRA:-}"
+    echo "$ninth model=$MODEL trainer_device=$DEVICE engine.device=$DEVICE seed=$SEED steps=$STEPS" \
+         "checkpoint_every=100000 $([ "$DEVICE" != cpu ] || echo engine.num_kv_blocks=none) $*"
 }
 
 # run_arm NAME: train in its tree, then pass@1 of the final policy on held-out
 run_arm() {
-    local name=$1 tree=$root catalog=nano_miles.tasks.catalog_skills extra=() dir="$SBS/$1" pairs="EXTRA_$1"
+    local name=$1 tree=$root extra=() dir="$SBS/$1" pairs="EXTRA_$1"
     if [ "$name" = old ]; then
-        tree="$root/${OLD_TREE:-.old}" catalog=nano_miles.task_catalog_skills
+        tree="$root/${OLD_TREE:-.old}" extra=(tasks_module=nano_miles.task_catalog_skills)
     else
         read -r -a extra <<<"${!pairs:-}"
     fi
     rm -rf "$dir"; mkdir -p "$dir"
-    local sets=(); for kv in $(recipe "$catalog") "${extra[@]}"; do sets+=(--set "$kv"); done
+    local sets=(); for kv in $(recipe "${RECIPE_EXTRA:-}") "${extra[@]}"; do sets+=(--set "$kv"); done
     echo "=== $name: train ${sets[*]}" | tee "$dir/train.log"
     (cd "$tree" && PYTHONPATH="$tree$site" "$py" -m nano_miles.cli train "${sets[@]}" --set run_dir="$dir/run") 2>&1 \
         | grep --line-buffered -v "/s\]$\|s/ep\]$" >>"$dir/train.log"
