@@ -29,11 +29,10 @@ class FlatParameters:
     """All of `model`'s parameters as views into one buffer, in named_parameters order."""
 
     def __init__(self, model: torch.nn.Module):
+        if not self.packable(model):
+            raise ValueError("cannot pack parameters of several dtypes/devices (or none, or unaligned on CUDA)")
         named = list(model.named_parameters())
-        dtypes, devices = {p.dtype for _, p in named}, {p.device for _, p in named}
-        if len(dtypes) != 1 or len(devices) != 1:
-            raise ValueError(f"cannot pack parameters of several dtypes/devices (or none): {dtypes}, {devices}")
-        self.dtype, self.device = dtypes.pop(), devices.pop()
+        self.dtype, self.device = named[0][1].dtype, named[0][1].device
         size = self.dtype.itemsize
         self.slots, offset = [], 0
         for name, p in named:
