@@ -72,12 +72,12 @@ class Scheduler:
         self.decode_steps_due -= 1
         decode, preempted = [], set()
         for seq in list(self.running):
-            if id(seq) in preempted:  # preempted below while making room for an earlier one
+            if seq in preempted:  # preempted below while making room for an earlier one
                 continue
             while not self.blocks.ensure_slots(seq, len(seq.token_ids)):
                 victim = self.running[-1]
                 self.preempt(victim)
-                preempted.add(id(victim))
+                preempted.add(victim)
                 if victim is seq:
                     break
             else:
@@ -122,7 +122,7 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_running:
             seq = self.waiting[0]
             # Keep one free block per running sequence so admitting does not force an immediate preemption.
-            if not self.blocks.can_allocate(seq.token_ids, reserve=len(self.running) if self.running else 0):
+            if not self.blocks.can_allocate(seq.token_ids, reserve=len(self.running)):
                 if not self.running and not self.blocks.can_allocate(seq.token_ids):
                     raise RuntimeError(
                         f"request {seq.rid!r} needs {self.blocks.blocks_needed(len(seq.token_ids))} KV blocks, "
