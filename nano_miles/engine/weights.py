@@ -294,9 +294,7 @@ def decode_bucket(serialized_named_tensors) -> FlattenedTensorBucket:
 
 
 def decode_tensor_payload(serialized_named_tensors, load_format: str | None) -> list[tuple[str, torch.Tensor]]:
-    """/update_weights_from_tensor's payload -> (name, tensor) pairs."""
-    if load_format == "flattened_bucket":
-        return decode_bucket(serialized_named_tensors).reconstruct_tensors()
+    """A "direct" (or null-format) /update_weights_from_tensor payload -> (name, tensor) pairs."""
     if load_format not in (None, "direct"):
         raise WeightPayloadError(f"unknown load_format {load_format!r}: use null, 'direct' or 'flattened_bucket'")
     obj = _first_entry(serialized_named_tensors)
