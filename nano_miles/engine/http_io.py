@@ -114,8 +114,8 @@ class BodyParser:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def json(self, request: web.Request, limit: int, key: str, default=None) -> dict:
-        """The body as a JSON object of at most `limit` bytes; `default` for an empty body if given."""
-        check_length(request, limit, key)
+        """The body as a JSON object of at most `limit` bytes (the middleware checked its Content-Length
+        already); `default` for an empty body if given."""
         raw = _Body()
         try:
             async for chunk in request.content.iter_chunked(MiB):
