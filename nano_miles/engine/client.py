@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import time
 from dataclasses import dataclass
 
 import aiohttp
@@ -188,13 +187,6 @@ class EngineClient(Routes):
                 return False
             raise EngineUnavailable(f"{call.path}: engine at {self.url} unavailable: {type(e).__name__}: {e}") from None
         return call.answer(r.status_code, r.text)
-
-    def wait_until_ready(self, timeout: float = 300.0, poll: float = 0.2) -> None:
-        deadline = time.monotonic() + timeout
-        while not self.health():
-            if time.monotonic() > deadline:
-                raise EngineUnavailable(f"engine at {self.url} not ready after {timeout:.0f}s")
-            time.sleep(poll)
 
     def close(self):
         self.session.close()
