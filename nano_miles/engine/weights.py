@@ -374,9 +374,8 @@ def check_finite(named_tensors) -> None:
         raise WeightPayloadError(f"{name} holds NaN or infinite values")
 
 
-def checksums(named_tensors, names=None, dtype: torch.dtype | None = None) -> dict[str, str]:
-    """{name: sha256 of its raw bytes, row-major, cast to `dtype` (e.g. the engine's) if given}, of
-    the given (name, tensor) pairs, optionally only `names`."""
+def checksums(named_tensors, names=None) -> dict[str, str]:
+    """{name: sha256 of its raw bytes, row-major} of the given (name, tensor) pairs, optionally only `names`."""
     wanted = None if names is None else set(names)
-    return {n: hashlib.sha256(t.detach().to(dtype or t.dtype).contiguous().flatten().view(torch.uint8).cpu()
-                              .numpy().tobytes()).hexdigest() for n, t in named_tensors if wanted is None or n in wanted}
+    return {n: hashlib.sha256(t.detach().contiguous().flatten().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
+            for n, t in named_tensors if wanted is None or n in wanted}
