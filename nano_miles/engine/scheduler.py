@@ -93,10 +93,9 @@ class Scheduler:
                 and self.blocks.ensure_slots(seq, len(seq.token_ids))]
 
     def _prefill(self) -> list:
-        """The next prefill step. The forward pads every row to the step's longest chunk, so on CPU the
-        budget bounds rows x that length, not the tokens alone: the oldest sequence with tokens to compute sets
-        the length (its chunk, at most the budget), and the others whose tokens fit in it join while the
-        padded step stays within the budget. Longer ones wait for a step they lead: a 40-token
+        """The next prefill step. With budget_pads_rows, the oldest sequence with tokens to compute sets
+        the row length (its chunk, at most the budget), and the others whose tokens fit in it join while
+        rows x length stays within the budget. Longer ones wait for a step they lead: a 40-token
         observation in the row of a 1,500-token prompt would cost the forward 37 times its work."""
         todo = [seq for seq in self.running if seq.num_uncomputed > 1]
         if not todo:
