@@ -92,17 +92,15 @@ def _unpack(x, f):
         return {k: _unpack(v, f) for k, v in x.items()}
     if not isinstance(x, Packed):
         return x
-    itemsize = array(x.typecode).itemsize
-    buf, out = memoryview(bytearray(_SLICE * itemsize)), []
+    out = []
     f.seek(x.offset)
     for start in range(0, x.count, _SLICE):
-        n, got = min(_SLICE, x.count - start) * itemsize, 0
-        while got < n:  # the read releases the GIL; the slice's tolist is well under a millisecond
-            read = f.readinto(buf[got:n])
-            if not read:
-                raise BodyError("the parsed body could not be read back")
-            got += read
-        out += buf[:n].cast(x.typecode).tolist()
+        part = array(x.typecode)
+        try:  # the read releases the GIL; the slice's tolist is well under a millisecond
+            part.fromfile(f, min(_SLICE, x.count - start))
+        except EOFError:
+            raise BodyError("the parsed body could not be read back") from None
+        out += part.tolist()
         time.sleep(0)  # hand the GIL over now rather than after the 5 ms switch interval
     return out
 
