@@ -62,10 +62,12 @@ class Call:
     probe: bool = False           # answer True/False (is it 200?) instead of raising (health)
     pick: str | None = None       # return only this key of the JSON answer
 
-    def answer(self, status: int, text: str):
-        """What the route method returns for this HTTP answer, or the error it raises."""
+    def answer(self, status: int | None, text: str):
+        """What the route method returns for this answer (status None: none came, text says why), or raises."""
         if self.probe:
             return status == 200
+        if status is None:
+            raise EngineUnavailable(f"{self.path}: {text}") from None
         try:
             data = json.loads(text) if text else None
         except ValueError:
@@ -183,9 +185,7 @@ class EngineClient(Routes):
             r = self.session.request(call.method, self.url + call.path, json=call.body,
                                      timeout=call.timeout or self.timeout)
         except (requests.ConnectionError, requests.Timeout) as e:
-            if call.probe:
-                return False
-            raise EngineUnavailable(f"{call.path}: engine at {self.url} unavailable: {type(e).__name__}: {e}") from None
+            return call.answer(None, f"engine at {self.url} unavailable: {type(e).__name__}: {e}")
         return call.answer(r.status_code, r.text)
 
     def close(self):
@@ -208,9 +208,7 @@ class AsyncEngineClient(Routes):
             async with self.session.request(call.method, self.url + call.path, json=call.body, **timeout) as r:
                 text, status = await r.text(), r.status
         except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
-            if call.probe:
-                return False
-            raise EngineUnavailable(f"{call.path}: engine at {self.url} unavailable: {type(e).__name__}: {e}") from None
+            return call.answer(None, f"engine at {self.url} unavailable: {type(e).__name__}: {e}")
         return call.answer(status, text)
 
     async def close(self):
