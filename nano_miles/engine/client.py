@@ -195,10 +195,9 @@ class EngineClient(Routes):
 class AsyncEngineClient(Routes):
     """asyncio client (aiohttp), made inside the running event loop; `await close()` when done."""
 
-    def __init__(self, url: str, timeout: float = DEFAULT_TIMEOUT, max_connections: int = 1024,
-                 api_key: str | None = None):
+    def __init__(self, url: str, timeout: float = DEFAULT_TIMEOUT, api_key: str | None = None):
         self.url, self.timeout = url.rstrip("/"), timeout
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=max_connections),
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1024),
                                              timeout=aiohttp.ClientTimeout(total=timeout),
                                              headers=auth_headers(self.url, api_key))
 
