@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import time
 from dataclasses import dataclass
 
 import aiohttp
@@ -63,10 +62,12 @@ class Call:
     probe: bool = False           # answer True/False (is it 200?) instead of raising (health)
     pick: str | None = None       # return only this key of the JSON answer
 
-    def answer(self, status: int, text: str):
-        """What the route method returns for this HTTP answer, or the error it raises."""
+    def answer(self, status: int | None, text: str):
+        """What the route method returns for this answer (status None: none came, text says why), or raises."""
         if self.probe:
             return status == 200
+        if status is None:
+            raise EngineUnavailable(f"{self.path}: {text}") from None
         try:
             data = json.loads(text) if text else None
         except ValueError:
@@ -184,17 +185,8 @@ class EngineClient(Routes):
             r = self.session.request(call.method, self.url + call.path, json=call.body,
                                      timeout=call.timeout or self.timeout)
         except (requests.ConnectionError, requests.Timeout) as e:
-            if call.probe:
-                return False
-            raise EngineUnavailable(f"{call.path}: engine at {self.url} unavailable: {type(e).__name__}: {e}") from None
+            return call.answer(None, f"engine at {self.url} unavailable: {type(e).__name__}: {e}")
         return call.answer(r.status_code, r.text)
-
-    def wait_until_ready(self, timeout: float = 300.0, poll: float = 0.2) -> None:
-        deadline = time.monotonic() + timeout
-        while not self.health():
-            if time.monotonic() > deadline:
-                raise EngineUnavailable(f"engine at {self.url} not ready after {timeout:.0f}s")
-            time.sleep(poll)
 
     def close(self):
         self.session.close()
@@ -203,10 +195,9 @@ class EngineClient(Routes):
 class AsyncEngineClient(Routes):
     """asyncio client (aiohttp), made inside the running event loop; `await close()` when done."""
 
-    def __init__(self, url: str, timeout: float = DEFAULT_TIMEOUT, max_connections: int = 1024,
-                 api_key: str | None = None):
+    def __init__(self, url: str, timeout: float = DEFAULT_TIMEOUT, api_key: str | None = None):
         self.url, self.timeout = url.rstrip("/"), timeout
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=max_connections),
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1024),
                                              timeout=aiohttp.ClientTimeout(total=timeout),
                                              headers=auth_headers(self.url, api_key))
 
@@ -216,9 +207,7 @@ class AsyncEngineClient(Routes):
             async with self.session.request(call.method, self.url + call.path, json=call.body, **timeout) as r:
                 text, status = await r.text(), r.status
         except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
-            if call.probe:
-                return False
-            raise EngineUnavailable(f"{call.path}: engine at {self.url} unavailable: {type(e).__name__}: {e}") from None
+            return call.answer(None, f"engine at {self.url} unavailable: {type(e).__name__}: {e}")
         return call.answer(status, text)
 
     async def close(self):

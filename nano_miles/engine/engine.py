@@ -223,20 +223,14 @@ class Engine:
         self.blocks.flush()
 
     # ---- the step -------------------------------------------------------------------------------
+    @torch.inference_mode()
     def step(self) -> list:
         t0 = time.perf_counter()
-        kind, finished = self._step()
-        if kind is not None:  # busy seconds per phase, reported in every /generate answer (busy_s)
-            self.busy_s[kind] += time.perf_counter() - t0
-        return finished
-
-    @torch.inference_mode()
-    def _step(self) -> tuple[str | None, list]:
         finished, self.pending = self.pending, []
         self.model.refresh_lm_head_fp32()  # a no-op unless the weights changed since the last step
         kind, work = self.scheduler.schedule()
         if kind is None:
-            return kind, finished
+            return finished
         pad = self.graphs.bucket(len(work), self._num_blocks(work)) if kind == "decode" and self.graphs else None
         if pad is not None:
             logits = self.graphs.run(self._prepare(work, *pad))[:len(work)]
@@ -250,11 +244,9 @@ class Engine:
             self.blocks.publish(seq)
             if seq.num_computed_tokens == len(seq.token_ids):
                 rows.append(i)  # its prompt is done: it samples a token
-        if not rows:
-            return kind, finished
         seqs = [work[i][0] for i in rows]
         tokens, logprobs = self._sample(logits if len(rows) == len(work) else
-                                        logits[torch.tensor(rows, device=self.device)], seqs)
+                                        logits[torch.tensor(rows, device=self.device)], seqs) if rows else ([], [])
         for seq, tok, lp in zip(seqs, tokens, logprobs):
             seq.token_ids.append(tok)
             if seq.return_logprob:
@@ -263,7 +255,8 @@ class Engine:
             if reason is not None:
                 self.scheduler.finish(seq)
                 finished.append(self._finish(seq, reason))
-        return kind, finished
+        self.busy_s[kind] += time.perf_counter() - t0  # busy seconds per phase, in every /generate answer (busy_s)
+        return finished
 
     def _num_blocks(self, work) -> int:
         return max(self.blocks.blocks_needed(s.num_computed_tokens + n) for s, n in work)

@@ -8,42 +8,31 @@ counter, so any weight write moves every param._version.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+
+from nano_miles.engine.weights import bucket_metadata
 
 # On CUDA every packed parameter must start at a multiple of this many bytes: kernels pick their fast
 # vectorised paths from pointer alignment. A model whose offsets would not be aligned stays unpacked.
 CUDA_ALIGN_BYTES = 16
 
 
-@dataclass(frozen=True)
-class Slot:
-    name: str
-    shape: tuple
-    start: int  # bytes [start, end) of the packed buffer
-    end: int
-
-
 class FlatParameters:
     """All of `model`'s parameters as views into one buffer, in named_parameters order."""
 
     def __init__(self, model: torch.nn.Module):
+        if not self.packable(model):
+            raise ValueError("cannot pack parameters of several dtypes/devices (or none, or unaligned on CUDA)")
         named = list(model.named_parameters())
-        dtypes, devices = {p.dtype for _, p in named}, {p.device for _, p in named}
-        if len(dtypes) != 1 or len(devices) != 1:
-            raise ValueError(f"cannot pack parameters of several dtypes/devices (or none): {dtypes}, {devices}")
-        self.dtype, self.device = dtypes.pop(), devices.pop()
+        self.dtype, self.device = named[0][1].dtype, named[0][1].device
+        # Laid out as the bucket of all parameters: a trainer's bucket of a run of them is a slice of it.
+        self.slots = bucket_metadata([n for n, _ in named], [self.dtype] * len(named), [p.shape for _, p in named])
         size = self.dtype.itemsize
-        self.slots, offset = [], 0
-        for name, p in named:
-            self.slots.append(Slot(name, tuple(p.shape), offset * size, (offset + p.numel()) * size))
-            offset += p.numel()
-        flat = torch.empty(offset, dtype=self.dtype, device=self.device)
+        flat = torch.empty(self.slots[-1].end_idx // size, dtype=self.dtype, device=self.device)
         packed = {}
         with torch.no_grad():
             for (_, p), slot in zip(named, self.slots):
-                view = flat[slot.start // size: slot.end // size].view(p.shape)
+                view = flat[slot.start_idx // size: slot.end_idx // size].view(p.shape)
                 view.copy_(p)
                 # A new Parameter of the view, not `p.data = view`: only a view shares the buffer's
                 # version counter, which caches of derived weights (the FP32 lm_head) watch.
@@ -71,13 +60,13 @@ class FlatParameters:
             first = self.index.get(metadata[0].name) if metadata else None
             if first is None or first + len(metadata) > len(self.slots):
                 return None
-            base = self.slots[first].start
+            base = self.slots[first].start_idx
             for slot, meta in zip(self.slots[first:first + len(metadata)], metadata):
                 if (meta.name != slot.name or meta.dtype != self.dtype or tuple(meta.shape) != slot.shape
                         or (meta.start_idx, meta.end_idx, meta.numel)
-                        != (slot.start - base, slot.end - base, slot.end - slot.start)):
+                        != (slot.start_idx - base, slot.end_idx - base, slot.numel)):
                     return None
-            return base, self.slots[first + len(metadata) - 1].end
+            return base, self.slots[first + len(metadata) - 1].end_idx
         except (AttributeError, TypeError):  # malformed metadata: the per-tensor path reports it
             return None
 

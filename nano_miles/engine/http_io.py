@@ -70,25 +70,22 @@ class _Body:
     """A body as it arrives: in memory while small, spooled to a file once large (for the child)."""
 
     def __init__(self):
-        self.data, self.size, self.path, self._fd = bytearray(), 0, None, None
+        self.data, self.size, self.path, self._file = bytearray(), 0, None, None
 
     def add(self, chunk: bytes) -> None:
         self.size += len(chunk)
-        if self._fd is None and self.size > INLINE_PARSE_BYTES:
-            self._fd, self.path = tempfile.mkstemp(prefix="nano-miles-body-", suffix=".json")
-            os.write(self._fd, self.data)
-            self.data = bytearray()
-        if self._fd is None:
+        if self._file is None and self.size > INLINE_PARSE_BYTES:
+            self._file = tempfile.NamedTemporaryFile(prefix="nano-miles-body-", suffix=".json", delete=False)
+            self._file.write(self.data)
+            self.path, self.data = self._file.name, bytearray()
+        if self._file is None:
             self.data += chunk
-            return
-        view = memoryview(chunk)
-        while view:
-            view = view[os.write(self._fd, view):]
+        else:
+            self._file.write(chunk)
 
     def done(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        if self._file is not None:
+            self._file.close()
 
     def remove(self) -> None:
         self.done()
@@ -114,8 +111,8 @@ class BodyParser:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def json(self, request: web.Request, limit: int, key: str, default=None) -> dict:
-        """The body as a JSON object of at most `limit` bytes; `default` for an empty body if given."""
-        check_length(request, limit, key)
+        """The body as a JSON object of at most `limit` bytes (the middleware checked its Content-Length
+        already); `default` for an empty body if given."""
         raw = _Body()
         try:
             async for chunk in request.content.iter_chunked(MiB):

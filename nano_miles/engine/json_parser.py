@@ -55,19 +55,15 @@ def parse_file(path: str):
     """In the child: parse the body in `path`, write its long int lists back into `path`, return the rest."""
     with open(path, "rb") as f:
         body = loads(f.read())
-    arrays: list[array] = []
-    skeleton = _pack(body, 0, arrays, [0])
     with open(path, "wb") as f:
-        for a in arrays:
-            a.tofile(f)
-    return skeleton
+        return _pack(body, 0, f)
 
 
-def _pack(x, depth: int, arrays: list, offset: list):
+def _pack(x, depth: int, f):
     if depth > MAX_DEPTH:
         raise BodyError(f"the JSON is nested too deeply (more than {MAX_DEPTH} levels)")
     if isinstance(x, dict):
-        return {k: _pack(v, depth + 1, arrays, offset) for k, v in x.items()}
+        return {k: _pack(v, depth + 1, f) for k, v in x.items()}
     if not isinstance(x, list):
         return x
     if len(x) >= _PACK_MIN and all(type(v) is int for v in x):
@@ -76,11 +72,11 @@ def _pack(x, depth: int, arrays: list, offset: list):
                 a = array(typecode, x)
             except OverflowError:
                 continue
-            arrays.append(a)
-            offset[0] += len(a) * a.itemsize
-            return Packed(offset[0] - len(a) * a.itemsize, typecode, len(a))
+            offset = f.tell()
+            a.tofile(f)
+            return Packed(offset, typecode, len(a))
         # beyond int64: kept as a list, the validation will say why
-    return [_pack(v, depth + 1, arrays, offset) for v in x]
+    return [_pack(v, depth + 1, f) for v in x]
 
 
 def unpack_file(skeleton, path: str):
@@ -96,17 +92,15 @@ def _unpack(x, f):
         return {k: _unpack(v, f) for k, v in x.items()}
     if not isinstance(x, Packed):
         return x
-    itemsize = array(x.typecode).itemsize
-    buf, out = memoryview(bytearray(_SLICE * itemsize)), []
+    out = []
     f.seek(x.offset)
     for start in range(0, x.count, _SLICE):
-        n, got = min(_SLICE, x.count - start) * itemsize, 0
-        while got < n:  # the read releases the GIL; the slice's tolist is well under a millisecond
-            read = f.readinto(buf[got:n])
-            if not read:
-                raise BodyError("the parsed body could not be read back")
-            got += read
-        out += buf[:n].cast(x.typecode).tolist()
+        part = array(x.typecode)
+        try:  # the read releases the GIL; the slice's tolist is well under a millisecond
+            part.fromfile(f, min(_SLICE, x.count - start))
+        except EOFError:
+            raise BodyError("the parsed body could not be read back") from None
+        out += part.tolist()
         time.sleep(0)  # hand the GIL over now rather than after the 5 ms switch interval
     return out
 

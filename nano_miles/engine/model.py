@@ -137,32 +137,6 @@ class Attention(nn.Module):
         return lin(attend(q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v), self.o_proj.weight)
 
 
-def paged_attention(q, k, v, batch: Batch, k_cache, v_cache, attn_info, decode_attention=None, exact=False,
-                    prefill_attention=None):
-    """The engine's attention: this step's keys/values into the cache, then read over its pages."""
-    B, Q, H, D = q.shape
-    KV = k.shape[2]
-    slots = batch.slot_mapping.reshape(-1)
-    k_cache.view(-1, KV, D).index_copy_(0, slots, k.reshape(-1, KV, D).to(k_cache.dtype))
-    v_cache.view(-1, KV, D).index_copy_(0, slots, v.reshape(-1, KV, D).to(v_cache.dtype))
-    if batch.tiles is not None:  # packed prefill: [1, T] tokens of many sequences
-        return prefill_attention(q.view(Q, H, D), k_cache, v_cache, batch.block_tables, batch.positions.view(Q),
-                                 batch.tiles).view(B, Q, H * D)
-    if exact:  # every query row, prefill or decode, through the same batch-invariant loop over its pages
-        return batch_invariant.paged_attention(q.reshape(B * Q, H, D), k_cache, v_cache, batch.block_tables,
-                                               batch.positions.reshape(-1), queries_per_table=Q).view(B, Q, H * D)
-    if decode_attention is not None:  # Q == 1: read the pages in place (triton_attention.py)
-        return decode_attention(q.view(B, H, D), k_cache, v_cache, batch.block_tables, attn_info).view(B, Q, H * D)
-    N, G = batch.block_tables.shape[1], H // KV
-    keys = k_cache[batch.block_tables].view(B, N * k_cache.shape[1], KV, D).transpose(1, 2)
-    vals = v_cache[batch.block_tables].view(B, N * v_cache.shape[1], KV, D).transpose(1, 2)
-    # GQA without repeating K/V: each KV head's G query heads folded into the query axis, rows ordered
-    # (query token, head in group), so one SDPA call covers prefill and decode.
-    q = q.view(B, Q, KV, G, D).permute(0, 2, 1, 3, 4).reshape(B, KV, Q * G, D)
-    out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=attn_info)
-    return out.view(B, KV, Q, G, D).permute(0, 2, 1, 3, 4).reshape(B, Q, H * D)
-
-
 class MLP(nn.Module):
     ops = FastOps
 
@@ -279,28 +253,49 @@ class CausalLM(nn.Module):
         finally:
             torch.set_float32_matmul_precision(before)
 
+    def paged_attention(self, batch: Batch, k_cache, v_cache, attn_info, q, k, v):
+        """The engine's attention (one layer's `attend`): this step's keys/values into the cache, then
+        read over its pages."""
+        B, Q, H, D = q.shape
+        KV = k.shape[2]
+        slots = batch.slot_mapping.reshape(-1)
+        k_cache.view(-1, KV, D).index_copy_(0, slots, k.reshape(-1, KV, D).to(k_cache.dtype))
+        v_cache.view(-1, KV, D).index_copy_(0, slots, v.reshape(-1, KV, D).to(v_cache.dtype))
+        if batch.tiles is not None:  # packed prefill: [1, T] tokens of many sequences
+            return self.prefill_attention(q.view(Q, H, D), k_cache, v_cache, batch.block_tables,
+                                          batch.positions.view(Q), batch.tiles).view(B, Q, H * D)
+        if self.batch_invariant:  # every query row, prefill or decode, through one batch-invariant loop over its pages
+            return batch_invariant.paged_attention(q.reshape(B * Q, H, D), k_cache, v_cache, batch.block_tables,
+                                                   batch.positions.reshape(-1), queries_per_table=Q).view(B, Q, H * D)
+        if Q == 1 and self.decode_attention is not None:  # read the pages in place (triton_attention.py)
+            out = self.decode_attention(q.view(B, H, D), k_cache, v_cache, batch.block_tables, attn_info)
+            return out.view(B, Q, H * D)
+        N, G = batch.block_tables.shape[1], H // KV
+        keys = k_cache[batch.block_tables].view(B, N * k_cache.shape[1], KV, D).transpose(1, 2)
+        vals = v_cache[batch.block_tables].view(B, N * v_cache.shape[1], KV, D).transpose(1, 2)
+        # GQA without repeating K/V: each KV head's G query heads folded into the query axis, rows ordered
+        # (query token, head in group), so one SDPA call covers prefill and decode.
+        q = q.view(B, Q, KV, G, D).permute(0, 2, 1, 3, 4).reshape(B, KV, Q * G, D)
+        out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=attn_info)
+        return out.view(B, KV, Q, G, D).permute(0, 2, 1, 3, 4).reshape(B, Q, H * D)
+
     def forward(self, batch: Batch, k_caches, v_caches) -> torch.Tensor:
         """FP32 logits [B, V] of the query column `batch.last_index` of each row (packed: [S, V], one a
         sequence)."""
         cos = self.rope_cache[0][batch.positions].unsqueeze(2)  # [B, Q, 1, D], broadcast over heads
         sin = self.rope_cache[1][batch.positions].unsqueeze(2)
         B, Q = batch.input_ids.shape
-        decode_attention = self.decode_attention if Q == 1 and not self.batch_invariant else None
-        if batch.tiles is not None:
-            attn_info = None  # the packed kernel masks by batch.positions and batch.tiles
-        elif decode_attention is not None:
+        if batch.tiles is not None or self.batch_invariant:
+            attn_info = None  # the packed kernel masks by positions and tiles, the batch-invariant loop by positions
+        elif Q == 1 and self.decode_attention is not None:
             attn_info = batch.positions[:, 0] + 1  # the paged kernel's context lengths (keys before them)
-        elif self.batch_invariant:
-            attn_info = None  # the batch-invariant loop masks by batch.positions itself
         else:  # [B, 1, Q*G, L]: query row (token q, head g) sees keys at positions <= positions[q]
             L, G = batch.block_tables.shape[1] * k_caches[0].shape[1], self.config.num_heads // self.config.num_kv_heads
             attn_info = torch.arange(L, device=batch.positions.device).view(1, 1, L) <= batch.positions.unsqueeze(-1)
             attn_info = attn_info.unsqueeze(2).expand(B, Q, G, L).reshape(B, 1, Q * G, L)
         x = self.model.embed_tokens(batch.input_ids)
         for layer, kc, vc in zip(self.model.layers, k_caches, v_caches):
-            x = layer(x, cos, sin, partial(paged_attention, batch=batch, k_cache=kc, v_cache=vc, attn_info=attn_info,
-                                           decode_attention=decode_attention, exact=self.batch_invariant,
-                                           prefill_attention=self.prefill_attention))
+            x = layer(x, cos, sin, partial(self.paged_attention, batch, kc, vc, attn_info))
         last = x[0, batch.last_index] if batch.tiles is not None else x[torch.arange(B, device=x.device), batch.last_index]
         return self.logits(self.model.norm(last))
 

@@ -220,8 +220,7 @@ class EnginePool:
                 self._restarting.pop(index, None)
         with self._lock:
             changed, self._changed = self._changed, False
-            live = [r for r in self.replicas if r.state in ("serving", "stale")]
-        if not live:
+        if not self.to_sync():
             why = "; ".join(f"replica {r.index}: {r.error}" for r in self.replicas if r.error)
             why = f"their restarts failed: {why}" if not self.given_urls else "not ours to restart"
             raise EngineUnavailable(f"no engine replica is left ({why}): " + ", ".join(self.urls))

@@ -127,9 +127,7 @@ def _per_request(body: dict, key: str, n: int, batched: bool, default) -> list:
 
 
 def parse_generate(body, vocab_size: int, max_model_len: int) -> tuple[list[GenerateItem], bool]:
-    """A /generate JSON body -> (requests, batched). batched: answer with a list."""
-    if not isinstance(body, dict):
-        raise RequestError("the body must be a JSON object")
+    """A /generate body (a JSON object: json_body checked) -> (requests, batched). batched: answer with a list."""
     if body.get("stream"):
         raise RequestError("stream=true is not supported by this engine; send stream=false")
     for key in _UNSUPPORTED_TOP:

@@ -72,12 +72,12 @@ class Scheduler:
         self.decode_steps_due -= 1
         decode, preempted = [], set()
         for seq in list(self.running):
-            if id(seq) in preempted:  # preempted below while making room for an earlier one
+            if seq in preempted:  # preempted below while making room for an earlier one
                 continue
             while not self.blocks.ensure_slots(seq, len(seq.token_ids)):
                 victim = self.running[-1]
                 self.preempt(victim)
-                preempted.add(id(victim))
+                preempted.add(victim)
                 if victim is seq:
                     break
             else:
@@ -93,10 +93,9 @@ class Scheduler:
                 and self.blocks.ensure_slots(seq, len(seq.token_ids))]
 
     def _prefill(self) -> list:
-        """The next prefill step. The forward pads every row to the step's longest chunk, so on CPU the
-        budget bounds rows x that length, not the tokens alone: the oldest sequence with tokens to compute sets
-        the length (its chunk, at most the budget), and the others whose tokens fit in it join while the
-        padded step stays within the budget. Longer ones wait for a step they lead: a 40-token
+        """The next prefill step. With budget_pads_rows, the oldest sequence with tokens to compute sets
+        the row length (its chunk, at most the budget), and the others whose tokens fit in it join while
+        rows x length stays within the budget. Longer ones wait for a step they lead: a 40-token
         observation in the row of a 1,500-token prompt would cost the forward 37 times its work."""
         todo = [seq for seq in self.running if seq.num_uncomputed > 1]
         if not todo:
@@ -122,7 +121,7 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_running:
             seq = self.waiting[0]
             # Keep one free block per running sequence so admitting does not force an immediate preemption.
-            if not self.blocks.can_allocate(seq.token_ids, reserve=len(self.running) if self.running else 0):
+            if not self.blocks.can_allocate(seq.token_ids, reserve=len(self.running)):
                 if not self.running and not self.blocks.can_allocate(seq.token_ids):
                     raise RuntimeError(
                         f"request {seq.rid!r} needs {self.blocks.blocks_needed(len(seq.token_ids))} KV blocks, "

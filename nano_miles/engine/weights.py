@@ -294,9 +294,7 @@ def decode_bucket(serialized_named_tensors) -> FlattenedTensorBucket:
 
 
 def decode_tensor_payload(serialized_named_tensors, load_format: str | None) -> list[tuple[str, torch.Tensor]]:
-    """/update_weights_from_tensor's payload -> (name, tensor) pairs."""
-    if load_format == "flattened_bucket":
-        return decode_bucket(serialized_named_tensors).reconstruct_tensors()
+    """A "direct" (or null-format) /update_weights_from_tensor payload -> (name, tensor) pairs."""
     if load_format not in (None, "direct"):
         raise WeightPayloadError(f"unknown load_format {load_format!r}: use null, 'direct' or 'flattened_bucket'")
     obj = _first_entry(serialized_named_tensors)
@@ -376,9 +374,8 @@ def check_finite(named_tensors) -> None:
         raise WeightPayloadError(f"{name} holds NaN or infinite values")
 
 
-def checksums(named_tensors, names=None, dtype: torch.dtype | None = None) -> dict[str, str]:
-    """{name: sha256 of its raw bytes, row-major, cast to `dtype` (e.g. the engine's) if given}, of
-    the given (name, tensor) pairs, optionally only `names`."""
+def checksums(named_tensors, names=None) -> dict[str, str]:
+    """{name: sha256 of its raw bytes, row-major} of the given (name, tensor) pairs, optionally only `names`."""
     wanted = None if names is None else set(names)
-    return {n: hashlib.sha256(t.detach().to(dtype or t.dtype).contiguous().flatten().view(torch.uint8).cpu()
-                              .numpy().tobytes()).hexdigest() for n, t in named_tensors if wanted is None or n in wanted}
+    return {n: hashlib.sha256(t.detach().contiguous().flatten().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
+            for n, t in named_tensors if wanted is None or n in wanted}

@@ -32,8 +32,8 @@ def test_every_parameter_is_a_view_into_one_buffer_in_hf_order(engine):
     assert flat.slots[0].name == "model.embed_tokens.weight" and flat.slots[-1].name == "model.norm.weight"
     base = flat.bytes.data_ptr()
     for slot, (name, p) in zip(flat.slots, engine.model.named_parameters()):
-        assert p.data_ptr() - base == slot.start and p.numel() * p.element_size() == slot.end - slot.start
-    assert flat.slots[-1].end == flat.bytes.numel()  # packed: no gaps
+        assert p.data_ptr() - base == slot.start_idx and p.numel() * p.element_size() == slot.end_idx - slot.start_idx
+    assert flat.slots[-1].end_idx == flat.bytes.numel()  # packed: no gaps
 
 
 def test_packing_keeps_the_values_and_writes_move_every_parameter_version(tiny_model_path):
@@ -48,7 +48,7 @@ def test_packing_keeps_the_values_and_writes_move_every_parameter_version(tiny_m
     # buffer must move it, which `param.data = view` would not.
     emb = eng.model.model.embed_tokens.weight
     before = emb._version
-    eng.load_flat(eng.flat_params.slots[-1].start, torch.zeros(64 * 4, dtype=torch.uint8))  # model.norm.weight
+    eng.load_flat(eng.flat_params.slots[-1].start_idx, torch.zeros(64 * 4, dtype=torch.uint8))  # model.norm.weight
     assert emb._version != before and torch.equal(eng.model.model.norm.weight, torch.zeros(64))
 
 
@@ -72,7 +72,7 @@ def test_a_contiguous_run_matches_at_its_offset(engine):
     bucket = W.FlattenedTensorBucket(named_tensors=run)
     start, end = engine.flat_params.match(bucket.metadata)
     slots = {s.name: s for s in engine.flat_params.slots}
-    assert (start, end) == (slots[run[0][0]].start, slots[run[-1][0]].end)
+    assert (start, end) == (slots[run[0][0]].start_idx, slots[run[-1][0]].end_idx)
     engine.load_flat(start, bucket.flattened_tensor)
     params = dict(engine.model.named_parameters())
     assert all(torch.equal(params[n], t) for n, t in run)

@@ -276,7 +276,7 @@ def test_metadata_pickles_under_sglangs_module_path():
     assert all(m.split(".")[0] in ("torch", "builtins") or m == "sglang.srt.weight_sync.tensor_bucket"
                for m, _ in found), found
     assert "sglang" not in __import__("sys").modules  # the alias lived only during the dump
-    assert W.decode_tensor_payload([payload], "flattened_bucket")[0][1].tolist() == [[1.0] * 3] * 2
+    assert W.decode_bucket([payload]).reconstruct_tensors()[0][1].tolist() == [[1.0] * 3] * 2
 
 
 def test_bucket_by_bytes_keeps_order_and_limit():
