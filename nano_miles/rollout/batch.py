@@ -35,6 +35,11 @@ class Trajectory:
     weight_versions: list[str] = field(default_factory=list)  # one per model turn
     scripted: bool = False  # played from the task's scripted solution (rollout.guide_unsolved), not sampled
 
+    @property
+    def solved(self) -> bool:
+        """The verifier accepted the answer (what accuracy and pass@k count)."""
+        return self.reward_components.get("correct", 0) > 0
+
     def validate(self) -> None:
         if not self.prompt_ids:
             raise ValueError(f"trajectory {self.group_id}/{self.task_id}: empty prompt_ids "

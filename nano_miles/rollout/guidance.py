@@ -31,7 +31,7 @@ def unsolved(group: list[Trajectory]) -> bool:
     """No sample solved the task, and at least one got as far as trying (the sandbox lost none of them
     all): the groups guidance adds a scripted sample to."""
     tried = [t for t in group if t.finish_reason != "infra_error"]
-    return bool(tried) and not any(t.reward_components.get("correct", 0) > 0 for t in tried)
+    return bool(tried) and not any(t.solved for t in tried)
 
 
 async def guide_group(group: list[Trajectory], play) -> tuple[list[Trajectory], Trajectory | None, bool]:
@@ -42,7 +42,7 @@ async def guide_group(group: list[Trajectory], play) -> tuple[list[Trajectory], 
     if not unsolved(group):
         return group, None, False
     demo = await play()
-    if demo.reward_components.get("correct", 0) <= 0:
+    if not demo.solved:
         name_rejected(demo)
         return group, None, True
     i = next((i for i, t in enumerate(group) if t.finish_reason == "infra_error"), len(group) - 1)
