@@ -252,10 +252,13 @@ async def play_step_rollout(step: int, stream: TaskStream, tasks_per_step: int, 
         stream.restore(before)
         raise
     anatomy.add_rollout(clocks, t0, time.perf_counter(), carry.busy_seen if carry is not None else None)
+
+    def usable() -> list[int]:  # the groups a batch can take (with dynamic sampling: a signal), in start order
+        return [i for i, g in enumerate(groups) if (g.signal if cfg.dynamic_sampling else g.group)]
+
     if carry is not None:  # usable groups beyond the batch are the next step's, not dropped
-        usable = [i for i, g in enumerate(groups) if (g.signal if cfg.dynamic_sampling else g.group)]
-        surplus = set(usable[tasks_per_step:])
-        carry.ready = [groups[i] for i in sorted(surplus)]
+        surplus = set(usable()[tasks_per_step:])
+        carry.ready = [g for i, g in enumerate(groups) if i in surplus]
         groups = [g for i, g in enumerate(groups) if i not in surplus]
     stats = runner.stats([g.task for g in groups], [t for g in groups for t in g.episodes])
     if carry is not None:  # the runner's counts run on across steps: this step's share
@@ -268,20 +271,20 @@ async def play_step_rollout(step: int, stream: TaskStream, tasks_per_step: int, 
     for g in groups:
         if g.got_through:  # a group the sandbox lost says nothing of the task
             stream.saw(g.task.id, g.signal)
-    signal = [i for i, g in enumerate(groups) if g.signal]
-    kept = signal[:tasks_per_step] if cfg.dynamic_sampling else [i for i, g in enumerate(groups) if g.group]
+    kept = usable()[:tasks_per_step]
     tally.generated, tally.kept = len(groups), len(kept)
     tally.rounds = math.ceil(len(groups) / cfg.round_size(tasks_per_step))  # rounds' worth of groups started
     tally.refills = len(groups) - min(len(groups), cfg.round_size(tasks_per_step))
-    tally.without_signal = len(groups) - len(signal)  # groups lost to setup failures have none either
+    tally.without_signal = sum(not g.signal for g in groups)  # groups lost to setup failures have none either
     tally.guided = sum(g.replaced is not None for g in groups)
     tally.guide_rejected = sum(g.guide_rejected for g in groups)
     tally.carried = len(carry.task_ids()) if carry is not None else 0
+    # rolled out, not trained on: the samples scripted ones replaced; with dynamic sampling, groups without a
+    # signal and the surplus of an oversampled step
     dropped = [g.replaced for g in groups if g.replaced is not None]
-    if cfg.dynamic_sampling:  # groups without a signal, and the surplus of an oversampled step
-        dropped += [t for i, g in enumerate(groups) if i not in kept for t in g.group]
-        if tally.note:
-            print(f"step {step}: {tally.note}", file=sys.stderr)
+    dropped += [t for i, g in enumerate(groups) if i not in kept for t in g.group]
+    if tally.note:
+        print(f"step {step}: {tally.note}", file=sys.stderr)
     return StepRollout(step, [t for i in kept for t in groups[i].group], time.perf_counter() - t0,
                        stats["setup_failures"], stream.position, stream.state(carry.task_ids() if carry else None),
                        stats["setup_errors"], engine_requests=stats["engine_requests"], dropped=dropped,
