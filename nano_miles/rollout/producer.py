@@ -230,17 +230,15 @@ async def play_step_rollout(step: int, stream: TaskStream, tasks_per_step: int, 
     tally = SamplingTally(cfg.dynamic_sampling, tasks_per_step, max_rounds=cfg.max_sampling_rounds)
     anatomy, clocks = RolloutAnatomy(), []
     t0 = time.perf_counter()
-    runner = carry.runner if carry is not None else None  # (None until the first step makes it)
+    runner = (carry.runner if carry is not None else None) or GroupRunner(engines, tokenizer, cfg, sandbox_factory)
+    if carry is not None:  # it plays on across steps: Carry.close() closes it
+        carry.runner = runner
     try:
         with tqdm(total=0, desc=desc, unit="ep", leave=False, dynamic_ncols=True) as bar:
             def on_start(refills: int):
                 bar.total += cfg.group_size
                 bar.set_description(f"{desc} ({refills} refill(s))" if refills > 0 and carry is None else desc)
 
-            if runner is None:
-                runner = GroupRunner(engines, tokenizer, cfg, sandbox_factory)
-                if carry is not None:
-                    carry.runner = runner
             runner.on_episode_done, runner.clocks = lambda: bar.update(1), clocks
             try:
                 groups = await _play_step(runner, stream, tasks_per_step, cfg, step_seed(run_seed, step), tally,
