@@ -10,7 +10,7 @@ same update, weight sync and checkpoint. The run's parts, and how rank 0 restart
 nano_miles/train_setup.py. Modes: `sync` (every rollout uses the latest weights) and `async` (step v+1
 rolls out while step v trains; a trajectory more than `max_staleness` versions behind is not trained on
 but keeps its place in its group's advantage baseline, newer ones are corrected by truncated importance
-sampling: nano_miles/rollout/producer.py).
+sampling: nano_miles/trainer/update.py).
 """
 from __future__ import annotations
 

@@ -292,10 +292,9 @@ async def play_step_rollout(step: int, stream: TaskStream, tasks_per_step: int, 
 def roll_out_step(step: int, stream: TaskStream, tasks_per_step: int, engines, tokenizer,
                   cfg: TrainRolloutConfig, run_seed: int, desc: str = "rollout", sandbox_factory=None) -> StepRollout:
     """Take the step's tasks from `stream` and roll out a group of each on `engines` (URLs or an
-    EnginePool), with a progress bar (episodes done, ETA) on stderr. With cfg.dynamic_sampling, groups
-    without a learning signal are dropped and more tasks taken as they come back, until the batch has
-    `tasks_per_step` groups or the step started its bound of groups (dynamic_sampling.py).
-    On any failure the stream is put back, so that a retry takes the same tasks with the same seeds."""
+    EnginePool), with a progress bar (episodes done, ETA) on stderr; with cfg.dynamic_sampling, more as
+    groups without a signal come back (_play_step). On any failure the stream is put back, so that a
+    retry takes the same tasks with the same seeds."""
     return asyncio.run(play_step_rollout(step, stream, tasks_per_step, engines, tokenizer, cfg, run_seed, desc,
                                          sandbox_factory))
 
