@@ -323,17 +323,14 @@ class GroupRunner:
 async def rollout_groups(engines: list[str] | EnginePool, tokenizer, tasks: list[Task], cfg: RolloutConfig,
                          seed: int = 0, sandbox_factory=None, stats: dict | None = None,
                          on_episode_done=None, clocks: list | None = None) -> list[Trajectory]:
-    """G samples of every task, all episodes concurrently, over `engines` (a GroupRunner's).
-
-    Trajectories come back grouped, in task order. When no engine is left the whole call fails with
-    EngineUnavailable (the other episodes are cancelled and their sandboxes closed): the training loop
-    decides whether to retry. on_episode_done(), if given, is called as each episode ends.
+    """G samples of every task, all episodes concurrently, over `engines` (a GroupRunner's, as are
+    on_episode_done and clocks). Trajectories come back grouped, in task order; when no engine is left
+    the whole call fails with EngineUnavailable (GroupRunner): the caller decides whether to retry.
 
     stats, if given, gets: engine_requests (/generate calls per engine); setup_failures and the first
     setup_errors (episodes whose sandbox setup failed: no prompt, nothing to learn from, left out of the
     result); unavailable ({task id: reason} for tasks that cannot run here: left out too, and named on
-    stderr). clocks, if given, gets each episode's EpisodeClock (anatomy.py: where the rollout's wall went).
-    Sandbox failures later in an episode, and engine failures (HTTP 500 from /generate), stay in, with
+    stderr). Sandbox failures later in an episode, and engine failures (HTTP 500 from /generate), stay in, with
     finish_reason "infra_error" and reward 0: training and evaluation leave them out and count them.
     """
     runner = GroupRunner(engines, tokenizer, cfg, sandbox_factory, on_episode_done, clocks)
