@@ -74,8 +74,9 @@ def parse_task(table: dict, path: str) -> Task:
     if "check" in table and "solution" not in table:
         raise ValueError("a task with a check needs a solution (the commands that make the check pass)")
     return Task(id=table["id"], family=table["family"], split=table["split"],
-                summary=table.get("summary", table["instruction"][:60]), setup=functools.partial(file_setup, table, params),
-                mounts=tuple(table.get("mounts", ())), workdir=table.get("workdir"), source=path)
+                summary=table.get("summary", table["instruction"][:60]),
+                setup=functools.partial(file_setup, table, params), mounts=tuple(table.get("mounts", ())),
+                workdir=table.get("workdir"), source=path)
 
 
 def check_param(name: str, spec) -> None:
