@@ -42,8 +42,7 @@ class StepRollout:
     trajectories: list    # what the update trains on
     seconds: float
     setup_failures: int   # episodes lost before their first turn (sandbox setup): counted, not trained on
-    data_position: int    # the stream's position after this step's tasks
-    stream_state: dict = field(default_factory=dict)  # the stream's whole state after them (what a checkpoint stores)
+    stream_state: dict = field(default_factory=dict)  # the stream's state after this step's tasks (checkpointed)
     setup_errors: list[str] = field(default_factory=list)  # the first few setup failures' messages
     engine_requests: list[int] = field(default_factory=list)  # /generate calls per engine replica
     dropped: list = field(default_factory=list)  # rolled out, not trained on (dynamic sampling: no signal, surplus)
@@ -284,7 +283,7 @@ async def play_step_rollout(step: int, stream: TaskStream, tasks_per_step: int, 
     if tally.note:
         print(f"step {step}: {tally.note}", file=sys.stderr)
     return StepRollout(step, [t for i in kept for t in groups[i].group], time.perf_counter() - t0,
-                       stats["setup_failures"], stream.position, stream.state(carry.task_ids() if carry else None),
+                       stats["setup_failures"], stream.state(carry.task_ids() if carry else None),
                        stats["setup_errors"], engine_requests=stats["engine_requests"], dropped=dropped,
                        sampling=tally, anatomy=anatomy)
 
