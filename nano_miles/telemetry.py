@@ -92,7 +92,8 @@ def step_metrics(step: int, rollout, staleness: list[int], max_staleness: int, t
     return {
         "step": step, "trajectories": len(rollout.trajectories), "task_ids": [t.task_id for t in rollout.trajectories],
         "infra_failures": sum(t.finish_reason == "infra_error" for t in trajs),
-        "setup_failures": rollout.setup_failures,
+        "setup_failures": rollout.setup_failures, "all_lost": rollout.all_lost,
+        "engine_requests": rollout.engine_requests,  # /generate calls per engine replica
         "infra_errors": list(dict.fromkeys(rollout.infra_errors))[:3],  # why, in the sandbox's words
         "dropped_stale": sum(s > max_staleness for s in staleness), "staleness_max": max(staleness, default=0),
         "staleness_trained_max": max((s for s in staleness if s <= max_staleness), default=0),
@@ -109,6 +110,7 @@ def step_metrics(step: int, rollout, staleness: list[int], max_staleness: int, t
         "parity_stale_mean": train.get("logprob_diff_stale_mean"),
         "update_skipped": skipped, "updates": train.get("updates", 1) if train else 0,
         "sync_ms": sync["ms"], "sync_transport": sync["transport"], "sync_verified": sync["verified"],
+        "sync_engines": sync.get("engines"),  # the replicas the sync reached
         # where the sync's milliseconds went: pause, prepare, pack, send, free, resume (trainer/weight_sync.py)
         **{f"sync_{phase}_ms": ms for phase, ms in (sync.get("phases_ms") or {}).items()},
         # and the engine's side of its send: total, and parse, decode, wait, copy, release, answer where the
