@@ -23,7 +23,7 @@ from pathlib import Path
 from nano_miles.config import ConfigError
 from nano_miles.engine.client import EngineUnavailable
 from nano_miles.job import (RolloutCommandConfig, add_job_arguments, append_result, roll_out, run_rollouts,
-                            selected_tasks, solved)
+                            selected_tasks)
 from nano_miles.tasks import alfa, select_tasks
 from nano_miles.tasks.alfa import three_part_summary
 
@@ -67,7 +67,7 @@ def solved_by_task(trajs) -> dict[str, list[bool]]:
     """{task id: whether each of its scored samples was solved}, in the order the tasks first appear."""
     by_task: dict[str, list[bool]] = {}
     for t in scored(trajs):
-        by_task.setdefault(t.task_id, []).append(solved(t))
+        by_task.setdefault(t.task_id, []).append(t.solved)
     return by_task
 
 
@@ -78,7 +78,7 @@ def per_family(trajs, tasks, k: int) -> dict[str, dict]:
     family = {t.id: t.family for t in tasks}
     instances: dict[str, dict[str, list[bool]]] = {}
     for t in scored(trajs):
-        instances.setdefault(t.task_id, {}).setdefault(t.group_id, []).append(solved(t))
+        instances.setdefault(t.task_id, {}).setdefault(t.group_id, []).append(t.solved)
     rows: dict[str, list[tuple[float, float]]] = {}
     for task_id, groups in instances.items():
         at = [(pass_at_k(len(g), sum(g), 1), pass_at_k(len(g), sum(g), min(k, len(g)))) for g in groups.values()]

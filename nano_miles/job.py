@@ -115,13 +115,9 @@ def roll_out(engines, tokenizer, tasks, rollout: RolloutConfig, seed: int, desc:
                                           on_episode_done=lambda: bar.update(1), **kwargs))
 
 
-def solved(t) -> bool:
-    return t.reward_components.get("correct", 0.0) > 0
-
-
 def summarize(trajs, setup_failures: int = 0) -> dict:
     n, finish = max(len(trajs), 1), dict(collections.Counter(t.finish_reason for t in trajs))
-    return {"episodes": len(trajs), "pass_rate": sum(map(solved, trajs)) / n,
+    return {"episodes": len(trajs), "pass_rate": sum(t.solved for t in trajs) / n,
             "mean_reward": sum(t.reward for t in trajs) / n, "mean_turns": sum(t.num_turns for t in trajs) / n,
             "infra_failures": setup_failures + sum(int(t.reward_components.get("infra_failures", 0)) for t in trajs),
             "finish_reasons": finish, "model_tokens": sum(sum(t.response_mask) for t in trajs)}

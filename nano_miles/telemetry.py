@@ -21,6 +21,7 @@ import psutil
 import torch
 
 from nano_miles.config import ConfigError
+from nano_miles.evaluate import solved_by_task
 
 REQUIRED_KEYS = ("step", "reward_mean", "acc", "pg_loss", "clip_frac", "parity_mean", "parity_max",
                  "sync_ms", "mem_gb", "step_s", "weight_version")
@@ -88,24 +89,20 @@ def step_metrics(step: int, rollout, staleness: list[int], max_staleness: int, t
     a trajectory's length is response_tokens_mean, never response_tokens / trajectories."""
     trajs = rollout.generated
     response_tokens = sum(len(t.response_ids) for t in trajs)
-    # [solved, samples] of each training task: one the policy always solves or always fails gives
-    # dynamic sampling nothing to keep (metrics.jsonl only: not a scalar)
-    by_task: dict[str, list[int]] = {}
-    for t in trajs:
-        if t.finish_reason != "infra_error":
-            counts = by_task.setdefault(t.task_id, [0, 0])
-            counts[0] += t.reward_components.get("correct", 0) > 0
-            counts[1] += 1
     return {
         "step": step, "trajectories": len(rollout.trajectories), "task_ids": [t.task_id for t in rollout.trajectories],
         "infra_failures": sum(t.finish_reason == "infra_error" for t in trajs),
-        "setup_failures": rollout.setup_failures,
+        "setup_failures": rollout.setup_failures, "all_lost": rollout.all_lost,
+        "engine_requests": rollout.engine_requests,  # /generate calls per engine replica
         "infra_errors": list(dict.fromkeys(rollout.infra_errors))[:3],  # why, in the sandbox's words
         "dropped_stale": sum(s > max_staleness for s in staleness), "staleness_max": max(staleness, default=0),
         "staleness_trained_max": max((s for s in staleness if s <= max_staleness), default=0),
         "reward_mean": _mean(t.reward for t in trajs),
-        "acc": _mean(float(t.reward_components.get("correct", 0) > 0) for t in trajs),
-        "train_by_task": dict(sorted(by_task.items())), "turns_mean": _mean(t.num_turns for t in trajs),
+        "acc": _mean(float(t.solved) for t in trajs),
+        # [solved, samples] of each training task: one the policy always solves or always fails gives
+        # dynamic sampling nothing to keep (metrics.jsonl only: not a scalar)
+        "train_by_task": {task: [sum(s), len(s)] for task, s in sorted(solved_by_task(trajs).items())},
+        "turns_mean": _mean(t.num_turns for t in trajs),
         **{key: train.get(key) for key in ("pg_loss", "clip_frac", "clip_cov_frac", "approx_kl", "kl_ref", "entropy",
                                           "grad_norm", "lr")},
         # parity: tokens sampled with the trainer's own weights; stale: by older ones (async), drift included
@@ -113,6 +110,7 @@ def step_metrics(step: int, rollout, staleness: list[int], max_staleness: int, t
         "parity_stale_mean": train.get("logprob_diff_stale_mean"),
         "update_skipped": skipped, "updates": train.get("updates", 1) if train else 0,
         "sync_ms": sync["ms"], "sync_transport": sync["transport"], "sync_verified": sync["verified"],
+        "sync_engines": sync.get("engines"),  # the replicas the sync reached
         # where the sync's milliseconds went: pause, prepare, pack, send, free, resume (trainer/weight_sync.py)
         **{f"sync_{phase}_ms": ms for phase, ms in (sync.get("phases_ms") or {}).items()},
         # and the engine's side of its send: total, and parse, decode, wait, copy, release, answer where the

@@ -10,7 +10,7 @@ same update, weight sync and checkpoint. The run's parts, and how rank 0 restart
 nano_miles/train_setup.py. Modes: `sync` (every rollout uses the latest weights) and `async` (step v+1
 rolls out while step v trains; a trajectory more than `max_staleness` versions behind is not trained on
 but keeps its place in its group's advantage baseline, newer ones are corrected by truncated importance
-sampling: nano_miles/rollout/producer.py).
+sampling: nano_miles/trainer/update.py).
 """
 from __future__ import annotations
 
@@ -115,12 +115,10 @@ class TrainingRun(Run):
         memory = self.gather(memory_gb(self.trainer.device))
         if not self.lead:
             return None
-        metrics = step_metrics(step, rollout, stale, self.cfg.max_staleness, train, skipped, sync,
-                               mem_gb=max(memory), mem_gb_ranks=memory, step_s=time.perf_counter() - t0,
-                               world_size=self.world, engine_replicas=len(self.engines.replicas),
-                               engine_requests=rollout.engine_requests, sync_engines=sync["engines"],
-                               engine_restarts=self.engines.restarts, all_lost=rollout.all_lost)
-        return {**metrics, "true_on_policy": self.cfg.true_on_policy}  # parity_max != 0 is then an error
+        return step_metrics(step, rollout, stale, self.cfg.max_staleness, train, skipped, sync,
+                            mem_gb=max(memory), mem_gb_ranks=memory, step_s=time.perf_counter() - t0,
+                            world_size=self.world, engine_replicas=len(self.engines.replicas),
+                            engine_restarts=self.engines.restarts, true_on_policy=self.cfg.true_on_policy)  # parity_max != 0 is then an error
 
     def plan(self, step: int, metrics: dict) -> dict:
         """Rank 0, after a step: what every rank does next. Export best/; checkpoint (which step); stop

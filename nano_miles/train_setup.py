@@ -190,8 +190,10 @@ class Run:
                     if self.stop_requested:
                         raise KeyboardInterrupt
                     self.interruptible = True
-                    rollout = self.producer.get(step)
-                    self.interruptible = False
+                    try:
+                        rollout = self.producer.get(step)
+                    finally:
+                        self.interruptible = False
                     self.stream_after[step] = rollout.stream_state
                     stale = [staleness(t, self.trainer.step) for t in rollout.trajectories]
                     # Sandbox infrastructure failures are not the policy's doing: counted, never trained on.
@@ -200,14 +202,11 @@ class Run:
                     message = ("batch", [t for t, _ in usable], [s <= self.cfg.max_staleness for _, s in usable],
                                rollout.skip_reason)
                 except EngineUnavailable as e:
-                    self.interruptible = False
                     attempt += 1
                     self._recover(e, attempt, f"step {step} rollout")
                     message = ("resync",)
                 except KeyboardInterrupt:
                     message = ("stop",)
-                finally:
-                    self.interruptible = False
             kind, *rest = self.share(message)
             if kind == "stop":
                 raise Stopped

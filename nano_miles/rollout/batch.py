@@ -35,6 +35,11 @@ class Trajectory:
     weight_versions: list[str] = field(default_factory=list)  # one per model turn
     scripted: bool = False  # played from the task's scripted solution (rollout.guide_unsolved), not sampled
 
+    @property
+    def solved(self) -> bool:
+        """The verifier accepted the answer (what accuracy and pass@k count)."""
+        return self.reward_components.get("correct", 0) > 0
+
     def validate(self) -> None:
         if not self.prompt_ids:
             raise ValueError(f"trajectory {self.group_id}/{self.task_id}: empty prompt_ids "
@@ -92,11 +97,7 @@ class RolloutBatch:
     attention_mask: torch.Tensor    # [B, L] bool, True on real tokens
     loss_mask: torch.Tensor         # [B, L-1] bool, at prediction positions; True only on model tokens
     rollout_logprobs: torch.Tensor  # [B, L-1] float32, engine log-probs at the same positions, 0 elsewhere
-    rewards: torch.Tensor           # [B] float32
     group_ids: list[str]
-    task_ids: list[str]
-    prompt_lens: list[int]
-    response_lens: list[int]
     weight_versions: list[list[str]]
     scripted: torch.Tensor          # [B] bool: a scripted sample (no sampling log-probs; left out of parity)
     stale: torch.Tensor             # [B] bool: sampled (in part) by weights older than the policy trained
@@ -139,10 +140,7 @@ def build_rollout_batch(trajectories: list, pad_id: int = 0, policy_version: int
     rollout_logprobs = rollout_logprobs.masked_fill(~loss_mask, 0.0)
     return RolloutBatch(
         tokens=tokens, attention_mask=attention_mask, loss_mask=loss_mask, rollout_logprobs=rollout_logprobs,
-        rewards=torch.tensor([float(t.reward) for t in trajs], dtype=torch.float32),
-        group_ids=[t.group_id for t in trajs], task_ids=[t.task_id for t in trajs],
-        prompt_lens=[len(t.prompt_ids) for t in trajs], response_lens=[len(t.response_ids) for t in trajs],
-        weight_versions=[list(t.weight_versions) for t in trajs],
+        group_ids=[t.group_id for t in trajs], weight_versions=[list(t.weight_versions) for t in trajs],
         scripted=torch.tensor([bool(t.scripted) for t in trajs], dtype=torch.bool),
         stale=torch.tensor([policy_version is not None and staleness(t, policy_version) > 0 for t in trajs],
                            dtype=torch.bool))

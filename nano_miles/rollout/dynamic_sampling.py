@@ -58,15 +58,6 @@ def has_signal(group: list) -> bool:
     return len(rewards) > 1
 
 
-def split_groups(trajs: list) -> tuple[list[list], list[list]]:
-    """The groups of `trajs` (by group id, in order), as (with a signal, without one)."""
-    groups: dict[str, list] = {}
-    for t in trajs:
-        groups.setdefault(t.group_id, []).append(t)
-    with_signal = [g for g in groups.values() if has_signal(g)]
-    return with_signal, [g for g in groups.values() if not has_signal(g)]
-
-
 @dataclass
 class SamplingTally:
     """What a step rolled out and what it kept, for its metrics."""

@@ -159,22 +159,19 @@ class OpenShellEnv:
 
         Raises SetupError when the sandbox cannot run the setup (infrastructure, not the policy)."""
         with self._busy:
-            return self._reset()
-
-    def _reset(self) -> list[dict]:
-        if self._closed:
-            raise SetupError(f"task {self.task.id}: the episode was closed before its setup ran")
-        try:
-            self.sandbox = self._new_sandbox()
-            self.workdir = self.sandbox.workspace   # a fresh directory the sandbox owns and removes
-            self.instance = self.task.setup(self._workspace(), random.Random(self.seed))
-        except SetupError as e:
-            self._close()
-            raise type(e)(f"{self._name()}: {e}") from e
-        except Exception as e:  # the sandbox could not start or exec: an infrastructure failure
-            self._close()
-            raise SetupError(f"{self._name()}: sandbox failed during setup: {type(e).__name__}: {e}") from e
-        return self.messages()
+            if self._closed:
+                raise SetupError(f"task {self.task.id}: the episode was closed before its setup ran")
+            try:
+                self.sandbox = self._new_sandbox()
+                self.workdir = self.sandbox.workspace   # a fresh directory the sandbox owns and removes
+                self.instance = self.task.setup(self._workspace(), random.Random(self.seed))
+            except SetupError as e:
+                self._close()
+                raise type(e)(f"{self._name()}: {e}") from e
+            except Exception as e:  # the sandbox could not start or exec: an infrastructure failure
+                self._close()
+                raise SetupError(f"{self._name()}: sandbox failed during setup: {type(e).__name__}: {e}") from e
+            return self.messages()
 
     def _name(self) -> str:
         """The task as error lines name it: its file or module, then its id."""
@@ -221,8 +218,10 @@ class OpenShellEnv:
     def step(self, action_text: str) -> StepResult:
         with self._busy:
             kind, body = self._begin_turn(action_text)
+            if kind == "answer":
+                return self._answer(body)
             if kind != "bash":
-                return self._non_exec(kind, body)
+                return self._format_error(FORMAT_ERROR)
             cmd = in_workdir(body, self.task.workdir)
             t = time.perf_counter()
             try:
@@ -280,17 +279,15 @@ class OpenShellEnv:
                                                        self.components["exec_ok"] + self.cfg.exec_ok_bonus), 6)
         return self._next(format_output(r, self.cfg), kind)
 
-    def _non_exec(self, kind: str, body: str) -> StepResult:
-        if kind == "answer":
-            self.answer = body
-            try:
-                ok = self._judge(body)
-            except Exception as e:
-                return self._infra_failure(e)
-            self.components["correct"] = self.cfg.correct_reward if ok else 0.0
-            self.done, self.finish_reason = True, "answer"
-            return StepResult(None, True, "answer")
-        return self._format_error(FORMAT_ERROR)
+    def _answer(self, answer: str) -> StepResult:
+        self.answer = answer
+        try:
+            ok = self._judge(answer)
+        except Exception as e:
+            return self._infra_failure(e)
+        self.components["correct"] = self.cfg.correct_reward if ok else 0.0
+        self.done, self.finish_reason = True, "answer"
+        return StepResult(None, True, "answer")
 
     def _judge(self, answer: str) -> bool:
         """The task's verifier; a task scored by execution (ALFA) also records its metrics."""

@@ -251,16 +251,16 @@ class GroupRunner:
     An episode whose engine dies runs again from its start on another engine (its group moves there);
     when no engine is left its group fails with EngineUnavailable (the group's other episodes are
     cancelled and their sandboxes closed). on_episode_done(), if given, is called as each episode
-    ends; clocks, if given, gets each episode's EpisodeClock (anatomy.py)."""
+    ends; clocks, if set to a list, gets each episode's EpisodeClock (anatomy.py)."""
 
     def __init__(self, engines: list[str] | EnginePool, tokenizer, cfg: RolloutConfig, sandbox_factory=None,
-                 on_episode_done=None, clocks: list | None = None):
+                 on_episode_done=None):
         self.pool = engines if isinstance(engines, EnginePool) else EnginePool.of(list(engines))
         if not self.pool.replicas:
             raise ValueError("rollout_groups needs at least one engine URL")
         self.fmt = tokenizer if isinstance(tokenizer, ChatFormat) else ChatFormat(tokenizer)
         self.cfg, self.sandbox_factory = cfg, sandbox_factory
-        self.on_episode_done, self.clocks = on_episode_done, clocks
+        self.on_episode_done, self.clocks = on_episode_done, None
         self.router = GroupRouter(self.pool, cfg.request_timeout)
         self.sem = asyncio.Semaphore(cfg.max_concurrency)
         # one worker per episode in flight (+ room for closes queued behind a cancelled episode's command)
@@ -322,21 +322,18 @@ class GroupRunner:
 
 async def rollout_groups(engines: list[str] | EnginePool, tokenizer, tasks: list[Task], cfg: RolloutConfig,
                          seed: int = 0, sandbox_factory=None, stats: dict | None = None,
-                         on_episode_done=None, clocks: list | None = None) -> list[Trajectory]:
-    """G samples of every task, all episodes concurrently, over `engines` (a GroupRunner's).
-
-    Trajectories come back grouped, in task order. When no engine is left the whole call fails with
-    EngineUnavailable (the other episodes are cancelled and their sandboxes closed): the training loop
-    decides whether to retry. on_episode_done(), if given, is called as each episode ends.
+                         on_episode_done=None) -> list[Trajectory]:
+    """G samples of every task, all episodes concurrently, over `engines` (a GroupRunner's, as is
+    on_episode_done). Trajectories come back grouped, in task order; when no engine is left
+    the whole call fails with EngineUnavailable (GroupRunner): the caller decides whether to retry.
 
     stats, if given, gets: engine_requests (/generate calls per engine); setup_failures and the first
     setup_errors (episodes whose sandbox setup failed: no prompt, nothing to learn from, left out of the
     result); unavailable ({task id: reason} for tasks that cannot run here: left out too, and named on
-    stderr). clocks, if given, gets each episode's EpisodeClock (anatomy.py: where the rollout's wall went).
-    Sandbox failures later in an episode, and engine failures (HTTP 500 from /generate), stay in, with
-    finish_reason "infra_error" and reward 0: training and evaluation leave them out and count them.
-    """
-    runner = GroupRunner(engines, tokenizer, cfg, sandbox_factory, on_episode_done, clocks)
+    stderr). Sandbox failures later in an episode, and engine failures (HTTP 500 from /generate), stay
+    in, with finish_reason "infra_error" and reward 0: training and evaluation leave them out and count
+    them."""
+    runner = GroupRunner(engines, tokenizer, cfg, sandbox_factory, on_episode_done)
     try:
         groups = await settle([asyncio.ensure_future(runner.group(task, *group_key(task, seed, g)))
                                for g, task in enumerate(tasks)])

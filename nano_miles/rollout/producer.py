@@ -42,8 +42,7 @@ class StepRollout:
     trajectories: list    # what the update trains on
     seconds: float
     setup_failures: int   # episodes lost before their first turn (sandbox setup): counted, not trained on
-    data_position: int    # the stream's position after this step's tasks
-    stream_state: dict = field(default_factory=dict)  # the stream's whole state after them (what a checkpoint stores)
+    stream_state: dict = field(default_factory=dict)  # the stream's state after this step's tasks (checkpointed)
     setup_errors: list[str] = field(default_factory=list)  # the first few setup failures' messages
     engine_requests: list[int] = field(default_factory=list)  # /generate calls per engine replica
     dropped: list = field(default_factory=list)  # rolled out, not trained on (dynamic sampling: no signal, surplus)
@@ -230,17 +229,15 @@ async def play_step_rollout(step: int, stream: TaskStream, tasks_per_step: int, 
     tally = SamplingTally(cfg.dynamic_sampling, tasks_per_step, max_rounds=cfg.max_sampling_rounds)
     anatomy, clocks = RolloutAnatomy(), []
     t0 = time.perf_counter()
-    runner = carry.runner if carry is not None else None  # (None until the first step makes it)
+    runner = (carry.runner if carry is not None else None) or GroupRunner(engines, tokenizer, cfg, sandbox_factory)
+    if carry is not None:  # it plays on across steps: Carry.close() closes it
+        carry.runner = runner
     try:
         with tqdm(total=0, desc=desc, unit="ep", leave=False, dynamic_ncols=True) as bar:
             def on_start(refills: int):
                 bar.total += cfg.group_size
                 bar.set_description(f"{desc} ({refills} refill(s))" if refills > 0 and carry is None else desc)
 
-            if runner is None:
-                runner = GroupRunner(engines, tokenizer, cfg, sandbox_factory)
-                if carry is not None:
-                    carry.runner = runner
             runner.on_episode_done, runner.clocks = lambda: bar.update(1), clocks
             try:
                 groups = await _play_step(runner, stream, tasks_per_step, cfg, step_seed(run_seed, step), tally,
@@ -252,10 +249,13 @@ async def play_step_rollout(step: int, stream: TaskStream, tasks_per_step: int, 
         stream.restore(before)
         raise
     anatomy.add_rollout(clocks, t0, time.perf_counter(), carry.busy_seen if carry is not None else None)
+
+    def usable() -> list[int]:  # the groups a batch can take (with dynamic sampling: a signal), in start order
+        return [i for i, g in enumerate(groups) if (g.signal if cfg.dynamic_sampling else g.group)]
+
     if carry is not None:  # usable groups beyond the batch are the next step's, not dropped
-        usable = [i for i, g in enumerate(groups) if (g.signal if cfg.dynamic_sampling else g.group)]
-        surplus = set(usable[tasks_per_step:])
-        carry.ready = [groups[i] for i in sorted(surplus)]
+        surplus = set(usable()[tasks_per_step:])
+        carry.ready = [g for i, g in enumerate(groups) if i in surplus]
         groups = [g for i, g in enumerate(groups) if i not in surplus]
     stats = runner.stats([g.task for g in groups], [t for g in groups for t in g.episodes])
     if carry is not None:  # the runner's counts run on across steps: this step's share
@@ -268,22 +268,22 @@ async def play_step_rollout(step: int, stream: TaskStream, tasks_per_step: int, 
     for g in groups:
         if g.got_through:  # a group the sandbox lost says nothing of the task
             stream.saw(g.task.id, g.signal)
-    signal = [i for i, g in enumerate(groups) if g.signal]
-    kept = signal[:tasks_per_step] if cfg.dynamic_sampling else [i for i, g in enumerate(groups) if g.group]
+    kept = usable()[:tasks_per_step]
     tally.generated, tally.kept = len(groups), len(kept)
     tally.rounds = math.ceil(len(groups) / cfg.round_size(tasks_per_step))  # rounds' worth of groups started
     tally.refills = len(groups) - min(len(groups), cfg.round_size(tasks_per_step))
-    tally.without_signal = len(groups) - len(signal)  # groups lost to setup failures have none either
+    tally.without_signal = sum(not g.signal for g in groups)  # groups lost to setup failures have none either
     tally.guided = sum(g.replaced is not None for g in groups)
     tally.guide_rejected = sum(g.guide_rejected for g in groups)
     tally.carried = len(carry.task_ids()) if carry is not None else 0
+    # rolled out, not trained on: the samples scripted ones replaced; with dynamic sampling, groups without a
+    # signal and the surplus of an oversampled step
     dropped = [g.replaced for g in groups if g.replaced is not None]
-    if cfg.dynamic_sampling:  # groups without a signal, and the surplus of an oversampled step
-        dropped += [t for i, g in enumerate(groups) if i not in kept for t in g.group]
-        if tally.note:
-            print(f"step {step}: {tally.note}", file=sys.stderr)
+    dropped += [t for i, g in enumerate(groups) if i not in kept for t in g.group]
+    if tally.note:
+        print(f"step {step}: {tally.note}", file=sys.stderr)
     return StepRollout(step, [t for i in kept for t in groups[i].group], time.perf_counter() - t0,
-                       stats["setup_failures"], stream.position, stream.state(carry.task_ids() if carry else None),
+                       stats["setup_failures"], stream.state(carry.task_ids() if carry else None),
                        stats["setup_errors"], engine_requests=stats["engine_requests"], dropped=dropped,
                        sampling=tally, anatomy=anatomy)
 
@@ -291,10 +291,9 @@ async def play_step_rollout(step: int, stream: TaskStream, tasks_per_step: int, 
 def roll_out_step(step: int, stream: TaskStream, tasks_per_step: int, engines, tokenizer,
                   cfg: TrainRolloutConfig, run_seed: int, desc: str = "rollout", sandbox_factory=None) -> StepRollout:
     """Take the step's tasks from `stream` and roll out a group of each on `engines` (URLs or an
-    EnginePool), with a progress bar (episodes done, ETA) on stderr. With cfg.dynamic_sampling, groups
-    without a learning signal are dropped and more tasks taken as they come back, until the batch has
-    `tasks_per_step` groups or the step started its bound of groups (dynamic_sampling.py).
-    On any failure the stream is put back, so that a retry takes the same tasks with the same seeds."""
+    EnginePool), with a progress bar (episodes done, ETA) on stderr; with cfg.dynamic_sampling, more as
+    groups without a signal come back (_play_step). On any failure the stream is put back, so that a
+    retry takes the same tasks with the same seeds."""
     return asyncio.run(play_step_rollout(step, stream, tasks_per_step, engines, tokenizer, cfg, run_seed, desc,
                                          sandbox_factory))
 

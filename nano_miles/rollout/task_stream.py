@@ -16,10 +16,10 @@ class TaskStream:
     pending (rollout.carry_over): tasks taken whose groups were in no batch yet when the state was
     saved (still running, or finished beyond the batch); a restored stream hands them out first."""
 
-    def __init__(self, tasks: list, seed: int, position: int = 0, pass_over: int = 0):
+    def __init__(self, tasks: list, seed: int, pass_over: int = 0):
         if not tasks:
             raise ValueError("no tasks selected")
-        self.tasks, self.seed, self.position, self.pass_over = list(tasks), seed, position, pass_over
+        self.tasks, self.seed, self.position, self.pass_over = list(tasks), seed, 0, pass_over
         self.passes: dict[str, int] = {}  # task id -> its appearances still to pass over
         self.retake: list = []  # restored pending tasks, taken before the order goes on
         self._epoch_order = (-1, [])

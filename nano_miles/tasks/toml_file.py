@@ -9,16 +9,17 @@ The format, with a complete example (examples/tasks.toml), is in docs/tasks.md.
 """
 from __future__ import annotations
 
+import functools
 import random
 import re
 import tomllib
 
 from nano_miles.tasks.api import KINDS, SetupError, Task, TaskInstance, Workspace, register, report_problem
+from nano_miles.tasks.catalog.common import token
 
 REQUIRED = ("id", "family", "split", "instruction", "answer")
 OPTIONAL = ("summary", "params", "setup", "kind", "check", "solution", "mounts", "workdir")
 PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
-TOKEN_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789"
 
 
 def load_task_file(path: str) -> None:
@@ -73,8 +74,9 @@ def parse_task(table: dict, path: str) -> Task:
     if "check" in table and "solution" not in table:
         raise ValueError("a task with a check needs a solution (the commands that make the check pass)")
     return Task(id=table["id"], family=table["family"], split=table["split"],
-                summary=table.get("summary", table["instruction"][:60]), setup=FileTaskSetup(table, params),
-                mounts=tuple(table.get("mounts", ())), workdir=table.get("workdir"), source=path)
+                summary=table.get("summary", table["instruction"][:60]),
+                setup=functools.partial(file_setup, table, params), mounts=tuple(table.get("mounts", ())),
+                workdir=table.get("workdir"), source=path)
 
 
 def check_param(name: str, spec) -> None:
@@ -103,7 +105,7 @@ def draw(params: dict, rng: random.Random) -> dict[str, str]:
         elif how == "choice":
             values[name] = str(rng.choice(arg))
         else:
-            values[name] = "".join(rng.choice(TOKEN_CHARS) for _ in range(arg))
+            values[name] = token(rng, arg)
     return values
 
 
@@ -111,20 +113,15 @@ def fill(text: str, values: dict[str, str]) -> str:
     return PLACEHOLDER.sub(lambda m: values.get(m.group(1), m.group(0)), text)
 
 
-class FileTaskSetup:
+def file_setup(t: dict, params: dict, ws: Workspace, rng: random.Random) -> TaskInstance:
     """The setup of a file task: draw the parameters, run the setup commands, run the answer command."""
-
-    def __init__(self, table: dict, params: dict):
-        self.table, self.params = table, params
-
-    def __call__(self, ws: Workspace, rng: random.Random) -> TaskInstance:
-        t, values = self.table, draw(self.params, rng)
-        for cmd in t.get("setup", ()):
-            ws.run(fill(cmd, values))
-        answer = fill(t["answer"], values)
-        expected = ws.run(answer)
-        if not expected.strip():
-            raise SetupError(f"the answer command printed nothing, so no answer could match: {answer!r}")
-        return TaskInstance(fill(t["instruction"], values), expected, t.get("kind", "text"),
-                            check=fill(t["check"], values) if "check" in t else None,
-                            solution=[fill(c, values) for c in t.get("solution", [t["answer"]])])
+    values = draw(params, rng)
+    for cmd in t.get("setup", ()):
+        ws.run(fill(cmd, values))
+    answer = fill(t["answer"], values)
+    expected = ws.run(answer)
+    if not expected.strip():
+        raise SetupError(f"the answer command printed nothing, so no answer could match: {answer!r}")
+    return TaskInstance(fill(t["instruction"], values), expected, t.get("kind", "text"),
+                        check=fill(t["check"], values) if "check" in t else None,
+                        solution=[fill(c, values) for c in t.get("solution", [t["answer"]])])

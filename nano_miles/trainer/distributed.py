@@ -41,8 +41,7 @@ class DistError(RuntimeError):
 class DistEnv:
     rank: int
     world_size: int
-    local_rank: int
-    device: torch.device
+    device: torch.device  # GPU LOCAL_RANK on cuda
     cpu_group: Any = None  # gloo group over the same ranks
 
     def where(self) -> str:
@@ -98,7 +97,7 @@ def init_distributed(device_type: str = "auto", timeout_s: float = 300.0) -> Dis
         cpu_group = dist.new_group(backend="gloo", timeout=timeout)
     except Exception as e:
         raise DistError(f"{where}: joining the process group failed: {type(e).__name__}: {_first_line(e)}") from e
-    return DistEnv(rank, world, local_rank, device, cpu_group)
+    return DistEnv(rank, world, device, cpu_group)
 
 
 def _first_line(e: BaseException | str) -> str:

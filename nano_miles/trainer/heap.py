@@ -22,11 +22,11 @@ def _libc():
     return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
 
 
-def return_large_frees(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
-    """Serve blocks of `threshold` bytes or more with their own mapping, for the rest of this process.
+def return_large_frees() -> bool:
+    """Serve blocks of MMAP_THRESHOLD_BYTES or more with their own mapping, for the rest of this process.
     Returns whether it took effect (False off glibc)."""
     libc = _libc()
-    return bool(libc is not None and libc.mallopt(M_MMAP_THRESHOLD, ctypes.c_int(threshold)))
+    return bool(libc is not None and libc.mallopt(M_MMAP_THRESHOLD, ctypes.c_int(MMAP_THRESHOLD_BYTES)))
 
 
 def release_free_heap() -> None:

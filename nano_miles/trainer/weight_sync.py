@@ -55,16 +55,15 @@ def choose_transport(trainer_device: torch.device, engine_infos: list[dict], eng
 
 
 class WeightSync:
-    def __init__(self, source, engine_urls, cfg: SyncConfig | None = None, api_key: str | None = None,
-                 allow_shared: bool = False, **keys):
-        """source: a Trainer, an nn.Module, (name, tensor) pairs or a callable returning them; cfg with
+    def __init__(self, source, engine_urls, cfg: SyncConfig | None = None, allow_shared: bool = False, **keys):
+        """source: a Trainer, or (name, tensor) pairs (whatever weights a test sends); cfg with
         SyncConfig keys by name over it; allow_shared: no rollout runs during an update (mode=sync)."""
         self.cfg = cfg = dataclasses.replace(cfg or SyncConfig(), **keys)
         self.source = source
         self.urls = [engine_urls] if isinstance(engine_urls, str) else list(engine_urls)
         if not self.urls:
             raise ValueError("WeightSync needs at least one engine URL")
-        self.clients = [EngineClient(u, timeout=cfg.timeout_s, api_key=api_key) for u in self.urls]
+        self.clients = [EngineClient(u, timeout=cfg.timeout_s) for u in self.urls]
         self.infos = [c.model_info() for c in self.clients]
         dtypes = {info["dtype"] for info in self.infos}
         if len(dtypes) != 1:
@@ -97,12 +96,7 @@ class WeightSync:
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """What the engines should serve, in their dtype."""
         src = self.source
-        if hasattr(src, "named_weights"):
-            named = src.named_weights(self.engine_dtype)
-        elif isinstance(src, torch.nn.Module):
-            named = src.named_parameters()
-        else:
-            named = src() if callable(src) else src
+        named = src.named_weights(self.engine_dtype) if hasattr(src, "named_weights") else src
         return [(n, t.detach().to(self.engine_dtype)) for n, t in named]
 
     # ------------------------------------------------------------------ sync

@@ -19,7 +19,7 @@ import torch
 from nano_miles.engine.client import EngineUnavailable
 from nano_miles.rollout.batch import Trajectory
 from nano_miles.config import ConfigError, load_config, parse_set
-from nano_miles.rollout.dynamic_sampling import TrainRolloutConfig, split_groups
+from nano_miles.rollout.dynamic_sampling import TrainRolloutConfig, has_signal
 from nano_miles.engine.model import ModelConfig
 from nano_miles.rollout.env import EnvConfig, default_sandbox
 from nano_miles.rollout.episode import group_key
@@ -126,11 +126,11 @@ def _signal(trajs) -> bool:
 def test_a_group_has_a_signal_when_the_samples_training_uses_disagree():
     def traj(group, reward, finish="answer"):
         return Trajectory([1], [2], [0.0], [True], reward=reward, finish_reason=finish, task_id=group, group_id=group)
-    with_signal, without = split_groups([traj("a", 1.0), traj("a", 0.0), traj("b", 0.0), traj("b", 0.0),
-                                         traj("c", 1.0), traj("c", 0.0, "infra_error"), traj("d", 1.0)])
+    assert has_signal([traj("a", 1.0), traj("a", 0.0)])
+    assert not has_signal([traj("b", 0.0), traj("b", 0.0)])
     # c's second sample was lost to the sandbox (never trained on): one sample left, no signal
-    assert [[t.group_id for t in g] for g in with_signal] == [["a", "a"]]
-    assert [g[0].group_id for g in without] == ["b", "c", "d"]
+    assert not has_signal([traj("c", 1.0), traj("c", 0.0, "infra_error")])
+    assert not has_signal([traj("d", 1.0)])
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -155,7 +155,7 @@ def test_groups_without_a_signal_are_dropped_and_the_batch_refilled(mode, tok, s
         # the step's batch: the next two tasks of the stream whose groups have a signal, nothing else
         taken, rounds = _expected(order, position, mixed, 2)
         position += len(taken)
-        assert rollout.data_position == position
+        assert rollout.stream_state["position"] == position
         assert [t.task_id for t in rollout.trajectories] == [t for t in taken if t in mixed for _ in range(2)]
         assert _signal(rollout.trajectories) and len(rollout.trajectories) == 4
         assert sorted({t.task_id for t in rollout.dropped}) == sorted({t for t in taken if t not in mixed})
@@ -178,7 +178,7 @@ def test_the_bound_stops_the_refill_and_the_metrics_say_so(tok, scripted):
     rollout = roll_out_step(1, stream, 3, [engine.url], tok, cfg, run_seed=0)
     taken, rounds = _expected(order, 0, {"kernel_name"}, 3, max_rounds=2)
     kept = taken.count("kernel_name")
-    assert rollout.sampling.rounds == rounds == 2 and kept < 3 and rollout.data_position == len(taken)
+    assert rollout.sampling.rounds == rounds == 2 and kept < 3 and rollout.stream_state["position"] == len(taken)
     assert [t.task_id for t in rollout.trajectories] == ["kernel_name"] * 2 * kept
     m = rollout.sampling.metrics()
     assert m["groups_kept"] == kept and m["groups_generated"] == len(taken)
@@ -198,7 +198,7 @@ def test_oversampled_surplus_is_not_trained_on_and_off_means_unfiltered(tok, scr
     engine = scripted({t.id for t in tasks})  # every group has a signal
     rollout = roll_out_step(1, TaskStream(tasks, seed=3), 2, [engine.url], tok,
                             _cfg(dynamic_sampling=True, oversample=2.0), run_seed=0)
-    assert rollout.sampling.rounds == 1 and rollout.data_position == 4  # one round of 2 x 2 groups
+    assert rollout.sampling.rounds == 1 and rollout.stream_state["position"] == 4  # one round of 2 x 2 groups
     assert len(rollout.trajectories) == 4 and len(rollout.dropped) == 4  # the surplus: rolled out, not trained on
     assert rollout.sampling.metrics()["groups_dropped"] == 0
     # Off: every group is trained on; the share without a signal is still measured.
@@ -297,7 +297,7 @@ def test_a_refill_starts_while_the_first_wave_is_still_running(tok):
         engine.close()
     assert engine.released  # the refill's first turn came while group 0 waited for its own
     assert [t.task_id for t in rollout.trajectories] == [order[0]] * 2 + [order[2]] * 2
-    assert [t.task_id for t in rollout.dropped] == [order[1]] * 2 and rollout.data_position == 3
+    assert [t.task_id for t in rollout.dropped] == [order[1]] * 2 and rollout.stream_state["position"] == 3
     m = rollout.sampling.metrics()
     assert (m["groups_generated"], m["groups_kept"], m["sampling_rounds"], rollout.sampling.refills) == (3, 2, 2, 1)
 
@@ -308,7 +308,7 @@ def test_a_step_starts_at_most_max_sampling_rounds_rounds_worth_of_groups(tok, s
     cfg = _cfg(dynamic_sampling=True, oversample=1.5, max_sampling_rounds=3)  # a round: ceil(2 x 1.5) = 3 groups
     rollout = roll_out_step(1, TaskStream(tasks, seed=3), 2, [engine.url], tok, cfg, run_seed=0)
     assert rollout.trajectories == [] and len({t.group_id for t in rollout.dropped}) == 9
-    assert rollout.data_position == 9 and (rollout.sampling.rounds, rollout.sampling.refills) == (3, 6)
+    assert rollout.stream_state["position"] == 9 and (rollout.sampling.rounds, rollout.sampling.refills) == (3, 6)
     assert "9 groups rolled out" in rollout.sampling.note and "rollout.max_sampling_rounds=3" in rollout.sampling.note
 
 
@@ -364,7 +364,7 @@ def test_a_step_passes_over_the_tasks_whose_last_group_had_no_signal(tok, script
     second = roll_out_step(2, stream, 4, [engine.url], tok, cfg, run_seed=0)
     # epoch 1 gives only kernel_name (the other three passed over once), epoch 2 the rest of the batch
     assert [g.task_id for g in second.trajectories[::2]] == ["kernel_name"] + plain[8:11]
-    assert second.sampling.metrics()["tasks_passed_over"] == 3 and second.data_position == 11
+    assert second.sampling.metrics()["tasks_passed_over"] == 3 and second.stream_state["position"] == 11
 
 
 def test_a_resumed_run_passes_over_what_the_interrupted_one_would_have(tmp_path):

@@ -3,6 +3,7 @@ task's scripted solution as one of its samples, played through the real environm
 tokenized as a sampled episode; the update takes the trainer's own log-probs for it and leaves it
 out of parity; the step's reward and accuracy stay the policy's."""
 import asyncio
+import functools
 import json
 
 import pytest
@@ -14,11 +15,11 @@ from nano_miles.rollout.chat_format import ChatFormat
 from nano_miles.config import load_config, parse_set
 from nano_miles.rollout.dynamic_sampling import TrainRolloutConfig
 from nano_miles.rollout.env import EnvConfig
-from nano_miles.rollout.guidance import guide_unsolved, unsolved
+from nano_miles.rollout.guidance import guide_group, unsolved
 from nano_miles.models.prepare import load_tokenizer, resolve_model
 from nano_miles.rollout.producer import roll_out_step
 from nano_miles.rollout.task_stream import TaskStream
-from nano_miles.rollout.episode import group_key, run_episode
+from nano_miles.rollout.episode import GroupRunner, group_key, run_episode
 from nano_miles.tasks import select_tasks
 from nano_miles.telemetry import read_metrics
 from nano_miles.train import TrainConfig, TrainingRun
@@ -37,6 +38,28 @@ def tok(tiny_model_path):
 
 def _cfg(**kw):
     return TrainRolloutConfig(group_size=2, max_new_tokens=16, env=EnvConfig(max_turns=4), **kw)
+
+
+def roll_out_guided(url, tok, tasks, cfg, seed):
+    """Each task's group played and guided as a training step does (producer.py): GroupRunner.group,
+    then guide_group with the runner's scripted episode. Returns (sampled, guided, replaced, rejected)."""
+    async def play():
+        runner = GroupRunner([url], tok, cfg)
+        try:
+            sampled, guided, replaced, rejected = [], [], [], 0
+            for index, task in enumerate(tasks):
+                task_seed, group_id = group_key(task, seed, index)
+                group = [t for t in await runner.group(task, task_seed, group_id) if t.prompt_ids]
+                got, lost, was_rejected = await guide_group(
+                    group, functools.partial(runner.scripted, task, task_seed, group_id))
+                sampled += group
+                guided += got
+                replaced += [] if lost is None else [lost]
+                rejected += was_rejected
+            return sampled, guided, replaced, rejected
+        finally:
+            await runner.close()
+    return asyncio.run(play())
 
 
 def test_a_scripted_episode_plays_the_solution_through_the_environment(tok):
@@ -76,12 +99,9 @@ def test_only_groups_no_sample_solved_are_guided():
 def test_every_unsolved_group_gets_one_scripted_sample(tok, engine_server):
     """The random model solves nothing: each group keeps its size, its last sample replaced by a
     correct scripted one (same seed: same files and ground truth as the sampled ones)."""
-    from nano_miles.rollout.episode import rollout_groups
     tasks = select_tasks(TASKS)
-    cfg = _cfg()
-    trajs = asyncio.run(rollout_groups([engine_server.url], tok, tasks, cfg, seed=5))
+    trajs, guided, replaced, rejected = roll_out_guided(engine_server.url, tok, tasks, _cfg(), seed=5)
     assert not any(t.reward_components.get("correct") for t in trajs)
-    guided, replaced, rejected = guide_unsolved(trajs, tasks, 5, tok, cfg)
     assert len(guided) == len(trajs) and len(replaced) == len(tasks) and rejected == 0
     for index, task in enumerate(tasks):
         _, group_id = group_key(task, 5, index)
@@ -96,7 +116,6 @@ def test_a_task_whose_scripted_episode_fails_stays_unguided_and_is_named_once(to
     is thrown away, the group keeps its sampled episodes, the rejection is counted, and stderr names
     the task once, with why."""
     from nano_miles.rollout import guidance
-    from nano_miles.rollout.episode import rollout_groups
     from nano_miles.tasks.api import Task, TaskInstance
 
     def bare(ws, rng):
@@ -113,10 +132,8 @@ def test_a_task_whose_scripted_episode_fails_stays_unguided_and_is_named_once(to
              Task("guide_wrong", "text", "train", "a wrong solution", wrong),
              Task("guide_long", "text", "train", "a solution longer than max_turns", long)]
     guidance._named_rejected.difference_update({"guide_bare", "guide_wrong", "guide_long"})
-    cfg = _cfg()
     for _ in range(2):  # named the first time only
-        trajs = asyncio.run(rollout_groups([engine_server.url], tok, tasks, cfg, seed=5))
-        guided, replaced, rejected = guide_unsolved(trajs, tasks, 5, tok, cfg)
+        trajs, guided, replaced, rejected = roll_out_guided(engine_server.url, tok, tasks, _cfg(), seed=5)
         assert guided == trajs and replaced == [] and rejected == 3
         assert not any(t.scripted for t in guided)
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("guidance:")]

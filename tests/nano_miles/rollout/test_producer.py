@@ -44,9 +44,9 @@ def test_setup_failures_are_counted_in_both_modes(mode, tok):
             assert (got.step, got.trajectories) == (step, [])
             assert got.setup_failures == 2 * got.sampling.generated  # both episodes of each group that came back
             if mode == "async+carry":  # the tasks taken beyond the batch are pending, the next step's
-                assert got.data_position - len(got.stream_state.get("pending", [])) >= 2 * step
+                assert got.stream_state["position"] - len(got.stream_state.get("pending", [])) >= 2 * step
             else:
-                assert (got.sampling.generated, got.data_position) == (2, 2 * step)
+                assert (got.sampling.generated, got.stream_state["position"]) == (2, 2 * step)
     finally:
         producer.stop()
 
