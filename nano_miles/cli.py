@@ -22,11 +22,6 @@ from nano_miles.config import ConfigError, not_a_flag
 # memory stays near what it allocated, so a trainer and an engine sharing a GPU both fit. Children
 # (ranks, engines) inherit it.
 CUDA_ALLOC_CONF = "expandable_segments:True"
-# How long a thread may hold the GIL while another waits for it (Python's default is 5 ms). Every
-# command here is threads around I/O: a thread back from a socket (the weight sync's answer, an
-# engine's reply to an episode, a request arriving at the server beside its engine thread) waits up to
-# that long behind one running Python, and a call hands the GIL over several times.
-GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 class _Parser(argparse.ArgumentParser):
@@ -36,7 +31,6 @@ class _Parser(argparse.ArgumentParser):
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     argv = sys.argv[1:] if argv is None else argv
     parser = _Parser(prog="nano-miles", description="Agentic GRPO on Linux shell tasks.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
