@@ -24,6 +24,7 @@ from nano_miles.config import ConfigError
 from nano_miles.engine.client import EngineUnavailable
 from nano_miles.job import (RolloutCommandConfig, add_job_arguments, append_result, roll_out, run_rollouts,
                             selected_tasks)
+from nano_miles.rollout.batch import scored, solved_by_task
 from nano_miles.tasks import alfa, select_tasks
 from nano_miles.tasks.alfa import three_part_summary
 
@@ -48,11 +49,6 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def scored(trajs) -> list:
-    """The episodes that say something about the model: not those the sandbox or the engine broke."""
-    return [t for t in trajs if t.finish_reason != "infra_error"]
-
-
 def lost(trajs) -> str:
     """'' when every episode was scored, else one line: how many episodes an infrastructure failure
     (sandbox, engine) took out of the scores, and the first reasons."""
@@ -61,14 +57,6 @@ def lost(trajs) -> str:
     why = list(dict.fromkeys(str(t.reward_components.get("error", "?"))[:160] for t in failed))
     return (f"{len(failed)} of {len(trajs)} episodes broke on the sandbox or the engine and are left out of "
             f"every score: {'; '.join(why[:2])}{' ...' if len(why) > 2 else ''}")
-
-
-def solved_by_task(trajs) -> dict[str, list[bool]]:
-    """{task id: whether each of its scored samples was solved}, in the order the tasks first appear."""
-    by_task: dict[str, list[bool]] = {}
-    for t in scored(trajs):
-        by_task.setdefault(t.task_id, []).append(t.solved)
-    return by_task
 
 
 def per_family(trajs, tasks, k: int) -> dict[str, dict]:

@@ -21,7 +21,7 @@ import psutil
 import torch
 
 from nano_miles.config import ConfigError
-from nano_miles.evaluate import solved_by_task
+from nano_miles.rollout.batch import solved_by_task
 
 REQUIRED_KEYS = ("step", "reward_mean", "acc", "pg_loss", "clip_frac", "parity_mean", "parity_max",
                  "sync_ms", "mem_gb", "step_s", "weight_version")

@@ -118,7 +118,8 @@ class TrainingRun(Run):
         return step_metrics(step, rollout, stale, self.cfg.max_staleness, train, skipped, sync,
                             mem_gb=max(memory), mem_gb_ranks=memory, step_s=time.perf_counter() - t0,
                             world_size=self.world, engine_replicas=len(self.engines.replicas),
-                            engine_restarts=self.engines.restarts, true_on_policy=self.cfg.true_on_policy)  # parity_max != 0 is then an error
+                            engine_restarts=self.engines.restarts,
+                            true_on_policy=self.cfg.true_on_policy)  # parity_max != 0 is then an error
 
     def plan(self, step: int, metrics: dict) -> dict:
         """Rank 0, after a step: what every rank does next. Export best/; checkpoint (which step); stop

@@ -91,6 +91,19 @@ def load_trajectories(path: str) -> list[Trajectory]:
     return out
 
 
+def scored(trajs) -> list:
+    """The episodes that say something about the model: not those the sandbox or the engine broke."""
+    return [t for t in trajs if t.finish_reason != "infra_error"]
+
+
+def solved_by_task(trajs) -> dict[str, list[bool]]:
+    """{task id: whether each of its scored samples was solved}, in the order the tasks first appear."""
+    by_task: dict[str, list[bool]] = {}
+    for t in scored(trajs):
+        by_task.setdefault(t.task_id, []).append(t.solved)
+    return by_task
+
+
 @dataclass
 class RolloutBatch:
     tokens: torch.Tensor            # [B, L] long, right-padded with pad_id

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import sys
 
-from nano_miles.rollout.batch import Trajectory
+from nano_miles.rollout.batch import Trajectory, scored
 
 _named_rejected: set[str] = set()  # tasks whose scripted episode failed, already named on stderr
 
@@ -30,7 +30,7 @@ _named_rejected: set[str] = set()  # tasks whose scripted episode failed, alread
 def unsolved(group: list[Trajectory]) -> bool:
     """No sample solved the task, and at least one got as far as trying (the sandbox lost none of them
     all): the groups guidance adds a scripted sample to."""
-    tried = [t for t in group if t.finish_reason != "infra_error"]
+    tried = scored(group)
     return bool(tried) and not any(t.solved for t in tried)
 
 

@@ -249,12 +249,8 @@ async def play_step_rollout(step: int, stream: TaskStream, tasks_per_step: int, 
         stream.restore(before)
         raise
     anatomy.add_rollout(clocks, t0, time.perf_counter(), carry.busy_seen if carry is not None else None)
-
-    def usable() -> list[int]:  # the groups a batch can take (with dynamic sampling: a signal), in start order
-        return [i for i, g in enumerate(groups) if (g.signal if cfg.dynamic_sampling else g.group)]
-
     if carry is not None:  # usable groups beyond the batch are the next step's, not dropped
-        surplus = set(usable()[tasks_per_step:])
+        surplus = set(_usable(groups, cfg.dynamic_sampling)[tasks_per_step:])
         carry.ready = [g for i, g in enumerate(groups) if i in surplus]
         groups = [g for i, g in enumerate(groups) if i not in surplus]
     stats = runner.stats([g.task for g in groups], [t for g in groups for t in g.episodes])
@@ -268,7 +264,7 @@ async def play_step_rollout(step: int, stream: TaskStream, tasks_per_step: int, 
     for g in groups:
         if g.got_through:  # a group the sandbox lost says nothing of the task
             stream.saw(g.task.id, g.signal)
-    kept = usable()[:tasks_per_step]
+    kept = _usable(groups, cfg.dynamic_sampling)[:tasks_per_step]
     tally.generated, tally.kept = len(groups), len(kept)
     tally.rounds = math.ceil(len(groups) / cfg.round_size(tasks_per_step))  # rounds' worth of groups started
     tally.refills = len(groups) - min(len(groups), cfg.round_size(tasks_per_step))
@@ -286,6 +282,12 @@ async def play_step_rollout(step: int, stream: TaskStream, tasks_per_step: int, 
                        stats["setup_failures"], stream.state(carry.task_ids() if carry else None),
                        stats["setup_errors"], engine_requests=stats["engine_requests"], dropped=dropped,
                        sampling=tally, anatomy=anatomy)
+
+
+def _usable(groups: list, dynamic_sampling: bool) -> list[int]:
+    """The groups a batch can take, in start order: with dynamic sampling those with a signal, else any
+    with a sample."""
+    return [i for i, g in enumerate(groups) if (g.signal if dynamic_sampling else g.group)]
 
 
 def roll_out_step(step: int, stream: TaskStream, tasks_per_step: int, engines, tokenizer,
