@@ -52,7 +52,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def lost(trajs) -> str:
     """'' when every episode was scored, else one line: how many episodes an infrastructure failure
     (sandbox, engine) took out of the scores, and the first reasons."""
-    if not (failed := [t for t in trajs if t.finish_reason == "infra_error"]):
+    if not (failed := [t for t in trajs if t.broken]):
         return ""
     why = list(dict.fromkeys(str(t.reward_components.get("error", "?"))[:160] for t in failed))
     return (f"{len(failed)} of {len(trajs)} episodes broke on the sandbox or the engine and are left out of "

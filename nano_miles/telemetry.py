@@ -91,7 +91,7 @@ def step_metrics(step: int, rollout, staleness: list[int], max_staleness: int, t
     response_tokens = sum(len(t.response_ids) for t in trajs)
     return {
         "step": step, "trajectories": len(rollout.trajectories), "task_ids": [t.task_id for t in rollout.trajectories],
-        "infra_failures": sum(t.finish_reason == "infra_error" for t in trajs),
+        "infra_failures": sum(t.broken for t in trajs),
         "setup_failures": rollout.setup_failures, "all_lost": rollout.all_lost,
         "engine_requests": rollout.engine_requests,  # /generate calls per engine replica
         "infra_errors": list(dict.fromkeys(rollout.infra_errors))[:3],  # why, in the sandbox's words

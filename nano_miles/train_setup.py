@@ -198,7 +198,7 @@ class Run:
                     stale = [staleness(t, self.trainer.step) for t in rollout.trajectories]
                     # Sandbox infrastructure failures are not the policy's doing: counted, never trained on.
                     # Too stale ones are not trained on but stay in their group's advantage baseline.
-                    usable = [(t, s) for t, s in zip(rollout.trajectories, stale) if t.finish_reason != "infra_error"]
+                    usable = [(t, s) for t, s in zip(rollout.trajectories, stale) if not t.broken]
                     message = ("batch", [t for t, _ in usable], [s <= self.cfg.max_staleness for _, s in usable],
                                rollout.skip_reason)
                 except EngineUnavailable as e:

@@ -40,6 +40,11 @@ class Trajectory:
         """The verifier accepted the answer (what accuracy and pass@k count)."""
         return self.reward_components.get("correct", 0) > 0
 
+    @property
+    def broken(self) -> bool:
+        """The sandbox or the engine failed this episode: it says nothing about the model."""
+        return self.finish_reason == "infra_error"
+
     def validate(self) -> None:
         if not self.prompt_ids:
             raise ValueError(f"trajectory {self.group_id}/{self.task_id}: empty prompt_ids "
@@ -93,7 +98,7 @@ def load_trajectories(path: str) -> list[Trajectory]:
 
 def scored(trajs) -> list:
     """The episodes that say something about the model: not those the sandbox or the engine broke."""
-    return [t for t in trajs if t.finish_reason != "infra_error"]
+    return [t for t in trajs if not t.broken]
 
 
 def solved_by_task(trajs) -> dict[str, list[bool]]:

@@ -54,7 +54,7 @@ class TrainRolloutConfig(RolloutConfig):
 
 def has_signal(group: list) -> bool:
     """At least two samples that training would use (not lost to the sandbox) with different rewards."""
-    rewards = {t.reward for t in group if t.finish_reason != "infra_error"}
+    rewards = {t.reward for t in group if not t.broken}
     return len(rewards) > 1
 
 

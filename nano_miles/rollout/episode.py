@@ -303,7 +303,7 @@ class GroupRunner:
     def stats(self, tasks: list[Task], episodes: list[Trajectory]) -> dict:
         """What rollout_groups' `stats` gets for `episodes` (all that the groups of `tasks` played), and
         say on stderr what was lost."""
-        failed = [t for t in episodes if t.finish_reason == "infra_error" and not t.prompt_ids]
+        failed = [t for t in episodes if t.broken and not t.prompt_ids]
         unavailable = {t.task_id: t.reward_components["unavailable"] for t in episodes
                        if t.finish_reason == "unavailable"}
         if failed:

@@ -45,14 +45,14 @@ async def guide_group(group: list[Trajectory], play) -> tuple[list[Trajectory], 
     if not demo.solved:
         name_rejected(demo)
         return group, None, True
-    i = next((i for i, t in enumerate(group) if t.finish_reason == "infra_error"), len(group) - 1)
+    i = next((i for i, t in enumerate(group) if t.broken), len(group) - 1)
     return group[:i] + [demo] + group[i + 1:], group[i], False
 
 
 def name_rejected(demo: Trajectory) -> None:
     """Say once a process that a task's scripted episode was not judged correct, and why. One the
     sandbox lost says nothing of the task (the next may pass): it is counted, not named."""
-    if demo.task_id in _named_rejected or demo.finish_reason == "infra_error":
+    if demo.task_id in _named_rejected or demo.broken:
         return
     _named_rejected.add(demo.task_id)
     if demo.num_turns <= 1:  # the one turn was the answer

@@ -58,7 +58,7 @@ class StepRollout:
     @property
     def lost(self) -> list:
         """Trajectories cut short by a sandbox failure (setup failures have none: they are counted)."""
-        return [t for t in self.generated if t.finish_reason == "infra_error"]
+        return [t for t in self.generated if t.broken]
 
     @property
     def infra_errors(self) -> list[str]:
@@ -103,7 +103,7 @@ class _Played:
     @property
     def got_through(self) -> bool:
         """Some episode of it was not lost to the infrastructure."""
-        return any(t.finish_reason != "infra_error" for t in self.group)
+        return any(not t.broken for t in self.group)
 
 
 @dataclass
