@@ -327,7 +327,7 @@ class Command:
             self._init.kill(self._cid)
 
 
-def run(start_init, script: str, env: dict[str, str], deadline: float, output_bytes: int, disk=None):
+def run(start_init, script: str, env: dict[str, str], deadline: float, output_bytes: int, disk):
     """`bash -c script` in start_init()'s init, drained (output.drain); a long script goes as a memfd."""
     script_fd, argv = None, ["/bin/bash", "-c", script]
     if len(script.encode()) > INLINE_SCRIPT_BYTES:
@@ -351,7 +351,7 @@ def run(start_init, script: str, env: dict[str, str], deadline: float, output_by
             if fd is not None:
                 os.close(fd)
     proc.stdout, proc.stderr = open(out_r, "rb", buffering=0), open(err_r, "rb", buffering=0)
-    return drain(proc, deadline, output_bytes, proc.kill, disk=disk, ended=lambda: proc.ended)
+    return drain(proc, deadline, output_bytes, proc.kill, disk, lambda: proc.ended)
 
 
 def _write_all(fd: int, data: bytes) -> None:
