@@ -315,11 +315,9 @@ class Command:
             line, self._buf = self._buf.split(b"\n", 1)
             if not line.startswith(b"D"):
                 return line
-            try:
+            with contextlib.suppress(ValueError, OverflowError):  # not what the init writes: as if it had said nothing
                 code, ns = line[1:].split()
                 self.ended = int(code), int(ns) / 1e9
-            except (ValueError, OverflowError):  # not what the init writes: as if it had said nothing
-                pass
 
     def kill(self) -> None:
         if self.returncode is None and self._killed_at is None:

@@ -128,12 +128,10 @@ def hidden_dirs(roots: tuple[str, ...]) -> list[str]:
                     continue
                 with it:
                     for entry in it:
-                        try:
+                        with contextlib.suppress(OSError):
                             if entry.is_dir(follow_symlinks=False):
                                 st = entry.stat(follow_symlinks=False)
                                 (out if _writable_by_non_root(st) else stack).append(entry.path)
-                        except OSError:
-                            continue
             _CACHE["hidden", roots] = sorted(out)
         return _CACHE["hidden", roots]
 
