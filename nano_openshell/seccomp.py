@@ -96,22 +96,18 @@ def _no_new_namespaces() -> list[tuple[str, list[bytes]]]:
             ("clone3", _deny(errno.ENOSYS))]
 
 
-def _connected_stream_pairs_only() -> list[bytes]:
-    # socketpair(AF_UNIX, SOCK_STREAM or SOCK_SEQPACKET, ...): args[0] is the domain, args[1] the type
-    refuse = RET_ERRNO(errno.EAFNOSUPPORT)
-    return [_ins(_LD_W_ABS, _arg_lo(0)), _ins(_JEQ, AF_UNIX, 0, 5),
-            _ins(_LD_W_ABS, _arg_lo(1)), _ins(_AND_K, SOCK_TYPE_MASK),
-            _ins(_JEQ, SOCK_STREAM, 1, 0), _ins(_JEQ, SOCK_SEQPACKET, 0, 1),
-            _ins(_RET, RET_ALLOW), _ins(_RET, refuse)]
-
-
 def _no_sockets() -> list[tuple[str, list[bytes]]]:
     """No socket() at all, and socketpair() only for connected AF_UNIX stream and seqpacket pairs. Where
     the host's filesystem is in view (the fallback tier), a socket that can connect() or sendto() reaches
     every host pathname Unix socket its uid may write (docker's, an engine's): Landlock scopes only
     abstract ones (ABI 6), pathname ones from ABI 9, and seccomp cannot read the path. A connected stream
     pair cannot be connected again (EISCONN) nor given an address; a datagram pair could do both."""
-    return [("socket", _deny(errno.EAFNOSUPPORT)), ("socketpair", _connected_stream_pairs_only())]
+    # socketpair(AF_UNIX, SOCK_STREAM or SOCK_SEQPACKET, ...): args[0] is the domain, args[1] the type
+    pairs = [_ins(_LD_W_ABS, _arg_lo(0)), _ins(_JEQ, AF_UNIX, 0, 5),
+             _ins(_LD_W_ABS, _arg_lo(1)), _ins(_AND_K, SOCK_TYPE_MASK),
+             _ins(_JEQ, SOCK_STREAM, 1, 0), _ins(_JEQ, SOCK_SEQPACKET, 0, 1),
+             _ins(_RET, RET_ALLOW), _ins(_RET, RET_ERRNO(errno.EAFNOSUPPORT))]
+    return [("socket", _deny(errno.EAFNOSUPPORT)), ("socketpair", pairs)]
 
 
 @functools.cache  # compiled once per process and arguments
