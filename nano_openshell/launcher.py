@@ -118,7 +118,7 @@ class Init:
             os.write(prog_w, spec.seccomp)  # a few hundred bytes: fits the pipe buffer
         finally:
             os.close(prog_w)
-        argv = spec.argv + namespaced.command_args(prog_r, spec.socket_fd)[:-1]  # "--" comes below
+        argv = spec.argv + namespaced.command_args(prog_r, spec.socket_fd)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         err_r, err_w = os.pipe()
         binary = spec.init_binary

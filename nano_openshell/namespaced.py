@@ -233,6 +233,6 @@ def mount_args(mounts: dict[str, str]) -> list[str]:
 
 
 def command_args(seccomp_fd: int, socket_fd: int | None = None) -> list[str]:
-    """The tail before the program: the proxy socket, the root made read-only, the seccomp program."""
+    """The tail before `-- program`: the proxy socket, the root made read-only, the seccomp program."""
     args = ["--bind-fd", str(socket_fd), PROXY_SOCKET] if socket_fd is not None else []
-    return args + ["--remount-ro", "/", "--remount-ro", "/dev", "--seccomp", str(seccomp_fd), "--"]
+    return args + ["--remount-ro", "/", "--remount-ro", "/dev", "--seccomp", str(seccomp_fd)]

@@ -83,7 +83,7 @@ def _try_namespaced(bwrap: str) -> tuple[bool, str, str]:
         os.write(w, seccomp.deny_list())
         os.close(w)
         argv = (namespaced.base_argv(bwrap, 1 << 20, os.geteuid() == 0) + namespaced.workspace_args(ws_fd)
-                + namespaced.command_args(r) + ["/bin/true"])
+                + namespaced.command_args(r) + ["--", "/bin/true"])
         user = {}
         if os.geteuid() == 0:  # the Sandbox drops to an unprivileged uid: probe exactly that
             os.chown(ws, 65534, 65534)
