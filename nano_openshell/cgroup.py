@@ -66,17 +66,13 @@ def _v2_parent(base: str) -> tuple[str, bool]:
     if hands_down(base):
         return base, True
     if hands_down(base, "cgroup.controllers"):
-        try:
+        with contextlib.suppress(OSError):  # EBUSY: we live in it ("no internal processes"), or it is not ours
             _write(os.path.join(base, "cgroup.subtree_control"), "+memory +pids")
             return base, True
-        except OSError:
-            pass  # EBUSY: we live in it ("no internal processes"), or it is not ours
     parent = os.path.dirname(base)
-    try:
+    with contextlib.suppress(OSError):
         if hands_down(parent) and os.access(parent, os.W_OK) and os.access(os.path.join(parent, "cgroup.procs"), os.W_OK):
             return parent, True
-    except OSError:
-        pass
     return base, False
 
 

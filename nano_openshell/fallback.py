@@ -97,6 +97,6 @@ def run(command: str, cfg: dict, leaf, path: str, deadline: float, output_bytes:
     cfg = {**cfg, "argv": argv, "supervisor_pid": os.getpid(), "seccomp": seccomp_hex}
     init = Init(cfg, leaf, path)
     try:
-        return drain(init.proc, deadline, output_bytes, init.stop, owned, disk, init.ended)
+        return drain(init.proc, deadline, output_bytes, init.stop, disk, init.ended, owned)
     finally:
         init.close()

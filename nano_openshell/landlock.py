@@ -67,9 +67,9 @@ def readable_without_proc() -> list[tuple[str, int]]:  # (path, rights)
     return out
 
 
-def restrict(rw: list[str], devices: list[str] = ("/dev/null", "/dev/zero"), abi: int | None = None) -> int:
-    """Apply the ruleset to the calling thread; returns the ABI used. Needs no_new_privs (or CAP_SYS_ADMIN)."""
-    abi = abi_version() if abi is None else abi
+def restrict(rw: list[str], devices: list[str] = ("/dev/null", "/dev/zero")) -> None:
+    """Apply the ruleset to the calling thread. Needs no_new_privs (or CAP_SYS_ADMIN)."""
+    abi = abi_version()
     if abi < 1:
         raise OSError("Landlock is not available on this kernel")
     fs = (1 << 13) - 1 | (REFER if abi >= 2 else 0) | (TRUNCATE if abi >= 3 else 0) | (IOCTL_DEV if abi >= 5 else 0)
@@ -99,4 +99,3 @@ def restrict(rw: list[str], devices: list[str] = ("/dev/null", "/dev/zero"), abi
         _syscall("restrict_self", ctypes.c_int(ruleset), ctypes.c_uint32(0))
     finally:
         os.close(ruleset)
-    return abi

@@ -118,7 +118,7 @@ class Init:
             os.write(prog_w, spec.seccomp)  # a few hundred bytes: fits the pipe buffer
         finally:
             os.close(prog_w)
-        argv = spec.argv + namespaced.command_args(prog_r, spec.socket_fd)[:-1]  # "--" comes below
+        argv = spec.argv + namespaced.command_args(prog_r, spec.socket_fd)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         err_r, err_w = os.pipe()
         binary = spec.init_binary
@@ -315,11 +315,9 @@ class Command:
             line, self._buf = self._buf.split(b"\n", 1)
             if not line.startswith(b"D"):
                 return line
-            try:
+            with contextlib.suppress(ValueError, OverflowError):  # not what the init writes: as if it had said nothing
                 code, ns = line[1:].split()
                 self.ended = int(code), int(ns) / 1e9
-            except (ValueError, OverflowError):  # not what the init writes: as if it had said nothing
-                pass
 
     def kill(self) -> None:
         if self.returncode is None and self._killed_at is None:
@@ -327,7 +325,7 @@ class Command:
             self._init.kill(self._cid)
 
 
-def run(start_init, script: str, env: dict[str, str], deadline: float, output_bytes: int, disk=None):
+def run(start_init, script: str, env: dict[str, str], deadline: float, output_bytes: int, disk):
     """`bash -c script` in start_init()'s init, drained (output.drain); a long script goes as a memfd."""
     script_fd, argv = None, ["/bin/bash", "-c", script]
     if len(script.encode()) > INLINE_SCRIPT_BYTES:
@@ -351,7 +349,7 @@ def run(start_init, script: str, env: dict[str, str], deadline: float, output_by
             if fd is not None:
                 os.close(fd)
     proc.stdout, proc.stderr = open(out_r, "rb", buffering=0), open(err_r, "rb", buffering=0)
-    return drain(proc, deadline, output_bytes, proc.kill, disk=disk, ended=lambda: proc.ended)
+    return drain(proc, deadline, output_bytes, proc.kill, disk, lambda: proc.ended)
 
 
 def _write_all(fd: int, data: bytes) -> None:

