@@ -28,6 +28,7 @@ undo_host_changes() {
     if [ -n "${leg2_pid:-}" ]; then  # ended early (an error, Ctrl-C): leg 2 goes too
         kill "$leg2_pid" 2>/dev/null; wait "$leg2_pid" 2>/dev/null; rm -rf "$leg2_log" "$leg2_tmp"
     fi
+    rm -rf "${leg3_tmp:-}"
     for ((i = ${#restore_modes[@]} - 1; i >= 0; i--)); do
         entry="${restore_modes[i]}"
         echo "undo: chmod ${entry%% *} ${entry#* }"
@@ -99,9 +100,11 @@ else
     # The interpreter may live under a private home (pyenv in /root).
     let_user_reach "$user" "$(readlink -f "$py")" "$root/.venv" "$root"
     echo "== leg 3: ${selection[*]} as $user (namespaced tier expected)"
-    runuser -u "$user" -- env -i PATH=/usr/local/bin:/usr/bin:/bin HOME=/tmp LANG=C.UTF-8 \
+    leg3_tmp="$(mktemp -d)"; chmod 1777 "$leg3_tmp"
+    runuser -u "$user" -- env -i PATH=/usr/local/bin:/usr/bin:/bin HOME=/tmp TMPDIR="$leg3_tmp" LANG=C.UTF-8 \
         NANO_OPENSHELL_EXPECT_TIER="${NANO_OPENSHELL_LEG3_TIER:-namespaced}" PYTHONDONTWRITEBYTECODE=1 \
         "$py" -m pytest "${common[@]}" || leg3_status=$?
+    rm -rf "$leg3_tmp"
 fi
 leg2_status=0
 finish_leg_2 || leg2_status=$?
