@@ -20,6 +20,9 @@ else
     # The sandbox tests time deadlines and kill process trees, but wait on them far more than they use
     # the CPU: leg 1's run of them goes beside legs 2 and 3, each leg in a temp dir of its own.
     leg1_log="$(mktemp)"
+    # a background job of a script ignores Ctrl-C: on any early exit it is stopped here
+    trap 'if [ -n "${leg1_pid:-}" ]; then kill "$leg1_pid" 2>/dev/null || true; fi; rm -f "$leg1_log"' EXIT
+    trap 'exit 130' INT TERM
     $py -m pytest -q tests/nano_openshell >"$leg1_log" 2>&1 &
     leg1_pid=$!
 fi
@@ -29,6 +32,7 @@ if [ -f scripts/test_legs.sh ]; then
 fi
 if [ -n "${leg1_pid:-}" ]; then
     wait "$leg1_pid" || status=$?
-    echo "== leg 1, the sandbox tests (ran beside legs 2 and 3):"; cat "$leg1_log"; rm -f "$leg1_log"
+    leg1_pid=""
+    echo "== leg 1, the sandbox tests (ran beside legs 2 and 3):"; cat "$leg1_log"
 fi
 exit "$status"

@@ -26,7 +26,7 @@ restore_modes=()  # "MODE DIR", in the order they were changed
 undo_host_changes() {
     local status=$? i entry
     if [ -n "${leg2_pid:-}" ]; then  # ended early (an error, Ctrl-C): leg 2 goes too
-        kill "$leg2_pid" 2>/dev/null; wait "$leg2_pid" 2>/dev/null; rm -rf "$leg2_log" "$leg2_tmp"
+        kill "$leg2_pid" 2>/dev/null || true; wait "$leg2_pid" 2>/dev/null || true; rm -rf "$leg2_log" "$leg2_tmp"
     fi
     rm -rf "${leg3_tmp:-}"
     for ((i = ${#restore_modes[@]} - 1; i >= 0; i--)); do

@@ -5,6 +5,7 @@ import grp
 import os
 import pwd
 import secrets
+import signal
 import stat
 import subprocess
 import sys
@@ -69,3 +70,32 @@ def test_a_user_that_existed_before_is_left_alone():
         assert pwd.getpwnam(user)
     finally:
         subprocess.run(["userdel", user], check=True)
+
+
+def test_ctrl_c_stops_both_legs_and_still_undoes_leg_3():
+    """Leg 2 runs in the background beside leg 3: Ctrl-C (SIGINT to the whole process group, as a
+    terminal sends it) ends the script with 130, stops leg 2 too and undoes what leg 3 changed."""
+    user = "nanolegs" + secrets.token_hex(3)
+    env = dict(os.environ, NANO_TEST_PYTHON=sys.executable, NANO_OPENSHELL_TEST_USER=user)
+    modes = {d: _mode(d) for d in Path(sys.executable).resolve().parents}
+    # the sandbox's disk tests take long enough to be interrupted; SIGINT at its default in the child
+    # (a background job of a script would ignore it)
+    proc = subprocess.Popen(["bash", str(REPO / "scripts" / "test_legs.sh"), "tests/nano_openshell/test_disk.py"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    last_leg = "== leg 3: tests" if os.geteuid() == 0 else "== leg 3: skipped"
+    seen = []
+    for line in proc.stdout:  # wait for the last leg to start
+        seen.append(line)
+        if line.startswith(last_leg):
+            break
+    os.killpg(proc.pid, signal.SIGINT)
+    out = "".join(seen) + proc.stdout.read()
+    assert proc.wait(timeout=120) == 130, out
+    leg2 = subprocess.run(["pgrep", "-f", "deny-namespaces -- .* tests/nano_openshell/test_disk.py"], capture_output=True)
+    assert leg2.returncode == 1, leg2.stdout  # no leg 2 left running
+    if os.geteuid() == 0:
+        assert f"undo: userdel {user}" in out, out
+        with pytest.raises(KeyError):
+            pwd.getpwnam(user)
+    assert {d: _mode(d) for d in Path(sys.executable).resolve().parents} == modes
