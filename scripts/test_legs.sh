@@ -87,7 +87,7 @@ finish_leg_2() {
     local status=0
     wait "$leg2_pid" || status=$?
     leg2_pid=""
-    echo "== leg 2 (ran beside leg 3):"; cat "$leg2_log"; rm -rf "$leg2_log" "$leg2_tmp"
+    echo "== leg 2 (ran in the background, beside leg 3 when root):"; cat "$leg2_log"; rm -rf "$leg2_log" "$leg2_tmp"
     return "$status"
 }
 
