@@ -71,12 +71,15 @@ let_user_reach() {
     done
 }
 
+# A temp dir of a leg's own, open to all as /tmp is (the sandbox's users write there): each leg's
+# workspace-leak report (tests/conftest.py) then sees only its own sandboxes.
+own_tmp() { local d; d="$(mktemp -d)"; chmod 1777 "$d"; echo "$d"; }
+
 # ---- the legs ------------------------------------------------------------------------------------
 # Leg 2 runs in the background beside leg 3 (its output printed when it ends): both legs spend their
 # time waiting on sandboxes' deadlines, not on the CPU, so side by side they take the time of leg 3.
 echo "== leg 2: ${selection[*]} with namespaces denied by seccomp (fallback tier expected)"
-# Its own temp dir: the leak report of each leg (tests/conftest.py) must see only its own workspaces.
-leg2_log="$(mktemp)" leg2_tmp="$(mktemp -d)"; chmod 1777 "$leg2_tmp"  # as /tmp: sandbox users write there
+leg2_log="$(mktemp)" leg2_tmp="$(own_tmp)"
 TMPDIR="$leg2_tmp" NANO_OPENSHELL_EXPECT_TIER=fallback PYTHONDONTWRITEBYTECODE=1 \
     "$py" -c "import sys; from nano_openshell.seccomp import main; sys.exit(main())" \
     --deny-namespaces -- "$py" -m pytest "${common[@]}" >"$leg2_log" 2>&1 &
@@ -100,7 +103,7 @@ else
     # The interpreter may live under a private home (pyenv in /root).
     let_user_reach "$user" "$(readlink -f "$py")" "$root/.venv" "$root"
     echo "== leg 3: ${selection[*]} as $user (namespaced tier expected)"
-    leg3_tmp="$(mktemp -d)"; chmod 1777 "$leg3_tmp"
+    leg3_tmp="$(own_tmp)"
     runuser -u "$user" -- env -i PATH=/usr/local/bin:/usr/bin:/bin HOME=/tmp TMPDIR="$leg3_tmp" LANG=C.UTF-8 \
         NANO_OPENSHELL_EXPECT_TIER="${NANO_OPENSHELL_LEG3_TIER:-namespaced}" PYTHONDONTWRITEBYTECODE=1 \
         "$py" -m pytest "${common[@]}" || leg3_status=$?
