@@ -42,6 +42,8 @@ def main():
                     help="runs of each mode, taken in turn; the row gives each mode's median run (default 3)")
     add_dry_run(ap)
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error(f"--repeats must be at least 1, got {args.repeats}")
     runs = {False: [], True: []}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.repeats):  # in turn, so a slow spell of the machine falls on both modes
