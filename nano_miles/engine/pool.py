@@ -123,7 +123,9 @@ class EnginePool:
             return
         rows = [{"pid": r.process.process.pid if r.process else None, "url": r.url, "device": r.device,
                  "state": r.state} for r in self.replicas]
-        (self.run_dir / "engine.json").write_text(json.dumps({**rows[0], "replicas": rows}))
+        tmp = self.run_dir / "engine.json.tmp"
+        tmp.write_text(json.dumps({**rows[0], "replicas": rows}))
+        os.replace(tmp, self.run_dir / "engine.json")  # rewritten as replicas restart: a reader never sees half of it
 
     def stop(self) -> None:
         with self._lock:
