@@ -102,8 +102,10 @@ else
     ensure_user "$user"
     # The interpreter may live under a private home (pyenv in /root).
     let_user_reach "$user" "$(readlink -f "$py")" "$root/.venv" "$root"
-    echo "== leg 3: ${selection[*]} as $user (namespaced tier expected)"
     leg3_tmp="$(own_tmp)"
+    # The banner comes last, right before the run: bash 5.2 can garble the INT trap (a parse error,
+    # exit 2) when Ctrl-C lands while it expands a $(...), and the Ctrl-C test signals on this line.
+    echo "== leg 3: ${selection[*]} as $user (namespaced tier expected)"
     runuser -u "$user" -- env -i PATH=/usr/local/bin:/usr/bin:/bin HOME=/tmp TMPDIR="$leg3_tmp" LANG=C.UTF-8 \
         NANO_OPENSHELL_EXPECT_TIER="${NANO_OPENSHELL_LEG3_TIER:-namespaced}" PYTHONDONTWRITEBYTECODE=1 \
         "$py" -m pytest "${common[@]}" || leg3_status=$?
