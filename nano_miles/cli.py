@@ -9,7 +9,6 @@ stops a command the way Ctrl-C does, so what it holds is released on the way out
 from __future__ import annotations
 
 import argparse
-import ctypes
 import importlib
 import os
 import signal
@@ -24,24 +23,6 @@ from nano_miles.config import ConfigError, not_a_flag
 # (ranks, engines) inherit it.
 CUDA_ALLOC_CONF = "expandable_segments:True"
 
-# glibc's malloc, unless the user set it: a CPU step allocates and frees tensors of a few MB in most
-# ops (activations, attention scores, gathered KV pages). By default each such block is mmap'd fresh,
-# faulted in and zeroed page by page, then unmapped again; from the heap (blocks up to 32 MB, up to
-# 256 MB kept free before it is trimmed) a CPU engine's step spends its time computing. Children
-# inherit the environment; this process, whose malloc read it at start, takes it through mallopt.
-CPU_MALLOC = {"MALLOC_MMAP_THRESHOLD_": 32 << 20, "MALLOC_TRIM_THRESHOLD_": 256 << 20}
-_MALLOPT_PARAMS = {"MALLOC_MMAP_THRESHOLD_": -3, "MALLOC_TRIM_THRESHOLD_": -1}  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
-
-
-def keep_cpu_buffers_in_the_heap() -> None:
-    """Set CPU_MALLOC for this process and its children, each key the user has not set."""
-    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)  # glibc's; other C libraries ignore the keys
-    for name, value in CPU_MALLOC.items():
-        if name not in os.environ:
-            os.environ[name] = str(value)
-            if mallopt is not None:
-                mallopt(_MALLOPT_PARAMS[name], value)
-
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line (main prints it), not argparse's usage screen and exit
@@ -50,7 +31,6 @@ class _Parser(argparse.ArgumentParser):
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)
-    keep_cpu_buffers_in_the_heap()
     argv = sys.argv[1:] if argv is None else argv
     parser = _Parser(prog="nano-miles", description="Agentic GRPO on Linux shell tasks.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

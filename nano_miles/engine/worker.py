@@ -97,6 +97,8 @@ class EngineWorker:
     def _main(self):
         try:
             self.engine = self.make_engine()
+            if self.engine.device.type == "cpu":
+                heap.keep_step_buffers()  # the step's temporaries come from the heap (heap.py)
         except Exception as e:
             self.error = f"{type(e).__name__}: {e}"
             traceback.print_exc()

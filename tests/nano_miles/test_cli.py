@@ -71,46 +71,6 @@ def test_cuda_memory_is_allocated_in_expandable_segments_unless_the_user_chose(m
     assert "kernel_name" in capsys.readouterr().out
 
 
-# In a fresh interpreter: is a 8 MB block, then (after the tuning) a 16 MB one, mmap'd rather than
-# taken from the heap? glibc's own count of mmap'd blocks (mallinfo2) says.
-_MMAPPED = """
-import ctypes, json, os
-from nano_miles import cli
-class MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
-libc = ctypes.CDLL(None)
-libc.mallinfo2.restype, libc.malloc.restype = MallInfo2, ctypes.c_void_p
-def mmapped(size):
-    before, block = libc.mallinfo2().hblks, libc.malloc(size)
-    held = libc.mallinfo2().hblks - before
-    libc.free(ctypes.c_void_p(block))
-    return held == 1
-untuned = mmapped(8 << 20)  # glibc then serves blocks up to 8 MB from the heap: the next one must be bigger
-cli.keep_cpu_buffers_in_the_heap()
-print(json.dumps({"untuned": untuned, "tuned": mmapped(16 << 20),
-                  "env": {k: os.environ.get(k) for k in cli.CPU_MALLOC}}))
-"""
-
-
-def _mmapped(**env) -> dict:
-    clean = {k: v for k, v in os.environ.items() if k not in cli.CPU_MALLOC}
-    done = subprocess.run([sys.executable, "-c", _MMAPPED], env={**clean, **env}, capture_output=True, text=True,
-                          check=True, cwd=Path(cli.__file__).parents[1])
-    return json.loads(done.stdout)
-
-
-def test_cpu_tensors_of_a_few_mb_come_from_the_heap_unless_the_user_chose():
-    """Every command keeps CPU blocks up to 32 MB in glibc's heap (in its own process through mallopt,
-    in the engines and ranks it starts through the environment), not mmap'd and faulted in afresh per op."""
-    seen = _mmapped()
-    assert seen == {"untuned": True, "tuned": False,
-                    "env": {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(256 << 20)}}
-    mine = _mmapped(MALLOC_MMAP_THRESHOLD_="65536")  # the user's own threshold stays, in the process too
-    assert mine == {"untuned": True, "tuned": True,
-                    "env": {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": str(256 << 20)}}
-
-
 def _start(argv: list[str], tmp: Path, cwd: Path) -> subprocess.Popen:
     """`nano-miles ARGV` in a process of its own, its temporary files (sandbox workspaces) under tmp."""
     env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
