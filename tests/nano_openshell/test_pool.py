@@ -6,7 +6,6 @@ namespaced tier has (an init that boots, mounts) is tested where that tier works
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 import threading
@@ -27,25 +26,17 @@ def _pool(tier, size, **kwargs) -> SandboxPool:
     return pool
 
 
-def _first_exec_ms(sb: Sandbox) -> float:
-    t0 = time.perf_counter()
-    r = sb.exec("true", timeout=30)
-    assert r.exit_code == 0, r
-    return (time.perf_counter() - t0) * 1000
-
-
 @needs_namespaces
 def test_a_taken_sandbox_is_booted_so_its_first_exec_does_not_wait_for_the_init():
-    pooled, fresh = [], []
+    # The boot's speed is a benchmark's (bench/sandbox_throughput.py); this is about state: what take()
+    # hands out has its init up already (a fresh Sandbox's first exec waits ~10 ms for bwrap's mounts
+    # and the init's Python start-up).
     with _pool("namespaced", 1) as pool:
-        for _ in range(7):  # turns, so load from elsewhere hits both alike
+        for _ in range(3):
             assert pool.wait_filled(30)
             with pool.take() as sb:
-                pooled.append(_first_exec_ms(sb))
-            with Sandbox(tier="namespaced") as sb:
-                fresh.append(_first_exec_ms(sb))
-    # a fresh one's first exec waits ~10 ms for bwrap's mounts and the init's Python start-up
-    assert statistics.median(pooled) < 0.7 * statistics.median(fresh), (pooled, fresh)
+                assert sb.wait_ready(0), "taken before its init booted"
+                assert sb.exec("true", timeout=30).exit_code == 0
 
 
 def test_take_gives_a_working_sandbox_in_which_no_command_ever_ran(tier):
