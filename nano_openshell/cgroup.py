@@ -14,7 +14,7 @@ import secrets
 import signal
 import time
 
-from .owned import left_behind, start_time
+from .owned import left_behind, process_tag
 
 EMPTY_WAIT = 2.0  # after a kill, how long we wait for the kernel to tear processes down
 _counter = itertools.count()
@@ -158,7 +158,7 @@ class SandboxCgroup:
     @classmethod
     def create(cls, memory_bytes: int, processes: int) -> "tuple[SandboxCgroup | None, str]":  # or (None, why)
         global _layout
-        name = f"nano-openshell-{os.getpid()}.{start_time(os.getpid())}-{next(_counter)}-{secrets.token_hex(3)}"
+        name = f"nano-openshell-{process_tag()}-{next(_counter)}-{secrets.token_hex(3)}"
         made = []
         try:
             if _layout is None:  # once per process (a supervisor does not change cgroups under us)

@@ -19,7 +19,7 @@ import sys
 import tempfile
 import threading
 
-from .owned import start_time, sweep
+from .owned import process_tag, sweep
 from .workspace import rmtree
 
 WORKDIR = "/workspace"
@@ -143,7 +143,7 @@ def view_dir() -> str:
         if _VIEW.get("pid") != os.getpid() or not os.path.isdir(_VIEW["path"]):  # a forked child makes its own
             parent = "/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir()  # not tempfile's: a caller may remove it
             sweep(parent, VIEW_PREFIX, remove=rmtree)
-            path = tempfile.mkdtemp(prefix=f"{VIEW_PREFIX}{os.getpid()}.{start_time(os.getpid())}-", dir=parent)
+            path = tempfile.mkdtemp(prefix=f"{VIEW_PREFIX}{process_tag()}-", dir=parent)
             os.chmod(path, 0o755)
             os.mkdir(os.path.join(path, "empty"), 0o555)
             os.mkdir(os.path.join(path, "etc"), 0o755)

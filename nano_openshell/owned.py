@@ -38,6 +38,13 @@ def start_time(pid: int) -> int | None:
         return None
 
 
+def process_tag() -> str:
+    """This process's "<pid>.<start time>": it names what the process leaves in shared places (temp
+    dirs, cgroups), so that a sweep (left_behind) can tell when its owner is gone."""
+    pid = os.getpid()
+    return f"{pid}.{start_time(pid)}"
+
+
 class Owned:
     """What one Sandbox gives back on release (apart from it, so that a finalizer can release it)."""
 
@@ -121,7 +128,7 @@ def temp_dir(kind: str) -> str:
         with _SWEEP_LOCK:
             if _ME["pid"] != pid:
                 sweep(tempfile.gettempdir())
-                _ME["tag"] = f"{pid}.{start_time(pid)}"
+                _ME["tag"] = process_tag()
                 _ME["pid"] = pid  # last: a thread that sees our pid also sees our tag
     return tempfile.mkdtemp(prefix=f"nano-openshell-{kind}-{_ME['tag']}-")
 
