@@ -43,9 +43,10 @@ def release_free_heap() -> None:
 
 def keep_step_buffers() -> None:
     """A CPU engine: its step allocates and frees tensors of a few MB in most ops (activations, attention
-    scores, gathered KV pages). By default each is mmap'd afresh, faulted in and zeroed page by page,
-    then unmapped; from the heap (ENGINE_MALLOC) the step spends its time computing. A setting the
-    user made in the environment stays."""
+    scores, gathered KV pages). By default glibc hands them back to the kernel as they are freed (a
+    block's own mmap, or the heap's top trimmed at twice the raised threshold), and the next step
+    faults them in again, zeroed page by page; kept (ENGINE_MALLOC), the step spends its time
+    computing. A setting the user made in the environment stays."""
     if (libc := _libc()) is not None:
         for name, (param, value) in ENGINE_MALLOC.items():
             if name not in os.environ:
