@@ -28,7 +28,7 @@ undo_host_changes() {
     if [ -n "${leg2_pid:-}" ]; then  # ended early (an error, Ctrl-C): leg 2 goes too
         kill "$leg2_pid" 2>/dev/null || true; wait "$leg2_pid" 2>/dev/null || true; rm -rf "$leg2_log" "$leg2_tmp"
     fi
-    rm -rf "${leg3_tmp:-}"
+    rm -rf "${leg3_tmp:-}"  # leg 3's temp dir, however the script ended
     for ((i = ${#restore_modes[@]} - 1; i >= 0; i--)); do
         entry="${restore_modes[i]}"
         echo "undo: chmod ${entry%% *} ${entry#* }"
@@ -109,7 +109,6 @@ else
     runuser -u "$user" -- env -i PATH=/usr/local/bin:/usr/bin:/bin HOME=/tmp TMPDIR="$leg3_tmp" LANG=C.UTF-8 \
         NANO_OPENSHELL_EXPECT_TIER="${NANO_OPENSHELL_LEG3_TIER:-namespaced}" PYTHONDONTWRITEBYTECODE=1 \
         "$py" -m pytest "${common[@]}" || leg3_status=$?
-    rm -rf "$leg3_tmp"
 fi
 leg2_status=0
 finish_leg_2 || leg2_status=$?

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from nano_openshell import Sandbox, SandboxError, SandboxPool
+from nano_openshell import SandboxError, SandboxPool
 
 from .conftest import ISOLATED
 
