@@ -93,14 +93,10 @@ class FlattenedTensorBucket:
         names, tensors = zip(*[(n, t.detach()) for n, t in named_tensors])
         self.metadata = bucket_metadata(names, [t.dtype for t in tensors], [t.shape for t in tensors])
         nbytes = self.metadata[-1].end_idx
-        if out is None and len(tensors) > 1 and len({t.dtype for t in tensors}) == 1:
-            # one C++ call flattens them all (with a single tensor it would return a view, not a copy)
-            self.flattened_tensor = torch._utils._flatten_dense_tensors(tensors).view(torch.uint8)
-            return
         if out is not None and (out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < nbytes):
             raise ValueError(f"out must be a 1-D uint8 tensor of at least {nbytes} bytes")
         parts = [t.reshape(-1).view(torch.uint8) for t in tensors]  # reshape copies only if not contiguous
-        self.flattened_tensor = torch.cat(parts) if out is None else torch.cat(parts, out=out[:nbytes])
+        self.flattened_tensor = torch.cat(parts, out=None if out is None else out[:nbytes])
 
     def reconstruct_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """(name, tensor) views into the buffer, after checking every metadata entry fits it."""
@@ -188,10 +184,9 @@ def serialize(obj) -> str:
 
 
 def serialize_bucket(bucket) -> tuple[str, FlattenedTensorBucket]:
-    """One "flattened_bucket" payload entry of `bucket` (a FlattenedTensorBucket or (name, tensor)
-    pairs), and the bucket whose memory it shares: keep that alive until the engine answered."""
-    if not isinstance(bucket, FlattenedTensorBucket):
-        bucket = FlattenedTensorBucket(named_tensors=bucket)
+    """One "flattened_bucket" payload entry of `bucket`, (name, tensor) pairs, and the bucket whose
+    memory it shares: keep that alive until the engine answered."""
+    bucket = FlattenedTensorBucket(named_tensors=bucket)
     return serialize({"flattened_tensor": bucket.flattened_tensor, "metadata": bucket.metadata}), bucket
 
 
@@ -368,7 +363,6 @@ def non_finite(named_tensors) -> str | None:
 
 
 def check_finite(named_tensors) -> None:
-    """Raise WeightPayloadError naming the first tensor that holds a NaN or an infinity."""
     name = non_finite(named_tensors)
     if name is not None:
         raise WeightPayloadError(f"{name} holds NaN or infinite values")
