@@ -4,10 +4,8 @@ Transports (docs/design.md says which and why; payloads in engine/weights.py): `
 buckets as CUDA IPC handles, shared memory on CPU), `distributed` (one NCCL or gloo broadcast per
 bucket reaches every engine), `disk` (a safetensors folder), `shared` (CPU engines map a CPU
 trainer's weights: a sync is a version bump and a KV flush); `auto` picks one (choose_transport).
-Every sync pauses the engines in place around it: requests in flight keep their KV and finish under
-the new weights; the pause is asked for first and waited for only before the first send, so the
-engines finish their running forward step while the first bucket is packed. Weights holding a NaN or an infinity are never sent (NonFiniteWeights). sync()
-reports its phases in ms (pause, prepare, pack, send, free, resume) and the first engine's timings_ms.
+Every sync pauses the engines in place around it; weights holding a NaN or an infinity are never
+sent (NonFiniteWeights).
 """
 from __future__ import annotations
 
@@ -115,7 +113,7 @@ class WeightSync:
                 sent["checksums"] = {} if self.cfg.verify else None
                 send = {"ipc": self._send_tensor, "distributed": self._send_distributed, "disk": self._send_disk}
                 # closing it finishes a gather from the trainer's ranks, whatever happened
-                with contextlib.closing(_lookahead(self._bucket_source(version), self._phases, sent)) as buckets:
+                with contextlib.closing(self._lookahead(self._bucket_source(version), sent)) as buckets:
                     send[self.transport](buckets, version)
             self._paused()
         finally:
@@ -170,6 +168,30 @@ class WeightSync:
         named = self.named_tensors()
         _refuse_non_finite(named, version)
         return W.bucket_by_bytes(named, bucket_bytes)
+
+    def _lookahead(self, source, sent: dict):
+        """(bucket, is_last) pairs, one bucket ahead of the sender; counts sent's bytes and buckets,
+        times the gathering (prepare), and takes each tensor's checksum when sent["checksums"] is a dict."""
+
+        def pull():
+            t = time.perf_counter()
+            bucket = next(source, None)
+            self._phase("prepare", t)
+            if bucket is not None:
+                sent["buckets"] += 1
+                sent["bytes"] += sum(t.numel() * t.element_size() for _, t in bucket)
+                if sent["checksums"] is not None:
+                    sent["checksums"].update(W.checksums(bucket))
+            return bucket
+
+        try:
+            bucket = pull()
+            while bucket is not None:
+                following = pull()
+                yield bucket, following is None
+                bucket = following
+        finally:
+            source.close()  # a generator: finishes a gather from the trainer's ranks
 
     def _phase(self, name: str, since: float) -> float:
         now = time.perf_counter()
@@ -292,11 +314,10 @@ class WeightSync:
 
     # ------------------------------------------------------------------ verify and close
 
-    def verify(self, weight_version=None, named=None, ours: dict | None = None) -> None:
+    def verify(self, weight_version=None, ours: dict | None = None) -> None:
         """Compare each engine's per-tensor checksums (and weight_version) with ours (`ours`, else of
-        `named`, else of the source's weights now); raise WeightSyncError on any difference."""
-        if ours is None:
-            ours = W.checksums(self.named_tensors() if named is None else named)
+        the source's weights now); raise WeightSyncError on any difference."""
+        ours = W.checksums(self.named_tensors()) if ours is None else ours
         for url, client in zip(self.urls, self.clients):
             answer = client.weights_checksum()
             served = answer["checksums"]
@@ -350,29 +371,3 @@ def _checked(buckets, version: str):
             yield bucket
     finally:
         buckets.close()
-
-
-def _lookahead(source, phases: dict, sent: dict):
-    """(bucket, is_last) pairs, one bucket ahead of the sender; counts sent's bytes and buckets, times
-    the gathering (the prepare phase), and takes each tensor's checksum when sent["checksums"] is a dict."""
-    source = iter(source)
-
-    def pull():
-        t = time.perf_counter()
-        bucket = next(source, None)
-        phases["prepare"] += (time.perf_counter() - t) * 1000.0
-        if bucket is not None:
-            sent["buckets"] += 1
-            sent["bytes"] += sum(t.numel() * t.element_size() for _, t in bucket)
-            if sent["checksums"] is not None:
-                sent["checksums"].update(W.checksums(bucket))
-        return bucket
-
-    try:
-        bucket = pull()
-        while bucket is not None:
-            following = pull()
-            yield bucket, following is None
-            bucket = following
-    finally:
-        getattr(source, "close", lambda: None)()
