@@ -18,8 +18,6 @@ CUDA_ALIGN_BYTES = 16
 
 
 class FlatParameters:
-    """All of `model`'s parameters as views into one buffer, in named_parameters order."""
-
     def __init__(self, model: torch.nn.Module):
         if not self.packable(model):
             raise ValueError("cannot pack parameters of several dtypes/devices (or none, or unaligned on CUDA)")

@@ -1,12 +1,9 @@
 """One copy of the weights for a CPU trainer and a CPU engine on one machine, in shared memory.
 
-As in slime's colocated mode, the tensors the engine serves live in ONE anonymous shared-memory file
-(a memfd) that the engine maps read-only in place of its own copy: the trainer's in-place optimizer
-step IS the weight update, a sync a version bump and a KV flush (the `shared` transport). Right only
-while the engine never generates during the trainer's writes (train's mode=sync). `SharedWeights`
-rebinds each tensor's `.data` (Parameters, optimizer state and tied weights stay as they are); the
-memory goes with the last process holding it. `map_shared` checks a manifest against the engine's
-parameters and returns read-only views: an engine bug writing into them faults.
+As in slime's colocated mode, the tensors the engine serves live in ONE memfd that the engine maps
+read-only in place of its own copy: the trainer's in-place optimizer step IS the weight update (the
+`shared` transport), right only while the engine never generates during the trainer's writes
+(mode=sync). The memory goes with the last process holding it; an engine bug writing into it faults.
 """
 from __future__ import annotations
 
@@ -27,7 +24,8 @@ class SharedWeightsError(ValueError):
 
 
 class SharedWeights:
-    """The trainer side: (name, tensor) pairs moved into one memfd-backed buffer, in place."""
+    """The trainer side: (name, tensor) pairs moved into one memfd-backed buffer, in place (each
+    tensor's `.data` is rebound: Parameters, optimizer state and tied weights stay as they are)."""
 
     def __init__(self, named_tensors):
         named = list(named_tensors)
@@ -47,12 +45,7 @@ class SharedWeights:
                 view.copy_(t)
                 t.data = view  # the same tensor object, now backed by the shared buffer
         release_free_heap()
-        self.owner_pid = os.getpid()
-
-    @property
-    def path(self) -> str:
-        """What another process opens to map the buffer (while this process lives)."""
-        return f"/proc/{self.owner_pid}/fd/{self.fd}"
+        self.path = f"/proc/{os.getpid()}/fd/{self.fd}"  # what an engine opens, while this process lives
 
     def close(self) -> None:
         """Close our descriptor; the memory lives on while tensors (or an engine) still map it."""
@@ -100,9 +93,9 @@ def map_shared(path: str, manifest, expected: dict[str, tuple[tuple[int, ...], t
     except OSError as e:
         raise SharedWeightsError(f"cannot open {path}: {e.strerror} (trainer and engine must share a machine)") from None
     try:
-        size = os.fstat(fd).st_size
-        if size < max(end for *_, end in entries):
-            raise SharedWeightsError(f"{path} holds {size} bytes; the manifest needs {max(end for *_, end in entries)}")
+        size, need = os.fstat(fd).st_size, max(end for *_, end in entries)
+        if size < need:
+            raise SharedWeightsError(f"{path} holds {size} bytes; the manifest needs {need}")
         mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
     finally:
         os.close(fd)

@@ -47,9 +47,9 @@ def init_weight_update_group(master_address: str, master_port: int, rank: int, w
                                   master_listen_fd=fd)
         else:
             store = dist.TCPStore(master_address, int(master_port), world_size, is_master=False, timeout=timeout)
-        pg = c10d._new_process_group_helper(world_size, rank, [], backend, dist.PrefixStore(group_name, store),
-                                            group_name=group_name, timeout=timeout)
-        pg = pg[0] if isinstance(pg, tuple) else pg
+        prefixed = dist.PrefixStore(group_name, store)
+        pg, _ = c10d._new_process_group_helper(world_size, rank, [], backend, prefixed, group_name=group_name,
+                                               timeout=timeout)
         c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}  # group rank == "global" rank
         return pg
 
