@@ -1,18 +1,15 @@
 """The server's weight routes, from payload to swapped-in weights.
 
-As SGLang: decode or receive the new tensors first (off the event loop) and validate them, then,
-unless generation is paused, stop admitting requests and let in-flight ones drain (abort them first
-with abort_all_requests), swap all weights at once, flush the KV cache, set weight_version (the given
-one, else +1; a flush_cache=false bucket without one keeps it: more buckets follow) and admit what
-queued meanwhile. A payload that does not fit the model, or holds a NaN or an infinity, is refused
-(400) before anything changes. A bucket laid out like a run of the engine's packed parameters goes in
-with ONE copy (flat_params.py), anything else tensor by tensor; the copy is complete and the
-trainer's buffer released before the answer, which carries timings_ms per phase.
+As SGLang: decode or receive and validate the new tensors first (off the event loop), then, unless
+generation is paused, let in-flight requests drain (or abort them: abort_all_requests), swap all
+weights at once, flush the KV cache, set weight_version and admit what queued meanwhile. A payload
+that does not fit the model, or holds a NaN or an infinity, is refused (400) before anything changes.
+A bucket laid out like a run of the packed parameters goes in with ONE copy (flat_params.py); the
+copy is complete and the trainer's buffer released before the answer.
 
-/update_weights_from_shared (shared_weights.py): the first call maps the trainer's weights in place of
-the engine's own copy; then each call flushes the KV cache and sets the version. Any other update
-first gives the engine a private copy again. /release_memory_occupation (SGLang's, for colocated
-training) hands a CPU engine's KV-cache pages back to the kernel; resuming is therefore a no-op.
+/update_weights_from_shared (shared_weights.py) maps the trainer's weights in place of the engine's
+own copy once, then only flushes and bumps the version; any other update first gives the engine a
+private copy again. /release_memory_occupation hands a CPU engine's KV pages back to the kernel.
 """
 from __future__ import annotations
 

@@ -29,24 +29,20 @@ def _libc():
 
 
 def return_large_frees() -> bool:
-    """Serve blocks of MMAP_THRESHOLD_BYTES or more with their own mapping, for the rest of this process.
-    Returns whether it took effect (False off glibc)."""
+    """For the rest of this process; whether it took effect (False off glibc)."""
     libc = _libc()
     return bool(libc is not None and libc.mallopt(M_MMAP_THRESHOLD, ctypes.c_int(MMAP_THRESHOLD_BYTES)))
 
 
 def release_free_heap() -> None:
-    """Hand the heap's free pages back to the kernel (glibc's malloc_trim)."""
     if (libc := _libc()) is not None:
         libc.malloc_trim(ctypes.c_size_t(0))
 
 
 def keep_step_buffers() -> None:
-    """A CPU engine: its step allocates and frees tensors of a few MB in most ops (activations, attention
-    scores, gathered KV pages). By default glibc hands them back to the kernel as they are freed (a
-    block's own mmap, or the heap's top trimmed at twice the raised threshold), and the next step
-    faults them in again, zeroed page by page; kept (ENGINE_MALLOC), the step spends its time
-    computing. A setting the user made in the environment stays."""
+    """A CPU engine's step allocates and frees tensors of a few MB in most ops; by default glibc hands
+    them back to the kernel (their own mmap, or the heap's top trimmed at twice the raised threshold)
+    and the next step faults them in again, page by page. A setting made in the environment stays."""
     if (libc := _libc()) is not None:
         for name, (param, value) in ENGINE_MALLOC.items():
             if name not in os.environ:
