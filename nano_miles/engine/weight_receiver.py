@@ -98,7 +98,6 @@ class WeightReceiver:
                 return weight_answer(False, f"Failed to {what}: {e}")
         return route
 
-    # --- validation and the swap ---
     def _check(self, named, cast: bool = False):
         """Validated pairs, less the names the engine derives itself (a tied lm_head), cast if asked."""
         eng = self.worker.engine
@@ -173,7 +172,6 @@ class WeightReceiver:
             "message": f"Succeeded to update {update.count} tensors from {source}"
                        f"{' with one copy' if update.fast else ''}. Weight version updated to {version}."})
 
-    # --- tensor and disk ---
     async def update_from_tensor(self, request):
         t0 = time.perf_counter()
         body = await json_body(request)
@@ -244,7 +242,6 @@ class WeightReceiver:
             "message": f"Serving the trainer's shared weights ({path}){' (mapped now)' if views is not None else ''}. "
                        f"Weight version updated to {version}."})
 
-    # --- memory occupation ---
     async def release_memory(self, request):
         body = await json_body(request, default={})
         tags = body.get("tags") or ["kv_cache", "weights"]
@@ -266,7 +263,6 @@ class WeightReceiver:
         await json_body(request, default={})
         return weight_answer(True, "Nothing to resume: released KV pages come back as generation uses them")
 
-    # --- distributed ---
     async def init_group(self, request):
         body = await json_body(request)
         addr, port, rank, world = (body.get(k) for k in ("master_address", "master_port", "rank_offset", "world_size"))
@@ -364,7 +360,6 @@ class WeightReceiver:
             raise W.WeightPayloadError(f"{name!r}: {type(e).__name__}: {e}") from None
         return weight_answer(True, f"Succeeded to destroy custom process group {name!r}.")
 
-    # --- verification ---
     async def weights_checksum(self, request):
         names = (await json_body(request, default={}) if request.method == "POST" else {}).get("names")
         if names is not None:

@@ -130,8 +130,6 @@ def bucket_by_bytes(named_tensors, bucket_bytes: int):
         yield bucket
 
 
-# ----------------------------------------------------------------------------- producer side
-
 _alias_lock = threading.Lock()
 
 
@@ -188,9 +186,6 @@ def serialize_bucket(bucket) -> tuple[str, FlattenedTensorBucket]:
     memory it shares: keep that alive until the engine answered."""
     bucket = FlattenedTensorBucket(named_tensors=bucket)
     return serialize({"flattened_tensor": bucket.flattened_tensor, "metadata": bucket.metadata}), bucket
-
-
-# ----------------------------------------------------------------------------- consumer side
 
 
 def _rebuild_cuda_tensor(*args):

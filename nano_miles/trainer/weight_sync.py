@@ -97,8 +97,6 @@ class WeightSync:
         named = src.named_weights(self.engine_dtype) if hasattr(src, "named_weights") else src
         return [(n, t.detach().to(self.engine_dtype)) for n, t in named]
 
-    # ------------------------------------------------------------------ sync
-
     def sync(self, weight_version) -> dict:
         """Send the current weights to every engine; return {ms, bytes, transport, verified, buckets,
         weight_version, engines, phases_ms, engine_ms, fast_path}."""
@@ -311,8 +309,6 @@ class WeightSync:
         start = self._paused()
         self._answers = self._on_all(lambda c: c.update_weights_from_disk(self._disk_dir, weight_version=version))
         self._phase("send", start)
-
-    # ------------------------------------------------------------------ verify and close
 
     def verify(self, weight_version=None, ours: dict | None = None) -> None:
         """Compare each engine's per-tensor checksums (and weight_version) with ours (`ours`, else of
