@@ -1,16 +1,13 @@
-"""Weight-update payloads in SGLang's wire format, both ends: what the trainer sends, what the server
-decodes, so a real SGLang server takes our trainer's payloads and our server takes slime's and verl's.
+"""Weight-update payloads in SGLang's wire format, both ends, so a real SGLang server takes our
+trainer's payloads and our server takes slime's and verl's.
 
-- /update_weights_from_tensor: named tensors flattened into one uint8 "bucket" plus per-tensor
-  metadata, pickled with ForkingPickler, base64-encoded. The data does not travel in the pickle:
-  CPU tensors are shared through /dev/shm ("file_system" strategy: works between unrelated
-  processes), CUDA tensors as CUDA IPC handles whose device is the GPU's UUID (as SGLang writes it),
-  so a receiver with other CUDA_VISIBLE_DEVICES finds the right GPU. The receiver unpickles through
-  an allowlist, never arbitrary classes.
-- /update_weights_from_distributed: weight_group.py; /update_weights_from_disk: safetensors files.
-
-The checksum and the finiteness check live here once, for both ends: the engine refuses a NaN or an
-infinity on every route, the trainer never sends one.
+/update_weights_from_tensor: named tensors flattened into one uint8 "bucket" plus per-tensor
+metadata, pickled with ForkingPickler, base64-encoded. The data does not travel in the pickle: CPU
+tensors are shared through /dev/shm ("file_system" strategy: works between unrelated processes), CUDA
+tensors as CUDA IPC handles whose device is the GPU's UUID (as SGLang writes it), so a receiver with
+other CUDA_VISIBLE_DEVICES finds the right GPU. The receiver unpickles through an allowlist, never
+arbitrary classes. The finiteness check lives here once: the engine refuses a NaN or an infinity on
+every route, the trainer never sends one.
 """
 from __future__ import annotations
 
