@@ -154,10 +154,8 @@ class EngineWorker:
                 self._resolve(fut, (out, version, oldest))
 
     def _add(self, items, futs):
-        if self.paused or self.updates:
-            self.parked.append((items, futs))
-        else:
-            self._admit(items, futs)
+        self.parked.append((items, futs))
+        self._admit_parked()
 
     def _admit(self, items, futs):
         busy = set(self.inflight) | {it.rid for batch, _ in self.parked for it in batch}
@@ -193,8 +191,7 @@ class EngineWorker:
 
     def _continue(self) -> bool:
         self.paused, self.pause_mode = False, None
-        if not self.updates:  # otherwise they wait for the update, which waits for a drain
-            self._admit_parked()
+        self._admit_parked()
         return True
 
     def _update(self, fn, abort_first: bool, fut):
@@ -228,10 +225,10 @@ class EngineWorker:
                 self._resolve(fut, fn(self.engine))
             except Exception as e:
                 self._resolve(fut, error=e)
-        if not self.paused:
-            self._admit_parked()
+        self._admit_parked()
 
-    def _admit_parked(self):
-        parked, self.parked = self.parked, []
-        for items, futs in parked:
-            self._admit(items, futs)
+    def _admit_parked(self):  # unless paused, or an update waits for the running requests to drain
+        if not (self.paused or self.updates):
+            parked, self.parked = self.parked, []
+            for items, futs in parked:
+                self._admit(items, futs)
