@@ -61,7 +61,7 @@ class Replica:
 class EnginePool:
     def __init__(self, cfg, layout, model_path: str, run_dir: Path | None = None, ready_timeout: float = 300.0):
         """cfg: the engine.* keys (layout.EngineLaunchConfig); layout: where ours run (layout.Layout)."""
-        self.cfg, self.layout, self.model_path, self.run_dir = cfg, layout, model_path, run_dir
+        self.layout, self.model_path, self.run_dir = layout, model_path, run_dir
         self.given_urls = list(cfg.urls) if cfg is not None else []
         self.ready_timeout = ready_timeout
         self.replicas: list[Replica] = []

@@ -158,8 +158,7 @@ class EngineWorker:
         self._admit_parked()
 
     def _admit(self, items, futs):
-        busy = set(self.inflight) | {it.rid for batch, _ in self.parked for it in batch}
-        clash = [it.rid for it in items if it.rid in busy]
+        clash = [it.rid for it in items if it.rid in self.inflight]  # (nothing is parked while admitting)
         if clash:
             for f in futs:
                 self._resolve(f, error=RequestError(f"request id(s) {clash} already in flight"))
