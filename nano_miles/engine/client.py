@@ -86,9 +86,6 @@ class Call:
 class Routes:
     """Every route of the engine, once. `_send(call)` is defined by each client."""
 
-    def _send(self, call: Call):
-        raise NotImplementedError
-
     def _post(self, path: str, timeout: float | None = None, /, **body):
         return self._send(Call("POST", path, body, timeout=timeout))
 

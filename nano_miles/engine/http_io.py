@@ -14,7 +14,6 @@ import asyncio
 import json
 import math
 import multiprocessing
-import os
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -66,34 +65,6 @@ def check_length(request: web.Request, limit: int, key: str) -> None:  # 413 bef
                            f"{limit / MiB:g} MiB (config key {key})")
 
 
-class _Body:
-    """A body as it arrives: in memory while small, spooled to a file once large (for the child)."""
-
-    def __init__(self):
-        self.data, self.size, self.path, self._file = bytearray(), 0, None, None
-
-    def add(self, chunk: bytes) -> None:
-        self.size += len(chunk)
-        if self._file is None and self.size > INLINE_PARSE_BYTES:
-            self._file = tempfile.NamedTemporaryFile(prefix="nano-miles-body-", suffix=".json", delete=False)
-            self._file.write(self.data)
-            self.path, self.data = self._file.name, bytearray()
-        if self._file is None:
-            self.data += chunk
-        else:
-            self._file.write(chunk)
-
-    def done(self) -> None:
-        if self._file is not None:
-            self._file.close()
-
-    def remove(self) -> None:
-        self.done()
-        if self.path is not None:
-            os.unlink(self.path)
-            self.path = None
-
-
 class BodyParser:
     """Parses JSON bodies for one server: small ones inline, large ones in ONE child process
     (spawned at start, not forked from a process that runs the engine's threads)."""
@@ -113,25 +84,34 @@ class BodyParser:
     async def json(self, request: web.Request, limit: int, key: str, default=None) -> dict:
         """The body as a JSON object of at most `limit` bytes (the middleware checked its Content-Length
         already); `default` for an empty body if given."""
-        raw = _Body()
+        data, size, spool = bytearray(), 0, None
         try:
             async for chunk in request.content.iter_chunked(MiB):
-                if raw.size + len(chunk) > limit:
+                size += len(chunk)
+                if size > limit:
                     raise BodyTooLarge(f"the body is over {limit / MiB:g} MiB, the most {request.path} takes "
                                        f"(config key {key})")
-                raw.add(chunk)
-            raw.done()
-            request["body_bytes"] = raw.size
-            if raw.path is None and (not raw.data or raw.data.isspace()):
-                if default is not None:
-                    return default
-                raise RequestError("the request body is empty; send a JSON object")
-            body = json_parser.loads(raw.data) if raw.path is None else await self._parse_in_child(raw.path)
+                data += chunk
+                if size > INLINE_PARSE_BYTES:  # large: spooled to a file for the child
+                    if spool is None:  # deleted when closed
+                        spool = tempfile.NamedTemporaryFile(prefix="nano-miles-body-", suffix=".json")
+                    spool.write(data)
+                    data.clear()
+            request["body_bytes"] = size
+            if spool is None:
+                if not data or data.isspace():
+                    if default is not None:
+                        return default
+                    raise RequestError("the request body is empty; send a JSON object")
+                body = json_parser.loads(data)
+            else:
+                spool.flush()
+                body = await self._parse_in_child(spool.name)
         except json_parser.BodyError as e:
             raise RequestError(str(e)) from None
         finally:
-            if raw.path is not None:
-                await asyncio.to_thread(raw.remove)
+            if spool is not None:
+                await asyncio.to_thread(spool.close)
         if not isinstance(body, dict):
             raise RequestError("the body must be a JSON object")
         return body

@@ -1,10 +1,6 @@
 """OpenAI-compatible routes, /v1/models and /v1/chat/completions, so a served model (a trained
-`final/` folder too) works from any OpenAI client:
-
-    client = openai.OpenAI(base_url="http://127.0.0.1:30000/v1", api_key=KEY)  # KEY: serve's --api-key
-    client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=32)
-
-The messages go through the model's own chat template, then the engine generates as for /generate.
+`final/` folder too) works from any OpenAI client (README.md shows one). The messages go through the
+model's own chat template, then the engine generates as for /generate.
 Taken: temperature, top_p, max_tokens (max_completion_tokens), n, stop (up to 4 strings), seed.
 Refused with a 400 rather than ignored: tools, non-text response_format, logprobs, penalties,
 logit_bias. The model field is not checked (one model per server, as SGLang). stream=true is

@@ -1,15 +1,7 @@
-"""The engine replicas of a command, and how a rollout's episodes are routed over them.
-
-`EnginePool` holds M replicas: `nano-miles serve` processes it starts (on the devices plan_layout
-chose), restarts when they die and stops at the end; or engines somebody else runs (engine.url),
-checked to be engines and never restarted. A replica is serving; restarting (ours, died); stale
+"""The engine replicas of a command (`EnginePool`), and how a rollout's groups are routed over them
+(`GroupRouter`): docs/design.md, "Scale-out". A replica is serving; restarting (ours, died); stale
 (restarted with the base weights: it serves again once the loop's next weight sync reached it); or
-down (not ours, or its restart failed: left out until it answers again). A dead replica costs a
-rollout only the episodes in flight on it, which run again on another one.
-
-`GroupRouter` routes one rollout: all samples of a group go to one replica, whose prefix cache then
-serves their shared prompt: the serving one with the fewest outstanding episodes when the group's
-first episode starts. A group whose replica fails moves, whole, to another.
+down (not ours, or its restart failed: left out until it answers again).
 """
 from __future__ import annotations
 
@@ -69,7 +61,7 @@ class Replica:
 class EnginePool:
     def __init__(self, cfg, layout, model_path: str, run_dir: Path | None = None, ready_timeout: float = 300.0):
         """cfg: the engine.* keys (layout.EngineLaunchConfig); layout: where ours run (layout.Layout)."""
-        self.cfg, self.layout, self.model_path, self.run_dir = cfg, layout, model_path, run_dir
+        self.layout, self.model_path, self.run_dir = layout, model_path, run_dir
         self.given_urls = list(cfg.urls) if cfg is not None else []
         self.ready_timeout = ready_timeout
         self.replicas: list[Replica] = []

@@ -38,8 +38,7 @@ class RequestError(ValueError):
 
 
 @dataclass
-class GenerateItem:
-    """One request of a /generate call, validated."""
+class GenerateItem:  # one request of a /generate call, validated
     rid: str
     input_ids: list[int]
     sampling: SamplingParams

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import errno
 import hmac
 import ipaddress
@@ -19,7 +18,7 @@ import sys
 import time
 import traceback
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from aiohttp import web
@@ -95,7 +94,7 @@ class Server:
     def make_engine(self) -> Engine:
         if self.cfg.threads:
             torch.set_num_threads(self.cfg.threads)  # called from the engine thread, which runs every forward
-        eng = Engine(dataclasses.replace(self.cfg.engine, model=self.model_path))
+        eng = Engine(replace(self.cfg.engine, model=self.model_path))
         eng.weight_version = self.cfg.weight_version
         return eng
 

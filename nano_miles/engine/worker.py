@@ -27,7 +27,7 @@ class EngineWorker:
         self.loaded = threading.Event()
         self.commands: queue.Queue = queue.Queue()
         self.paused, self.pause_mode = False, None
-        self.parked: list = []   # adds waiting for a continue or for an update to finish
+        self.parked: list = []   # adds ([(item, future)] each) waiting for a continue or an update
         self.updates: list = []  # calls that need an idle engine (weight swaps), in arrival order
         # rid -> (future, weight version when it entered the engine) of a request inside the engine. An
         # update while paused in place lets a request go on under newer weights: it reports the version
@@ -44,7 +44,7 @@ class EngineWorker:
     def add(self, items) -> list:
         """One future per item, resolved with (FinishedRequest, weight_version, oldest_weight_version)."""
         futs = [self.loop.create_future() for _ in items]
-        self._submit(self._add, items, futs)
+        self._submit(self._add, list(zip(items, futs)))
         return futs
 
     async def run(self, items) -> list:
@@ -153,22 +153,19 @@ class EngineWorker:
             if fut is not None:
                 self._resolve(fut, (out, version, oldest))
 
-    def _add(self, items, futs):
-        if self.paused or self.updates:
-            self.parked.append((items, futs))
-        else:
-            self._admit(items, futs)
+    def _add(self, batch):
+        self.parked.append(batch)
+        self._admit_parked()
 
-    def _admit(self, items, futs):
-        busy = set(self.inflight) | {it.rid for batch, _ in self.parked for it in batch}
-        clash = [it.rid for it in items if it.rid in busy]
+    def _admit(self, batch):
+        clash = [it.rid for it, _ in batch if it.rid in self.inflight]  # (nothing is parked while admitting)
         if clash:
-            for f in futs:
+            for _, f in batch:
                 self._resolve(f, error=RequestError(f"request id(s) {clash} already in flight"))
             return
         eng, added = self.engine, []
         try:
-            for it, fut in zip(items, futs):
+            for it, fut in batch:
                 eng.add_request(it.rid, it.input_ids, it.sampling, return_logprob=it.return_logprob)
                 self.inflight[it.rid] = fut, eng.weight_version
                 added.append(it.rid)
@@ -177,7 +174,7 @@ class EngineWorker:
                 eng.abort_request(rid)
                 self.inflight.pop(rid, None)
             self._take_aborted()
-            for f in futs:
+            for _, f in batch:
                 self._resolve(f, error=RequestError(str(e)))
 
     def _pause(self, mode: str) -> int:
@@ -193,8 +190,7 @@ class EngineWorker:
 
     def _continue(self) -> bool:
         self.paused, self.pause_mode = False, None
-        if not self.updates:  # otherwise they wait for the update, which waits for a drain
-            self._admit_parked()
+        self._admit_parked()
         return True
 
     def _update(self, fn, abort_first: bool, fut):
@@ -204,20 +200,17 @@ class EngineWorker:
 
     def _abort(self, rid, message) -> int:
         n = self.engine.abort_all(message) if rid is None else int(self.engine.abort_request(rid, message))
-        keep, version = [], self.engine.weight_version
-        for items, futs in self.parked:  # requests not yet in the engine finish as aborted too
-            rest = []
-            for it, f in zip(items, futs):
+        version, parked, self.parked = self.engine.weight_version, self.parked, []
+        for batch in parked:  # requests not yet in the engine finish as aborted too
+            for it, f in batch:
                 if rid is None or it.rid == rid:
                     never_started = FinishedRequest(it.rid, [], [] if it.return_logprob else None,
                                                     {"type": "abort", "message": message}, len(it.input_ids), 0, 0)
                     self._resolve(f, (never_started, version, version))
                     n += 1
-                else:
-                    rest.append((it, f))
+            rest = [(it, f) for it, f in batch if rid is not None and it.rid != rid]
             if rest:
-                keep.append(([it for it, _ in rest], [f for _, f in rest]))
-        self.parked = keep
+                self.parked.append(rest)
         self._deliver(self._take_aborted())
         return n
 
@@ -228,10 +221,10 @@ class EngineWorker:
                 self._resolve(fut, fn(self.engine))
             except Exception as e:
                 self._resolve(fut, error=e)
-        if not self.paused:
-            self._admit_parked()
+        self._admit_parked()
 
-    def _admit_parked(self):
-        parked, self.parked = self.parked, []
-        for items, futs in parked:
-            self._admit(items, futs)
+    def _admit_parked(self):  # unless paused, or an update waits for the running requests to drain
+        if not (self.paused or self.updates):
+            parked, self.parked = self.parked, []
+            for batch in parked:
+                self._admit(batch)
