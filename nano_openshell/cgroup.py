@@ -76,13 +76,6 @@ def _v2_parent(base: str) -> tuple[str, bool]:
     return base, False
 
 
-def _sweep(parents: list[str]) -> None:
-    for parent in parents:
-        for path in left_behind(parent, "nano-openshell-"):
-            if not _populated(path):
-                _remove(path, wait=0.0)
-
-
 def _kill(path: str) -> None:
     try:
         _write(os.path.join(path, "cgroup.kill"), "1")
@@ -166,7 +159,10 @@ class SandboxCgroup:
                 if v2_base is None:
                     return None, "no cgroup v2 tree is mounted (cgroup.kill needs one)"
                 _layout = (*_v2_parent(v2_base), v1_bases)
-                _sweep([_layout[0], *v1_bases.values()])
+                for parent in (_layout[0], *v1_bases.values()):  # what processes that are gone left
+                    for old in left_behind(parent, "nano-openshell-"):
+                        if not _populated(old):
+                            _remove(old, wait=0.0)
             parent, v2_caps, v1_bases = _layout
             path = os.path.join(parent, name)
             os.mkdir(path)

@@ -13,6 +13,7 @@ to FIELD_CHARS, the file rotated at max_bytes (one old file kept), rate-limit re
 from __future__ import annotations
 
 import contextlib
+import http
 import json
 import os
 import selectors
@@ -27,8 +28,6 @@ from .request import CHUNK, HANDSHAKE_PATH, MAX_HEAD, BadRequest, parse_request,
 PROTOCOL_VERSION = 1
 FIELD_CHARS = 256
 SUMMARY_EVERY = 1.0
-_PHRASES = {400: "Bad Request", 403: "Forbidden", 408: "Request Timeout", 429: "Too Many Requests",
-            502: "Bad Gateway", 503: "Service Unavailable"}
 
 
 class HandshakeError(RuntimeError):
@@ -309,7 +308,7 @@ def _relay(client: socket.socket, upstream: socket.socket, idle: float, limit: i
 def _response(status: int, reason: str) -> bytes:
     body = (json.dumps({"error": reason}) + "\n").encode()
     safe = "".join(c if c.isascii() and c.isprintable() else "?" for c in reason)[:300]
-    return (f"HTTP/1.1 {status} {_PHRASES.get(status, 'Error')}\r\nContent-Type: application/json\r\n"
+    return (f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\nConnection: close\r\nX-OpenShell-Reason: {safe}\r\n\r\n").encode() + body
 
 

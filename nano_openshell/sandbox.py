@@ -1,8 +1,4 @@
-"""Sandbox: run one bash command at a time for an agent, isolated, bounded, never hung.
-
-    with Sandbox() as sb:
-        r = sb.exec("echo hi", timeout=10)
-        r.exit_code, r.stdout, r.stderr, r.timed_out, r.truncated, r.duration_ms, r.tier
+"""Sandbox: run one bash command at a time for an agent, isolated, bounded, never hung (docs/design.md).
 
 Tiers (probe.py says which work here): "namespaced" (bwrap: namespaced.py, launcher.py), "fallback"
 (an init per command with Landlock and seccomp: fallback.py), "none" (only with allow_unisolated).
@@ -29,7 +25,7 @@ from .disk import DiskCheck, Meter
 from .forwarder import sandbox_prelude
 from .owned import SANDBOX_UIDS, Owned, close_all, temp_dir  # noqa: F401 (close_all: what a leaving process calls)
 from .probe import TIERS, probe
-from .proxy import PROTOCOL_VERSION, ProxyServer, handshake
+from .proxy import ProxyServer, handshake
 from .workspace import Handover, remove_later, remove_soon
 
 SAFE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -142,7 +138,7 @@ class Sandbox:
                                   socket_mode=0o666, audit_max_bytes=self.limits.audit_log_bytes,
                                   rate=(self.limits.proxy_requests_per_second, self.limits.proxy_request_burst))
         self._owned.proxy = self._proxy.start()
-        self.handshake = handshake(sock, protocol=PROTOCOL_VERSION)
+        self.handshake = handshake(sock)
         self.audit_path = self._proxy.audit_path
         self._socket_fd = os.open(sock, os.O_PATH | os.O_CLOEXEC)
         self._owned.fds.append(self._socket_fd)
