@@ -9,7 +9,6 @@ filter without sockets; the init stays outside them, where the command can neith
 read its /proc entries.
 """
 
-import ctypes
 import marshal
 import os
 import resource
@@ -19,18 +18,11 @@ import sys
 import time
 
 from . import landlock, seccomp
-
-_PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER, _PR_SET_NO_NEW_PRIVS = 1, 36, 38
+from .seccomp import PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS, PR_SET_PDEATHSIG, prctl
 
 
 class _Stop(Exception):
     pass
-
-
-def _prctl(option: int, value: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(option, value, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), f"prctl({option})")
 
 
 _CHILDREN_FILES = os.path.exists("/proc/thread-self/children")  # CONFIG_PROC_CHILDREN
@@ -156,8 +148,8 @@ def _exec_command(cfg: dict) -> None:
             os.setgroups([])
             os.setresgid(cfg["gid"], cfg["gid"], cfg["gid"])
             os.setresuid(cfg["uid"], cfg["uid"], cfg["uid"])
-        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # after the uid change, which clears it
-        _prctl(_PR_SET_NO_NEW_PRIVS, 1)  # Landlock and seccomp both require it
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after the uid change, which clears it
+        prctl(PR_SET_NO_NEW_PRIVS, 1)  # Landlock and seccomp both require it
         if cfg["landlock"]:
             landlock.restrict(rw=[cfg["workspace"], cfg["tmpdir"]])
         if cfg["seccomp"]:
@@ -184,10 +176,10 @@ def main() -> None:
     os.set_inheritable(cfg["ended_fd"], False)
     status = None
     try:
-        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
         if os.getppid() != cfg["supervisor_pid"]:  # the supervisor died before PDEATHSIG was armed
             raise _Stop()
-        _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+        prctl(PR_SET_CHILD_SUBREAPER, 1)
         pid = os.fork()
         if pid == 0:
             _exec_command(cfg)

@@ -34,7 +34,6 @@ os.register_at_fork(after_in_child=_POOLS.clear)  # a forked child has none of i
 
 
 def _pool(name: str, workers: int) -> concurrent.futures.ThreadPoolExecutor:
-    """Long-lived threads of this process, by name."""
     with _POOLS_LOCK:
         if name not in _POOLS:
             _POOLS[name] = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix=f"nano-openshell-{name}")

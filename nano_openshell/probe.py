@@ -98,8 +98,7 @@ def _try_namespaced(bwrap: str) -> tuple[bool, str, str]:
     return False, f"bwrap at {bwrap} failed to start a sandbox: {err or 'no message'}", version
 
 
-def _init() -> str:
-    """Which init the namespaced tier's sandboxes get, and why."""
+def _init() -> str:  # which init the namespaced tier's sandboxes get, and why
     try:
         kind = init_build.kind()
     except (ValueError, RuntimeError) as e:
