@@ -1,9 +1,7 @@
 """SandboxPool: fresh Sandboxes made and booted ahead of need, so an episode does not wait for one.
 
 A pooled Sandbox IS a fresh one, made earlier: no command ever ran in it, and none is given back.
-take() hands out a booted one and starts booting its replacement; with none ready it makes one the
-normal way, so it is never slower than no pool. Idle sandboxes are closed by close(), when the pool
-is collected, and at interpreter exit.
+With none ready, take() makes one the normal way, so it is never slower than no pool.
 """
 
 import collections

@@ -1,12 +1,8 @@
 """Sandbox: run one bash command at a time for an agent, isolated, bounded, never hung (docs/design.md).
 
-Tiers (probe.py says which work here): "namespaced" (bwrap: namespaced.py, launcher.py), "fallback"
-(an init per command with Landlock and seccomp: fallback.py), "none" (only with allow_unisolated).
-Every tier kills the whole tree at the timeout, closes stdin, caps output and disk use (disk.py) and
-allowlists the environment. As root, each Sandbox runs as an unprivileged uid of its own and hands
-the workspace to it before every exec (workspace.Handover): its parents must be world-traversable.
-A namespaced Sandbox keeps its namespaces (and /tmp) for its life; each command gets a fresh TMPDIR.
-A process leaving without its atexit handlers calls close_all() first (owned.py).
+Tiers (probe.py says which work here): "namespaced" (namespaced.py, launcher.py), "fallback" (an init
+per command: fallback.py), "none" (only with allow_unisolated). As root, each Sandbox runs as an
+unprivileged uid of its own and hands the workspace to it before every exec (workspace.Handover).
 """
 
 import asyncio
@@ -38,10 +34,8 @@ class Sandbox:
                  min_tier: str = "namespaced", allow_unisolated: bool = False,
                  tier: str | None = None, env: dict[str, str] | None = None,
                  mounts: dict[str, str | None] | None = None, use_cgroup: bool = True):
-        """tier: exactly this tier (it must work here and be >= min_tier), None: the best one. env: on top
-        of the allowlist. mounts: {path in the sandbox: None or a host directory}: a writable directory of
-        this Sandbox's own at each path (namespaced tier), empty or a copy, removed at close (path_of(path):
-        where the host sees it). use_cgroup=False: no cgroup even where one could be made."""
+        """docs/design.md has the arguments; tier: exactly this tier (it must work here and be >= min_tier),
+        None: the best one. env: on top of the allowlist."""
         self.limits = limits if limits is not None else Limits()
         if not isinstance(self.limits, Limits):
             raise TypeError("limits must be a Limits")
