@@ -83,12 +83,11 @@ def _kill(pid: int, parents: tuple[int, ...]) -> bool:
 
 
 def kill_descendants(root: int) -> None:
-    """SIGKILL root's whole tree, even one that forks faster than /proc can be read. root must not reap
-    meanwhile (the init calls this before it reaps, the supervisor with the init stopped): its children
-    only accumulate, each a pid nobody can reuse, and every orphan of the tree joins them. A round kills
-    root's children and walks down, killing each process before reading its children: with SIGKILL
-    pending a process cannot fork, so that list is final, and a child that dies after the read had its
-    children reparented to root. It ends when two rounds in a row find the same children, all exited."""
+    """SIGKILL root's whole tree, even one that forks faster than /proc can be read (docs/design.md).
+    root must not reap meanwhile: its children, pids nobody can reuse, only accumulate, orphans included.
+    Each process is killed before its children are read: with SIGKILL pending it cannot fork, so that
+    list is final (and the children of one that dies after it go to root). It ends when two rounds in a
+    row find the same children of root, all exited."""
     settled = None  # root's children, when the last round found every one exited
     exited = set()  # root's children that have exited: they stay so, as root reaps none
     signalled = set()

@@ -13,7 +13,7 @@ import ipaddress
 import json
 import re
 import tomllib
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import idna
@@ -70,8 +70,7 @@ class Rule:
                    for p in self.paths)
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "host": self.host, "methods": list(self.methods),
-                "ports": list(self.ports), "paths": list(self.paths)}
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
 
 
 def normalize_host(raw: str) -> str:
