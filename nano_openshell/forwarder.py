@@ -27,7 +27,7 @@ def sandbox_prelude(socket_path_inside_sandbox, port=FORWARDER_PORT, python=None
         raise ValueError(f"port must be an integer in 1..65535, got {port!r}")
     py = shlex.quote(python or sys.executable)
     sock = shlex.quote(str(socket_path_inside_sandbox))
-    with open(os.path.abspath(__file__), encoding="utf-8") as f:  # sent whole to `python -c`: main() as __main__
+    with open(os.path.abspath(__file__), encoding="utf-8") as f:  # all of it, run by `python -c`
         source = f.read()
     url = f"http://127.0.0.1:{port}"
     return "\n".join([

@@ -59,8 +59,9 @@ class Namespaces:
         self.python = namespaced.sandbox_python(uid is not None)[0]
         if self.python is None:
             raise InitDied("no Python that the sandbox can run for its init (neither under /usr nor ours)")
-        argv = namespaced.base_argv(bwrap, tmp_bytes, uid is not None) + namespaced.workspace_args(workspace_fd)
-        argv += [arg for path, host in sorted(mounts.items()) for arg in ("--bind", host, path)]  # its own dirs
+        argv = namespaced.base_argv(bwrap, tmp_bytes, uid is not None)
+        argv += namespaced.workspace_args(workspace_fd)
+        argv += [arg for path, host in sorted(mounts.items()) for arg in ("--bind", host, path)]
         drop = namespaced.uid_drop_argv(uid) if uid is not None else None
         self.argv, self.user = (drop + argv if drop else argv), (uid if uid is not None and not drop else None)
         self.fds = (workspace_fd,) + ((socket_fd,) if socket_fd is not None else ())
