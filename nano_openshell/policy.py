@@ -1,9 +1,7 @@
 """The deterministic network policy engine and its file format (docs/network-policy.md).
 
-A policy is a list of allow rules; anything no rule allows is denied. A request is decided on
-(method, normalised host, port, path) and, once the proxy has resolved the name, on the addresses
-it resolved to: a name that resolves to a loopback, link-local, private, unique-local, unspecified
-or otherwise non-global address is only allowed by a rule that names that host (or IP) exactly.
+A policy is a list of allow rules; anything no rule allows is denied. A name that resolves to a
+non-global address (loopback, private...) is only allowed by a rule that names that host exactly.
 """
 
 from __future__ import annotations

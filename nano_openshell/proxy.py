@@ -1,13 +1,8 @@
-"""The egress proxy: HTTP on a Unix-domain socket, every request decided by a Policy and audited.
-
-Clients (the in-sandbox forwarder) send absolute-form requests (`GET http://host/path`) or
-`CONNECT host:port`; request.py reads and parses the head. Each request is decided once, logged as
-one JSONL audit line, and served on its own connection, then closed: no second request rides along
-unchecked. The name is resolved once and only the addresses checked are connected to (no DNS
-rebinding between check and use). Beyond a rate (a token bucket) requests get 429 unparsed.
-The supervisor's handshake (handshake()) gets {"protocol", "tier", "capabilities", "policy_sha256"},
-or 400 for another protocol version. The audit log stays bounded whatever a sandbox sends: fields cut
-to FIELD_CHARS, the file rotated at max_bytes (one old file kept), rate-limit refusals summarised.
+"""The egress proxy: HTTP on a Unix-domain socket, every request decided by a Policy and audited
+(docs/network-policy.md). One request per connection, so none rides along unchecked; the name is
+resolved once and only the addresses checked are connected to (no DNS rebinding between check and
+use). The audit log stays bounded whatever a sandbox sends: fields cut to FIELD_CHARS, the file
+rotated at max_bytes (one old file kept), refusals beyond the rate (a token bucket) summarised.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """One HTTP request head, read with bounded memory and time and parsed strictly (the proxy's input).
 
-parse_request(head) -> {"kind": "handshake" | "connect" | "http", ...}; "http" carries the head to
-send upstream (hop-by-hop headers dropped, Connection: close). Anything ambiguous is refused with
-BadRequest rather than guessed at: bare LF, obs-fold, several Host headers or one that disagrees with
-the target, userinfo, dot segments and encoded dots or slashes in the path, Transfer-Encoding bodies.
+parse_request(head) -> {"kind": "handshake" | "connect" | "http", ...}; anything ambiguous is refused
+with BadRequest rather than guessed at (docs/network-policy.md lists what).
 """
 
 import re
