@@ -13,22 +13,13 @@ import os
 import secrets
 import signal
 import time
+from pathlib import Path
 
 from .owned import left_behind, process_tag
 
 EMPTY_WAIT = 2.0  # after a kill, how long we wait for the kernel to tear processes down
 _counter = itertools.count()
 _layout = None  # (v2 parent, v2 caps?, {v1 controller: parent}): where this process makes its cgroups
-
-
-def _read(path: str) -> str:
-    with open(path) as f:
-        return f.read()
-
-
-def _write(path: str, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
 
 
 def _hierarchies() -> tuple[str | None, dict[str, str]]:
@@ -61,13 +52,13 @@ def _v2_parent(base: str) -> tuple[str, bool]:
     """(where the sandbox's v2 cgroup goes, can memory and pids be capped there): our own cgroup if it hands
     both down (or we can make it: only one without processes can), else its parent if it does and is ours."""
     def hands_down(d: str, file: str = "cgroup.subtree_control") -> bool:
-        return {"memory", "pids"} <= set(_read(os.path.join(d, file)).split())
+        return {"memory", "pids"} <= set(Path(d, file).read_text().split())
 
     if hands_down(base):
         return base, True
     if hands_down(base, "cgroup.controllers"):
         with contextlib.suppress(OSError):  # EBUSY: we live in it ("no internal processes"), or it is not ours
-            _write(os.path.join(base, "cgroup.subtree_control"), "+memory +pids")
+            Path(base, "cgroup.subtree_control").write_text("+memory +pids")
             return base, True
     parent = os.path.dirname(base)
     with contextlib.suppress(OSError):
@@ -76,16 +67,9 @@ def _v2_parent(base: str) -> tuple[str, bool]:
     return base, False
 
 
-def _sweep(parents: list[str]) -> None:
-    for parent in parents:
-        for path in left_behind(parent, "nano-openshell-"):
-            if not _populated(path):
-                _remove(path, wait=0.0)
-
-
 def _kill(path: str) -> None:
     try:
-        _write(os.path.join(path, "cgroup.kill"), "1")
+        Path(path, "cgroup.kill").write_text("1")
         return
     except FileNotFoundError:
         pass  # older than Linux 5.14: kill what is listed until nothing is (a fork lands in the list)
@@ -96,7 +80,7 @@ def _kill(path: str) -> None:
         pids = []
         for dirpath, _, _ in os.walk(path):
             with contextlib.suppress(OSError):
-                pids += [int(p) for p in _read(os.path.join(dirpath, "cgroup.procs")).split()]
+                pids += [int(p) for p in Path(dirpath, "cgroup.procs").read_text().split()]
         if not pids:
             return
         for pid in pids:
@@ -107,7 +91,7 @@ def _kill(path: str) -> None:
 
 def _populated(path: str) -> bool:
     try:
-        return "populated 1" in _read(os.path.join(path, "cgroup.events"))
+        return "populated 1" in Path(path, "cgroup.events").read_text()
     except OSError:
         return False
 
@@ -138,7 +122,7 @@ class Leaf:
 
     def add(self, pid: int) -> None:  # what pid starts afterwards is born inside
         for d in [self.path, *self._v1_dirs]:
-            _write(os.path.join(d, "cgroup.procs"), str(pid))
+            Path(d, "cgroup.procs").write_text(str(pid))
 
     def kill(self) -> None:
         _kill(self.path)
@@ -166,17 +150,20 @@ class SandboxCgroup:
                 if v2_base is None:
                     return None, "no cgroup v2 tree is mounted (cgroup.kill needs one)"
                 _layout = (*_v2_parent(v2_base), v1_bases)
-                _sweep([_layout[0], *v1_bases.values()])
+                for parent in (_layout[0], *v1_bases.values()):  # what processes that are gone left
+                    for old in left_behind(parent, "nano-openshell-"):
+                        if not _populated(old):
+                            _remove(old, wait=0.0)
             parent, v2_caps, v1_bases = _layout
             path = os.path.join(parent, name)
             os.mkdir(path)
             made.append(path)
             capped, v1_dirs = [], {}
             if v2_caps:
-                _write(os.path.join(path, "memory.max"), str(memory_bytes))
+                Path(path, "memory.max").write_text(str(memory_bytes))
                 if os.path.exists(os.path.join(path, "memory.swap.max")):
-                    _write(os.path.join(path, "memory.swap.max"), "0")
-                _write(os.path.join(path, "pids.max"), str(processes))
+                    Path(path, "memory.swap.max").write_text("0")
+                Path(path, "pids.max").write_text(str(processes))
                 capped = ["memory", "pids"]
             else:
                 for ctrl, base in sorted(v1_bases.items()):
@@ -187,11 +174,11 @@ class SandboxCgroup:
                         continue  # not ours to write: that cap stays per process
                     made.append(d)
                     if ctrl == "memory":
-                        _write(os.path.join(d, "memory.limit_in_bytes"), str(memory_bytes))
+                        Path(d, "memory.limit_in_bytes").write_text(str(memory_bytes))
                         if os.path.exists(os.path.join(d, "memory.memsw.limit_in_bytes")):
-                            _write(os.path.join(d, "memory.memsw.limit_in_bytes"), str(memory_bytes))
+                            Path(d, "memory.memsw.limit_in_bytes").write_text(str(memory_bytes))
                     else:
-                        _write(os.path.join(d, "pids.max"), str(processes))
+                        Path(d, "pids.max").write_text(str(processes))
                     v1_dirs[ctrl] = d
                     capped.append(ctrl)
         except (OSError, ValueError) as e:

@@ -1,11 +1,7 @@
 """The disk a sandbox's files take, and the check that kills a command taking it past Limits.disk_bytes.
 
-The host directories a sandbox writes to (workspace, mounts; without namespaces its TMPDIR) are
-measured while a command runs; it is killed once they hold more than the limit, or than when it
-started if that was more (a command is killed for what it adds). Counted: each entry's blocks (a
-hard-linked inode's shared over its links), at least 4 KiB. Meter's passes list again only directories
-whose mtime moved and stat only new or growing files, a refresh cycle looking at every entry, in a
-thread of their own: no walk holds a deadline up. docs/design.md (Disk) says what gets through.
+docs/design.md (Disk) says what is counted, how Meter's passes keep the total up to date in a thread
+of their own (no walk holds a deadline up), and what gets through.
 """
 from __future__ import annotations
 

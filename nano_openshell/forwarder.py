@@ -27,6 +27,8 @@ def sandbox_prelude(socket_path_inside_sandbox, port=FORWARDER_PORT, python=None
         raise ValueError(f"port must be an integer in 1..65535, got {port!r}")
     py = shlex.quote(python or sys.executable)
     sock = shlex.quote(str(socket_path_inside_sandbox))
+    with open(os.path.abspath(__file__), encoding="utf-8") as f:  # all of it, run by `python -c`
+        source = f.read()
     url = f"http://127.0.0.1:{port}"
     return "\n".join([
         f"__openshell_py={py}",
@@ -34,7 +36,7 @@ def sandbox_prelude(socket_path_inside_sandbox, port=FORWARDER_PORT, python=None
         "__openshell_fwd=",
         # the process substitution's python is a child of this shell: the watchdog ties it to us
         f'{{ read -r -t {READY_TIMEOUT_S} __openshell_fwd < <(exec "$__openshell_py" -I -S -c '
-        f"{shlex.quote(_source())} {sock} {port} </dev/null 2>/dev/null); }} 2>/dev/null",
+        f"{shlex.quote(source)} {sock} {port} </dev/null 2>/dev/null); }} 2>/dev/null",
         'if [ "$__openshell_fwd" != ready ]; then',
         '  echo "nano-openshell: network forwarder did not start: ${__openshell_fwd:-no answer}" >&2',
         "fi",
@@ -45,12 +47,7 @@ def sandbox_prelude(socket_path_inside_sandbox, port=FORWARDER_PORT, python=None
     ])
 
 
-def _source() -> str:  # this whole file, as sent to `python -c` (it runs main() as __main__)
-    with open(os.path.abspath(__file__), encoding="utf-8") as f:
-        return f.read()
-
-
-# ---- the forwarder process itself ----
+# the forwarder process itself
 
 def _watch_parent(parent: int) -> None:
     while os.getppid() == parent:

@@ -60,19 +60,15 @@ def _built() -> tuple[str, int] | None:
                 fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
                 if not _trusted(os.fstat(fd)):
                     os.close(fd)
-                    raise _BuildError(f"{path} was changed while it was being checked")
+                    raise RuntimeError(f"{path} was changed while it was being checked")
                 _BUILT[key] = (path, fd)
-            except (OSError, subprocess.SubprocessError, _BuildError) as e:
+            except (OSError, subprocess.SubprocessError, RuntimeError) as e:  # RuntimeError: ours, saying why
                 _BUILT[key], _WHY[key] = None, str(e)
         return _BUILT[key]
 
 
 def why_not() -> str:
     return _WHY.get(_key(), "")
-
-
-class _BuildError(RuntimeError):
-    pass
 
 
 def _key() -> str:
@@ -121,14 +117,14 @@ def _build(key: str) -> str:
         pass
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
-        raise _BuildError("no C compiler (cc) on PATH")
+        raise RuntimeError("no C compiler (cc) on PATH")
     fd, tmp = tempfile.mkstemp(prefix=".nsinit-", dir=cache)
     os.close(fd)
     try:
         done = subprocess.run([compiler, *_FLAGS, "-o", tmp, _SOURCE], capture_output=True, text=True,
                               timeout=120, stdin=subprocess.DEVNULL)
         if done.returncode != 0:
-            raise _BuildError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
         os.chmod(tmp, 0o755)
         os.replace(tmp, target)  # atomic: a concurrent build of the same source writes the same file
     finally:
@@ -144,7 +140,7 @@ def _checked(path: str) -> str:
     """path, once it has run (a cache on a noexec mount would fail every sandbox's start instead)."""
     done = subprocess.run([path, "--check"], capture_output=True, timeout=30, stdin=subprocess.DEVNULL)
     if done.returncode != 0:
-        raise _BuildError(f"{path} does not run here (exit {done.returncode})")
+        raise RuntimeError(f"{path} does not run here (exit {done.returncode})")
     return path
 
 

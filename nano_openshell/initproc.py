@@ -9,7 +9,6 @@ filter without sockets; the init stays outside them, where the command can neith
 read its /proc entries.
 """
 
-import ctypes
 import marshal
 import os
 import resource
@@ -19,18 +18,11 @@ import sys
 import time
 
 from . import landlock, seccomp
-
-_PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER, _PR_SET_NO_NEW_PRIVS = 1, 36, 38
+from .seccomp import PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS, PR_SET_PDEATHSIG, prctl
 
 
 class _Stop(Exception):
     pass
-
-
-def _prctl(option: int, value: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(option, value, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), f"prctl({option})")
 
 
 _CHILDREN_FILES = os.path.exists("/proc/thread-self/children")  # CONFIG_PROC_CHILDREN
@@ -91,12 +83,11 @@ def _kill(pid: int, parents: tuple[int, ...]) -> bool:
 
 
 def kill_descendants(root: int) -> None:
-    """SIGKILL root's whole tree, even one that forks faster than /proc can be read. root must not reap
-    meanwhile (the init calls this before it reaps, the supervisor with the init stopped): its children
-    only accumulate, each a pid nobody can reuse, and every orphan of the tree joins them. A round kills
-    root's children and walks down, killing each process before reading its children: with SIGKILL
-    pending a process cannot fork, so that list is final, and a child that dies after the read had its
-    children reparented to root. It ends when two rounds in a row find the same children, all exited."""
+    """SIGKILL root's whole tree, even one that forks faster than /proc can be read (docs/design.md).
+    root must not reap meanwhile: its children, pids nobody can reuse, only accumulate, orphans included.
+    Each process is killed before its children are read: with SIGKILL pending it cannot fork, so that
+    list is final (and the children of one that dies after it go to root). It ends when two rounds in a
+    row find the same children of root, all exited."""
     settled = None  # root's children, when the last round found every one exited
     exited = set()  # root's children that have exited: they stay so, as root reaps none
     signalled = set()
@@ -156,8 +147,8 @@ def _exec_command(cfg: dict) -> None:
             os.setgroups([])
             os.setresgid(cfg["gid"], cfg["gid"], cfg["gid"])
             os.setresuid(cfg["uid"], cfg["uid"], cfg["uid"])
-        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # after the uid change, which clears it
-        _prctl(_PR_SET_NO_NEW_PRIVS, 1)  # Landlock and seccomp both require it
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after the uid change, which clears it
+        prctl(PR_SET_NO_NEW_PRIVS, 1)  # Landlock and seccomp both require it
         if cfg["landlock"]:
             landlock.restrict(rw=[cfg["workspace"], cfg["tmpdir"]])
         if cfg["seccomp"]:
@@ -184,10 +175,10 @@ def main() -> None:
     os.set_inheritable(cfg["ended_fd"], False)
     status = None
     try:
-        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
         if os.getppid() != cfg["supervisor_pid"]:  # the supervisor died before PDEATHSIG was armed
             raise _Stop()
-        _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+        prctl(PR_SET_CHILD_SUBREAPER, 1)
         pid = os.fork()
         if pid == 0:
             _exec_command(cfg)

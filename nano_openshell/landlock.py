@@ -57,25 +57,19 @@ def abi_version() -> int:  # 0 when the kernel has no Landlock (or it is disable
         return 0
 
 
-def readable_without_proc() -> list[tuple[str, int]]:  # (path, rights)
-    out = [("/", READ_DIR)]
-    for name in sorted(os.listdir("/")):
-        path = "/" + name
-        if name != "proc" and (os.path.isdir(path) or os.path.isfile(path)):  # also follows symlinks
-            out.append((path, READ))
-    out += [("/proc/" + name, READ) for name in PROC_VISIBLE if os.path.exists("/proc/" + name)]
-    return out
-
-
-def restrict(rw: list[str], devices: list[str] = ("/dev/null", "/dev/zero")) -> None:
+def restrict(rw: list[str]) -> None:
     """Apply the ruleset to the calling thread. Needs no_new_privs (or CAP_SYS_ADMIN)."""
     abi = abi_version()
     if abi < 1:
         raise OSError("Landlock is not available on this kernel")
     fs = (1 << 13) - 1 | (REFER if abi >= 2 else 0) | (TRUNCATE if abi >= 3 else 0) | (IOCTL_DEV if abi >= 5 else 0)
-    # (path, rights, required): an entry of / that went away since the listing is skipped
-    rules = ([(p, r, False) for p, r in readable_without_proc()] + [(p, fs, True) for p in rw]
-             + [(p, FILE_RIGHTS | READ_FILE, True) for p in devices])
+    # (path, rights, required): an entry of / that went away since the listing is skipped;
+    # isdir/isfile follow symlinks
+    readable = [p for p in ("/" + n for n in sorted(os.listdir("/")) if n != "proc")
+                if os.path.isdir(p) or os.path.isfile(p)]
+    readable += ["/proc/" + n for n in PROC_VISIBLE if os.path.exists("/proc/" + n)]
+    rules = ([("/", READ_DIR, False)] + [(p, READ, False) for p in readable] + [(p, fs, True) for p in rw]
+             + [(p, FILE_RIGHTS | READ_FILE, True) for p in ("/dev/null", "/dev/zero")])
     attr = _RulesetAttr(fs, NET_BIND_TCP | NET_CONNECT_TCP if abi >= 4 else 0,
                         SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL if abi >= 6 else 0)
     size = 8 if abi < 4 else 16 if abi < 6 else 24

@@ -28,16 +28,13 @@ KILL_WAIT = 2.0      # after a kill request, how long the init has to report the
 CLOSE_WAIT = 1.0     # after EOF, how long bwrap has to exit before it is killed
 INLINE_SCRIPT_BYTES = 64 * 1024  # a longer script travels as a memfd (argv strings are capped at 128 KiB)
 _MAX_STATUS = 4096
-_POOLS: dict = {}  # "pid": whose they are; name -> ThreadPoolExecutor
+_POOLS: dict = {}  # name -> ThreadPoolExecutor
 _POOLS_LOCK = threading.Lock()
+os.register_at_fork(after_in_child=_POOLS.clear)  # a forked child has none of its parent's threads
 
 
 def _pool(name: str, workers: int) -> concurrent.futures.ThreadPoolExecutor:
-    """Long-lived threads of this process, by name; a forked child (none of its parent's) makes its own."""
     with _POOLS_LOCK:
-        if _POOLS.get("pid") != os.getpid():
-            _POOLS.clear()
-            _POOLS["pid"] = os.getpid()
         if name not in _POOLS:
             _POOLS[name] = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix=f"nano-openshell-{name}")
         return _POOLS[name]
@@ -62,8 +59,9 @@ class Namespaces:
         self.python = namespaced.sandbox_python(uid is not None)[0]
         if self.python is None:
             raise InitDied("no Python that the sandbox can run for its init (neither under /usr nor ours)")
-        argv = (namespaced.base_argv(bwrap, tmp_bytes, uid is not None) + namespaced.workspace_args(workspace_fd)
-                + namespaced.mount_args(mounts))
+        argv = namespaced.base_argv(bwrap, tmp_bytes, uid is not None)
+        argv += namespaced.workspace_args(workspace_fd)
+        argv += [arg for path, host in sorted(mounts.items()) for arg in ("--bind", host, path)]
         drop = namespaced.uid_drop_argv(uid) if uid is not None else None
         self.argv, self.user = (drop + argv if drop else argv), (uid if uid is not None and not drop else None)
         self.fds = (workspace_fd,) + ((socket_fd,) if socket_fd is not None else ())

@@ -227,11 +227,6 @@ def check_mounts(mounts) -> dict:
     return mounts
 
 
-def mount_args(mounts: dict[str, str]) -> list[str]:
-    """Each of the Sandbox's own directories bound read-write at its path (Sandbox(mounts=...))."""
-    return [arg for path, host in sorted(mounts.items()) for arg in ("--bind", host, path)]
-
-
 def command_args(seccomp_fd: int, socket_fd: int | None = None) -> list[str]:
     """The tail before `-- program`: the proxy socket, the root made read-only, the seccomp program."""
     args = ["--bind-fd", str(socket_fd), PROXY_SOCKET] if socket_fd is not None else []

@@ -24,8 +24,10 @@ KINDS = ("ws", "mnt", "sup", "tmp")  # workspace, a mount's directory, the super
 _HELD: set["Owned"] = set()  # not yet released
 _HELD_LOCK = threading.Lock()
 _CLOSED_ALL = False
-_ME = {"pid": None, "tag": ""}  # this process's "<pid>.<start time>" (a forked child remakes it)
+_TAG: list[str] = []  # this process's "<pid>.<start time>", once its first temp_dir() has swept
 _SWEEP_LOCK = threading.Lock()
+os.register_at_fork(after_in_child=_HELD.clear)  # a forked child's copies are its parent's sandboxes
+os.register_at_fork(after_in_child=_TAG.clear)   # and it is another process: it sweeps and tags anew
 
 
 def start_time(pid: int) -> int | None:
@@ -55,7 +57,6 @@ class Owned:
         self.running: set = set()  # the kill function of every command in flight (fallback tier)
         self.lock = threading.Lock()
         self.released = False
-        self.pid = os.getpid()
         with _HELD_LOCK:
             if _CLOSED_ALL:
                 raise SandboxError("this process closed its sandboxes for good (it is leaving)")
@@ -113,7 +114,7 @@ def close_all(budget: float = CLOSE_ALL_BUDGET) -> None:
     deadline = time.monotonic() + budget
     with _HELD_LOCK:
         _CLOSED_ALL = True
-        held = [o for o in _HELD if o.pid == os.getpid()]  # a forked child's copies are its parent's
+        held = list(_HELD)
     for owned in held:
         owned.release(max(0.0, deadline - time.monotonic()))
     finish(max(0.0, deadline - time.monotonic()))
@@ -123,14 +124,11 @@ def temp_dir(kind: str) -> str:
     """A new nano-openshell-<kind>-<pid>.<start time>-... in the temp dir; a process's first sweeps."""
     if kind not in KINDS:
         raise ValueError(f"temp_dir kind must be one of {KINDS}, got {kind!r}")
-    pid = os.getpid()
-    if _ME["pid"] != pid:
-        with _SWEEP_LOCK:
-            if _ME["pid"] != pid:
-                sweep(tempfile.gettempdir())
-                _ME["tag"] = process_tag()
-                _ME["pid"] = pid  # last: a thread that sees our pid also sees our tag
-    return tempfile.mkdtemp(prefix=f"nano-openshell-{kind}-{_ME['tag']}-")
+    with _SWEEP_LOCK:
+        if not _TAG:
+            sweep(tempfile.gettempdir())
+            _TAG.append(process_tag())
+    return tempfile.mkdtemp(prefix=f"nano-openshell-{kind}-{_TAG[0]}-")
 
 
 def left_behind(parent: str, prefix: str) -> list[str]:

@@ -1,9 +1,7 @@
 """The deterministic network policy engine and its file format (docs/network-policy.md).
 
-A policy is a list of allow rules; anything no rule allows is denied. A request is decided on
-(method, normalised host, port, path) and, once the proxy has resolved the name, on the addresses
-it resolved to: a name that resolves to a loopback, link-local, private, unique-local, unspecified
-or otherwise non-global address is only allowed by a rule that names that host (or IP) exactly.
+A policy is a list of allow rules; anything no rule allows is denied. A name that resolves to a
+non-global address (loopback, private...) is only allowed by a rule that names that host exactly.
 """
 
 from __future__ import annotations
@@ -13,7 +11,7 @@ import ipaddress
 import json
 import re
 import tomllib
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import idna
@@ -70,8 +68,7 @@ class Rule:
                    for p in self.paths)
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "host": self.host, "methods": list(self.methods),
-                "ports": list(self.ports), "paths": list(self.paths)}
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
 
 
 def normalize_host(raw: str) -> str:
@@ -206,7 +203,7 @@ class Policy:
     def decide(self, method: str, host: str, port: int, path: str | None = "/",
                addresses: list[str] | None = None) -> Decision:
         """Decide one request. path=None for a CONNECT tunnel (its paths cannot be seen). addresses: what
-        the proxy resolved the host to (None before resolution; an IP-literal host is its own)."""
+        the proxy resolved the host to (None before resolution)."""
         try:
             h = normalize_host(host)
         except HostError as e:
@@ -222,21 +219,15 @@ class Policy:
         best = None  # the refusal from the rule that came closest (port, then method, then path)
         for r in candidates:
             refusal = _refusal(r, method, port, path)
-            if refusal is None:
-                return self._check_addresses(r, h, addresses)
+            if refusal is None:  # a wildcard rule (never an IP host's) may not reach a special address
+                for a in (addresses or ()) if r.wildcard else ():
+                    if kind := special_address_kind(a):
+                        return Decision(False, r.name, f"{h} resolves to {kind} address {a}; "
+                                        f"only a rule naming the host or IP exactly may allow it")
+                return Decision(True, r.name, f"allowed by rule {r.name!r}")
             if best is None or refusal[0] > best[0]:
                 best = (refusal[0], Decision(False, r.name, refusal[1]))
         return best[1]
-
-    def _check_addresses(self, rule: Rule, host: str, addresses) -> Decision:
-        if addresses is None and is_ip(host):
-            addresses = [host]
-        for a in addresses or ():
-            kind = special_address_kind(a)
-            if kind and rule.wildcard:
-                return Decision(False, rule.name, f"{host} resolves to {kind} address {a}; "
-                                f"only a rule naming the host or IP exactly may allow it")
-        return Decision(True, rule.name, f"allowed by rule {rule.name!r}")
 
 
 def _refusal(r: Rule, method: str, port: int, path: str | None) -> tuple[int, str] | None:

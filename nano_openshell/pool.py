@@ -1,13 +1,7 @@
 """SandboxPool: fresh Sandboxes made and booted ahead of need, so an episode does not wait for one.
 
-    pool = SandboxPool(4, min_tier="namespaced")   # keeps up to 4 booted Sandboxes ready
-    sb = pool.take()                               # one of them at once (the caller closes it)
-    pool.close()                                   # closes the ones nobody took
-
 A pooled Sandbox IS a fresh one, made earlier: no command ever ran in it, and none is given back.
-take() hands out a booted one and starts booting its replacement; with none ready it makes one the
-normal way, so it is never slower than no pool. Idle sandboxes are closed by close(), when the pool
-is collected, and at interpreter exit.
+With none ready, take() makes one the normal way, so it is never slower than no pool.
 """
 
 import collections

@@ -37,15 +37,9 @@ def _namespaces() -> dict:
     return {k: _run(["unshare", "-U", "-r", *flags, "true"])[0] for k, flags in kinds.items()}
 
 
-def _seccomp_status() -> dict:
-    mode = None
+def _seccomp_mode() -> int | None:  # /proc/self/status's (2: a filter is on us already)
     with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("Seccomp:"):
-                mode = int(line.split()[1])
-    filters = os.path.exists("/proc/sys/kernel/seccomp/actions_avail")
-    return {"available": mode is not None and filters and seccomp.supported(),
-            "already_filtered": mode == 2, "arch": seccomp.machine()}
+        return next((int(line.split()[1]) for line in f if line.startswith("Seccomp:")), None)
 
 
 def _cgroup() -> dict:
@@ -98,8 +92,7 @@ def _try_namespaced(bwrap: str) -> tuple[bool, str, str]:
     return False, f"bwrap at {bwrap} failed to start a sandbox: {err or 'no message'}", version
 
 
-def _init() -> str:
-    """Which init the namespaced tier's sandboxes get, and why."""
+def _init() -> str:  # which init the namespaced tier's sandboxes get, and why
     try:
         kind = init_build.kind()
     except (ValueError, RuntimeError) as e:
@@ -112,11 +105,12 @@ def _init() -> str:
 
 def _compute() -> dict:
     candidates = namespaced.bwrap_candidates()
-    sec = _seccomp_status()
+    mode = _seccomp_mode()
+    filters = mode is not None and os.path.exists("/proc/sys/kernel/seccomp/actions_avail")
     caps = {
         "arch": platform.machine(), "kernel": platform.release(), "uid": os.geteuid(),
         "root": os.geteuid() == 0, "bwrap": None, "namespaces": _namespaces(),
-        "seccomp": sec["available"], "seccomp_already_filtered": sec["already_filtered"],
+        "seccomp": filters and seccomp.supported(), "seccomp_already_filtered": mode == 2,
         "landlock_abi": landlock.abi_version(), "cgroup": _cgroup(),
         "uid_drop": os.geteuid() == 0,
     }

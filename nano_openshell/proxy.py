@@ -1,18 +1,14 @@
-"""The egress proxy: HTTP on a Unix-domain socket, every request decided by a Policy and audited.
-
-Clients (the in-sandbox forwarder) send absolute-form requests (`GET http://host/path`) or
-`CONNECT host:port`; request.py reads and parses the head. Each request is decided once, logged as
-one JSONL audit line, and served on its own connection, then closed: no second request rides along
-unchecked. The name is resolved once and only the addresses checked are connected to (no DNS
-rebinding between check and use). Beyond a rate (a token bucket) requests get 429 unparsed.
-The supervisor's handshake (handshake()) gets {"protocol", "tier", "capabilities", "policy_sha256"},
-or 400 for another protocol version. The audit log stays bounded whatever a sandbox sends: fields cut
-to FIELD_CHARS, the file rotated at max_bytes (one old file kept), rate-limit refusals summarised.
+"""The egress proxy: HTTP on a Unix-domain socket, every request decided by a Policy and audited
+(docs/network-policy.md). One request per connection, so none rides along unchecked; the name is
+resolved once and only the addresses checked are connected to (no DNS rebinding between check and
+use). The audit log stays bounded whatever a sandbox sends: fields cut to FIELD_CHARS, the file
+rotated at max_bytes (one old file kept), refusals beyond the rate (a token bucket) summarised.
 """
 
 from __future__ import annotations
 
 import contextlib
+import http
 import json
 import os
 import selectors
@@ -27,8 +23,6 @@ from .request import CHUNK, HANDSHAKE_PATH, MAX_HEAD, BadRequest, parse_request,
 PROTOCOL_VERSION = 1
 FIELD_CHARS = 256
 SUMMARY_EVERY = 1.0
-_PHRASES = {400: "Bad Request", 403: "Forbidden", 408: "Request Timeout", 429: "Too Many Requests",
-            502: "Bad Gateway", 503: "Service Unavailable"}
 
 
 class HandshakeError(RuntimeError):
@@ -309,7 +303,7 @@ def _relay(client: socket.socket, upstream: socket.socket, idle: float, limit: i
 def _response(status: int, reason: str) -> bytes:
     body = (json.dumps({"error": reason}) + "\n").encode()
     safe = "".join(c if c.isascii() and c.isprintable() else "?" for c in reason)[:300]
-    return (f"HTTP/1.1 {status} {_PHRASES.get(status, 'Error')}\r\nContent-Type: application/json\r\n"
+    return (f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\nConnection: close\r\nX-OpenShell-Reason: {safe}\r\n\r\n").encode() + body
 
 

@@ -1,9 +1,7 @@
 """One HTTP request head, read with bounded memory and time and parsed strictly (the proxy's input).
 
-parse_request(head) -> {"kind": "handshake" | "connect" | "http", ...}; "http" carries the head to
-send upstream (hop-by-hop headers dropped, Connection: close). Anything ambiguous is refused with
-BadRequest rather than guessed at: bare LF, obs-fold, several Host headers or one that disagrees with
-the target, userinfo, dot segments and encoded dots or slashes in the path, Transfer-Encoding bodies.
+parse_request(head) -> {"kind": "handshake" | "connect" | "http", ...}; anything ambiguous is refused
+with BadRequest rather than guessed at (docs/network-policy.md lists what).
 """
 
 import re
@@ -20,6 +18,7 @@ MAX_HEADERS = 100
 CHUNK = 64 * 1024
 
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_BARE_LF = re.compile(rb"(?<!\r)\n")  # (it looks behind the search's start too)
 _HOP_BY_HOP = {"connection", "proxy-connection", "keep-alive", "proxy-authorization",
                "proxy-authenticate", "te", "trailer", "upgrade"}
 
@@ -49,17 +48,11 @@ def read_head(conn: socket.socket, deadline: float):
                 return None, b""
             raise BadRequest(400, "malformed request: connection closed before the end of the head")
         buf += data
-        start = max(0, scanned - 3)
-        end = buf.find(b"\r\n\r\n", start)
-        limit = end if end >= 0 else len(buf)
-        i = buf.find(b"\n", scanned, limit)
-        while i >= 0:
-            if i == 0 or buf[i - 1] != 13:
-                raise BadRequest(400, "malformed request: lines must end with CRLF")
-            i = buf.find(b"\n", i + 1, limit)
+        end = buf.find(b"\r\n\r\n", max(0, scanned - 3))
+        if _BARE_LF.search(buf, scanned, end if end >= 0 else len(buf)):
+            raise BadRequest(400, "malformed request: lines must end with CRLF")
         scanned = len(buf)
-        first_nl = buf.find(b"\n", 0, MAX_REQUEST_LINE + 2)
-        if first_nl < 0 and len(buf) > MAX_REQUEST_LINE:
+        if len(buf) > MAX_REQUEST_LINE and buf.find(b"\n", 0, MAX_REQUEST_LINE + 2) < 0:
             raise BadRequest(400, f"request line longer than {MAX_REQUEST_LINE} bytes")
         if end >= 0:
             if end + 2 > MAX_HEAD:

@@ -1,16 +1,8 @@
-"""Sandbox: run one bash command at a time for an agent, isolated, bounded, never hung.
+"""Sandbox: run one bash command at a time for an agent, isolated, bounded, never hung (docs/design.md).
 
-    with Sandbox() as sb:
-        r = sb.exec("echo hi", timeout=10)
-        r.exit_code, r.stdout, r.stderr, r.timed_out, r.truncated, r.duration_ms, r.tier
-
-Tiers (probe.py says which work here): "namespaced" (bwrap: namespaced.py, launcher.py), "fallback"
-(an init per command with Landlock and seccomp: fallback.py), "none" (only with allow_unisolated).
-Every tier kills the whole tree at the timeout, closes stdin, caps output and disk use (disk.py) and
-allowlists the environment. As root, each Sandbox runs as an unprivileged uid of its own and hands
-the workspace to it before every exec (workspace.Handover): its parents must be world-traversable.
-A namespaced Sandbox keeps its namespaces (and /tmp) for its life; each command gets a fresh TMPDIR.
-A process leaving without its atexit handlers calls close_all() first (owned.py).
+Tiers (probe.py says which work here): "namespaced" (namespaced.py, launcher.py), "fallback" (an init
+per command: fallback.py), "none" (only with allow_unisolated). As root, each Sandbox runs as an
+unprivileged uid of its own and hands the workspace to it before every exec (workspace.Handover).
 """
 
 import asyncio
@@ -29,7 +21,7 @@ from .disk import DiskCheck, Meter
 from .forwarder import sandbox_prelude
 from .owned import SANDBOX_UIDS, Owned, close_all, temp_dir  # noqa: F401 (close_all: what a leaving process calls)
 from .probe import TIERS, probe
-from .proxy import PROTOCOL_VERSION, ProxyServer, handshake
+from .proxy import ProxyServer, handshake
 from .workspace import Handover, remove_later, remove_soon
 
 SAFE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -42,10 +34,8 @@ class Sandbox:
                  min_tier: str = "namespaced", allow_unisolated: bool = False,
                  tier: str | None = None, env: dict[str, str] | None = None,
                  mounts: dict[str, str | None] | None = None, use_cgroup: bool = True):
-        """tier: exactly this tier (it must work here and be >= min_tier), None: the best one. env: on top
-        of the allowlist. mounts: {path in the sandbox: None or a host directory}: a writable directory of
-        this Sandbox's own at each path (namespaced tier), empty or a copy, removed at close (path_of(path):
-        where the host sees it). use_cgroup=False: no cgroup even where one could be made."""
+        """docs/design.md has the arguments; tier: exactly this tier (it must work here and be >= min_tier),
+        None: the best one. env: on top of the allowlist."""
         self.limits = limits if limits is not None else Limits()
         if not isinstance(self.limits, Limits):
             raise TypeError("limits must be a Limits")
@@ -142,7 +132,7 @@ class Sandbox:
                                   socket_mode=0o666, audit_max_bytes=self.limits.audit_log_bytes,
                                   rate=(self.limits.proxy_requests_per_second, self.limits.proxy_request_burst))
         self._owned.proxy = self._proxy.start()
-        self.handshake = handshake(sock, protocol=PROTOCOL_VERSION)
+        self.handshake = handshake(sock)
         self.audit_path = self._proxy.audit_path
         self._socket_fd = os.open(sock, os.O_PATH | os.O_CLOEXEC)
         self._owned.fds.append(self._socket_fd)

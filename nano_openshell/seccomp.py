@@ -126,20 +126,22 @@ class _SockFprog(ctypes.Structure):
     _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
 
-_PR_SET_NO_NEW_PRIVS, _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 38, 22, 2
+PR_SET_PDEATHSIG, PR_SET_SECCOMP, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 22, 36, 38
+_SECCOMP_MODE_FILTER = 2
+
+
+def prctl(option: int, arg2, arg3=0) -> None:
+    if ctypes.CDLL(None, use_errno=True).prctl(option, arg2, arg3, 0, 0) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"prctl({option}): {os.strerror(e)}")
 
 
 def install(program: bytes) -> None:
-    """Install a filter on the calling thread (set no_new_privs first). Raises OSError on failure."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
-        e = ctypes.get_errno()
-        raise OSError(e, f"prctl(PR_SET_NO_NEW_PRIVS): {os.strerror(e)}")
+    """Install a filter on the calling thread (no_new_privs set first). Raises OSError on failure."""
+    prctl(PR_SET_NO_NEW_PRIVS, 1)
     buf = ctypes.create_string_buffer(program, len(program))
     fprog = _SockFprog(len(program) // 8, ctypes.addressof(buf))
-    if libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0) != 0:
-        e = ctypes.get_errno()
-        raise OSError(e, f"prctl(PR_SET_SECCOMP): {os.strerror(e)}")
+    prctl(PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(fprog))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -226,7 +226,6 @@ def rmtree(path: str) -> None:
 
 
 def remove_soon(path: str, deadline: float) -> None:
-    """remove() until the deadline; whatever is left, remove_later()."""
     with contextlib.suppress(OSError):
         if remove(path, deadline):
             return

@@ -215,7 +215,7 @@ SUBREAPER = textwrap.dedent("""
     sys.path.insert(0, {root!r})
     from nano_openshell import initproc
     initproc._CHILDREN_FILES = False
-    initproc._prctl(initproc._PR_SET_CHILD_SUBREAPER, 1)
+    initproc.prctl(initproc.PR_SET_CHILD_SUBREAPER, 1)
     for run in range(5):
         command = os.fork()
         if command == 0:
