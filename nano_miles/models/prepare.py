@@ -77,8 +77,14 @@ def resolve_model(name_or_path: str | os.PathLike, cache_dir: str | os.PathLike 
         return path
     if path.exists():
         raise ModelError(f"{path} is a file, not a model folder")
-    if name.count("/") == 1 and not name.startswith((".", "/", "~")):
-        return _from_hub(name)
+    if name.count("/") == 1 and not name.startswith((".", "/", "~")):  # a hub id
+        try:
+            from huggingface_hub import snapshot_download
+
+            return pathlib.Path(snapshot_download(name))
+        except Exception as e:  # offline, unknown repo, gated...: one clear line
+            raise ModelError(f"hub model {name!r} could not be fetched ({type(e).__name__}); this machine may have "
+                             f"no hub access: use a local folder or one of: {', '.join(MODEL_NAMES)}") from None
     raise ModelError(f"unknown model {name!r}: not a folder, a hub id (org/name) or one of: {', '.join(MODEL_NAMES)}")
 
 
@@ -91,16 +97,6 @@ def _run_models(run_dir: pathlib.Path) -> str:
             "when one process trains)")
 
 
-def _from_hub(repo_id: str) -> pathlib.Path:
-    try:
-        from huggingface_hub import snapshot_download
-
-        return pathlib.Path(snapshot_download(repo_id))
-    except Exception as e:  # offline, unknown repo, gated...: one clear line
-        raise ModelError(f"hub model {repo_id!r} could not be fetched ({type(e).__name__}); this machine may have no "
-                         f"hub access: use a local folder or one of: {', '.join(MODEL_NAMES)}") from None
-
-
 def prepare(model: str | GGUFModel, cache_dir: str | os.PathLike | None = None, force: bool = False,
             parts_dir: str | os.PathLike | None = None) -> pathlib.Path:
     """Build a registered model (a name, or a GGUFModel spec) into the cache unless it is there."""
@@ -109,7 +105,7 @@ def prepare(model: str | GGUFModel, cache_dir: str | os.PathLike | None = None, 
     if name != TINY_MODEL and not isinstance(spec, GGUFModel):
         raise ModelError(f"unknown model name {name!r}; known: {', '.join(MODEL_NAMES)}")
     root = cache_dir if cache_dir is not None else os.environ.get("NANO_MILES_CACHE")
-    root = pathlib.Path(root).expanduser() if root else pathlib.Path.home() / ".cache" / "nano-miles" / "models"
+    root = pathlib.Path(root or pathlib.Path.home() / ".cache" / "nano-miles" / "models").expanduser()
     target = root / name
     # What an entry was made from: the GGUF's checksum, or the tiny model's source (its corpus, dims
     # and seed live there), so an entry made by other code is rebuilt instead of silently reused.
@@ -220,10 +216,8 @@ def _join_parts(spec: GGUFModel, dest: pathlib.Path, sources: list) -> None:
 
 def _find_in_dir(part: Part, d: pathlib.Path) -> pathlib.Path | tuple[pathlib.Path, str] | None:
     """A part in a folder: its wheel as (wheel, member), else the bare part file, else None."""
-    wheel_prefix = f"{part.package.replace('-', '_')}-{part.version}-"
-    for wheel in sorted(d.glob("*.whl")):
-        if wheel.name.startswith(wheel_prefix):
-            return (wheel, part.member)
+    if wheel := min(d.glob(f"{part.package.replace('-', '_')}-{part.version}-*.whl"), default=None):
+        return (wheel, part.member)
     bare = d / pathlib.PurePosixPath(part.member).name
     return bare if bare.exists() and not bare.is_dir() else None
 
