@@ -1,7 +1,5 @@
 """What the family modules share: random words and tokens, `ask`, and the decorators that collect the
 built-in tasks (registered by catalog/__init__.py) and the opt-in skills set (by catalog_skills.py)."""
-from __future__ import annotations
-
 import dataclasses
 import random
 
