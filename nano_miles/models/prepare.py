@@ -83,8 +83,9 @@ def resolve_model(name_or_path: str | os.PathLike, cache_dir: str | os.PathLike 
 
             return pathlib.Path(snapshot_download(name))
         except Exception as e:  # offline, unknown repo, gated...: one clear line
-            raise ModelError(f"hub model {name!r} could not be fetched ({type(e).__name__}); this machine may have "
-                             f"no hub access: use a local folder or one of: {', '.join(MODEL_NAMES)}") from None
+            raise ModelError(f"hub model {name!r} could not be fetched ({type(e).__name__}); this machine may "
+                             "have no hub access: use a local folder or one of: "
+                             f"{', '.join(MODEL_NAMES)}") from None
     raise ModelError(f"unknown model {name!r}: not a folder, a hub id (org/name) or one of: {', '.join(MODEL_NAMES)}")
 
 
