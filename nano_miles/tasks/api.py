@@ -1,16 +1,7 @@
-"""The public API for writing tasks: what a task is, what its setup sees, how an answer is judged,
-and the registry every task joins (the built-in catalog, ALFA, a user's module or TOML file alike):
-
-    from nano_miles.tasks import TaskInstance, Workspace, q, task
-
-    @task("count_lines", family="text", split="train", summary="lines in a file")
-    def count_lines(ws: Workspace, rng: random.Random) -> TaskInstance:
-        ws.write("f.txt", "\\n".join("x" * rng.randint(1, 9) for _ in range(rng.randint(3, 30))) + "\\n")
-        return TaskInstance("How many lines does f.txt have? Answer with the number.",
-                            expected=ws.run("wc -l < f.txt"), kind="int", solution=["wc -l < f.txt"])
-
-Ground truth is never typed in: a setup computes it by running real commands in the episode's
-sandbox (ws.run), with every parameter drawn from the episode's seeded rng.
+"""The public API for writing tasks (docs/tasks.md): what a task is, what its setup sees, how an
+answer is judged, and the registry every task joins (the built-in catalog, ALFA, a user's module or
+TOML file alike). Ground truth is never typed in: a setup computes it by running real commands in the
+episode's sandbox (ws.run), with every parameter drawn from the episode's seeded rng.
 """
 from __future__ import annotations
 
@@ -82,7 +73,14 @@ class Workspace:
     def write(self, rel: str, data: str | bytes, mode: int = 0o644) -> None:
         """Write a file from the host: a path relative to the workspace, or an absolute one under one of
         the task's mounts (/testbed/a.txt). The Sandbox hands the files to its own uid before each exec."""
-        root, inside = self._host_root(rel)
+        root, inside = self.path, rel
+        parts = os.path.normpath(rel).split("/") if os.path.isabs(rel) else []
+        for i in range(len(parts) - 1, 1, -1):  # the longest prefix that is one of the task's mounts
+            try:
+                root, inside = self.sandbox.path_of("/".join(parts[:i])), "/".join(parts[i:])
+                break
+            except (ValueError, AttributeError):
+                continue
         full = os.path.join(root, inside)
         if os.path.isabs(inside) or not os.path.realpath(full).startswith(os.path.realpath(root) + os.sep):
             raise ValueError(f"task files must stay inside the workspace or the task's mounts: {rel!r}")
@@ -90,18 +88,6 @@ class Workspace:
         with open(full, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
         os.chmod(full, mode)
-
-    def _host_root(self, path: str) -> tuple[str, str]:
-        """(host directory, path inside it) for a workspace-relative path or a path under a mount."""
-        if not os.path.isabs(path):
-            return self.path, path
-        parts = os.path.normpath(path).split("/")
-        for i in range(len(parts) - 1, 1, -1):
-            try:
-                return self.sandbox.path_of("/".join(parts[:i])), "/".join(parts[i:])
-            except (ValueError, AttributeError):
-                continue
-        return self.path, path  # refused by write()
 
     def run(self, cmd: str) -> str:
         """Run a setup command in the sandbox; its stdout with the trailing newline removed."""
@@ -150,8 +136,7 @@ def verify(inst: TaskInstance, answer: str | None, ws: Workspace) -> bool:
     return inst.check is None or ws.ok(inst.check)
 
 
-def q(s: str) -> str:
-    return shlex.quote(s)
+q = shlex.quote
 
 
 def in_workdir(cmd: str, workdir: str | None) -> str:
@@ -166,27 +151,22 @@ TASKS: dict[str, Task] = {}
 _loading: list[tuple[str, list[str]]] = []
 
 
-def check_task(t: Task) -> None:
-    """ValueError naming what is wrong with a task definition."""
-    if not t.id or not t.id.replace("_", "").replace("-", "").isalnum():
-        raise ValueError(f"task id must be letters, digits, '_' or '-', got {t.id!r}")
-    if t.split not in SPLITS:
-        raise ValueError(f"split must be one of {', '.join(SPLITS)}, not {t.split!r}")
-    if not t.family:
-        raise ValueError("family must not be empty")
-    for m in t.mounts:
-        if not isinstance(m, str) or not os.path.isabs(m) or os.path.normpath(m) != m or m == "/":
-            raise ValueError(f"mounts must be normalised absolute paths below /, got {m!r}")
-    if t.workdir is not None and not os.path.isabs(t.workdir):
-        raise ValueError(f"workdir must be an absolute path, got {t.workdir!r}")
-
-
 def register(t: Task) -> bool:
     """Add a task to the registry; True when it was added. A bad or duplicate task raises ValueError,
     except while a user's module loads: then the error becomes one line of that module's report, the
     task is left out and the rest of the module still loads."""
     try:
-        check_task(t)
+        if not t.id or not t.id.replace("_", "").replace("-", "").isalnum():
+            raise ValueError(f"task id must be letters, digits, '_' or '-', got {t.id!r}")
+        if t.split not in SPLITS:
+            raise ValueError(f"split must be one of {', '.join(SPLITS)}, not {t.split!r}")
+        if not t.family:
+            raise ValueError("family must not be empty")
+        for m in t.mounts:
+            if not isinstance(m, str) or not os.path.isabs(m) or os.path.normpath(m) != m or m == "/":
+                raise ValueError(f"mounts must be normalised absolute paths below /, got {m!r}")
+        if t.workdir is not None and not os.path.isabs(t.workdir):
+            raise ValueError(f"workdir must be an absolute path, got {t.workdir!r}")
         if t.id in TASKS:
             raise ValueError(f"duplicate id (already defined by {TASKS[t.id].source or 'another module'})")
     except ValueError as e:

@@ -41,11 +41,11 @@ def play_solution(task: Task, seed: int = 7, sandbox_factory=None) -> dict:
         env.close()
 
 
-def check_tasks(tasks: list[Task], jobs: int = 1, as_json: bool = False, sandbox_factory=None) -> int:
+def check_tasks(tasks: list[Task], jobs: int = 1, as_json: bool = False) -> int:
     """Play every task's solution (jobs at a time); print one line per task and a summary.
     Exit status 1 when a task that can run here is not solved by its own solution."""
     with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
-        rows = list(pool.map(lambda t: play_solution(t, sandbox_factory=sandbox_factory), tasks))
+        rows = list(pool.map(play_solution, tasks))
     for r in rows:
         print(json.dumps(r) if as_json else f"{r['status'].upper() if r['status'] != 'solved' else 'solved':<12} "
               f"{r['id']:<24} " + (r["reason"] or f"setup {r['setup_s']:.2f}s, solution+verify {r['solve_s']:.2f}s"))

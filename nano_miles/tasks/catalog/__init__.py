@@ -6,14 +6,13 @@ and held-out splits refer to them). The held-out tasks are never trained on, and
 repeats a held-out template. Each family module also holds its part of the opt-in skills set, which
 nano_miles.tasks.catalog_skills registers when a run asks for it.
 """
-from nano_miles.tasks.api import register
 from nano_miles.tasks.catalog import (archives, files, hashing, json, permissions, process,  # noqa: F401 (they
                                       scripts, system, text)                                # fill BUILTIN, SKILLS)
-from nano_miles.tasks.catalog.common import BUILTIN
+from nano_miles.tasks.catalog.common import BUILTIN, register_in_order
 
 # Registry order, never to change: a selection lists tasks in it, a group's instance seed comes from its
 # task's index in the selection, and the training stream shuffles that list.
-ORDER = """
+register_in_order("""
 sha256_string numbers_file kernel_name python_product count_word unique_lines most_frequent sed_replace
 csv_column_sum count_ext largest_file make_tree tar_count tar_extract_read json_field make_executable octal_mode
 exit_status env_script sum_args_script grep_count_lines nth_line reverse_sort_first uppercase_file column_max
@@ -22,9 +21,4 @@ json_write set_mode count_executables script_stdout_lines env_default loop_sum m
 word_count_total join_total top_k_sum diff_count files_over_size rename_ext symlink_current gzip_logs
 tar_newest_member json_keys json_lookup world_writable_file strip_other_perms pipe_status stdin_script
 squares_script divmod sha1_created_file checksum_mismatch epoch_to_date days_between
-""".split()
-
-if sorted(ORDER) != sorted(BUILTIN):
-    raise RuntimeError(f"catalog ORDER and the built-in tasks differ: {sorted(set(ORDER) ^ set(BUILTIN))}")
-for task_id in ORDER:
-    register(BUILTIN[task_id])
+""", BUILTIN, "catalog")

@@ -1,10 +1,9 @@
 """What the family modules share: random words and tokens, `ask`, and the decorators that collect the
 built-in tasks (registered by catalog/__init__.py) and the opt-in skills set (by catalog_skills.py)."""
-from __future__ import annotations
-
+import dataclasses
 import random
 
-from nano_miles.tasks.api import Task, TaskInstance, Workspace
+from nano_miles.tasks.api import Task, TaskInstance, Workspace, register
 
 WORDS = ("apple", "river", "stone", "cloud", "tiger", "maple", "ember", "frost", "lemon", "otter",
          "pixel", "quartz", "raven", "solar", "tulip", "umber", "violet", "willow", "yarrow", "zephyr",
@@ -25,6 +24,15 @@ def _collect_into(tasks: dict[str, Task]):
 
 # Like @task, kept here until catalog/__init__.py (builtin) or catalog_skills.py (skill, opt-in) registers them.
 builtin, skill = _collect_into(BUILTIN), _collect_into(SKILLS)
+
+
+def register_in_order(order: str, tasks: dict[str, Task], what: str, source: str | None = None) -> None:
+    """Register `tasks` in `order` (their ids, whitespace-separated), which must name each exactly once."""
+    ids = order.split()
+    if sorted(ids) != sorted(tasks):
+        raise RuntimeError(f"{what} ORDER and its tasks differ: {sorted(set(ids) ^ set(tasks))}")
+    for task_id in ids:
+        register(tasks[task_id] if source is None else dataclasses.replace(tasks[task_id], source=source))
 
 
 def ask(ws: Workspace, instruction: str, cmd: str, kind: str = "text") -> TaskInstance:

@@ -1,6 +1,4 @@
 """text: reading and editing text files (grep, sort, uniq, sed, awk, cut, paste, join, diff)."""
-from __future__ import annotations
-
 import random
 
 from nano_miles.tasks.api import TaskInstance, Workspace, q
