@@ -50,10 +50,9 @@ class RolloutAnatomy:
 
     def add_rollout(self, clocks: list[EpisodeClock], started: float, ended: float,
                     busy_seen: dict | None = None) -> None:
-        """The episodes of a step's rollout, which ran from `started` to `ended`. An episode carried
-        in from the last step (rollout.carry_over) counts from `started`; busy_seen, if given, holds
-        each (replica, phase) counter's value at the last step's end (updated here), so the engines'
-        busy seconds are the step's own whoever asked."""
+        """The episodes of a step's rollout, which ran from `started` to `ended` (one carried in from the
+        last step counts from `started`). busy_seen, if given, holds each (replica, phase) counter at the
+        last step's end (updated here), so the engines' busy seconds are the step's own."""
         done = [c for c in clocks if c.ended]
         for c in done:
             self.generate_s += c.generate_s

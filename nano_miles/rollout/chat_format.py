@@ -1,7 +1,10 @@
-"""ChatFormat: the chat-template knowledge the rollout needs at the token level.
+"""ChatFormat: the chat-template knowledge the rollout needs at the token level: the prompt ids, the
+stop tokens, and the observation turn encoded on its own (TITO: a rollout never re-encodes its history;
+see episode.py and tests/nano_miles/rollout/test_tito.py).
 
-The prompt ids, the stop tokens, and how an observation turn is encoded on its own (TITO: a rollout
-never re-encodes its history; see episode.py and tests/nano_miles/rollout/test_tito.py).
+The observation turn is everything the template puts between the end of the model's text and the start
+of the next assistant text: (close the assistant turn) + tool turn + next assistant header. It is found
+once by rendering a conversation with marker strings and cutting around them.
 """
 from __future__ import annotations
 
@@ -10,12 +13,6 @@ from dataclasses import dataclass, field
 
 @dataclass
 class ChatFormat:
-    """Prompt ids, stop ids and observation-turn ids for one tokenizer's chat template.
-
-    The observation turn is everything the template puts between the end of the model's text and the
-    start of the next assistant text: (close the assistant turn) + tool turn + next assistant header.
-    It is found once by rendering a conversation with marker strings and cutting around them.
-    """
     tokenizer: object
     stop_ids: list[int] = field(default_factory=list)
     tool_role: str = "tool"
@@ -59,7 +56,6 @@ class ChatFormat:
                 "content": content if self.tool_role == "tool" else wrap_tool_response(content)}
 
     def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        """The conversation as text, tool messages in this template's tool form."""
         msgs = [self.tool_message(m["content"]) if m["role"] == "tool" else m for m in messages]
         return self._render(msgs, gen=add_generation_prompt)
 
@@ -70,11 +66,9 @@ class ChatFormat:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def observation_ids(self, content: str, last_model_id: int | None) -> list[int]:
-        """The observation turn, encoded on its own (never together with the history).
-
-        Encoded as one string, so the tool output gets the same ids the template would give it. If the
-        output contains the text of an added token ('<|im_end|>' printed by a command), that text is
-        encoded with special tokens split, so a command cannot forge a turn boundary."""
+        """The observation turn, encoded as one string (the ids the template would give the output),
+        except that an added token's text in the output ('<|im_end|>' printed by a command) is encoded
+        with special tokens split, so a command cannot forge a turn boundary."""
         head = self.obs_head
         if self.close_id is not None and last_model_id == self.close_id:
             head = head[len(self.close_text):]  # the model's own stop token already closed the turn
