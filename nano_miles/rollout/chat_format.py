@@ -34,30 +34,28 @@ class ChatFormat:
         self.stop_ids = sorted(stop)
         self.added_texts = [t.content for t in tok.added_tokens_decoder.values()]
         act, obs = "@@ACTION@@", "@@OBSERVATION@@"
-        base = [{"role": "user", "content": "q"}, {"role": "assistant", "content": act}]
-        probe = self._render(base + [{"role": "tool", "content": obs}], gen=True)
+        turns = [{"role": "user", "content": "q"}, {"role": "assistant", "content": act},
+                 {"role": "tool", "content": obs}]
+        probe = self.render(turns, add_generation_prompt=True)
         # Templates like Qwen2.5's render tool turns inside <tool_response> tags; plain ChatML ones
         # would say role "tool", which a model trained on Qwen's format has never seen: use a user
         # turn and wrap the output ourselves.
         if "<tool_response>" not in probe:
             self.tool_role = "user"
-            probe = self._render(base + [{"role": "user", "content": wrap_tool_response(obs)}], gen=True)
+            probe = self.render(turns, add_generation_prompt=True)
         after = probe[probe.index(act) + len(act):]
         self.obs_head, self.obs_tail = after[:after.index(obs)], after[after.index(obs) + len(obs):]
         eos_text = tok.convert_ids_to_tokens(tok.eos_token_id) if tok.eos_token_id is not None else ""
         if eos_text and self.obs_head.startswith(eos_text):
             self.close_text, self.close_id = eos_text, tok.eos_token_id
 
-    def _render(self, messages, gen: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
-
-    def tool_message(self, content: str) -> dict:
-        return {"role": self.tool_role,
-                "content": content if self.tool_role == "tool" else wrap_tool_response(content)}
-
     def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        msgs = [self.tool_message(m["content"]) if m["role"] == "tool" else m for m in messages]
-        return self._render(msgs, gen=add_generation_prompt)
+        """The conversation as text, tool messages in this template's tool form."""
+        if self.tool_role == "user":
+            messages = [{"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"}
+                        if m["role"] == "tool" else m for m in messages]
+        return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         return self.encode(self.render(messages, add_generation_prompt=True))
@@ -78,7 +76,3 @@ class ChatFormat:
             return self.encode(head + content + self.obs_tail)
         split = self.tokenizer.encode(content, add_special_tokens=False, split_special_tokens=True)
         return self.encode(head) + split + self.encode(self.obs_tail)
-
-
-def wrap_tool_response(content: str) -> str:
-    return f"<tool_response>\n{content}\n</tool_response>"
