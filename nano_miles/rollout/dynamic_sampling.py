@@ -65,10 +65,6 @@ class SamplingTally:
     carried: int = 0            # rollout.carry_over: groups left to the next step (still running, or beyond the batch)
 
     @property
-    def dropped(self) -> int:
-        return self.without_signal if self.enabled else 0
-
-    @property
     def note(self) -> str | None:
         """Why the batch is not full, when dynamic sampling could not fill it."""
         if not self.enabled or self.kept >= self.target:
@@ -80,8 +76,9 @@ class SamplingTally:
 
     def metrics(self) -> dict:
         share = self.generated and 1 / self.generated
-        return {"groups_generated": self.generated, "groups_kept": self.kept, "groups_dropped": self.dropped,
-                "dropped_group_share": self.dropped * share, "zero_variance_share": self.without_signal * share,
+        dropped = self.without_signal if self.enabled else 0
+        return {"groups_generated": self.generated, "groups_kept": self.kept, "groups_dropped": dropped,
+                "dropped_group_share": dropped * share, "zero_variance_share": self.without_signal * share,
                 "sampling_rounds": self.rounds, "sampling_note": self.note, "tasks_passed_over": self.passed_over,
                 "groups_guided": self.guided, "groups_guide_rejected": self.guide_rejected,
                 "groups_carried": self.carried}

@@ -27,10 +27,8 @@ Each reply must do exactly one of these two things:
 <answer>VALUE</answer> gives your final answer and ends the task. Put only the requested value inside.
 Run one command per reply. Look at the output before answering."""
 
-# The one-shot example before the task, by name (rollout.env.prompt_example). "one_step": one
-# command, then the answer. "multi_step": a command that fails, its fix, a check of the written
-# file, then the answer: it shows a small model that errors are read and fixed, and that a task
-# may need several commands.
+# The one-shot example before the task (rollout.env.prompt_example). "multi_step" shows a small model
+# that errors are read and fixed, and that a task may need several commands.
 PROMPT_EXAMPLES = {
     "one_step": [
         ("user", "How many lines does greeting.txt contain? Answer with the number."),

@@ -1,9 +1,8 @@
 """The isolation tier every episode's sandbox needs, checked before anything is loaded.
 
-Each episode runs in its own nano_openshell Sandbox, which refuses to start below its `min_tier`.
-On a machine where that tier cannot run, every episode of every step would be lost at setup and a
-run would train on nothing; so `train`, `rollout` and `eval` ask the probe first and refuse, before
-loading a model or starting an engine, with the probe's reason and what fixes it.
+A Sandbox refuses to start below its `min_tier`: where that tier cannot run, every episode would be
+lost at setup, so `train`, `rollout` and `eval` ask the probe first and refuse, before loading a model
+or starting an engine, with the probe's reason and what fixes it.
 """
 from __future__ import annotations
 
