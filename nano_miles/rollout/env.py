@@ -243,22 +243,20 @@ class OpenShellEnv:
         return self._next(format_output(r, self.cfg), kind)
 
     def _answer(self, answer: str) -> StepResult:
+        """The task's verifier decides; a task scored by execution (ALFA) also records its metrics."""
         try:
-            ok = self._judge(answer)
+            if self.instance.score is None:
+                ok = verify(self.instance, answer, self._workspace())
+            else:
+                attempt = Attempt(answer, self.last_command, self.last_output, self._workspace())
+                metrics = dict(self.instance.score(attempt))
+                ok = bool(metrics.pop("correct"))
+                self.components.update({k: float(v) for k, v in metrics.items()})
         except Exception as e:
             return self.infra_failed(f"{type(e).__name__}: {e}")
         self.components["correct"] = self.cfg.correct_reward if ok else 0.0
         self.done, self.finish_reason = True, "answer"
         return StepResult(None, True, "answer")
-
-    def _judge(self, answer: str) -> bool:
-        """The task's verifier; a task scored by execution (ALFA) also records its metrics."""
-        if self.instance.score is None:
-            return verify(self.instance, answer, self._workspace())
-        metrics = dict(self.instance.score(Attempt(answer, self.last_command, self.last_output, self._workspace())))
-        correct = bool(metrics.pop("correct"))
-        self.components.update({k: float(v) for k, v in metrics.items()})
-        return correct
 
     def _format_error(self, observation: str) -> StepResult:
         self.components["format"] = round(self.components["format"] + self.cfg.format_penalty, 6)
