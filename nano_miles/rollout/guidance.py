@@ -1,14 +1,10 @@
-"""Guided groups (rollout.guide_unsolved): a group no sample solved gets the task's scripted solution
-as one of its samples.
-
-Such a group has a GRPO advantage of 0 everywhere: the policy never learns a task it cannot already
-solve now and then. One of its samples is replaced by an episode played from the scripted solution
-(episode.ScriptedPolicy, same sandbox set-up and seed), tokenized and rewarded as a sampled one: the
-update raises its likelihood (off-policy guidance in the spirit of LUFFY, Yan et al., 2025, without
-its policy shaping). A scripted episode the verifier rejects is thrown away, named on stderr once and
-counted (groups_guide_rejected). A scripted sample has no sampling log-probs: the update uses the
-trainer's own (TIS weight 1) and leaves it out of the parity metrics; the step's reward and accuracy
-are of sampled episodes only.
+"""Guided groups (rollout.guide_unsolved): a group no sample solved (a GRPO advantage of 0 everywhere:
+the policy never learns a task it cannot already solve now and then) gets the task's scripted episode
+(episode.ScriptedPolicy, same sandbox set-up and seed) as one of its samples, tokenized and rewarded as
+a sampled one: off-policy guidance in the spirit of LUFFY (Yan et al., 2025) without its policy shaping.
+One the verifier rejects is thrown away, named on stderr once and counted. A scripted sample has no
+sampling log-probs: the update uses the trainer's own (TIS weight 1) and leaves it out of the parity
+metrics; the step's reward and accuracy are of sampled episodes only.
 """
 from __future__ import annotations
 
