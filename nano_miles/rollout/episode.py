@@ -5,8 +5,7 @@ Per episode the prefix is a list of token ids that only ever grows:
     prompt | act_1 | obs_1 | act_2 | obs_2 | ... | act_K
 
 - act_k: the engine's output_ids exactly as returned (stop token included; no_stop_trim), with the
-  engine's log-probs, loss mask True. By default generation also stops at the token that closes an
-  action (`</bash>`, `</answer>`: SGLang stop strings), so nothing after it is sampled or trained on.
+  engine's log-probs, loss mask True (generation stops at `</bash>` or `</answer>`: stop_at_action_end).
 - obs_k: the observation turn (close the assistant turn if the model did not, the tool output, the
   next assistant header) encoded ON ITS OWN, log-prob 0.0, loss mask False.
 The full history is never re-encoded: re-encoding the rendered text can merge BPE pieces across a
@@ -51,9 +50,6 @@ class RolloutConfig:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
 
-SCRIPTED_VERSION = "scripted"  # the weight version a scripted turn reports (its trajectory keeps none)
-
-
 class ScriptedPolicy:
     """An engine for guided groups (guidance.py): the task's scripted commands, then its answer (or the
     last output, as `nano-miles tasks check` does)."""
@@ -69,8 +65,9 @@ class ScriptedPolicy:
             answer = self.env.instance.solution_answer
             text = f"<answer>{answer_from(self.env.last_observation) if answer is None else answer}</answer>"
         ids = self.fmt.tokenizer.encode(text, add_special_tokens=False)
-        return {"output_ids": ids, "meta_info": {"output_token_logprobs": [[0.0, i, None] for i in ids],
-                                                 "finish_reason": {"type": "stop"}, "weight_version": SCRIPTED_VERSION}}
+        meta = {"output_token_logprobs": [[0.0, i, None] for i in ids], "finish_reason": {"type": "stop"},
+                "weight_version": "scripted"}  # (a scripted trajectory keeps no versions)
+        return {"output_ids": ids, "meta_info": meta}
 
 
 def sampling_params(cfg: RolloutConfig, fmt: ChatFormat, max_new_tokens: int) -> dict:
