@@ -49,8 +49,7 @@ PROMPT_EXAMPLES = {
 }
 
 ACTION_END_TAGS = ("</bash>", "</answer>")  # the rollout's stop strings: an action ends a turn
-BASH_RE = re.compile(r"<bash>(.*?)</bash>", re.DOTALL)
-ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+ACTION_RE = re.compile(r"<(bash|answer)>(.*?)</\1>", re.DOTALL)  # the first closed tag wins
 FORMAT_ERROR = ("Format error: reply with <bash>COMMAND</bash> to run a command, or <answer>VALUE</answer> to "
                 "finish. Both tags must be closed.")
 
@@ -91,9 +90,8 @@ class StepResult:
 
 def parse_action(text: str) -> tuple[str, str] | None:
     """('bash', cmd) or ('answer', value) from the first closed tag in the text, else None."""
-    found = [(m.start(), kind, m.group(1).strip()) for kind, rx in (("bash", BASH_RE), ("answer", ANSWER_RE))
-             if (m := rx.search(text))]
-    return min(found)[1:] if found else None
+    m = ACTION_RE.search(text)
+    return (m.group(1), m.group(2).strip()) if m else None
 
 
 def format_output(r, cfg: EnvConfig) -> str:
