@@ -275,9 +275,7 @@ class OpenShellEnv:
         return StepResult(None, True, "infra_error")
 
 
-def default_sandbox(mounts: dict | None = None):
-    """A fresh sandbox (workspace and mounts={path: None} removed on close), no network."""
-    return Sandbox(mounts=mounts)
+default_sandbox = Sandbox  # a fresh workspace (and mounts={path: None}) removed on close, no network
 
 
 def answer_from(observation: str | None) -> str:
