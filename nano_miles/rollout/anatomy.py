@@ -50,22 +50,20 @@ class RolloutAnatomy:
 
     def add_rollout(self, clocks: list[EpisodeClock], started: float, ended: float,
                     busy_seen: dict | None = None) -> None:
-        """The episodes of a step's rollout, which ran from `started` to `ended`. An episode carried
-        in from the last step (rollout.carry_over) counts from `started`; busy_seen, if given, holds
-        each (replica, phase) counter's value at the last step's end (updated here), so the engines'
-        busy seconds are the step's own whoever asked."""
+        """The episodes of a step's rollout, which ran from `started` to `ended` (one carried in from the
+        last step counts from `started`). busy_seen, if given, holds each (replica, phase) counter at the
+        last step's end (updated here), so the engines' busy seconds are the step's own."""
         done = [c for c in clocks if c.ended]
+        if done:
+            self.critical_path_s += max(c.ended - max(c.started, started) for c in done)
+            self.straggler_s += max(0.0, ended - statistics.median(c.ended for c in done))
+        first: dict = {}  # per (replica, phase): its counter's span over the rollout
+        last: dict = {}
         for c in done:
             self.generate_s += c.generate_s
             self.sandbox_s += c.sandbox_s
             self.episode_s += c.wall
             self.env_s += max(0.0, c.wall - c.generate_s - c.sandbox_s)
-        if done:
-            self.critical_path_s += max(c.ended - max(c.started, started) for c in done)
-            self.straggler_s += max(0.0, ended - statistics.median(c.ended for c in done))
-        first: dict = {}
-        last: dict = {}
-        for c in done:  # per replica: its counters' span over the rollout
             if c.busy_first is None:
                 continue
             self.replicas.add(c.replica)

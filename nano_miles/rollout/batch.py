@@ -1,16 +1,11 @@
 """The trajectory record and build_rollout_batch: padding plus the shift-by-one alignment.
 
-A trajectory is one episode as the policy saw it, token by token:
-
-    prompt_ids | response_ids = act_1, obs_1, act_2, obs_2, ..., act_K
-
-Per-token fields (response_logprobs, response_mask) describe response_ids only: model tokens carry
-the engine's log-prob and mask True; observation tokens carry 0.0 and mask False.
-
-Collation writes per-token fields at PREDICTION positions: logits[:, t] predict tokens[:, t+1], so a
-response of length R after a prompt of length P is predicted by positions [P-1, P+R-1). That is why
-loss_mask and rollout_logprobs are [B, L-1] while tokens are [B, L]: the trainer computes
-log_softmax(logits[:, :-1]).gather(tokens[:, 1:]) and lines it up with them directly.
+A trajectory is one episode token by token: prompt_ids | response_ids = act_1, obs_1, ..., act_K.
+Per-token fields describe response_ids only: model tokens carry the engine's log-prob and mask True,
+observation tokens 0.0 and mask False. The batch puts them at PREDICTION positions: logits[:, t]
+predict tokens[:, t+1], so a response of length R after a prompt of length P is predicted by
+[P-1, P+R-1); loss_mask and rollout_logprobs are [B, L-1] while tokens are [B, L], lined up with
+log_softmax(logits[:, :-1]).gather(tokens[:, 1:]).
 """
 from __future__ import annotations
 
@@ -36,13 +31,11 @@ class Trajectory:
     scripted: bool = False  # played from the task's scripted solution (rollout.guide_unsolved), not sampled
 
     @property
-    def solved(self) -> bool:
-        """The verifier accepted the answer (what accuracy and pass@k count)."""
+    def solved(self) -> bool:  # the verifier accepted the answer (what accuracy and pass@k count)
         return self.reward_components.get("correct", 0) > 0
 
     @property
-    def broken(self) -> bool:
-        """The sandbox or the engine failed this episode: it says nothing about the model."""
+    def broken(self) -> bool:  # the sandbox or the engine failed this episode: it says nothing of the model
         return self.finish_reason == "infra_error"
 
     def validate(self) -> None:
@@ -81,9 +74,8 @@ def staleness(traj, policy_version: int) -> int:
     return policy_version - min(_version(v) for v in traj.weight_versions) if traj.weight_versions else 0
 
 
-
 def load_trajectories(path: str) -> list[Trajectory]:
-    """Read a rollout JSONL file (one trajectory per line)."""
+    """A rollout JSONL file's trajectories (one per line)."""
     out = []
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
@@ -141,8 +133,7 @@ def build_rollout_batch(trajectories: list, pad_id: int = 0, policy_version: int
     for t in trajs:
         t.validate()
     B = len(trajs)
-    L = max(len(t.prompt_ids) + len(t.response_ids) for t in trajs)
-    L = max(L, 2)  # at least one prediction position, so [B, L-1] is never empty-shaped
+    L = max(2, *(len(t.prompt_ids) + len(t.response_ids) for t in trajs))  # [B, L-1] never empty
     tokens = torch.full((B, L), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((B, L), dtype=torch.bool)
     loss_mask = torch.zeros((B, L - 1), dtype=torch.bool)

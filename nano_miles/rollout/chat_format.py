@@ -1,7 +1,10 @@
-"""ChatFormat: the chat-template knowledge the rollout needs at the token level.
+"""ChatFormat: the chat-template knowledge the rollout needs at the token level: the prompt ids, the
+stop tokens, and the observation turn encoded on its own (TITO: a rollout never re-encodes its history;
+see episode.py and tests/nano_miles/rollout/test_tito.py).
 
-The prompt ids, the stop tokens, and how an observation turn is encoded on its own (TITO: a rollout
-never re-encodes its history; see episode.py and tests/nano_miles/rollout/test_tito.py).
+The observation turn is everything the template puts between the end of the model's text and the start
+of the next assistant text: (close the assistant turn) + tool turn + next assistant header. It is found
+once by rendering a conversation with marker strings and cutting around them.
 """
 from __future__ import annotations
 
@@ -10,12 +13,6 @@ from dataclasses import dataclass, field
 
 @dataclass
 class ChatFormat:
-    """Prompt ids, stop ids and observation-turn ids for one tokenizer's chat template.
-
-    The observation turn is everything the template puts between the end of the model's text and the
-    start of the next assistant text: (close the assistant turn) + tool turn + next assistant header.
-    It is found once by rendering a conversation with marker strings and cutting around them.
-    """
     tokenizer: object
     stop_ids: list[int] = field(default_factory=list)
     tool_role: str = "tool"
@@ -37,31 +34,28 @@ class ChatFormat:
         self.stop_ids = sorted(stop)
         self.added_texts = [t.content for t in tok.added_tokens_decoder.values()]
         act, obs = "@@ACTION@@", "@@OBSERVATION@@"
-        base = [{"role": "user", "content": "q"}, {"role": "assistant", "content": act}]
-        probe = self._render(base + [{"role": "tool", "content": obs}], gen=True)
+        turns = [{"role": "user", "content": "q"}, {"role": "assistant", "content": act},
+                 {"role": "tool", "content": obs}]
+        probe = self.render(turns, add_generation_prompt=True)
         # Templates like Qwen2.5's render tool turns inside <tool_response> tags; plain ChatML ones
         # would say role "tool", which a model trained on Qwen's format has never seen: use a user
         # turn and wrap the output ourselves.
         if "<tool_response>" not in probe:
             self.tool_role = "user"
-            probe = self._render(base + [{"role": "user", "content": wrap_tool_response(obs)}], gen=True)
+            probe = self.render(turns, add_generation_prompt=True)
         after = probe[probe.index(act) + len(act):]
         self.obs_head, self.obs_tail = after[:after.index(obs)], after[after.index(obs) + len(obs):]
         eos_text = tok.convert_ids_to_tokens(tok.eos_token_id) if tok.eos_token_id is not None else ""
         if eos_text and self.obs_head.startswith(eos_text):
             self.close_text, self.close_id = eos_text, tok.eos_token_id
 
-    def _render(self, messages, gen: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
-
-    def tool_message(self, content: str) -> dict:
-        return {"role": self.tool_role,
-                "content": content if self.tool_role == "tool" else wrap_tool_response(content)}
-
     def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         """The conversation as text, tool messages in this template's tool form."""
-        msgs = [self.tool_message(m["content"]) if m["role"] == "tool" else m for m in messages]
-        return self._render(msgs, gen=add_generation_prompt)
+        if self.tool_role == "user":
+            messages = [{"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"}
+                        if m["role"] == "tool" else m for m in messages]
+        return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         return self.encode(self.render(messages, add_generation_prompt=True))
@@ -70,11 +64,9 @@ class ChatFormat:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def observation_ids(self, content: str, last_model_id: int | None) -> list[int]:
-        """The observation turn, encoded on its own (never together with the history).
-
-        Encoded as one string, so the tool output gets the same ids the template would give it. If the
-        output contains the text of an added token ('<|im_end|>' printed by a command), that text is
-        encoded with special tokens split, so a command cannot forge a turn boundary."""
+        """The observation turn, encoded as one string (the ids the template would give the output),
+        except that an added token's text in the output ('<|im_end|>' printed by a command) is encoded
+        with special tokens split, so a command cannot forge a turn boundary."""
         head = self.obs_head
         if self.close_id is not None and last_model_id == self.close_id:
             head = head[len(self.close_text):]  # the model's own stop token already closed the turn
@@ -84,7 +76,3 @@ class ChatFormat:
             return self.encode(head + content + self.obs_tail)
         split = self.tokenizer.encode(content, add_special_tokens=False, split_special_tokens=True)
         return self.encode(head) + split + self.encode(self.obs_tail)
-
-
-def wrap_tool_response(content: str) -> str:
-    return f"<tool_response>\n{content}\n</tool_response>"

@@ -1,19 +1,11 @@
 """DAPO's dynamic sampling: train only on groups whose samples disagree, and keep the batch full.
 
-A group whose samples all got the same reward (all solved, or none) has a GRPO advantage of exactly
-0 for every sample: it costs an update and teaches nothing. With `rollout.dynamic_sampling` a step
-starts `round_size(tasks_per_step)` groups (`rollout.oversample` times `tasks_per_step`: verl's
-gen_batch_size / train_batch_size) and judges each as it comes back: a group without a signal is
-dropped and, when the groups kept and those still running cannot fill the batch, one more task is
-taken from the run's task stream and its group started at once, beside the groups still running
-(producer.py). A refill never waits for the slowest episode of the groups before it. The step ends
-when its groups have all come back (with rollout.carry_over: once those back fill the batch), with
-`tasks_per_step` groups with a signal (the first ones, in the order they were started) or after
-starting `rollout.max_sampling_rounds` x round_size groups, its bound of work (verl:
-algorithm.filter_groups with max_num_gen_batches). A step that hits the bound trains on the groups
-it has, or skips its update when it has none, and its metrics say so (`sampling_note`). Surplus groups with a signal (an oversampled step) are rolled out, counted and
-not trained on, as verl does. (`advantage.filter_zero_variance` drops such groups at the update
-without refilling: the batch shrinks instead.)
+A group whose samples all got the same reward has a GRPO advantage of 0 for every sample: it costs an
+update and teaches nothing. With rollout.dynamic_sampling a step starts round_size(tasks_per_step)
+groups and drops each that comes back without a signal, starting a group of the stream's next task
+when those kept and those running cannot fill the batch (producer.py), up to max_sampling_rounds x
+round_size groups (verl: algorithm.filter_groups, max_num_gen_batches). A step at the bound trains on
+what it has, or skips its update (sampling_note); surplus groups with a signal are not trained on.
 """
 from __future__ import annotations
 
@@ -25,8 +17,7 @@ from nano_miles.rollout.episode import RolloutConfig
 
 @dataclass
 class TrainRolloutConfig(RolloutConfig):
-    """rollout.* of `nano-miles train`: the rollout keys of every command, and how training picks and
-    fills its groups (dynamic sampling, passing over saturated tasks, guidance)."""
+    """rollout.* of `nano-miles train`: every command's rollout keys, and how training fills its groups."""
     dynamic_sampling: bool = False   # DAPO: drop groups whose rewards are all equal (no signal) and refill the step's batch from the task stream
     max_sampling_rounds: int = 3     # dynamic sampling: a step starts at most this many rounds' worth of groups (the first wave included); then it trains on the groups it has
     oversample: float = 1.0          # dynamic sampling: a round (the first wave) is this many times tasks_per_step groups (verl's gen_batch_size / train_batch_size)
@@ -47,8 +38,7 @@ class TrainRolloutConfig(RolloutConfig):
                              "has a learning signal, so every group would be dropped")
 
     def round_size(self, missing: int) -> int:
-        """Groups to roll out when `missing` are still needed: a step's first wave, and its unit of
-        work (a step starts at most max_sampling_rounds x round_size(tasks_per_step) groups)."""
+        """Groups to roll out when `missing` are needed: a step's first wave, and its unit of work."""
         return math.ceil(missing * self.oversample) if self.dynamic_sampling else missing
 
 
@@ -60,7 +50,7 @@ def has_signal(group: list) -> bool:
 
 @dataclass
 class SamplingTally:
-    """What a step rolled out and what it kept, for its metrics."""
+    """What a step rolled out and what it kept (its metrics)."""
     enabled: bool
     target: int                 # tasks_per_step
     generated: int = 0          # groups rolled out (tasks taken from the stream), refills included
@@ -75,10 +65,6 @@ class SamplingTally:
     carried: int = 0            # rollout.carry_over: groups left to the next step (still running, or beyond the batch)
 
     @property
-    def dropped(self) -> int:
-        return self.without_signal if self.enabled else 0
-
-    @property
     def note(self) -> str | None:
         """Why the batch is not full, when dynamic sampling could not fill it."""
         if not self.enabled or self.kept >= self.target:
@@ -90,8 +76,9 @@ class SamplingTally:
 
     def metrics(self) -> dict:
         share = self.generated and 1 / self.generated
-        return {"groups_generated": self.generated, "groups_kept": self.kept, "groups_dropped": self.dropped,
-                "dropped_group_share": self.dropped * share, "zero_variance_share": self.without_signal * share,
+        dropped = self.without_signal if self.enabled else 0
+        return {"groups_generated": self.generated, "groups_kept": self.kept, "groups_dropped": dropped,
+                "dropped_group_share": dropped * share, "zero_variance_share": self.without_signal * share,
                 "sampling_rounds": self.rounds, "sampling_note": self.note, "tasks_passed_over": self.passed_over,
                 "groups_guided": self.guided, "groups_guide_rejected": self.guide_rejected,
                 "groups_carried": self.carried}

@@ -1,23 +1,14 @@
 """OpenShellEnv: one episode of a shell task, played through text turns in a real sandbox.
 
-The protocol the policy is taught (system prompt + one-shot example):
-    <bash>COMMAND</bash>   run one command in the episode's sandbox; the output comes back as a tool turn
-    <answer>TEXT</answer>  finish; the task's verifier decides
-
-Reward components, all recorded on the trajectory:
-    correct        1.0 when the verifier accepts the answer (and the workspace check passes)
-    exec_ok        +0.1 once the episode has run a command that exits 0. Capped at one command's worth:
-                   with more, policies learn to pad every episode with harmless commands. Forfeited by
-                   an episode that ends without an answer (turn limit, token budget), or running
-                   commands and never answering would outpay a wrong answer
-    format         -0.1 per turn with neither a <bash> block nor an <answer> (or an empty or refused command)
-    timeout        -0.1 per command that hit its time limit
-    infra_failures sandbox failures (not the policy's fault): counted, earn nothing, end the episode
-The token-level side of the chat template is in chat_format.py.
+The policy replies <bash>COMMAND</bash> (run in the episode's sandbox; the output comes back as a tool
+turn) or <answer>TEXT</answer> (finish; the task's verifier decides). Reward components, all recorded
+on the trajectory: correct, exec_ok, format, timeout (see EnvConfig) and infra_failures (the sandbox
+failed, not the policy: counted, earn nothing, end the episode). exec_ok is capped at one command's
+worth (with more, policies learn to pad every episode with harmless commands) and forfeited by an
+episode that ends without an answer (or running commands and never answering would outpay a wrong one).
 """
 from __future__ import annotations
 
-import asyncio
 import random
 import re
 import threading
@@ -36,10 +27,8 @@ Each reply must do exactly one of these two things:
 <answer>VALUE</answer> gives your final answer and ends the task. Put only the requested value inside.
 Run one command per reply. Look at the output before answering."""
 
-# The one-shot example before the task, by name (rollout.env.prompt_example). "one_step": one
-# command, then the answer. "multi_step": a command that fails, its fix, a check of the written
-# file, then the answer: it shows a small model that errors are read and fixed, and that a task
-# may need several commands.
+# The one-shot example before the task (rollout.env.prompt_example). "multi_step" shows a small model
+# that errors are read and fixed, and that a task may need several commands.
 PROMPT_EXAMPLES = {
     "one_step": [
         ("user", "How many lines does greeting.txt contain? Answer with the number."),
@@ -60,14 +49,12 @@ PROMPT_EXAMPLES = {
 }
 
 ACTION_END_TAGS = ("</bash>", "</answer>")  # the rollout's stop strings: an action ends a turn
-BASH_RE = re.compile(r"<bash>(.*?)</bash>", re.DOTALL)
-ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+ACTION_RE = re.compile(r"<(bash|answer)>(.*?)</\1>", re.DOTALL)  # the first closed tag wins
 FORMAT_ERROR = ("Format error: reply with <bash>COMMAND</bash> to run a command, or <answer>VALUE</answer> to "
                 "finish. Both tags must be closed.")
 
 
 def prompt_messages(instruction: str, example: str = "one_step") -> list[dict]:
-    """System prompt, the one-shot example exchange, then the task."""
     shots = [{"role": role, "content": text} for role, text in PROMPT_EXAMPLES[example]]
     return [{"role": "system", "content": SYSTEM_PROMPT}, *shots, {"role": "user", "content": instruction}]
 
@@ -103,12 +90,8 @@ class StepResult:
 
 def parse_action(text: str) -> tuple[str, str] | None:
     """('bash', cmd) or ('answer', value) from the first closed tag in the text, else None."""
-    found = [(m.start(), kind, m.group(1)) for kind, rx in (("bash", BASH_RE), ("answer", ANSWER_RE))
-             for m in [rx.search(text)] if m]
-    if not found:
-        return None
-    _, kind, body = min(found)
-    return kind, body.strip()
+    m = ACTION_RE.search(text)
+    return (m.group(1), m.group(2).strip()) if m else None
 
 
 def format_output(r, cfg: EnvConfig) -> str:
@@ -121,7 +104,7 @@ def format_output(r, cfg: EnvConfig) -> str:
     body = "\n".join(parts)
     if len(body) > cfg.max_observation_chars:
         body = body[:cfg.max_observation_chars] + f"\n[... {len(body) - cfg.max_observation_chars} more characters cut]"
-    elif getattr(r, "truncated", False):
+    elif r.truncated:
         body += "\n[... output cut by the sandbox]"
     status = (f"[timed out after {cfg.command_timeout:g}s]" if r.timed_out else f"[exit code {r.exit_code}]")
     return (body + "\n" + status) if body else status
@@ -140,7 +123,6 @@ class OpenShellEnv:
         self.turns = 0
         self.done = False
         self.finish_reason = ""
-        self.answer: str | None = None
         self.infra_error: str | None = None   # what broke, when the sandbox failed mid-episode
         self.components = {"correct": 0.0, "exec_ok": 0.0, "format": 0.0, "timeout": 0.0, "infra_failures": 0}
         self._ok_commands: set[str] = set()
@@ -153,11 +135,9 @@ class OpenShellEnv:
         self._busy = threading.Lock()
         self._closed = False
 
-    # -- lifecycle ---------------------------------------------------------------------------------
     def reset(self) -> list[dict]:
-        """Create the sandbox, run the task's setup; returns the chat messages of the prompt.
-
-        Raises SetupError when the sandbox cannot run the setup (infrastructure, not the policy)."""
+        """The prompt's chat messages, once the sandbox is up and the task set up; SetupError when the
+        sandbox cannot run the setup (infrastructure, not the policy)."""
         with self._busy:
             if self._closed:
                 raise SetupError(f"task {self.task.id}: the episode was closed before its setup ran")
@@ -174,14 +154,13 @@ class OpenShellEnv:
             return self.messages()
 
     def _name(self) -> str:
-        """The task as error lines name it: its file or module, then its id."""
         return f"{self.task.source}: task {self.task.id!r}" if self.task.source else f"task {self.task.id!r}"
 
     def _workspace(self) -> Workspace:
         return Workspace(self.sandbox, self.workdir, new_sandbox=self._new_sandbox)
 
     def _new_sandbox(self):
-        """A sandbox for this task: with its directories mounted at their fixed paths, if it has any."""
+        """A sandbox for this task, with its directories mounted at their fixed paths if it has any."""
         if not self.task.mounts:
             return self.sandbox_factory()
         paths = ", ".join(self.task.mounts)
@@ -207,20 +186,21 @@ class OpenShellEnv:
             self._close()
 
     def _close(self) -> None:
-        if self.sandbox is not None:
-            try:
-                self.sandbox.close()
-            finally:
-                self.sandbox = None
-        self.workdir = None
+        sandbox, self.sandbox, self.workdir = self.sandbox, None, None
+        if sandbox is not None:
+            sandbox.close()
 
-    # -- turns ---------------------------------------------------------------------------------------
     def step(self, action_text: str) -> StepResult:
         with self._busy:
-            kind, body = self._begin_turn(action_text)
+            if self.done:
+                raise RuntimeError(f"episode of {self.task.id} is over ({self.finish_reason}); call reset()")
+            if self.instance is None:
+                raise RuntimeError("call reset() before step()")
+            self.turns += 1
+            kind, body = parse_action(action_text) or ("format_error", "")
             if kind == "answer":
                 return self._answer(body)
-            if kind != "bash":
+            if kind != "bash" or not body:  # an empty <bash></bash> runs nothing
                 return self._format_error(FORMAT_ERROR)
             cmd = in_workdir(body, self.task.workdir)
             t = time.perf_counter()
@@ -229,23 +209,16 @@ class OpenShellEnv:
             except ValueError as e:  # the sandbox refused the command itself (a NUL byte...): the policy's fault
                 return self._format_error(f"Command refused: {e}.")
             except Exception as e:
-                return self._infra_failure(e)
+                return self.infra_failed(f"{type(e).__name__}: {e}")
             finally:
                 self.exec_s += time.perf_counter() - t
             return self._after_exec(body, r)
 
-    async def astep(self, action_text: str, executor=None) -> StepResult:
-        """step() in a worker thread (commands and verifier checks block)."""
-        return await asyncio.get_running_loop().run_in_executor(executor, self.step, action_text)
-
     def end(self, reason: str) -> None:
         """End the episode from outside (the rollout's token budget, an engine that stopped)."""
         if not self.done:
-            self._cut_off(reason)
-
-    def _cut_off(self, reason: str) -> None:
-        self.done, self.finish_reason = True, reason
-        self.components["exec_ok"] = 0.0  # no answer, no shaping (see the module docstring)
+            self.done, self.finish_reason = True, reason
+            self.components["exec_ok"] = 0.0  # no answer, no shaping (see the module docstring)
 
     @property
     def reward(self) -> float:
@@ -253,18 +226,6 @@ class OpenShellEnv:
             return 0.0
         c = self.components
         return round(c["correct"] + c["exec_ok"] + c["format"] + c["timeout"], 6)
-
-    # -- internals -----------------------------------------------------------------------------------
-    def _begin_turn(self, action_text: str) -> tuple[str, str]:
-        if self.done:
-            raise RuntimeError(f"episode of {self.task.id} is over ({self.finish_reason}); call reset()")
-        if self.instance is None:
-            raise RuntimeError("call reset() before step()")
-        self.turns += 1
-        parsed = parse_action(action_text)
-        if parsed is None or parsed == ("bash", ""):  # an empty <bash></bash> runs nothing
-            return "format_error", ""
-        return parsed
 
     def _after_exec(self, cmd: str, r) -> StepResult:
         self.last_command, self.last_output = cmd, r.stdout + r.stderr
@@ -280,23 +241,20 @@ class OpenShellEnv:
         return self._next(format_output(r, self.cfg), kind)
 
     def _answer(self, answer: str) -> StepResult:
-        self.answer = answer
+        """The task's verifier decides; a task scored by execution (ALFA) also records its metrics."""
         try:
-            ok = self._judge(answer)
+            if self.instance.score is None:
+                ok = verify(self.instance, answer, self._workspace())
+            else:
+                attempt = Attempt(answer, self.last_command, self.last_output, self._workspace())
+                metrics = dict(self.instance.score(attempt))
+                ok = bool(metrics.pop("correct"))
+                self.components.update({k: float(v) for k, v in metrics.items()})
         except Exception as e:
-            return self._infra_failure(e)
+            return self.infra_failed(f"{type(e).__name__}: {e}")
         self.components["correct"] = self.cfg.correct_reward if ok else 0.0
         self.done, self.finish_reason = True, "answer"
         return StepResult(None, True, "answer")
-
-    def _judge(self, answer: str) -> bool:
-        """The task's verifier; a task scored by execution (ALFA) also records its metrics."""
-        if self.instance.score is None:
-            return verify(self.instance, answer, self._workspace())
-        metrics = dict(self.instance.score(Attempt(answer, self.last_command, self.last_output, self._workspace())))
-        correct = bool(metrics.pop("correct"))
-        self.components.update({k: float(v) for k, v in metrics.items()})
-        return correct
 
     def _format_error(self, observation: str) -> StepResult:
         self.components["format"] = round(self.components["format"] + self.cfg.format_penalty, 6)
@@ -304,32 +262,24 @@ class OpenShellEnv:
 
     def _next(self, observation: str, kind: str) -> StepResult:
         if self.turns >= self.cfg.max_turns:
-            self._cut_off("max_turns")
+            self.end("max_turns")
             return StepResult(None, True, "max_turns")
         self.last_observation = observation
         return StepResult(observation, False, kind)
 
-    def _infra_failure(self, e: Exception) -> StepResult:
-        self.infra_failed(f"{type(e).__name__}: {e}")
-        return StepResult(None, True, "infra_error")
-
-    def infra_failed(self, why: str) -> None:
+    def infra_failed(self, why: str) -> StepResult:
         """End the episode as an infrastructure failure (the sandbox or the engine broke, not the
         policy): it earns nothing and is counted, never trained on or scored."""
         self.components["infra_failures"] += 1
-        self.done, self.finish_reason = True, "infra_error"
-        self.infra_error = why
+        self.done, self.finish_reason, self.infra_error = True, "infra_error", why
+        return StepResult(None, True, "infra_error")
 
 
-def default_sandbox(mounts: dict | None = None):
-    """One sandbox per episode, with its own fresh workspace (removed on close), no network; a task's
-    fixed paths (mounts={path: None}) are fresh directories of its own, removed with it too."""
-    return Sandbox(mounts=mounts)
+default_sandbox = Sandbox  # a fresh workspace (and mounts={path: None}) removed on close, no network
 
 
 def answer_from(observation: str | None) -> str:
-    """What a scripted policy answers after reading an observation: the command's output, without the
-    status line and without stderr."""
+    """What a scripted policy answers after an observation: the command's stdout, no status line."""
     text = "\n" + (observation or "")
     text = text[:text.rfind("\n[exit code ")] if "\n[exit code " in text else text
     return text.split("\n[stderr]\n", 1)[0].strip()

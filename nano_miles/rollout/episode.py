@@ -5,18 +5,13 @@ Per episode the prefix is a list of token ids that only ever grows:
     prompt | act_1 | obs_1 | act_2 | obs_2 | ... | act_K
 
 - act_k: the engine's output_ids exactly as returned (stop token included; no_stop_trim), with the
-  engine's log-probs, loss mask True. By default generation also stops at the token that closes an
-  action (`</bash>`, `</answer>`: SGLang stop strings), so nothing after it is sampled or trained on.
+  engine's log-probs, loss mask True (generation stops at `</bash>` or `</answer>`: stop_at_action_end).
 - obs_k: the observation turn (close the assistant turn if the model did not, the tool output, the
   next assistant header) encoded ON ITS OWN, log-prob 0.0, loss mask False.
 The full history is never re-encoded: re-encoding the rendered text can merge BPE pieces across a
 turn boundary and shift every later token away from the log-prob it was sampled with (a real case:
-tests/nano_miles/rollout/test_tito.py). After every turn the old prefix must be an exact prefix of
-the new one.
-
-Engines are reached only through the SGLang /generate protocol, so a real SGLang server works too.
-Each group (the G samples of one task) goes to one engine, so its shared prompt hits the prefix cache;
-which one, and what happens when it dies, is nano_miles/engine/pool.py's GroupRouter.
+tests/nano_miles/rollout/test_tito.py). Engines are reached only through SGLang's /generate protocol;
+a group goes to one engine (its shared prompt hits the prefix cache): engine/pool.py's GroupRouter.
 """
 from __future__ import annotations
 
@@ -55,17 +50,9 @@ class RolloutConfig:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
 
-class TITOViolation(AssertionError):
-    """The prefix stopped being an exact prefix of the new sequence: a bug, never a model error."""
-
-
-SCRIPTED_VERSION = "scripted"  # the weight version a scripted turn reports (its trajectory keeps none)
-
-
 class ScriptedPolicy:
-    """Answers an episode's /generate calls like an engine, from the task's scripted solution: its
-    commands one by one, then <answer> with TaskInstance.solution_answer or, when there is none, the
-    last observation's output (as `nano-miles tasks check` does). Guided groups (guidance.py) use it."""
+    """An engine for guided groups (guidance.py): the task's scripted commands, then its answer (or the
+    last output, as `nano-miles tasks check` does)."""
 
     def __init__(self, fmt: ChatFormat, env: OpenShellEnv):
         self.fmt, self.env = fmt, env
@@ -78,8 +65,9 @@ class ScriptedPolicy:
             answer = self.env.instance.solution_answer
             text = f"<answer>{answer_from(self.env.last_observation) if answer is None else answer}</answer>"
         ids = self.fmt.tokenizer.encode(text, add_special_tokens=False)
-        return {"output_ids": ids, "meta_info": {"output_token_logprobs": [[0.0, i, None] for i in ids],
-                                                 "finish_reason": {"type": "stop"}, "weight_version": SCRIPTED_VERSION}}
+        meta = {"output_token_logprobs": [[0.0, i, None] for i in ids], "finish_reason": {"type": "stop"},
+                "weight_version": "scripted"}  # (a scripted trajectory keeps no versions)
+        return {"output_ids": ids, "meta_info": meta}
 
 
 def sampling_params(cfg: RolloutConfig, fmt: ChatFormat, max_new_tokens: int) -> dict:
@@ -90,7 +78,7 @@ def sampling_params(cfg: RolloutConfig, fmt: ChatFormat, max_new_tokens: int) ->
 
 
 def parse_generate_response(resp: dict) -> tuple[list[int], list[float], str, str]:
-    """output ids, their log-probs, the finish type and the weight version from a /generate reply."""
+    """Output ids, their log-probs, the finish type and the weight version."""
     try:
         meta = resp["meta_info"]
         ids = [int(i) for i in resp["output_ids"]]
@@ -108,8 +96,7 @@ def parse_generate_response(resp: dict) -> tuple[list[int], list[float], str, st
 
 
 def group_key(task: Task, seed: int, index: int) -> tuple[int, str]:
-    """The task seed and group id of the index-th group of a rollout call: the G samples of a group
-    share the seed (same files, same ground truth), and GRPO compares them by group id."""
+    """The task seed (shared by a group's samples: same files and ground truth) and the group id."""
     task_seed = seed * 100_003 + index
     return task_seed, f"{task.id}-s{task_seed}"
 
@@ -123,37 +110,35 @@ def _no_episode(task: Task, group_id: str, finish_reason: str, components: dict)
 async def run_episode(client, fmt: ChatFormat, task: Task, seed: int, group_id: str,
                       cfg: RolloutConfig, sandbox_factory=None, executor=None, scripted: bool = False,
                       clock: EpisodeClock | None = None) -> Trajectory:
-    """Play one episode against one engine; the returned trajectory is complete and self-consistent.
-    Sandbox work (setup, commands, verification) runs on `executor` (None: asyncio's default).
+    """Play one episode against one engine; sandbox work runs on `executor` (None: asyncio's default).
     scripted: no engine (client is None); the turns are the task's scripted solution (ScriptedPolicy),
     through the same environment and token path. clock, if given, gets where the episode's wall went."""
     env = OpenShellEnv(task, seed, cfg.env, sandbox_factory)
     loop = asyncio.get_running_loop()
     clock = clock or EpisodeClock()
     try:
+        t = time.perf_counter()
         try:
-            t = time.perf_counter()
-            try:
-                messages = await loop.run_in_executor(executor, env.reset)
-            finally:
-                clock.sandbox_s += time.perf_counter() - t
+            messages = await loop.run_in_executor(executor, env.reset)
         except TaskUnavailable as e:  # cannot run on this machine: skipped, with the reason
             return _no_episode(task, group_id, "unavailable", {"unavailable": str(e)})
         except SetupError as e:
             return _no_episode(task, group_id, "infra_error", {"infra_failures": 1, "error": str(e)})
+        finally:
+            clock.sandbox_s += time.perf_counter() - t
         if scripted:
             client = ScriptedPolicy(fmt, env)
         prompt = fmt.prompt_ids(messages)
-        ids = list(prompt)                               # the growing prefix
+        # prompt + resp_ids is the prefix: only ever appended to, so each turn extends the last exactly
         resp_ids, resp_lps, resp_mask, versions = [], [], [], []
         while not env.done:
-            budget = cfg.env.max_total_tokens - len(ids)
+            budget = cfg.env.max_total_tokens - len(prompt) - len(resp_ids)
             if budget <= 0:
                 env.end("token_budget")
                 break
             t = time.perf_counter()
             try:
-                out = await client.generate(input_ids=ids, sampling_params=sampling_params(
+                out = await client.generate(input_ids=prompt + resp_ids, sampling_params=sampling_params(
                     cfg, fmt, min(cfg.max_new_tokens, budget)), return_logprob=True,
                     rid=f"{group_id}-{seed}-t{env.turns}-{uuid.uuid4().hex[:8]}")
             except EngineError as e:
@@ -170,25 +155,22 @@ async def run_episode(client, fmt: ChatFormat, task: Task, seed: int, group_id: 
             versions.append(version)
             if finish == "abort":
                 env.end("abort")  # the engine was asked to drop the request (a pause, a shutdown)
-            before = list(ids)
-            ids += out_ids
             resp_ids += out_ids
             resp_lps += out_lps
             resp_mask += [True] * len(out_ids)
             if env.done:
                 break
-            step = await env.astep(fmt.tokenizer.decode(out_ids, skip_special_tokens=True), executor)
-            if not step.done:
-                obs = fmt.observation_ids(step.observation, out_ids[-1] if out_ids else None)
-                if len(ids) + len(obs) >= cfg.env.max_total_tokens:
-                    env.end("token_budget")  # no room for the next turn: stop before the observation
-                    break
-                ids += obs
-                resp_ids += obs
-                resp_lps += [0.0] * len(obs)
-                resp_mask += [False] * len(obs)
-            if ids[:len(before)] != before or ids != prompt + resp_ids:
-                raise TITOViolation(f"{task.id}: prefix property broken at turn {env.turns}")
+            action = fmt.tokenizer.decode(out_ids, skip_special_tokens=True)
+            step = await loop.run_in_executor(executor, env.step, action)  # commands and verifiers block
+            if step.done:
+                break
+            obs = fmt.observation_ids(step.observation, out_ids[-1] if out_ids else None)
+            if len(prompt) + len(resp_ids) + len(obs) >= cfg.env.max_total_tokens:
+                env.end("token_budget")  # no room for the next turn: stop before the observation
+                break
+            resp_ids += obs
+            resp_lps += [0.0] * len(obs)
+            resp_mask += [False] * len(obs)
         components = dict(env.components)
         if env.infra_error:
             components["error"] = env.infra_error
@@ -222,19 +204,23 @@ async def wait_out(future: asyncio.Future):
     return future.result()
 
 
+async def cancel_all(jobs) -> None:
+    """Cancel `jobs` and wait until every one has ended (an episode closes its sandbox first)."""
+    for j in jobs:
+        j.cancel()
+    await wait_out(asyncio.gather(*jobs, return_exceptions=True))
+
+
 async def settle(jobs: list[asyncio.Future]) -> list:
-    """The results of `jobs`, in order. On the first error (EngineUnavailable...) or our own
-    cancellation: cancel the rest once, wait until every one has ended (each episode closes its
-    sandbox first), however often we are cancelled meanwhile, then raise."""
+    """The results of `jobs`, in order. On the first error or our own cancellation: cancel the rest,
+    wait until every one has ended (each episode closes its sandbox first), then raise."""
     if not jobs:
         return []
     try:
         await asyncio.wait(jobs, return_when=asyncio.FIRST_EXCEPTION)
     finally:
         if not all(j.done() for j in jobs):
-            for j in jobs:
-                j.cancel()
-            await wait_out(asyncio.gather(*jobs, return_exceptions=True))
+            await cancel_all(jobs)
     errors = [j.exception() for j in jobs if not j.cancelled() and j.exception() is not None]
     if errors:
         raise errors[0]
@@ -242,16 +228,10 @@ async def settle(jobs: list[asyncio.Future]) -> list:
 
 
 class GroupRunner:
-    """Plays groups over `engines` (URLs, or an EnginePool whose replicas come and go), each group on
-    one engine (the least busy when it starts), at most cfg.max_concurrency episodes at once however
-    many groups are under way. rollout_groups starts all its groups at once; the training producer
-    (producer.py) starts them one by one as its dynamic sampling needs them. Made and used inside one
-    running event loop; `await close()` when done.
-
-    An episode whose engine dies runs again from its start on another engine (its group moves there);
-    when no engine is left its group fails with EngineUnavailable (the group's other episodes are
-    cancelled and their sandboxes closed). on_episode_done(), if given, is called as each episode
-    ends; clocks, if set to a list, gets each episode's EpisodeClock (anatomy.py)."""
+    """Plays groups over `engines` (URLs, or an EnginePool), at most cfg.max_concurrency episodes at
+    once, inside one running event loop (`await close()` when done). An episode whose engine dies runs
+    again from its start on another engine; with none left its group fails with EngineUnavailable.
+    on_episode_done() is called as each episode ends; clocks gets their EpisodeClocks (anatomy.py)."""
 
     def __init__(self, engines: list[str] | EnginePool, tokenizer, cfg: RolloutConfig, sandbox_factory=None,
                  on_episode_done=None):
@@ -260,7 +240,7 @@ class GroupRunner:
             raise ValueError("rollout_groups needs at least one engine URL")
         self.fmt = tokenizer if isinstance(tokenizer, ChatFormat) else ChatFormat(tokenizer)
         self.cfg, self.sandbox_factory = cfg, sandbox_factory
-        self.on_episode_done, self.clocks = on_episode_done, None
+        self.on_episode_done, self.clocks = on_episode_done, []
         self.router = GroupRouter(self.pool, cfg.request_timeout)
         self.sem = asyncio.Semaphore(cfg.max_concurrency)
         # one worker per episode in flight (+ room for closes queued behind a cancelled episode's command)
@@ -275,8 +255,7 @@ class GroupRunner:
                 try:
                     traj = await run_episode(self.router.client(replica), self.fmt, task, task_seed, group_id,
                                              self.cfg, self.sandbox_factory, self.threads, clock=clock)
-                    if self.clocks is not None:
-                        self.clocks.append(clock)
+                    self.clocks.append(clock)
                     break
                 except EngineUnavailable as e:  # its sandbox is closed; run it again elsewhere, if any
                     self.pool.fail(replica, generation, e)
@@ -289,20 +268,17 @@ class GroupRunner:
         return traj
 
     async def group(self, task: Task, task_seed: int, group_id: str) -> list[Trajectory]:
-        """The cfg.group_size episodes of one group, those without a prompt (setup failed, task
-        unavailable) included: stats() counts them, callers leave them out."""
+        """The group's episodes, those without a prompt (setup failed, unavailable) included."""
         return await settle([asyncio.ensure_future(self.episode(task, task_seed, group_id))
                              for _ in range(self.cfg.group_size)])
 
     async def scripted(self, task: Task, task_seed: int, group_id: str) -> Trajectory:
-        """The task's scripted episode for a group (guidance.py), under the same concurrency bound."""
         async with self.sem:
             return await run_episode(None, self.fmt, task, task_seed, group_id, self.cfg, self.sandbox_factory,
                                      self.threads, scripted=True)
 
     def stats(self, tasks: list[Task], episodes: list[Trajectory]) -> dict:
-        """What rollout_groups' `stats` gets for `episodes` (all that the groups of `tasks` played), and
-        say on stderr what was lost."""
+        """rollout_groups' `stats` for the episodes the groups of `tasks` played; the losses on stderr."""
         failed = [t for t in episodes if t.broken and not t.prompt_ids]
         unavailable = {t.task_id: t.reward_components["unavailable"] for t in episodes
                        if t.finish_reason == "unavailable"}
@@ -323,16 +299,11 @@ class GroupRunner:
 async def rollout_groups(engines: list[str] | EnginePool, tokenizer, tasks: list[Task], cfg: RolloutConfig,
                          seed: int = 0, sandbox_factory=None, stats: dict | None = None,
                          on_episode_done=None) -> list[Trajectory]:
-    """G samples of every task, all episodes concurrently, over `engines` (a GroupRunner's, as is
-    on_episode_done). Trajectories come back grouped, in task order; when no engine is left
-    the whole call fails with EngineUnavailable (GroupRunner): the caller decides whether to retry.
-
-    stats, if given, gets: engine_requests (/generate calls per engine); setup_failures and the first
-    setup_errors (episodes whose sandbox setup failed: no prompt, nothing to learn from, left out of the
-    result); unavailable ({task id: reason} for tasks that cannot run here: left out too, and named on
-    stderr). Sandbox failures later in an episode, and engine failures (HTTP 500 from /generate), stay
-    in, with finish_reason "infra_error" and reward 0: training and evaluation leave them out and count
-    them."""
+    """G samples of every task, all episodes concurrently, grouped in task order; with no engine left,
+    EngineUnavailable (the caller decides whether to retry). stats, if given, gets engine_requests
+    (/generate calls per engine), setup_failures and the first setup_errors, unavailable ({task id:
+    reason}): such episodes have no prompt and are left out. Later sandbox or engine failures stay in,
+    with finish_reason "infra_error" and reward 0: training and evaluation leave them out and count them."""
     runner = GroupRunner(engines, tokenizer, cfg, sandbox_factory, on_episode_done)
     try:
         groups = await settle([asyncio.ensure_future(runner.group(task, *group_key(task, seed, g)))

@@ -1,22 +1,16 @@
-"""Where a training step's trajectories come from.
+"""Where a training step's trajectories come from: play_step_rollout takes the step's tasks from the
+run's TaskStream and rolls them out (the stream is put back if that fails); SyncProducer calls it when
+the trainer asks, AsyncProducer ahead of it on a background thread.
 
-`roll_out_step` is the one way a step gets its trajectories (take the step's tasks from the run's
-TaskStream, task_stream.py, roll them out, and put the stream back if that fails).
-`SyncProducer` calls it when the trainer asks (on-policy); `AsyncProducer` calls it ahead of the
-trainer on a background thread (rollouts for step v+1 while step v trains).
-
-A step's rollout is one event loop: its first wave of groups starts at once, and with dynamic
-sampling (dynamic_sampling.py) each group is judged as it comes back (guided first, with
-rollout.guide_unsolved) and a group without a signal is replaced at once by a group of the stream's
-next task, beside the groups still running. The index-th group started in a step plays with the seed
-group_key(task, step_seed, index), so a step's groups, the tasks it takes and the groups it keeps
-depend on the run's seed and the groups' outcomes only, never on which group ended first.
-With rollout.carry_over (async) a step instead ends once the groups that came back fill its batch,
-and the rest go on into the next step (Carry): faster steps, a batch that depends on timing.
+The index-th group started in a step plays with group_key(task, step_seed, index), so the tasks a step
+takes and the groups it keeps depend on the run's seed and the groups' outcomes only, never on which
+group ended first. With rollout.carry_over a step instead ends once the groups back fill its batch, the
+rest going on into the next step (Carry): faster steps, a batch that depends on timing.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import math
 import queue
@@ -30,7 +24,7 @@ from tqdm import tqdm
 from nano_miles.rollout.anatomy import RolloutAnatomy
 from nano_miles.rollout.batch import Trajectory
 from nano_miles.rollout.dynamic_sampling import SamplingTally, TrainRolloutConfig, has_signal
-from nano_miles.rollout.episode import GroupRunner, group_key, wait_out
+from nano_miles.rollout.episode import GroupRunner, cancel_all, group_key
 from nano_miles.rollout.guidance import guide_group
 from nano_miles.rollout.task_stream import TaskStream
 from nano_miles.tasks.api import Task
@@ -51,8 +45,7 @@ class StepRollout:
 
     @property
     def generated(self) -> list:
-        """Every trajectory the step sampled (what its reward and accuracy are measured on); scripted
-        samples (rollout.guide_unsolved) are trained on but are not the policy's."""
+        """Every trajectory the policy sampled (scripted ones are trained on, but not the policy's)."""
         return [t for t in self.trajectories + self.dropped if not t.scripted]
 
     @property
@@ -62,12 +55,10 @@ class StepRollout:
 
     @property
     def infra_errors(self) -> list[str]:
-        """Why episodes were lost to the infrastructure (sandbox): setup failures first, a few of each."""
         return self.setup_errors + [t.reward_components.get("error", "") for t in self.lost[:3]]
 
     @property
     def all_lost(self) -> bool:
-        """Every episode failed for infrastructure reasons: nothing the policy did is in this step."""
         episodes = len(self.generated) + self.setup_failures
         return episodes > 0 and self.setup_failures + len(self.lost) == episodes
 
@@ -76,20 +67,15 @@ class StepRollout:
         """Why this step cannot update the policy whatever the trainer does (None: it can try)."""
         if self.all_lost:
             return "every episode failed for infrastructure reasons (sandbox)"
-        if not self.trajectories and self.sampling is not None and self.sampling.enabled:
-            return self.sampling.note
-        return None
+        return self.sampling.note if not self.trajectories and self.sampling else None  # (None if disabled)
 
 
 def step_seed(run_seed: int, step: int) -> int:
-    """The episode seed of a step: its index-th group plays with group_key(task, step_seed, index), so
-    every group has fresh task instances, reproducible per run whenever it starts."""
     return run_seed * 1_000_003 + step
 
 
 @dataclass
 class _Played:
-    """A group of the step, once played (and guided)."""
     task: Task
     episodes: list[Trajectory]   # every episode, those without a prompt (setup failed, task unavailable) included
     group: list[Trajectory]      # what training could use: the episodes with a prompt, a scripted one swapped in
@@ -101,16 +87,14 @@ class _Played:
         return has_signal(self.group)
 
     @property
-    def got_through(self) -> bool:
-        """Some episode of it was not lost to the infrastructure."""
+    def got_through(self) -> bool:  # some episode of it was not lost to the infrastructure
         return any(not t.broken for t in self.group)
 
 
 @dataclass
 class Carry:
-    """rollout.carry_over: what a step leaves to the next instead of waiting for it (its groups still
-    running, and finished groups beyond its batch), and the runner they play on. It lives on the
-    async producer's event loop, across steps; close() cancels what is left."""
+    """rollout.carry_over: what a step leaves to the next (its groups still running, finished groups
+    beyond its batch) and the runner they play on, on the async producer's loop; close() cancels it."""
     running: dict = field(default_factory=dict)  # group job -> its task, in the order they were started
     ready: list = field(default_factory=list)    # _Played groups that came back beyond a batch
     runner: GroupRunner | None = None
@@ -121,9 +105,7 @@ class Carry:
         return [t.id for t in self.running.values()] + [g.task.id for g in self.ready]
 
     async def close(self) -> None:
-        for job in self.running:
-            job.cancel()
-        await wait_out(asyncio.gather(*self.running, return_exceptions=True))
+        await cancel_all(self.running)
         self.running, self.ready = {}, []
         if self.runner is not None:
             await self.runner.close()
@@ -132,22 +114,16 @@ class Carry:
 
 async def _play_step(runner: GroupRunner, stream: TaskStream, target: int, cfg: TrainRolloutConfig, seed: int,
                      tally: SamplingTally, anatomy: RolloutAnatomy, on_start, carry: Carry | None) -> list[_Played]:
-    """The step's groups that came back, in the order they were started (their index in the step): a
-    first wave of round_size(target), then, with dynamic sampling, one more each time a group comes
-    back without a signal while the groups with one and those still running cannot fill the batch, up
-    to the bound. It ends when every group started has come back.
+    """The step's groups that came back, in start order: a first wave of round_size(target), then, with
+    dynamic sampling, one more each time a group comes back without a signal while the groups with one
+    and those running cannot fill the batch, up to the bound; it ends when all have come back.
 
-    Surplus groups (an oversampled first wave still running when the batch is full) are not cancelled:
-    they finish and are dropped, as verl does. The batch is then the first groups with a signal in
-    start order, whatever their speed; cancelling would keep the groups that ended first (short
-    episodes: a length bias) and make the batch depend on timing, for little: the engine has already
-    spent most of their tokens, and no refill is started beside them.
+    Surplus groups are not cancelled: they finish and are dropped, as verl does. Cancelling would keep
+    the groups that ended first (short episodes: a length bias) and make the batch depend on timing.
 
-    With `carry` (rollout.carry_over) the step never waits for its slowest group: it starts with the
-    last step's leftovers, keeps round_size(target) groups running, and ends as soon as the groups
-    that came back fill the batch (or the bound's worth came back); the groups still running go on
-    into the next step. Nothing is cancelled or dropped for being slow, so long episodes are trained
-    on a step later (their staleness bounded by max_staleness), not left out."""
+    With `carry` the step starts with the last step's leftovers, keeps round_size(target) groups
+    running and ends once the groups back fill the batch (or the bound's worth came back); the rest go
+    on into the next step, so long episodes are trained on a step later (within max_staleness)."""
     first_wave = cfg.round_size(target)
     bound = first_wave * cfg.max_sampling_rounds if cfg.dynamic_sampling else first_wave
     played: dict[int, _Played] = {}
@@ -210,11 +186,7 @@ async def _play_step(runner: GroupRunner, stream: TaskStream, target: int, cfg: 
         if carry is not None:
             carry.running, running = {job: started_tasks[i] for job, i in running.items()}, {}
     finally:
-        # Only on an error (or our own cancellation): cancel the groups still running; each episode
-        # closes its sandbox before it ends (run_episode), and the gather collects their errors.
-        for job in running:
-            job.cancel()
-        await wait_out(asyncio.gather(*running, return_exceptions=True))
+        await cancel_all(running)  # only on an error (or our own cancellation): what still runs
     if first_wave_done is not None and len(played) > first_wave:
         anatomy.refill_s += time.perf_counter() - first_wave_done
     return [played[i] for i in sorted(played)]
@@ -267,7 +239,7 @@ async def play_step_rollout(step: int, stream: TaskStream, tasks_per_step: int, 
     kept = _usable(groups, cfg.dynamic_sampling)[:tasks_per_step]
     tally.generated, tally.kept = len(groups), len(kept)
     tally.rounds = math.ceil(len(groups) / cfg.round_size(tasks_per_step))  # rounds' worth of groups started
-    tally.refills = len(groups) - min(len(groups), cfg.round_size(tasks_per_step))
+    tally.refills = max(0, len(groups) - cfg.round_size(tasks_per_step))
     tally.without_signal = sum(not g.signal for g in groups)  # groups lost to setup failures have none either
     tally.guided = sum(g.replaced is not None for g in groups)
     tally.guide_rejected = sum(g.guide_rejected for g in groups)
@@ -285,17 +257,15 @@ async def play_step_rollout(step: int, stream: TaskStream, tasks_per_step: int, 
 
 
 def _usable(groups: list, dynamic_sampling: bool) -> list[int]:
-    """The groups a batch can take, in start order: with dynamic sampling those with a signal, else any
-    with a sample."""
+    """The groups a batch can take: with dynamic sampling those with a signal, else any with a sample."""
     return [i for i, g in enumerate(groups) if (g.signal if dynamic_sampling else g.group)]
 
 
 def roll_out_step(step: int, stream: TaskStream, tasks_per_step: int, engines, tokenizer,
                   cfg: TrainRolloutConfig, run_seed: int, desc: str = "rollout", sandbox_factory=None) -> StepRollout:
-    """Take the step's tasks from `stream` and roll out a group of each on `engines` (URLs or an
-    EnginePool), with a progress bar (episodes done, ETA) on stderr; with cfg.dynamic_sampling, more as
-    groups without a signal come back (_play_step). On any failure the stream is put back, so that a
-    retry takes the same tasks with the same seeds."""
+    """Roll out a group of each of the step's tasks from `stream` on `engines` (URLs or an EnginePool),
+    with a progress bar on stderr; on any failure the stream is put back, so a retry takes the same
+    tasks with the same seeds."""
     return asyncio.run(play_step_rollout(step, stream, tasks_per_step, engines, tokenizer, cfg, run_seed, desc,
                                          sandbox_factory))
 
@@ -316,13 +286,9 @@ class SyncProducer:
 
 
 class AsyncProducer:
-    """Fully async: a background thread keeps rolling out the next step's groups while the current
-    step trains. The queue holds one finished step, so rollouts run at most one step ahead of
-    training; the engine's weights change under in-flight episodes, and each turn records the
-    weight_version it was sampled with, which is what staleness is measured on. A failed step is
-    handed to the trainer as its error (the stream already put back), and the thread stops.
-    With carry_over (rollout.carry_over) a step's slowest groups go on into the next step (Carry),
-    playing on while the finished step waits for the trainer."""
+    """A background thread rolls out the next step while the current one trains, at most one step
+    ahead (the queue holds one); each turn records the weight_version it was sampled with (staleness).
+    A failed step is handed to the trainer as its error, and the thread stops."""
 
     def __init__(self, roll_out, last_step: int, carry_over: bool = False):
         self.roll_out, self.last_step, self.carry_over = roll_out, last_step, carry_over
@@ -354,11 +320,8 @@ class AsyncProducer:
 
     def _hand_over(self, step: int, item) -> None:
         while not self._stop.is_set():
-            try:
-                self.queue.put((step, item), timeout=0.2)
-                return
-            except queue.Full:
-                continue
+            with contextlib.suppress(queue.Full):
+                return self.queue.put((step, item), timeout=0.2)
 
     def get(self, step: int) -> StepRollout:
         got, item = self.queue.get()

@@ -1,9 +1,8 @@
 """The isolation tier every episode's sandbox needs, checked before anything is loaded.
 
-Each episode runs in its own nano_openshell Sandbox, which refuses to start below its `min_tier`.
-On a machine where that tier cannot run, every episode of every step would be lost at setup and a
-run would train on nothing; so `train`, `rollout` and `eval` ask the probe first and refuse, before
-loading a model or starting an engine, with the probe's reason and what fixes it.
+A Sandbox refuses to start below its `min_tier`: where that tier cannot run, every episode would be
+lost at setup, so `train`, `rollout` and `eval` ask the probe first and refuse, before loading a model
+or starting an engine, with the probe's reason and what fixes it.
 """
 from __future__ import annotations
 
@@ -48,8 +47,7 @@ def how_to_fix(min_tier: str) -> str:
 
 
 def check_sandbox(cfg: SandboxConfig) -> str:
-    """The tier episodes will run under; raises SandboxUnavailable (one line: the probe's reason and
-    the fix) when it is below cfg.min_tier."""
+    """The tier episodes will run under; SandboxUnavailable (the probe's reason, the fix) below min_tier."""
     report = probe()
     if ALL_TIERS.index(report["tier"]) >= ALL_TIERS.index(cfg.min_tier):
         return report["tier"]
@@ -59,9 +57,8 @@ def check_sandbox(cfg: SandboxConfig) -> str:
 
 
 def sandbox_factory(cfg: SandboxConfig):
-    """What the rollouts call to make an episode's sandbox (fresh workspace, no network): factory() or
-    factory(mounts=...). With sandbox.pool_size > 0, a SandboxPool's take: a fresh sandbox booted ahead
-    (the pool lives as long as the factory; its idle sandboxes are closed at exit)."""
+    """factory() or factory(mounts=...): an episode's sandbox (fresh workspace, no network); with
+    sandbox.pool_size > 0 one booted ahead by a SandboxPool (its idle sandboxes are closed at exit)."""
     if cfg.pool_size > 0:
         return SandboxPool(cfg.pool_size, min_tier=cfg.min_tier).take
     return functools.partial(Sandbox, min_tier=cfg.min_tier)

@@ -1,20 +1,17 @@
-"""The run's data order: the training tasks in a seeded order, epoch after epoch, and all a resume
-needs to continue it exactly (producer.py takes a step's tasks from it)."""
+"""The run's data order: the training tasks in a seeded order, epoch after epoch; state() is all a
+resume needs to continue exactly where the run stopped.
+
+pass_over (rollout.pass_over_saturated): a task whose last group had no learning signal is passed over
+at its next `pass_over` appearances, so rollouts go to tasks that still teach something; a group with
+a signal clears that (saw()). pending (rollout.carry_over): tasks taken whose groups were in no batch
+yet when the state was saved; a restored stream hands them out first.
+"""
 from __future__ import annotations
 
 import random
 
 
 class TaskStream:
-    """The tasks of the run in a seeded order, epoch after epoch; state() is all a resume needs to
-    continue exactly where the run stopped.
-
-    pass_over (rollout.pass_over_saturated): a task whose last group had no learning signal (every
-    sample solved it, or none did) is passed over at its next `pass_over` appearances, so rollouts
-    go to tasks that still teach something; a group with a signal clears that (saw()).
-
-    pending (rollout.carry_over): tasks taken whose groups were in no batch yet when the state was
-    saved (still running, or finished beyond the batch); a restored stream hands them out first."""
 
     def __init__(self, tasks: list, seed: int, pass_over: int = 0):
         if not tasks:
@@ -32,9 +29,7 @@ class TaskStream:
         return self._epoch_order[1]
 
     def take(self, k: int) -> list:
-        out = []
-        while self.retake and len(out) < k:
-            out.append(self.retake.pop(0))
+        out, self.retake = self.retake[:k], self.retake[k:]
         while len(out) < k:  # ends: every pass over uses one up, and none are added here
             epoch, i = divmod(self.position, len(self.tasks))
             task = self._order(epoch)[i]
@@ -47,7 +42,6 @@ class TaskStream:
         return out
 
     def saw(self, task_id: str, signal: bool) -> None:
-        """The outcome of a group of task_id: with a learning signal or without (see pass_over)."""
         if self.pass_over and signal:
             self.passes.pop(task_id, None)
         elif self.pass_over:
