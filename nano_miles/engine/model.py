@@ -8,11 +8,8 @@ token writes its K/V into the cache at `slot_mapping`, then attends over its seq
 spare "trash" block, so shapes stay static for CUDA graphs and no row is ever fully masked. With the
 Triton kernels a prefill step is packed instead: one row [1, T] of every sequence's tokens side by
 side, no padding, `tiles` saying which tokens belong to which sequence (triton_attention.py).
-
-True on-policy mode (`use_batch_invariant_ops`): every op goes through batch_invariant.py, whose
-results do not depend on the batch or on how a sequence was split; the trainer runs this same module
-over whole sequences (`forward_sequences`, over its own parameters: `sharing_parameters`), so its
-log-probs equal the engine's bit for bit.
+True on-policy mode (`use_batch_invariant_ops`, docs/design.md): every op batch-invariant, and the
+trainer runs this same module over its own parameters (`sharing_parameters`, `forward_sequences`).
 """
 import json
 import os
@@ -120,8 +117,8 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         H, KV, D, bias = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.attention_bias
+        self.head_dim = D
         self.q_proj = nn.Linear(cfg.hidden_size, H * D, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, KV * D, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, KV * D, bias=bias)
@@ -131,9 +128,8 @@ class Attention(nn.Module):
         """attend(q [B, Q, H, D], k, v [B, Q, KV, D]) -> [B, Q, H * D]: paged (engine) or whole-sequence (trainer)."""
         B, Q, _ = x.shape
         lin = self.ops.linear
-        q = lin(x, self.q_proj.weight, self.q_proj.bias).view(B, Q, self.num_heads, self.head_dim)
-        k = lin(x, self.k_proj.weight, self.k_proj.bias).view(B, Q, self.num_kv_heads, self.head_dim)
-        v = lin(x, self.v_proj.weight, self.v_proj.bias).view(B, Q, self.num_kv_heads, self.head_dim)
+        q, k, v = (lin(x, proj.weight, proj.bias).view(B, Q, -1, self.head_dim)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
         return lin(attend(q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v), self.o_proj.weight)
 
 
