@@ -278,8 +278,7 @@ class CausalLM(nn.Module):
     def forward(self, batch: Batch, k_caches, v_caches) -> torch.Tensor:
         """FP32 logits [B, V] of the query column `batch.last_index` of each row (packed: [S, V], one a
         sequence)."""
-        cos = self.rope_cache[0][batch.positions].unsqueeze(2)  # [B, Q, 1, D], broadcast over heads
-        sin = self.rope_cache[1][batch.positions].unsqueeze(2)
+        cos, sin = (c[batch.positions].unsqueeze(2) for c in self.rope_cache)  # [B, Q, 1, D]: over every head
         B, Q = batch.input_ids.shape
         if batch.tiles is not None or self.batch_invariant:
             attn_info = None  # the packed kernel masks by positions and tiles, the batch-invariant loop by positions
