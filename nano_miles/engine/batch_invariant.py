@@ -1,20 +1,14 @@
-"""Batch-invariant ops: the ONE implementation engine and trainer share in true on-policy mode.
-
-Each output row is computed with arithmetic that depends only on that row's inputs, never on how
-many rows are in the call, where the row sits or how a sequence was split, so a token's log-prob has
-the same bits decoded in a batch of 1 or 64, after a prefix-cache hit or a chunked prefill, and
-recomputed by the trainer over the whole sequence (docs/design.md, "True on-policy mode").
+"""Batch-invariant ops: the ONE implementation engine and trainer share in true on-policy mode
+(docs/design.md). Each output row's arithmetic depends only on that row's inputs, never on how many
+rows are in the call, where the row sits or how a sequence was split, so a token's log-prob has the
+same bits in a decode batch of 1 or 64, after a prefix-cache hit or a chunked prefill, and in the trainer.
 
 CUDA runs batch_invariant_triton.py; the CPU runs torch ops in an order written out here. A library
 GEMM rounds a row differently with the row count, but not with its neighbours or its place within
-one fixed call shape, so every GEMM runs on tiles of one shape (the tests check rows against batches
-and thread counts). Other reductions are pairwise trees of adds (`tree_sum`). torch's exp and log
-give an element the same bits wherever it sits, unlike sigmoid (its loop's tail is scalar libm), so
-silu is written with exp. Attention takes a row's softmax over all its keys at once: keys after its
-position add exact zeros, so a longer call or sequence changes no bit.
-
-Training: the forward VALUES come from these kernels, the gradients from the usual fast ops (linear
-and log_softmax with their analytic backward; the others by differentiating the fast expression).
+one fixed call shape, so every GEMM runs on tiles of one shape. Other reductions are pairwise trees
+(`tree_sum`). torch's exp and log give an element the same bits wherever it sits, unlike sigmoid (its
+loop's tail is scalar libm), so silu is written with exp. Forward VALUES come from these kernels,
+gradients from the usual fast ops (analytic for linear and log_softmax, else the fast expression's).
 """
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""Engine: the in-process API the HTTP server wraps.
-
-    eng = Engine(EngineConfig(model="/path/hf_folder", device="cpu"))
-    eng.add_request("r1", input_ids, SamplingParams(max_new_tokens=32))
-    while eng.has_unfinished():
-        for done in eng.step(): ...
-
-Single-threaded by design: the caller serialises add/step/abort/load_weights.
+"""Engine: the in-process API the HTTP server wraps (docs/design.md, "Engine contract"): add_request,
+then step() while has_unfinished(). Single-threaded by design: the caller serialises
+add/step/abort/load_weights.
 """
 import os
 import time

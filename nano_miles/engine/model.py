@@ -1,15 +1,11 @@
-"""Qwen2 / Llama decoder over a paged KV cache, with Hugging Face's module and parameter names
-(model.layers.0.self_attn.q_proj.weight, ...), so a trainer's named_parameters() and safetensors
-files load by name.
+"""Qwen2 / Llama decoder over a paged KV cache, with Hugging Face's module and parameter names, so a
+trainer's named_parameters() and safetensors files load by name.
 
-One forward serves prefill and decode: the batch is padded to [B, Q] (Q = 1 for decode); every query
-token writes its K/V into the cache at `slot_mapping`, then attends over its sequence's pages through
-`block_tables`, masked by key position <= its position. Padded rows use position 0 and write into a
-spare "trash" block, so shapes stay static for CUDA graphs and no row is ever fully masked. With the
-Triton kernels a prefill step is packed instead: one row [1, T] of every sequence's tokens side by
-side, no padding, `tiles` saying which tokens belong to which sequence (triton_attention.py).
-True on-policy mode (`use_batch_invariant_ops`, docs/design.md): every op batch-invariant, and the
-trainer runs this same module over its own parameters (`sharing_parameters`, `forward_sequences`).
+One forward serves prefill and decode over rows padded to [B, Q] (Q = 1 for decode): each query token
+writes its K/V at `slot_mapping`, then attends over its pages through `block_tables`. Padded rows use
+position 0 and write into a spare "trash" block, so shapes stay static for CUDA graphs and no row is
+ever fully masked. The Triton backend packs a prefill step instead: one row [1, T], split by `tiles`.
+In true on-policy mode (`use_batch_invariant_ops`, docs/design.md) the trainer runs this same module.
 """
 import json
 import os

@@ -1,11 +1,8 @@
 """Continuous batching: which sequences run in the next forward, and with how many tokens.
 
-A step is a PREFILL step (sequences with more than one uncomputed token, chunked under a token
-budget) or a DECODE step (every running sequence computes its newest token). An engine whose forward
-packs a prefill step's tokens (no padding) lets the decoding sequences ride in its prefill steps too,
-as vLLM and SGLang's mixed chunked prefill do: a new turn's prefill then stalls nobody's decoding. Requests join as soon
-as blocks allow and leave the moment they finish. When decode runs out of blocks, the latest
-admitted sequence is preempted: its blocks are freed and it is recomputed later, tokens kept.
+A step is a PREFILL step (uncomputed tokens, chunked under a token budget; with a packed forward the
+decoding sequences ride in it too, as in vLLM and SGLang) or a DECODE step. When decode runs out of
+blocks, the latest admitted sequence is preempted: its blocks freed, recomputed later, tokens kept.
 """
 
 from collections import deque
