@@ -1,28 +1,14 @@
-"""Batch-invariant ops: the ONE implementation engine and trainer share in true on-policy mode.
+"""Batch-invariant ops: the ONE implementation engine and trainer share in true on-policy mode
+(docs/design.md). Each output row's arithmetic depends only on that row's inputs, never on how many
+rows are in the call, where the row sits or how a sequence was split, so a token's log-prob has the
+same bits in a decode batch of 1 or 64, after a prefix-cache hit or a chunked prefill, and in the trainer.
 
-Each output row is computed with arithmetic that depends only on that row's inputs, never on how
-many rows are in the call, where the row sits or how a sequence was split: linear reduces over K in
-one fixed order (no split-K, one call shape), rms_norm and log_softmax reduce each row the same way whatever the
-batch, and attention reduces each query row over its keys in blocks of KEY_BLOCK from position 0
-with an online softmax, reading KV pages (engine) or a contiguous tensor (trainer) through the same
-code. So a token's log-prob has the same bits decoded in a batch of 1 or 64, after a prefix-cache
-hit or a chunked prefill, and recomputed by the trainer over the whole sequence.
-
-Backends, by the tensor's device: CUDA runs batch_invariant_triton.py (one launch configuration per
-kernel, attention as the online softmax above); CPU runs torch ops in an order written out here, its
-attention a softmax over all of a row's keys at once, scores and weighted values (and, through a
-column of ones, the weights' sum) from GEMM tiles of one shape, then a pairwise tree over key blocks;
-keys after the row's position add exact zeros, so a longer call or sequence changes no bit.
-An elementwise IEEE op gives the same bits wherever the element sits; a library GEMM rounds a row
-differently with the row count, but not with its neighbours or place within one fixed call shape, so
-linear pads rows to tiles of ROW_TILE and runs every tile through the same GEMM shape (the tests check
-rows against batches and thread counts).
-Other reductions are pairwise trees of adds (`tree_sum`); torch's exp and log give an element the
-same bits wherever it sits (its vector routine covers a loop's tail too), unlike sigmoid, whose
-loop finishes with scalar libm, so silu is written with exp.
-
-Training: the forward VALUES come from these kernels, the gradients from the usual fast ops (linear
-and log_softmax with their analytic backward; the others by differentiating the fast expression).
+CUDA runs batch_invariant_triton.py; the CPU runs torch ops in an order written out here. A library
+GEMM rounds a row differently with the row count, but not with its neighbours or its place within
+one fixed call shape, so every GEMM runs on tiles of one shape. Other reductions are pairwise trees
+(`tree_sum`). torch's exp and log give an element the same bits wherever it sits, unlike sigmoid (its
+loop's tail is scalar libm), so silu is written with exp. Forward VALUES come from these kernels,
+gradients from the usual fast ops (analytic for linear and log_softmax, else the fast expression's).
 """
 from __future__ import annotations
 
@@ -40,7 +26,6 @@ _ATTENTION_CHUNK = 1 << 20  # torch backend: attention scores held at once (boun
 
 
 def _triton(t: torch.Tensor):
-    """The triton backend when `t` is on a CUDA device, else None."""
     if t.device.type != "cuda":
         return None
     if not batch_invariant_triton.available():
@@ -251,11 +236,13 @@ class _ExactForward(torch.autograd.Function):
         return (None, None, *[next(grads) if t.requires_grad else None for t in inputs])
 
 
+def _tracked(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def _exact(exact, fast, *tensors):
     """exact(*tensors), with fast's gradient when autograd tracks any of them."""
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        return _ExactForward.apply(exact, fast, *tensors)
-    return exact(*tensors)
+    return _ExactForward.apply(exact, fast, *tensors) if _tracked(*tensors) else exact(*tensors)
 
 
 # The API (the engine's model and the trainer call these; same signatures as the fast ops).
@@ -263,9 +250,8 @@ def _exact(exact, fast, *tensors):
 def linear(x, weight, bias=None, out_dtype=None):
     """x @ weight.T (+ bias), each element reduced over K in one fixed order, in out_dtype (default
     x's): bf16 inputs with out_dtype float32 give FP32 logits from bf16 values."""
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
-        return _Linear.apply(x, weight, bias, out_dtype)
-    return _linear_value(x, weight, bias, out_dtype)
+    value = _Linear.apply if _tracked(x, weight, bias) else _linear_value
+    return value(x, weight, bias, out_dtype)
 
 
 def rms_norm(x, weight, eps: float):
@@ -273,15 +259,12 @@ def rms_norm(x, weight, eps: float):
 
 
 def silu_mul(gate, up):
-    """silu(gate) * up."""
     return _exact(_silu_mul_value, FastOps.silu_mul, gate, up)
 
 
 def log_softmax(logits):
     """FP32 log_softmax over the last dimension."""
-    if torch.is_grad_enabled() and logits.requires_grad:
-        return _LogSoftmax.apply(logits)
-    return _log_softmax_value(logits)
+    return _LogSoftmax.apply(logits) if _tracked(logits) else _log_softmax_value(logits)
 
 
 def causal_attention(q, k, v):

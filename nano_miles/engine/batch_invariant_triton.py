@@ -1,13 +1,10 @@
 """Triton kernels with ONE launch configuration each: the CUDA backend of batch_invariant.py.
 
-A GPU library picks its kernel (tile, split-K, instruction) from the problem's shape, so the same row
-of a GEMM or a reduction rounds differently at batch 1 and batch 64. Here every kernel has a single
-configuration whatever the number of rows, and each output row comes from one program (or one row
-of a fixed tile) whose reduction order depends only on the row's own data: linear walks K in BK steps
-from 0 (no split-K; the row count M is not specialised, so every M runs the same compiled kernel);
-rms_norm and log_softmax run one program per row; attention runs one program per (query row, KV
-head) over the row's keys in tiles from position 0 (decode, chunked prefill and the trainer's whole
-sequences run the very same loop). The engine's fast decode attention is triton_attention.py's kernel.
+A GPU library picks its kernel (tile, split-K) from the problem's shape, so a row rounds differently at
+batch 1 and batch 64. Here each output row comes from one program (or one row of a fixed tile) whose
+reduction order depends only on its own data: linear walks K in BK steps from 0 (no split-K; M is not
+specialised, so every M runs the same compiled kernel); rms_norm and log_softmax run a program per row;
+attention a program per (query row, KV head) over its keys in tiles from position 0.
 """
 from __future__ import annotations
 

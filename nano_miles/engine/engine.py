@@ -1,11 +1,6 @@
-"""Engine: the in-process API the HTTP server wraps.
-
-    eng = Engine(EngineConfig(model="/path/hf_folder", device="cpu"))
-    eng.add_request("r1", input_ids, SamplingParams(max_new_tokens=32))
-    while eng.has_unfinished():
-        for done in eng.step(): ...
-
-Single-threaded by design: the caller serialises add/step/abort/load_weights.
+"""Engine: the in-process API the HTTP server wraps (docs/design.md, "Engine contract"): add_request,
+then step() while has_unfinished(). Single-threaded by design: the caller serialises
+add/step/abort/load_weights.
 """
 import os
 import time
@@ -144,7 +139,7 @@ class Engine:
 
     def _auto_num_blocks(self) -> int:
         mc, bs = self.model_config, self.config.block_size
-        per_block = KVCache.bytes_per_block(mc.num_layers, bs, mc.num_kv_heads, mc.head_dim, self.dtype)
+        per_block = 2 * mc.num_layers * bs * mc.num_kv_heads * mc.head_dim * self.dtype.itemsize  # K and V
         wanted = self.config.max_running_requests * -(-self.max_model_len // bs)
         budget = self.config.cpu_kv_cache_bytes
         if self.device.type == "cuda":
@@ -155,9 +150,8 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, rid: str, input_ids: list, params: SamplingParams, return_logprob: bool = True):
-        """Queue a request. Its input is validated where it comes in (protocol.py for HTTP); here asserts
-        guard the invariants a bad in-process call would break. ValueError for a request that can never
-        fit the KV cache (only the engine knows its size)."""
+        """Input is validated where it comes in (protocol.py); the asserts guard in-process calls. ValueError
+        for a request that can never fit the KV cache (only the engine knows its size)."""
         assert isinstance(rid, str) and rid and rid not in self.seqs, f"rid {rid!r} is empty or already running"
         assert input_ids and all(isinstance(t, int) and 0 <= t < self.vocab_size for t in input_ids), \
             "input_ids must be token ids in [0, vocab_size)"
@@ -167,8 +161,8 @@ class Engine:
         assert not params.stop or self.tokenizer is not None, "stop strings need the model folder's tokenizer"
         total = len(input_ids) + params.max_new_tokens
         assert total <= self.max_model_len, f"{total} tokens exceed the context length {self.max_model_len}"
-        if self.blocks.blocks_needed(total) > self.num_kv_blocks:
-            raise ValueError(f"request needs {self.blocks.blocks_needed(total)} KV blocks; the cache has {self.num_kv_blocks}")
+        if (needed := self.blocks.blocks_needed(total)) > self.num_kv_blocks:
+            raise ValueError(f"request needs {needed} KV blocks; the cache has {self.num_kv_blocks}")
         seq = Sequence(rid=rid, token_ids=list(input_ids), num_prompt_tokens=len(input_ids), params=params,
                        return_logprob=return_logprob)
         if params.sampling_seed is not None:
@@ -180,8 +174,7 @@ class Engine:
         return bool(self.pending) or self.scheduler.has_unfinished()
 
     def abort_request(self, rid: str, message: str = "aborted by request", status_code: int | None = None) -> bool:
-        """status_code (SGLang's field): None when asked for, 500 when the engine failed (the caller's
-        episode was lost to the engine, not decided by the model)."""
+        """status_code (SGLang's field): None when asked for, 500 when the engine failed."""
         seq = self.seqs.get(rid)
         if seq is None:
             return False
@@ -194,10 +187,9 @@ class Engine:
 
     # ---- weights ---------------------------------------------------------------------------------
     def load_weights(self, named_tensors) -> None:
-        """Copy (name, tensor) pairs into the parameters (floats of any dtype are cast), then flush every
-        KV block. Payloads are validated where they come in (weight_receiver.py); here asserts guard the
-        invariants, all before the first copy. A tied checkpoint's lm_head.weight is skipped, as SGLang
-        does. Returns once the copies are complete (the sources may be another process's GPU memory)."""
+        """Copy (name, tensor) pairs into the parameters (casting floats), then flush the KV cache; the
+        asserts all run before the first copy. Returns once the copies are complete (the sources may be
+        another process's GPU memory)."""
         params, todo = dict(self.model.named_parameters()), []
         for name, t in named_tensors:
             if name not in params and skip_weight_name(name, self.model_config):
@@ -214,8 +206,8 @@ class Engine:
         self.flush_cache()
 
     def load_flat(self, start: int, buffer: torch.Tensor) -> None:
-        """Apply a bucket matched against flat_params (FlatParameters.match: it reproduces bytes
-        [start, start + len) of the packed parameters exactly) with ONE copy."""
+        """Apply a bucket that FlatParameters.match found equal to bytes [start, start + len) of
+        flat_params with ONE copy."""
         self.flat_params.load(start, buffer)
         self.flush_cache()
 

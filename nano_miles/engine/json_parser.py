@@ -1,12 +1,10 @@
 """Large JSON request bodies, parsed in a child process (http_io.BodyParser runs it).
 
-Why a process: json.loads is one C call holding the GIL for its whole run (a large /generate body
-takes most of a second), so in a server thread it would still stall the event loop, /health
-included. The server spools the body to a file; the child parses it and writes every long list of
-ints (a prompt's token ids) back into the file as raw int32/int64, answering with the rest of the
-body and, in their place, where to find them. The server reads them back, and frees them, a slice at
-a time in a thread, so its GIL is never held by one long call. This module imports nothing heavy:
-the child imports only it.
+Why a process: json.loads is one C call holding the GIL for its whole run (most of a second for a
+large /generate body), so even in a thread it would stall the event loop, /health included. The child
+writes every long int list (token ids) back into the spooled file as raw int32/int64 and answers with
+the rest; the server reads them back, and frees them, a slice at a time in a thread. This module
+imports nothing heavy: the child imports only it.
 """
 from __future__ import annotations
 

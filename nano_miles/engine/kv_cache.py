@@ -28,10 +28,6 @@ class KVCache:
         self.k, self.v = torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
         self.trash_block = num_blocks
 
-    @staticmethod
-    def bytes_per_block(num_layers, block_size, kv_heads, head_dim, dtype) -> int:
-        return 2 * num_layers * block_size * kv_heads * head_dim * torch.finfo(dtype).bits // 8
-
     def drop_pages(self) -> int:
         """Hand the whole pages of a CPU cache back to the kernel (madvise MADV_DONTNEED): they read
         as zeros again, as torch.zeros left them, and come back as generation writes them. Only once
@@ -104,8 +100,7 @@ class BlockManager:
         seq.num_hashed_blocks = len(cached)
         seq.num_computed_tokens = len(cached) * self.block_size
         seq.cache_epoch = self.epoch
-        while len(seq.block_table) < self.blocks_needed(len(seq.token_ids)):
-            seq.block_table.append(self._take_free())
+        self.ensure_slots(seq, len(seq.token_ids))  # can_allocate said the blocks are there
         return seq.num_computed_tokens
 
     def ensure_slots(self, seq, num_tokens: int) -> bool:
@@ -113,25 +108,21 @@ class BlockManager:
         need = self.blocks_needed(num_tokens) - len(seq.block_table)
         if need > self.num_free:
             return False
-        for _ in range(need):
-            seq.block_table.append(self._take_free())
+        seq.block_table += [self._take_free() for _ in range(need)]
         return True
 
     def publish(self, seq) -> None:
         """Register hashes of seq's blocks that are now full and computed."""
         if seq.cache_epoch != self.epoch:
             return
-        full = seq.num_computed_tokens // self.block_size
-        while seq.num_hashed_blocks < full:
-            i = seq.num_hashed_blocks
+        for i in range(seq.num_hashed_blocks, seq.num_computed_tokens // self.block_size):
             chunk = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
-            h = block_hash(seq.prefix_hash, chunk)
-            block = seq.block_table[i]
+            h = seq.prefix_hash = block_hash(seq.prefix_hash, chunk)
             if h not in self.hash_to_block:
+                block = seq.block_table[i]
                 self.block_hash[block], self.block_tokens[block] = h, chunk
                 self.hash_to_block[h] = block
-            seq.prefix_hash = h
-            seq.num_hashed_blocks += 1
+            seq.num_hashed_blocks = i + 1
 
     def free_seq(self, seq) -> None:
         # Release in reverse so a sequence's tail is recycled before its (more shareable) head.

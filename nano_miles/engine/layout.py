@@ -58,13 +58,12 @@ class EngineLaunchConfig(EngineConfig):
         """`nano-miles serve` arguments for every engine key that differs from the engine's default but
         model, device and dtype (the layout's flags) and the KV share (each replica's own, Layout.args_of)."""
         return [a for f in dataclasses.fields(EngineConfig) if f.name not in _PER_REPLICA
-                and getattr(self, f.name) != _ENGINE_DEFAULTS[f.name]
+                and getattr(self, f.name) != f.default
                 for a in ("--set", f"engine.{f.name}={getattr(self, f.name)}")]
 
 
-_ENGINE_DEFAULTS = {f.name: getattr(EngineConfig(), f.name) for f in dataclasses.fields(EngineConfig)}
 _PER_REPLICA = ("model", "device", "dtype", "kv_cache_memory_fraction")
-DEFAULT_KV_FRACTION = _ENGINE_DEFAULTS["kv_cache_memory_fraction"]
+DEFAULT_KV_FRACTION = EngineConfig.kv_cache_memory_fraction
 
 
 @dataclass

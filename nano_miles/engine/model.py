@@ -1,18 +1,11 @@
-"""Qwen2 / Llama decoder over a paged KV cache, with Hugging Face's module and parameter names
-(model.layers.0.self_attn.q_proj.weight, ...), so a trainer's named_parameters() and safetensors
-files load by name.
+"""Qwen2 / Llama decoder over a paged KV cache, with Hugging Face's module and parameter names, so a
+trainer's named_parameters() and safetensors files load by name.
 
-One forward serves prefill and decode: the batch is padded to [B, Q] (Q = 1 for decode); every query
-token writes its K/V into the cache at `slot_mapping`, then attends over its sequence's pages through
-`block_tables`, masked by key position <= its position. Padded rows use position 0 and write into a
-spare "trash" block, so shapes stay static for CUDA graphs and no row is ever fully masked. With the
-Triton kernels a prefill step is packed instead: one row [1, T] of every sequence's tokens side by
-side, no padding, `tiles` saying which tokens belong to which sequence (triton_attention.py).
-
-True on-policy mode (`use_batch_invariant_ops`): every op goes through batch_invariant.py, whose
-results do not depend on the batch or on how a sequence was split; the trainer runs this same module
-over whole sequences (`forward_sequences`, over its own parameters: `sharing_parameters`), so its
-log-probs equal the engine's bit for bit.
+One forward serves prefill and decode over rows padded to [B, Q] (Q = 1 for decode): each query token
+writes its K/V at `slot_mapping`, then attends over its pages through `block_tables`. Padded rows use
+position 0 and write into a spare "trash" block, so shapes stay static for CUDA graphs and no row is
+ever fully masked. The Triton backend packs a prefill step instead: one row [1, T], split by `tiles`.
+In true on-policy mode (`use_batch_invariant_ops`, docs/design.md) the trainer runs this same module.
 """
 import json
 import os
@@ -120,8 +113,8 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         H, KV, D, bias = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.attention_bias
+        self.head_dim = D
         self.q_proj = nn.Linear(cfg.hidden_size, H * D, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, KV * D, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, KV * D, bias=bias)
@@ -131,9 +124,8 @@ class Attention(nn.Module):
         """attend(q [B, Q, H, D], k, v [B, Q, KV, D]) -> [B, Q, H * D]: paged (engine) or whole-sequence (trainer)."""
         B, Q, _ = x.shape
         lin = self.ops.linear
-        q = lin(x, self.q_proj.weight, self.q_proj.bias).view(B, Q, self.num_heads, self.head_dim)
-        k = lin(x, self.k_proj.weight, self.k_proj.bias).view(B, Q, self.num_kv_heads, self.head_dim)
-        v = lin(x, self.v_proj.weight, self.v_proj.bias).view(B, Q, self.num_kv_heads, self.head_dim)
+        q, k, v = (lin(x, proj.weight, proj.bias).view(B, Q, -1, self.head_dim)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
         return lin(attend(q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v), self.o_proj.weight)
 
 
@@ -282,8 +274,7 @@ class CausalLM(nn.Module):
     def forward(self, batch: Batch, k_caches, v_caches) -> torch.Tensor:
         """FP32 logits [B, V] of the query column `batch.last_index` of each row (packed: [S, V], one a
         sequence)."""
-        cos = self.rope_cache[0][batch.positions].unsqueeze(2)  # [B, Q, 1, D], broadcast over heads
-        sin = self.rope_cache[1][batch.positions].unsqueeze(2)
+        cos, sin = (c[batch.positions].unsqueeze(2) for c in self.rope_cache)  # [B, Q, 1, D]: over every head
         B, Q = batch.input_ids.shape
         if batch.tiles is not None or self.batch_invariant:
             attn_info = None  # the packed kernel masks by positions and tiles, the batch-invariant loop by positions

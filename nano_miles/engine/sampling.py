@@ -51,8 +51,7 @@ def sample(logits: torch.Tensor, temperatures: list, top_ps: list, top_ks: list,
                 _exponential(noise[i], g)
         tokens = (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)
         if any(greedy_rows):
-            greedy = torch.tensor(greedy_rows).to(device)
-            tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
+            tokens = torch.where(torch.tensor(greedy_rows).to(device), logits.argmax(dim=-1), tokens)
     return tokens, logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
 
 

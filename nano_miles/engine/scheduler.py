@@ -1,11 +1,8 @@
 """Continuous batching: which sequences run in the next forward, and with how many tokens.
 
-A step is a PREFILL step (sequences with more than one uncomputed token, chunked under a token
-budget) or a DECODE step (every running sequence computes its newest token). An engine whose forward
-packs a prefill step's tokens (no padding) lets the decoding sequences ride in its prefill steps too,
-as vLLM and SGLang's mixed chunked prefill do: a new turn's prefill then stalls nobody's decoding. Requests join as soon
-as blocks allow and leave the moment they finish. When decode runs out of blocks, the latest
-admitted sequence is preempted: its blocks are freed and it is recomputed later, tokens kept.
+A step is a PREFILL step (uncomputed tokens, chunked under a token budget; with a packed forward the
+decoding sequences ride in it too, as in vLLM and SGLang) or a DECODE step. When decode runs out of
+blocks, the latest admitted sequence is preempted: its blocks freed, recomputed later, tokens kept.
 """
 
 from collections import deque
@@ -45,14 +42,12 @@ class Scheduler:
     def __init__(self, blocks: BlockManager, max_running: int, max_batched_tokens: int, budget_pads_rows: bool = True,
                  mix_decode: bool = False, continuous_decode_steps: int = 1):
         self.blocks, self.max_running, self.max_batched_tokens = blocks, max_running, max_batched_tokens
-        # Whether the budget bounds the padded rows (rows x longest chunk) or the tokens alone. A CPU
-        # forward costs its padded rows; a GPU one costs its step more than its padding, so there
-        # fewer, fuller steps win (the engine picks by device; docs/design.md has the figures).
+        # The budget bounds the padded rows (rows x longest chunk: what a CPU forward costs) or the
+        # tokens alone (a GPU, where fewer, fuller steps win); docs/design.md has the figures.
         self.budget_pads_rows = budget_pads_rows
         self.mix_decode = mix_decode  # decoding sequences join prefill steps (a packed forward only)
-        # After a prefill step, continuous_decode_steps - 1 decode steps run before the next prefill
-        # while sequences decode (SGLang's num_continuous_decode_steps): turns that arrive meanwhile
-        # share one prefill step instead of one each, for at most that many steps' wait.
+        # SGLang's num_continuous_decode_steps: after a prefill step, N - 1 decode steps run before the
+        # next one while sequences decode, so turns that arrive meanwhile share one prefill step.
         self.continuous_decode_steps, self.decode_steps_due = continuous_decode_steps, 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -141,7 +136,6 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence):
-        """Remove seq from wherever it is and release its blocks."""
         if seq in self.running:
             self.running.remove(seq)
             self.blocks.free_seq(seq)

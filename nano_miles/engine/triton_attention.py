@@ -1,12 +1,9 @@
-"""Attention straight over the paged KV cache (Triton; CUDA only).
-
-The torch path gathers every sequence's pages into a padded [B, L, KV, D] copy before SDPA, and pads
-every row of a prefill step to its longest chunk; these kernels read each page where it lies.
-- Decode (Q == 1 batches): one program per (sequence, KV head) computes all G query heads of that KV
-  head with an online softmax over TILE-key tiles (flash-decoding without the split).
-- Packed prefill: the step's tokens of every sequence side by side in one row, no padding; one
-  program per (tile of up to TILE_ROWS tokens of one sequence, query head) reads that sequence's keys
-  up to the tile's last position, causally masked. Decode rows may ride in the same step (a tile of one).
+"""Attention straight over the paged KV cache (Triton; CUDA only): where the torch path gathers the
+pages into a padded copy before SDPA, these kernels read each page where it lies.
+- Decode (Q == 1): one program per (sequence, KV head), all G query heads of that KV head, an online
+  softmax over TILE-key tiles (flash-decoding without the split).
+- Packed prefill (docs/design.md): one program per (tile of up to TILE_ROWS tokens of one sequence,
+  query head), causally masked; decode rows ride in the same step as tiles of one.
 """
 
 import torch
@@ -25,6 +22,8 @@ def available(device: torch.device) -> bool:
 def dot_precision(dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # bf16/fp16 operands: the dot is exact products either way
 
+
+TILE_ROWS = 64  # query tokens of one sequence a prefill program computes (the engine cuts its tiles to this)
 
 if triton is not None:
     @triton.jit
@@ -77,10 +76,6 @@ if triton is not None:
         tl.store(o_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
                  mask=(g < G)[:, None])
 
-
-TILE_ROWS = 64  # query tokens of one sequence a prefill program computes (the engine cuts its tiles to this)
-
-if triton is not None:
     @triton.jit
     def _packed_prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, tile_ptr, o_ptr, scale,
                                stride_qt, stride_qh, stride_cblk, stride_cpos, stride_chead, stride_btb,
