@@ -1,16 +1,13 @@
 """Run checkpoints (trainer state, RNG, data position) and the exported policy (final/, best/).
 
-One process's checkpoint/ is a model folder too (`eval --model RUN/checkpoint`): model.safetensors
-(the FP32 masters by HF name; final/ hard-links it), config.json, the tokenizer's files, optimizer.pt
-(AdamW's state) and state.json. N ranks' is a DCP folder (dist_checkpoint.py) with rank 0's
-state.json beside it. Either loads into any number of ranks, read back as checkpoint_files.py checks
-them (nothing unpickled). With N ranks every function here is collective.
+One process's checkpoint/ is a model folder too (`eval --model RUN/checkpoint`): the FP32 masters as
+model.safetensors (final/ hard-links it), config.json, the tokenizer, optimizer.pt and state.json.
+N ranks' is a DCP folder (dist_checkpoint.py) with rank 0's state.json. Either loads into any number
+of ranks, its files checked by checkpoint_files.py. With N ranks every function here is collective.
 
-A checkpoint is written whole under checkpoint.tmp/ and renamed into place, so a kill leaves the old
-one or the new one. It is written in the background: one process's thread writes the live tensors (a
-copy is what a small machine cannot spare), which the trainer leaves alone until the write is done
-(Trainer.wait_for_save); N ranks stage their shards to CPU first. A completed one-process run keeps no
-optimizer.pt unless keep_optimizer_state: resuming it restarts AdamW's moments from zero, and says so.
+A checkpoint is written under checkpoint.tmp/ and renamed into place, so a kill leaves the old one or
+the new one. One process's thread writes the live tensors (a copy is what a small machine cannot
+spare), which the trainer leaves alone until the write is done (Trainer.wait_for_save).
 """
 from __future__ import annotations
 

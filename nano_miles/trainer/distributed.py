@@ -125,9 +125,6 @@ def run_rank(fn: Callable, *args, device_type: str = "auto", timeout_s: float = 
             dist.destroy_process_group()
 
 
-_AGENT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
-
-
 def launch(nproc: int, entrypoint: Callable | str, args: tuple | list = (), *, device_type: str = "cpu",
            shutdown_timeout_s: int = 5, agent_signals: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT") -> dict[int, Any]:
     """Start `nproc` ranks on this host through torch.distributed.run's elastic agent, wait for them.
@@ -137,9 +134,8 @@ def launch(nproc: int, entrypoint: Callable | str, args: tuple | list = (), *, d
     check_nproc(nproc, device_type)
     # shutdown_timeout (how long a failed rank's siblings get after SIGTERM) is torch >= 2.12's;
     # signals_to_handle a field of recent ones (older ones read TORCHELASTIC_SIGNALS_TO_HANDLE)
-    fields = LaunchConfig.__dataclass_fields__
     extra = {k: v for k, v in (("shutdown_timeout", shutdown_timeout_s), ("signals_to_handle", agent_signals))
-             if k in fields}
+             if k in LaunchConfig.__dataclass_fields__}
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
                           monitor_interval=0.1, start_method="spawn", **extra)
@@ -150,7 +146,8 @@ def launch(nproc: int, entrypoint: Callable | str, args: tuple | list = (), *, d
     os.environ.update(environ)
     # The agent installs its own SIGINT/SIGTERM/SIGHUP/SIGQUIT handlers and leaves them behind; put
     # the caller's back, or a later Ctrl-C in this process would kill it instead of raising.
-    handlers = {sig: signal.getsignal(sig) for sig in _AGENT_SIGNALS}
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+    handlers = {sig: signal.getsignal(sig) for sig in signals}
     try:
         return elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as e:
