@@ -248,16 +248,7 @@ def export_model(trainer, tokenizer_dir: str, out_dir: Path, checkpoint_dir: Pat
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    linked = False
-    if gathered is None and checkpoint_dir is not None and (checkpoint_dir / "state.json").exists():
-        state = json.loads((checkpoint_dir / "state.json").read_text())
-        if state.get("format") == FORMAT and state.get("trainer_step") == trainer.step:
-            try:
-                os.link(checkpoint_dir / "model.safetensors", tmp / "model.safetensors")
-                linked = True
-            except OSError:  # a filesystem without hard links: write it
-                pass
-    if not linked:
+    if gathered is not None or not _link_checkpoint_weights(trainer, checkpoint_dir, tmp / "model.safetensors"):
         write_safetensors(tmp / "model.safetensors", gathered or trainer.named_weights(torch.float32))
     write_model_files(trainer.model.config, tokenizer_dir, tmp)
     if best is not None:
@@ -282,3 +273,16 @@ def write_model_files(model_config, tokenizer_dir: str, folder: Path) -> None:
     for name in TOKENIZER_FILES:
         if (Path(tokenizer_dir) / name).is_file():
             shutil.copy(Path(tokenizer_dir) / name, folder / name)
+
+
+def _link_checkpoint_weights(trainer, checkpoint_dir: Path | None, target: Path) -> bool:
+    if checkpoint_dir is None or not (checkpoint_dir / "state.json").exists():
+        return False
+    state = json.loads((checkpoint_dir / "state.json").read_text())
+    if state.get("format") != FORMAT or state.get("trainer_step") != trainer.step:
+        return False
+    try:
+        os.link(checkpoint_dir / "model.safetensors", target)
+        return True
+    except OSError:  # a filesystem without hard links: write it
+        return False
