@@ -139,9 +139,10 @@ def split_buckets(pairs, bucket_bytes: int, dtype: torch.dtype) -> list[list]:
     return out
 
 
-def gather_buckets(buckets: list[list], dtype: torch.dtype, device: torch.device):
-    """gather_bucket of each bucket in turn; closed early (a failed send), it finishes the gathers the
-    other ranks are in."""
+def gather_buckets(pairs, bucket_bytes: int, dtype: torch.dtype, device: torch.device):
+    """gather_bucket of each of split_buckets' buckets in turn; closed early (a failed send), it finishes
+    the gathers the other ranks are in."""
+    buckets = split_buckets(pairs, bucket_bytes, dtype)
     for i, bucket in enumerate(buckets):
         gathered = gather_bucket(bucket, dtype, device)
         try:

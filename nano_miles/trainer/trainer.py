@@ -326,16 +326,15 @@ class Trainer:
         if not self.env:
             yield from fsdp.split_buckets(self._local_weights(dtype), bucket_bytes, dtype)
         else:
-            yield from fsdp.gather_buckets(fsdp.split_buckets(zip(self.names, self.params), bucket_bytes, dtype), dtype,
-                                           self.device)
+            yield from fsdp.gather_buckets(zip(self.names, self.params), bucket_bytes, dtype, self.device)
 
     def named_weights(self, dtype: torch.dtype | None = None) -> list:
         """(name, tensor) by HF name, what a `dtype` engine serves; N ranks: on rank 0's CPU, [] elsewhere."""
         dtype = dtype or self.dtype
         if not self.env:
             return self._local_weights(dtype)
-        buckets = fsdp.split_buckets(zip(self.names, self.params), BUCKET_BYTES, dtype)
-        return [(n, t.cpu()) for bucket in fsdp.gather_buckets(buckets, dtype, self.device) for n, t in bucket]
+        buckets = fsdp.gather_buckets(zip(self.names, self.params), BUCKET_BYTES, dtype, self.device)
+        return [(n, t.cpu()) for bucket in buckets for n, t in bucket]
 
     def shareable(self, dtype: torch.dtype) -> bool:
         """Can a `dtype` engine map our tensors (one CPU process, and no cast between them)?"""
