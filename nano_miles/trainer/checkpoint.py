@@ -1,21 +1,13 @@
 """Run checkpoints (trainer state, RNG, data position) and the exported policy (final/, best/).
 
-One process's checkpoint/ holds model.safetensors (the FP32 masters by HF name: what final/ exports,
-so a finished run's final/model.safetensors is a hard link to it), config.json and the tokenizer's
-files (so checkpoint/ is a model folder too: `eval --model RUN/checkpoint` of a run that never ended),
-optimizer.pt (AdamW's state) and state.json (step, data position, weight version, RNG states, the
-trainer's step and dtype). N ranks' is a DCP folder (dist_checkpoint.py) with rank 0's state.json
-beside it. Either loads into any number of ranks, its files read back as checkpoint_files.py checks
-them (nothing unpickled). With N ranks every function here is collective: every rank calls it.
+One process's checkpoint/ is a model folder too (`eval --model RUN/checkpoint`): the FP32 masters as
+model.safetensors (final/ hard-links it), config.json, the tokenizer, optimizer.pt and state.json.
+N ranks' is a DCP folder (dist_checkpoint.py) with rank 0's state.json. Either loads into any number
+of ranks, its files checked by checkpoint_files.py. With N ranks every function here is collective.
 
-A checkpoint is written whole under checkpoint.tmp/ and renamed into place, so a run killed at any
-moment leaves the previous checkpoint or the new one, never half of one. It is written in the
-background, overlapping the next rollout: one process's thread writes the trainer's live tensors (a
-copy of the masters and moments is what a small machine cannot spare), which the trainer does not
-change until the write is done (Trainer.wait_for_save); N ranks stage their shards to CPU first.
-
-A completed one-process run keeps no optimizer.pt (two thirds of a checkpoint) unless
-keep_optimizer_state: resuming it restarts AdamW's moments from zero, and says so.
+A checkpoint is written under checkpoint.tmp/ and renamed into place, so a kill leaves the old one or
+the new one. One process's thread writes the live tensors (a copy is what a small machine cannot
+spare), which the trainer leaves alone until the write is done (Trainer.wait_for_save).
 """
 from __future__ import annotations
 
@@ -40,8 +32,8 @@ _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"
 
 
 def write_safetensors(path: Path, named_tensors, metadata: dict | None = None) -> int:
-    """Write (name, tensor) pairs as one safetensors file, tensor by tensor from their own memory (the
-    safetensors package first copies every tensor into one buffer: the whole model again). Returns bytes."""
+    """Write (name, tensor) pairs as one safetensors file, tensor by tensor (the safetensors package
+    first copies every tensor into one buffer: the whole model again). Returns its size in bytes."""
     named = [(n, t.detach()) for n, t in named_tensors]
     header, offset = {}, 0
     for name, t in named:
@@ -80,8 +72,8 @@ def disk_line(num_params: int, run_dir: Path, keep_optimizer: bool) -> str:
 
 
 class PendingCheckpoint:
-    """A checkpoint being written in the background; wait() finishes it (with N ranks every rank calls
-    it: the folder goes into place once all have written) and re-raises its error. seconds: how long
+    """A checkpoint being written in the background; wait() finishes it (N ranks: every rank calls it,
+    and the folder goes into place once all have written) and re-raises its error. seconds: how long
     the write took; waited_s: how long callers of wait() were blocked by it."""
 
     def __init__(self, written: Future, finish=lambda: None):
@@ -107,8 +99,7 @@ class PendingCheckpoint:
 
 def save_checkpoint(run_dir: Path, trainer, state: dict, background: bool = False,
                     with_optimizer: bool = True) -> PendingCheckpoint:
-    """Write checkpoint/, in the background with background=True. with_optimizer=False leaves AdamW's
-    state out (a completed one-process run's last checkpoint)."""
+    """Write checkpoint/; with_optimizer=False leaves AdamW's state out (a completed run's last one)."""
     trainer.wait_for_save()  # one write at a time
     final, tmp = Path(run_dir) / "checkpoint", Path(run_dir) / "checkpoint.tmp"
     state = dict(state, trainer_step=trainer.step, dtype=trainer.cfg.dtype,
@@ -139,7 +130,7 @@ def save_checkpoint(run_dir: Path, trainer, state: dict, background: bool = Fals
             tmp.mkdir(parents=True)
             try:
                 write_safetensors(tmp / "model.safetensors", masters)
-                write_model_files(trainer.model.config, trainer.cfg.model, tmp)  # `eval --model RUN/checkpoint`
+                write_model_files(trainer.model.config, trainer.cfg.model, tmp)
                 if optimizer_state is not None:
                     torch.save(optimizer_state, tmp / "optimizer.pt")
                 (tmp / "state.json").write_text(json.dumps(state))
@@ -148,7 +139,7 @@ def save_checkpoint(run_dir: Path, trainer, state: dict, background: bool = Fals
                 raise
             _replace(tmp, final)
 
-        pending = PendingCheckpoint(_WRITER.submit(write))  # its error is re-raised by wait()
+        pending = PendingCheckpoint(_WRITER.submit(write))
     if background:
         trainer.pending_save = pending  # no update runs until pending.wait() (Trainer.wait_for_save)
     else:
@@ -167,16 +158,14 @@ class Checkpointer:
         self.every_steps, self.every_minutes = every_steps, every_minutes
         # The last step's checkpoint holds no AdamW state unless kept: finish() would drop it anyway.
         self.last_step, self.keep_optimizer = last_step, keep_optimizer
-        self.last_time, self.last_cost = time.monotonic(), 0.0
+        self.last_time = time.monotonic()
         self.saved: list[tuple[float, PendingCheckpoint]] = []  # (seconds save() blocked, its write)
 
     def due(self, step: int) -> bool:
         if self.every_steps:
             return step % self.every_steps == 0
-        if self.saved:
-            blocked, pending = self.saved[-1]
-            self.last_cost = blocked + pending.waited_s
-        return time.monotonic() - self.last_time >= max(60.0 * self.every_minutes, 10.0 * self.last_cost)
+        cost = self.saved[-1][0] + self.saved[-1][1].waited_s if self.saved else 0.0
+        return time.monotonic() - self.last_time >= max(60.0 * self.every_minutes, 10.0 * cost)
 
     def save(self, state: dict, background: bool = True) -> None:
         waits = [p.waited_s for _, p in self.saved]
@@ -247,11 +236,10 @@ def finish_checkpoint(run_dir: Path, keep_optimizer: bool) -> None:
 
 def export_model(trainer, tokenizer_dir: str, out_dir: Path, checkpoint_dir: Path | None = None,
                  best: dict | None = None) -> Path:
-    """The final policy as a HF folder (`nano-miles serve --model DIR` and `eval --model DIR` take it):
-    the FP32 masters (they carry every small update; the bf16 compute copy would round them away). If
-    checkpoint_dir holds the trainer's current step, its weights file is hard-linked, not written again.
-    N ranks gather the weights to rank 0, which writes the folder. keep_best's best/ has `best` (from
-    which step, with what score) as best.json; the previous folder is replaced once the new one is whole."""
+    """The final policy as a HF folder (for `serve --model DIR`, `eval --model DIR`) of the FP32
+    masters (they carry every small update; the bf16 compute copy would round them away), replacing
+    the previous folder once whole. checkpoint_dir's weights are hard-linked if they are of this step.
+    N ranks gather the weights to rank 0, which writes. best/ has `best` (step, score) as best.json."""
     trainer.wait_for_save()  # the last checkpoint complete (its weights may be linked below)
     out_dir = Path(out_dir)
     gathered = trainer.named_weights(torch.float32) if trainer.env is not None else None  # collective
@@ -276,9 +264,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def write_model_files(model_config, tokenizer_dir: str, folder: Path) -> None:
-    """What makes a folder holding the FP32 masters as model.safetensors a HF model folder: config.json
-    (dtype float32), and the tokenizer's files and generation config copied as they are (the run loaded
-    the tokenizer once already; loading and re-saving it for every checkpoint takes seconds)."""
+    """Make a folder holding the FP32 masters a HF model folder: config.json (dtype float32) and the
+    tokenizer's files copied as they are (loading and re-saving the tokenizer takes seconds)."""
     model_config.save_pretrained(folder)
     config = json.loads((folder / "config.json").read_text())
     config["dtype" if "torch_dtype" not in config else "torch_dtype"] = "float32"

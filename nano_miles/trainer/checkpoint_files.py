@@ -1,10 +1,8 @@
 """A checkpoint folder's files read back, checked, and nothing in them unpickled: a run directory may
-come from anyone (a shared disk, a download). state.json (step, data position, RNG), the one-process
-weights file's header, optimizer.pt through torch.load(weights_only=True), DCP's `.metadata` through
-an allowlist of its metadata classes (DCP's own reader unpickles it with pickle.load, which would run
-any command a crafted file names). A file that fails is a CheckpointError naming it: `nano-miles train`
-prints that one line and exits 2. A checkpoint of format 1 (the trainer's state as one pickle,
-trainer.pt) is refused.
+come from anyone (a shared disk, a download). optimizer.pt goes through torch.load(weights_only=True),
+DCP's `.metadata` through an allowlist of its metadata classes (DCP's own reader unpickles it with
+pickle.load, which would run any command a crafted file names). A file that fails is a CheckpointError
+naming it (`nano-miles train` prints it and exits 2). Format 1 (trainer.pt, a pickle) is refused.
 """
 from __future__ import annotations
 
@@ -47,7 +45,7 @@ def checkpoint_folder(run_dir: Path) -> Path | None:
 
 
 def read_json(path: Path, what: str = "a checkpoint's state") -> dict:
-    """A JSON object file as it is (a checkpoint's state.json, a run's config.json)."""
+    """A JSON object file (a checkpoint's state.json, a run's config.json)."""
     try:
         value = json.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, ValueError) as e:
@@ -55,16 +53,6 @@ def read_json(path: Path, what: str = "a checkpoint's state") -> dict:
     if not isinstance(value, dict):
         raise CheckpointError(f"{path} is not {what}: a JSON {type(value).__name__}")
     return value
-
-
-def read_state(ckpt: Path) -> dict:
-    """A checkpoint's state.json, checked for what a resume reads (step, data position, RNG)."""
-    path = Path(ckpt) / "state.json"
-    state = read_json(path)
-    if not (_is_count(state.get("step")) and _is_position(state.get("stream", state.get("data_position")))):
-        raise CheckpointError(f"{path} is not a checkpoint's state: no step and data position")
-    rng_states(path, state)
-    return state
 
 
 def _is_count(value) -> bool:
@@ -102,18 +90,17 @@ def restore_rng(ckpt: Path, state: dict) -> None:
 
 
 def check_resumable(ckpt: Path) -> dict:
-    """What resuming from the checkpoint folder `ckpt` reads, checked without reading its tensors (so a
-    bad one is refused before any model loads): its state.json, returned, and the index of its tensors."""
-    state = read_state(ckpt)
+    """What resuming from `ckpt` reads, checked without reading its tensors (so a bad one is refused
+    before any model loads): its state.json (returned), the weights' header and index, the optimizer's
+    container."""
+    path = Path(ckpt) / "state.json"
+    state = read_json(path)
+    if not (_is_count(state.get("step")) and _is_position(state.get("stream", state.get("data_position")))):
+        raise CheckpointError(f"{path} is not a checkpoint's state: no step and data position")
+    rng_states(path, state)
     if (ckpt / ".metadata").exists():
         read_metadata(ckpt)
-    else:
-        check_one_process(ckpt, state)
-    return state
-
-
-def check_one_process(ckpt: Path, state: dict) -> None:
-    """A one-process checkpoint's format, weights file header and index, optimizer state's container."""
+        return state
     if state.get("sharded"):  # N ranks' checkpoint: its shards are indexed by .metadata
         raise CheckpointError(f"{ckpt}/.metadata is missing: {ckpt} cannot be resumed")
     if (fmt := state.get("format", 1)) != FORMAT:
@@ -131,12 +118,13 @@ def check_one_process(ckpt: Path, state: dict) -> None:
     optimizer = ckpt / "optimizer.pt"
     if state.get("optimizer") and optimizer.exists() and not zipfile.is_zipfile(optimizer):
         raise CheckpointError(f"{optimizer} cannot be read: not a whole torch.save file (truncated?)")
+    return state
 
 
-def load_optimizer(path: Path, device, **kw) -> dict:
-    """optimizer.pt: tensors and plain containers only (torch.load's weights_only unpickler)."""
+def load_optimizer(path: Path) -> dict:
+    """optimizer.pt, memory-mapped: tensors and plain containers only (torch.load's weights_only)."""
     try:
-        saved = torch.load(path, map_location=device, weights_only=True, **kw)
+        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # truncated, or naming something that is not a tensor or a container
         raise CheckpointError(f"{path} cannot be read: {type(e).__name__}: {one_line(e)}") from None
     if not (isinstance(saved, dict) and isinstance(saved.get("state"), dict) and saved.get("param_groups")):
@@ -169,8 +157,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_metadata(path) -> dcp_metadata.Metadata:
-    """The DCP checkpoint's `.metadata` (where every shard lives), unpickled through the allowlist above;
-    anything else there is a CheckpointError naming the file."""
+    """The DCP checkpoint's `.metadata` (where every shard lives), unpickled through the allowlist above."""
     file = Path(path) / ".metadata"
     try:
         with open(file, "rb") as f:

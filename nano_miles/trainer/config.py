@@ -42,17 +42,14 @@ class OptimConfig:
 
 
 def checkpoints_layers(setting: bool | None, on_gpu: bool, true_on_policy: bool) -> bool:
-    """trainer.gradient_checkpointing with its auto (None) decided: on for a CPU trainer, whose
-    activations are the memory to save, but not in true on-policy mode, where a recomputed layer
-    reruns the exact ops, which cost far more than the activations they would keep."""
+    """trainer.gradient_checkpointing's auto (None): on for a CPU trainer, whose activations are the
+    memory to save, but not in true on-policy mode, whose exact ops cost far more to rerun."""
     return not (on_gpu or true_on_policy) if setting is None else setting
 
 
 @dataclass
 class TrainerConfig:
-    """The trainer's own knobs are the `trainer.*` keys of `nano-miles train`; the fields marked
-    filled_in are given by whoever builds the trainer (train: from its model, trainer_device, dtype,
-    optim.* and loss.* keys)."""
+    """`trainer.*` of `nano-miles train`; whoever builds the trainer gives the filled_in fields."""
     model: str = field(default="", metadata=filled_in("HF folder (see nano_miles.models.prepare.resolve_model)"))
     device: str = field(default="cpu", metadata=filled_in("the trainer's device"))
     dtype: str = field(default="float32", metadata=filled_in(

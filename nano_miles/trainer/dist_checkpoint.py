@@ -1,13 +1,8 @@
-"""The trainer's state through torch.distributed.checkpoint (DCP): what N ranks checkpoint, each its own
-shards, and what loads into any number of ranks (one process included) whichever N saved it.
-
-What is saved: the FP32 masters, AdamW's state per parameter (step, exp_avg, exp_avg_sq) and the step
-count, keyed by HF parameter names, plus DCP's metadata of where every shard lives. `save` stages the
-state to CPU memory (so the next step may change the parameters at once) and writes the files in a
-thread; checkpoint.py puts the folder in place and the run's state.json beside it. A one-process
-checkpoint (checkpoint.py's files) loads into any number of ranks too, each reading only its own rows.
-Loading runs no code from the folder (checkpoint_files.read_metadata, _CheckedPlanner): a folder that
-cannot be loaded is a CheckpointError naming it.
+"""The trainer's state through torch.distributed.checkpoint (DCP): the FP32 masters, AdamW's state
+and the step, by HF name, as N ranks checkpoint them (each its own shards, staged to CPU and written in
+a thread), loaded into any number of ranks whichever N saved it. A one-process checkpoint
+(checkpoint.py's files) loads into any number of ranks too, each reading only its own rows. Loading
+runs no code from the folder (checkpoint_files.read_metadata, _CheckedPlanner).
 """
 from __future__ import annotations
 
@@ -48,8 +43,8 @@ def _load(state: dict, trainer, **where) -> None:
 
 
 def save(trainer, folder: Path) -> Future:
-    """Every rank writes its shards into `folder` in the background (collective); wait on the Future
-    (every rank) before the next save."""
+    """Every rank writes its shards into `folder` in the background; every rank waits on the Future
+    before the next save."""
     return dcp.async_save(trainer_state(trainer), checkpoint_id=str(folder), process_group=_group(trainer),
                           no_dist=trainer.env is None)
 
@@ -100,10 +95,9 @@ class _CheckedPlanner(DefaultLoadPlanner):
 
 @torch.no_grad()
 def load_files(trainer, folder: Path, step: int, with_optimizer: bool) -> None:
-    """Load a one-process checkpoint (checkpoint.py's files) into any number of ranks, each reading only
-    its own rows of every tensor: the masters through DCP's safetensors reader (as the HF weights are
-    read), AdamW's moments from the memory-mapped optimizer.pt. Without it (with_optimizer False: a
-    completed run's last checkpoint) AdamW's moments start from zero."""
+    """Load a one-process checkpoint into any number of ranks, each reading only its own rows: the
+    masters through DCP's safetensors reader, AdamW's moments from the memory-mapped optimizer.pt (with
+    with_optimizer; else they start from zero)."""
     state = trainer_state(trainer)
     with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
         missing = [n for n in trainer.names if n not in set(f.keys())]
@@ -112,7 +106,7 @@ def load_files(trainer, folder: Path, step: int, with_optimizer: bool) -> None:
     try:
         _load(state["masters"], trainer, storage_reader=HuggingFaceStorageReader(str(folder)))
         if with_optimizer:
-            saved = load_optimizer(folder / "optimizer.pt", "cpu", mmap=True)
+            saved = load_optimizer(folder / "optimizer.pt")
             ids = saved["param_groups"][0]["params"]  # AdamW's ids, in the order of the trainer's names
             if len(ids) != len(trainer.names):
                 raise ValueError(f"optimizer.pt holds {len(ids)} parameters' state, this model has {len(trainer.names)}")

@@ -1,11 +1,9 @@
 """The trainer's process group: N ranks, one device each, started by torchrun or by `launch`.
 
-A rank learns its place from the environment torchrun's elastic agent sets (RANK, WORLD_SIZE,
-LOCAL_RANK, MASTER_ADDR, MASTER_PORT), so `torchrun --nproc-per-node N` and `launch(N, ...)` start the
-same thing. NCCL on GPUs (one per local rank), gloo on CPU; `cpu_group` (gloo, the same ranks) carries
-DCP's background writer and small Python objects, apart from the step's collectives. Every group has a
-timeout: a rank that dies or hangs makes the others' next collective fail, naming the rank that saw it.
-When one rank exits the elastic agent stops the others, and `launch` names the ranks that failed.
+A rank learns its place from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+MASTER_PORT), so `torchrun --nproc-per-node N` and `launch(N, ...)` start the same thing. NCCL on GPUs,
+gloo on CPU; `cpu_group` (gloo, the same ranks) carries DCP's background writer and small Python
+objects. Every group has a timeout: a rank that dies or hangs makes the others' next collective fail.
 """
 from __future__ import annotations
 
@@ -49,7 +47,7 @@ class DistEnv:
 
 
 def rank_env() -> tuple[int, int] | None:
-    """(rank, world size) when this process is one of torchrun's (or launch's) ranks, else None."""
+    """(rank, world size) when this process is one of torchrun's (or launch's) ranks."""
     if not all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
         return None
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -63,7 +61,7 @@ def rank_device_type(trainer_device: str) -> str:
 
 
 def check_nproc(nproc, device_type: str) -> None:
-    """Raise DistError (one line) unless `nproc` ranks can run on `device_type` ('cuda' or 'cpu')."""
+    """Raise DistError unless `nproc` ranks can run on `device_type`."""
     if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
         raise DistError(f"trainer.nproc must be an integer >= 1, got {nproc!r}")
     if device_type == "cuda":
@@ -76,28 +74,27 @@ def check_nproc(nproc, device_type: str) -> None:
 
 
 def init_distributed(device_type: str = "auto", timeout_s: float = 300.0) -> DistEnv:
-    """Join the process group described by torchrun's environment; return this rank's DistEnv.
-    On cuda, rank i of a host uses GPU LOCAL_RANK. timeout_s bounds every collective of both groups."""
+    """Join the process group of torchrun's environment (on cuda, GPU LOCAL_RANK); timeout_s bounds
+    every collective of both groups."""
     if rank_env() is None:
         raise DistError("RANK is not set: start the ranks with torchrun or nano_miles.trainer.distributed.launch")
-    rank, world, local_rank = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
-    device_type = rank_device_type(device_type)
-    where = f"rank {rank}/{world} ({socket.gethostname()}, pid {os.getpid()})"
-    device = torch.device("cpu")
-    if device_type == "cuda":
+    env, local_rank = DistEnv(*rank_env(), torch.device("cpu")), int(os.environ["LOCAL_RANK"])
+    cuda = rank_device_type(device_type) == "cuda"
+    if cuda:
         if local_rank >= torch.cuda.device_count():
-            raise DistError(f"{where}: local rank {local_rank} needs GPU {local_rank} but "
+            raise DistError(f"{env.where()}: local rank {local_rank} needs GPU {local_rank} but "
                             f"{torch.cuda.device_count()} are visible")
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
+        env.device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(env.device)
     timeout = timedelta(seconds=timeout_s)
     try:  # device_id: NCCL forms its communicator now, so a bad GPU fails here
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timeout,
-                                device_id=device if device_type == "cuda" else None)
-        cpu_group = dist.new_group(backend="gloo", timeout=timeout)
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout,
+                                device_id=env.device if cuda else None)
+        env.cpu_group = dist.new_group(backend="gloo", timeout=timeout)
     except Exception as e:
-        raise DistError(f"{where}: joining the process group failed: {type(e).__name__}: {_first_line(e)}") from e
-    return DistEnv(rank, world, device, cpu_group)
+        raise DistError(f"{env.where()}: joining the process group failed: "
+                        f"{type(e).__name__}: {_first_line(e)}") from e
+    return env
 
 
 def _first_line(e: BaseException | str) -> str:
@@ -113,8 +110,7 @@ def is_collective_failure(e: BaseException) -> bool:
 
 def run_rank(fn: Callable, *args, device_type: str = "auto", timeout_s: float = 300.0):
     """A rank's main: join the group, run fn(env, *args), leave the group. Any failure is re-raised
-    as DistError naming this rank (collective errors and timeouts included); torchrun's error file
-    records it, so the launcher reports it too."""
+    as DistError naming this rank, which torchrun's error file records for the launcher."""
     env = None
     try:
         env = init_distributed(device_type, timeout_s)
@@ -129,25 +125,17 @@ def run_rank(fn: Callable, *args, device_type: str = "auto", timeout_s: float = 
             dist.destroy_process_group()
 
 
-# ----------------------------------------------------------------------------- launch
-
-_AGENT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
-
-
 def launch(nproc: int, entrypoint: Callable | str, args: tuple | list = (), *, device_type: str = "cpu",
            shutdown_timeout_s: int = 5, agent_signals: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT") -> dict[int, Any]:
     """Start `nproc` ranks on this host through torch.distributed.run's elastic agent, wait for them.
-    entrypoint: a picklable function (each rank runs entrypoint(*args); the ranks' return values come
-    back as {rank: value}) or a program such as sys.executable (each rank runs `program *args`, exactly
-    as `torchrun --standalone --nproc-per-node N` would). When one rank fails the agent stops the
-    others and this raises DistError naming every failed rank. agent_signals: those on which the
-    agent stops every rank."""
+    entrypoint: a picklable function (returns {rank: its value}) or a program such as sys.executable
+    (each rank runs `program *args`, as torchrun would). When one rank fails the agent stops the others
+    and this raises DistError naming every failed rank. agent_signals: those that stop every rank."""
     check_nproc(nproc, device_type)
     # shutdown_timeout (how long a failed rank's siblings get after SIGTERM) is torch >= 2.12's;
     # signals_to_handle a field of recent ones (older ones read TORCHELASTIC_SIGNALS_TO_HANDLE)
-    fields = LaunchConfig.__dataclass_fields__
     extra = {k: v for k, v in (("shutdown_timeout", shutdown_timeout_s), ("signals_to_handle", agent_signals))
-             if k in fields}
+             if k in LaunchConfig.__dataclass_fields__}
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
                           monitor_interval=0.1, start_method="spawn", **extra)
@@ -158,7 +146,8 @@ def launch(nproc: int, entrypoint: Callable | str, args: tuple | list = (), *, d
     os.environ.update(environ)
     # The agent installs its own SIGINT/SIGTERM/SIGHUP/SIGQUIT handlers and leaves them behind; put
     # the caller's back, or a later Ctrl-C in this process would kill it instead of raising.
-    handlers = {sig: signal.getsignal(sig) for sig in _AGENT_SIGNALS}
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+    handlers = {sig: signal.getsignal(sig) for sig in signals}
     try:
         return elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as e:
@@ -175,10 +164,9 @@ def launch(nproc: int, entrypoint: Callable | str, args: tuple | list = (), *, d
 
 
 def launch_ranks(nproc: int, device_type: str, module: str, config_toml: str, args: list[str]) -> int:
-    """`python -m MODULE --config FILE ARGS` as `nproc` ranks on this host (FILE holds config_toml),
-    waited for; returns the exit code. Ctrl-C goes to rank 0 alone, not to the agent (which would stop
-    every rank at once). A failure is one line on stderr naming the rank that failed first, unless rank
-    0 ended the run itself, having said why."""
+    """`python -m MODULE --config FILE ARGS` as `nproc` ranks (FILE holds config_toml); returns the exit
+    code. Ctrl-C goes to rank 0 alone, not to the agent (which would stop every rank at once). A failure
+    is one line on stderr naming the rank that failed first, unless rank 0 ended the run itself."""
     fd, config_path = tempfile.mkstemp(prefix="nano-miles-ranks-", suffix=".toml")
     with os.fdopen(fd, "w") as f:
         f.write(config_toml)
@@ -230,12 +218,9 @@ def describe_failures(failures: dict) -> str:
     return "trainer ranks failed: " + "; ".join(parts)
 
 
-# ----------------------------------------------------------------------------- leaving
-
 def main_guard(fn: Callable) -> Callable:
-    """Decorate a rank's main: a failure is one line on stderr (naming the rank), recorded in torchrun's
-    error file for the launcher's report, and exit status 1. On SIGTERM (the launcher stopping the ranks
-    because one failed) the rank closes its sandboxes first, then dies of it."""
+    """Decorate a rank's main: a failure is one line on stderr, recorded in torchrun's error file, and
+    exit status 1. On SIGTERM (the launcher stopping the ranks) the rank closes its sandboxes first."""
     recorded = record(fn)
 
     def wrapper(*args, **kwargs):
@@ -253,9 +238,9 @@ def main_guard(fn: Callable) -> Callable:
 
 
 def leave(code: int) -> NoReturn:
-    """os._exit(code) for a rank that cannot tear down in order. It runs no atexit handler and no
-    other thread's finally block, so first close the sandboxes of the episodes in flight (rank 0's
-    rollouts, set up in worker threads): their workspaces would stay in the temp dir."""
+    """os._exit(code) for a rank that cannot tear down in order. It runs no atexit handler and no other
+    thread's finally block, so first close the sandboxes of the episodes in flight (their workspaces
+    would stay in the temp dir)."""
     _close_sandboxes()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -273,10 +258,9 @@ def _close_sandboxes() -> None:
 
 
 def _close_sandboxes_on_sigterm() -> None:
-    """From the main thread: on SIGTERM, close this process's sandboxes, then die of the signal. A Python
-    handler alone waits until the main thread runs Python again (after a sleep, a collective, a lock),
-    and the launcher kills the rank before that; but the signal's C handler writes its number to the
-    wakeup fd from whichever thread it runs on, so a watcher thread reading that fd closes them at once."""
+    """On SIGTERM, close this process's sandboxes, then die of the signal. A Python handler alone waits
+    until the main thread runs Python again, and the launcher kills the rank before that; the signal's C
+    handler writes to the wakeup fd from any thread, so a watcher thread reading it closes them at once."""
     signal.signal(signal.SIGTERM, _die_of_sigterm)
     read_fd, write_fd = os.pipe()  # both close-on-exec: no sandbox process inherits them
     os.set_blocking(write_fd, False)

@@ -1,12 +1,10 @@
 """What the trainer needs on N ranks: each rank's share of the batch (whole groups), the model sharded
-by FSDP2 (`fully_shard`), an AdamW that steps the local shards, the buffers a meta-device model lacks,
-random weights (benchmarks), and whole tensors gathered to rank 0 a bucket at a time.
+by FSDP2, an AdamW that steps the local shards, the buffers a meta-device model lacks, random weights
+(benchmarks), and whole tensors gathered to rank 0 a bucket at a time.
 
-Sharding: one FSDP group per decoder layer plus the root (embeddings, final norm, lm_head), so a rank
-holds one layer's gathered weights at a time (gathered for its forward, freed after it, gathered again
-for its backward) and a layer's gradients are reduce-scattered as soon as its backward is done: the
-peak is the sharded state plus a layer. The root wraps the trainer's whole log-prob pass (`Root`),
-because the chunked FP32 lm_head uses the root's weights after the decoder has run.
+One FSDP group per decoder layer plus the root, so a rank holds one layer's gathered weights at a time
+and a layer's gradients are reduce-scattered as soon as its backward is done. The root wraps the whole
+log-prob pass (`Root`): the chunked FP32 lm_head uses the root's weights after the decoder has run.
 """
 from __future__ import annotations
 
@@ -19,16 +17,14 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.optim.adamw import adamw
 
+from nano_miles.trainer.loss import group_rows
+
 
 def assign_groups(group_ids: list[str], lengths: list[int], world_size: int) -> list[list[int]]:
     """Row indices per rank, whole groups each: groups by token count, largest first, each to the
-    rank with the fewest tokens so far (the lowest rank on ties). Deterministic: every rank computes
-    every rank's share."""
-    groups: dict[str, list[int]] = {}
-    for i, g in enumerate(group_ids):
-        groups.setdefault(g, []).append(i)
+    rank with the fewest tokens so far (the lowest on ties). Every rank computes every rank's share."""
     load, share = [0] * world_size, [[] for _ in range(world_size)]
-    for rows in sorted(groups.values(), key=lambda rows: -sum(lengths[i] for i in rows)):  # stable
+    for rows in sorted(group_rows(group_ids), key=lambda rows: -sum(lengths[i] for i in rows)):  # stable
         r = min(range(world_size), key=lambda k: (load[k], k))
         share[r].extend(rows)
         load[r] += sum(lengths[i] for i in rows)
@@ -36,8 +32,7 @@ def assign_groups(group_ids: list[str], lengths: list[int], world_size: int) -> 
 
 
 class Root(torch.nn.Module):
-    """FSDP's root module: its forward is the trainer's log-prob pass (Trainer._score), so the root's
-    parameters are gathered for all of it."""
+    """FSDP's root: its forward is Trainer._score, so the root's parameters are gathered for all of it."""
 
     def __init__(self, model: torch.nn.Module, owner):
         super().__init__()
@@ -49,10 +44,9 @@ class Root(torch.nn.Module):
 
 
 def shard_model(model, owner, mesh, dtype: torch.dtype, device: torch.device):
-    """fully_shard each decoder layer, then the root (the log-prob pass of `owner`), and materialise the
-    shards on `device`. Forwards gather in `dtype`; gradients are reduce-scattered in FP32 and SUMMED
-    over ranks (the loss is normalised over the whole batch already; FSDP would average). Returns the
-    root and every FSDP module (layers first)."""
+    """fully_shard each decoder layer, then the root, on `device`: (root, every FSDP module). Forwards
+    gather in `dtype`; gradients are reduce-scattered in FP32 and SUMMED over ranks (the loss is
+    normalised over the whole batch already; FSDP would average)."""
     # cast_forward_inputs off: the activations are in the compute dtype already (the embeddings'
     # output is), and FSDP would walk every layer's arguments each forward to cast nothing.
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
@@ -71,10 +65,9 @@ def shard_model(model, owner, mesh, dtype: torch.dtype, device: torch.device):
 
 
 class ShardAdamW(torch.optim.AdamW):
-    """AdamW over FSDP's sharded parameters whose step runs on the local shards: the same arithmetic
-    and the same state (exp_avg and exp_avg_sq are DTensors like the parameters, so checkpoints see a
-    plain AdamW), but one fused kernel over plain tensors instead of DTensor's dispatch over each of
-    hundreds of parameters, CPU time that the GPU would wait out."""
+    """AdamW whose step runs on FSDP's local shards: the same arithmetic and state (DTensor moments, so
+    checkpoints see a plain AdamW), but one fused kernel over plain tensors instead of DTensor's
+    dispatch over each of hundreds of parameters, CPU time that the GPU would wait out."""
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -92,8 +85,8 @@ class ShardAdamW(torch.optim.AdamW):
 
 
 def adamw_state(optimizer: torch.optim.AdamW, p, group: dict) -> dict:
-    """p's AdamW state, created as AdamW's own first step makes it (a float32 step, zero moments) where
-    it does not exist yet: what ShardAdamW steps and what a checkpoint is loaded into."""
+    """p's AdamW state, created as AdamW's first step makes it where it does not exist yet (what
+    ShardAdamW steps and a checkpoint is loaded into)."""
     state = optimizer.state[p]
     if not state:
         on_device = group["fused"] or group["capturable"]  # (else AdamW keeps `step` on the CPU)
@@ -117,10 +110,8 @@ def rebuild_buffers(model: torch.nn.Module, device: torch.device) -> None:
 
 @torch.no_grad()
 def fill_shards(names, params, folder: str | None, group) -> None:
-    """Each rank's shards of the weights: its rows of every tensor of the HF `folder` (DCP's reader,
-    converted to FP32: a bf16 checkpoint loads exactly); with folder None, random weights of the
-    architecture (benchmarks): N(0, 0.02), norms 1, biases 0, each rank seeding its own. No rank ever
-    holds a full tensor."""
+    """Each rank's rows of every tensor of the HF `folder` (DCP's reader, to FP32), or with folder None
+    random weights (benchmarks: N(0, 0.02), norms 1, biases 0). No rank ever holds a full tensor."""
     if folder is not None:
         dcp.load(dict(zip(names, params)), storage_reader=HuggingFaceStorageReader(folder), process_group=group)
         return
@@ -148,9 +139,10 @@ def split_buckets(pairs, bucket_bytes: int, dtype: torch.dtype) -> list[list]:
     return out
 
 
-def gather_buckets(buckets: list[list], dtype: torch.dtype, device: torch.device):
-    """gather_bucket of each bucket in turn (collective). Closed early (a failed send), it finishes the
-    gathers the other ranks are in before it stops."""
+def gather_buckets(pairs, bucket_bytes: int, dtype: torch.dtype, device: torch.device):
+    """gather_bucket of each of split_buckets' buckets in turn; closed early (a failed send), it finishes
+    the gathers the other ranks are in."""
+    buckets = split_buckets(pairs, bucket_bytes, dtype)
     for i, bucket in enumerate(buckets):
         gathered = gather_bucket(bucket, dtype, device)
         try:
@@ -163,10 +155,9 @@ def gather_buckets(buckets: list[list], dtype: torch.dtype, device: torch.device
 
 @torch.no_grad()
 def gather_bucket(bucket, dtype: torch.dtype, device: torch.device) -> list:
-    """Whole tensors of a bucket of sharded (name, DTensor) pairs, in `dtype`, on rank 0 ([] on the others;
-    collective). Each rank casts its shards and sends them in one flat buffer, so no rank ever holds a
-    full FP32 copy. FSDP shards dim 0 like torch.chunk (ceil(d0 / N) rows per rank, the last ones
-    shorter or empty): each rank pads its rows to that, so the flat buffers line up."""
+    """Whole tensors of a bucket of (name, DTensor) pairs, in `dtype`, on rank 0 ([] on the others). Each
+    rank sends its cast shards in one flat buffer, padded to ceil(d0 / N) rows (FSDP shards dim 0 like
+    torch.chunk) so the buffers line up."""
     world, rank = dist.get_world_size(), dist.get_rank()
     pieces, layout = [], []
     for name, p in bucket:

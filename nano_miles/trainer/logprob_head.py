@@ -1,14 +1,10 @@
-"""The trainer's head: hidden states -> float32 log p(target) (and entropy), chunk by chunk.
+"""The trainer's head: hidden states -> float32 log p(target) (and entropy), chunk by chunk, so the
+[tokens, vocab] logits exist one chunk at a time (the backward recomputes them).
 
-The [tokens, vocab] logits exist only one chunk at a time, in the forward and in the backward, which
-recomputes them. The backward is written out (the log_softmax and entropy gradients autograd would
-compute, in the same order of operations) for one reason: the lm_head weight's gradient. Under
-autograd, every chunk of every micro-batch makes its own full [vocab, hidden] gradient (0.54 GB for
-Qwen2.5-0.5B) that is then added to the running one, so while `.grad` already holds the earlier
-micro-batches' sum, three copies are alive at once; here each chunk's product is added in place
-into a single buffer (addmm_), as fused linear-cross-entropy kernels (Liger's) do, and from the
-second micro-batch on that buffer is the float32 `.grad` itself (Megatron's gradient-accumulation
-fusion), so one copy is alive.
+The backward is written out for the lm_head weight's gradient: under autograd every chunk of every
+micro-batch makes its own full [vocab, hidden] gradient (0.54 GB for Qwen2.5-0.5B) that is then added
+to `.grad`, three copies alive at once; here each chunk's product is added in place (addmm_) into one
+buffer, from the second micro-batch on the float32 `.grad` itself (Megatron's accumulation fusion).
 """
 from __future__ import annotations
 
@@ -31,21 +27,18 @@ def tempered_logits(hidden, weight, temperature: float = 1.0):
 
 
 def chunk_logprobs(hidden, targets, weight, with_entropy: bool, temperature: float = 1.0):
-    """log p(target) in float32 for hidden [N, H], and the entropy (zeros without with_entropy), of the
-    distribution sampled at `temperature`."""
+    """(log p(target), entropy or zeros) in float32 for hidden [N, H] at `temperature`."""
     return _pick(torch.log_softmax(tempered_logits(hidden, weight, temperature), dim=-1), targets, with_entropy)
 
 
 def _pick(logp_all, targets, with_entropy: bool):
-    """(log p(target), entropy or zeros) from the [N, V] log-softmax."""
     logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
     return logp, -(logp_all.exp() * logp_all).sum(-1) if with_entropy else torch.zeros_like(logp)
 
 
 def chunk_logit_grads(hidden, targets, weight, grad_logp, grad_entropy, temperature: float = 1.0):
-    """d(loss)/d(logits) [N, V] of one chunk (the lm_head's output, before the temperature), recomputed,
-    given the loss's gradients with respect to its log-probs and entropies (grad_entropy None: the
-    entropy was not differentiated)."""
+    """d(loss)/d(lm_head's output) [N, V] of one chunk, recomputed, given the loss's gradients with
+    respect to its log-probs and entropies (grad_entropy None: not differentiated)."""
     logp_all = torch.log_softmax(tempered_logits(hidden, weight, temperature), dim=-1)
     probs = logp_all.exp()
     # d/d(logp_all): the gather puts grad_logp at each target; entropy = -sum(p * logp) gives
@@ -59,7 +52,6 @@ def chunk_logit_grads(hidden, targets, weight, grad_logp, grad_entropy, temperat
 
 
 def _chunked(hidden, targets, weight, chunk: int, with_entropy: bool, temperature: float, head=None):
-    """head (chunk_logprobs) over [N, H] a chunk at a time: (log-probs [N], entropies [N])."""
     head = head or chunk_logprobs
     parts = [head(hidden[s:s + chunk], targets[s:s + chunk], weight, with_entropy, temperature)
              for s in range(0, hidden.shape[0], chunk)]
@@ -113,29 +105,23 @@ class ChunkedLogprobs(torch.autograd.Function):
 
 
 def head_logprobs(hidden, targets, weight, chunk: int, with_entropy: bool, need_grad: bool,
-                  temperature: float = 1.0):
-    """(log-probs [N], entropies [N] or zeros), float32, for hidden [N, H] against lm_head `weight`,
-    of the distribution the engine samples at `temperature` (softmax of logits / T)."""
-    if need_grad:
-        return ChunkedLogprobs.apply(hidden, targets, weight, chunk, with_entropy, temperature)
-    with torch.no_grad():
-        return _chunked(hidden, targets, weight, chunk, with_entropy, temperature)
+                  temperature: float = 1.0, exact: bool = False):
+    """(log-probs [N], entropies [N] or zeros), float32, for hidden [N, H] against lm_head `weight`, of
+    softmax(logits / T), the distribution the engine samples. exact: through the engine's
+    batch-invariant head (true on-policy mode), whose backward recomputes each chunk (checkpoint)."""
+    head = _exact_chunk if exact else None
+    if not need_grad:
+        with torch.no_grad():
+            return _chunked(hidden, targets, weight, chunk, with_entropy, temperature, head)
+    if exact:
+        head = functools.partial(checkpoint, _exact_chunk, use_reentrant=False)
+        return _chunked(hidden, targets, weight, chunk, with_entropy, temperature, head)
+    return ChunkedLogprobs.apply(hidden, targets, weight, chunk, with_entropy, temperature)
 
 
 def _exact_chunk(hidden, targets, weight, with_entropy: bool, temperature: float):
-    """chunk_logprobs through the engine's batch-invariant head (true on-policy mode: bit for bit the
-    engine's log-probs, which are of the untempered distribution)."""
+    """chunk_logprobs bit for bit as the engine computes them (of the untempered distribution)."""
     if temperature != 1.0:
         raise ValueError("true on-policy log-probs are of the model's distribution: temperature must be 1")
     logp_all = batch_invariant.log_softmax(batch_invariant.linear(hidden, weight, out_dtype=torch.float32))
     return _pick(logp_all, targets, with_entropy)
-
-
-def exact_head_logprobs(hidden, targets, weight, chunk: int, with_entropy: bool, need_grad: bool,
-                        temperature: float = 1.0):
-    """head_logprobs through _exact_chunk; the backward recomputes each chunk's logits (checkpoint)."""
-    if not need_grad:
-        with torch.no_grad():
-            return _chunked(hidden, targets, weight, chunk, with_entropy, temperature, _exact_chunk)
-    recomputed = functools.partial(checkpoint, _exact_chunk, use_reentrant=False)
-    return _chunked(hidden, targets, weight, chunk, with_entropy, temperature, recomputed)

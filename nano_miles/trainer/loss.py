@@ -1,17 +1,12 @@
-"""GRPO advantages and the dual-clip PPO policy loss.
+"""GRPO advantages and the dual-clip PPO policy loss, on plain tensors aligned to prediction positions
+(`[B, T]`: position t scores token t+1; `loss_mask` marks the model's own response tokens).
 
-Everything here works on plain tensors aligned to prediction positions: `[B, T]` where position t
-scores token t+1 of the sequence and `loss_mask` marks the model's own response tokens. No model,
-no I/O: the trainer calls these functions per micro-batch.
-
-Normalisation across micro-batches: every aggregation divides by a normaliser computed ONCE over
-the whole batch (`loss_normalizer`), so the sum of the micro-batch losses equals the loss of the
-whole batch, whatever the micro-batch size.
+Every aggregation divides by a normaliser computed ONCE over the whole batch (`loss_normalizer`), so
+the micro-batch losses sum to the loss of the whole batch, whatever the micro-batch size.
 """
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -66,24 +61,26 @@ class LossConfig:
                              f"{self.clip_cov_lb}, {self.clip_cov_ub}")
 
 
-# ---------------------------------------------------------------------------------- advantages
+def group_rows(group_ids) -> list[list[int]]:
+    """Row indices of each group, groups in order of first appearance."""
+    groups: dict[str, list[int]] = {}
+    for i, g in enumerate(group_ids):
+        groups.setdefault(g, []).append(i)
+    return list(groups.values())
+
 
 def compute_advantages(rewards, group_ids, cfg: AdvantageConfig | None = None):
-    """Per-sample advantages relative to the sample's group: (advantages [B] float32, keep [B] bool). A
-    group whose rewards are all equal (or a group of one) carries no signal: its advantages are exactly 0,
-    and with cfg.filter_zero_variance its samples get keep=False."""
+    """(advantages [B] float32, keep [B] bool), relative to each sample's group. A group whose rewards
+    are all equal (or of one) has advantages exactly 0, and keep=False with cfg.filter_zero_variance."""
     cfg = cfg or AdvantageConfig()
     rewards = torch.as_tensor(rewards, dtype=torch.float32)
     if rewards.dim() != 1 or len(group_ids) != rewards.numel():
         raise ValueError(f"need one group id per reward: {rewards.numel()} rewards, {len(group_ids)} ids")
     if not torch.isfinite(rewards).all():
         raise ValueError("rewards must be finite")
-    members = defaultdict(list)
-    for i, g in enumerate(group_ids):
-        members[g].append(i)
     adv = torch.zeros_like(rewards)
     keep = torch.ones(rewards.numel(), dtype=torch.bool)
-    for idx in members.values():
+    for idx in group_rows(group_ids):
         idx = torch.tensor(idx)
         r = rewards[idx].double()  # float64: group statistics with no cancellation error
         if len(idx) < 2 or bool((r == r[0]).all()):
@@ -101,9 +98,8 @@ def compute_advantages(rewards, group_ids, cfg: AdvantageConfig | None = None):
 
 
 def parity_sums(logprobs, rollout_logprobs, sampled, stale) -> tuple:
-    """Train/inference parity, before the update: |trainer - engine| log-probs over the tokens the engine
-    `sampled`, as (sum, count, max) over rows sampled with the trainer's own weights and (sum, count) over
-    rows sampled by older ones (`stale`, async), whose gap also holds the policy's drift since."""
+    """|trainer - engine| log-probs over the `sampled` tokens, before the update: (sum, count, max) over
+    rows sampled with the trainer's weights, (sum, count) over `stale` ones (async: it holds the drift)."""
     gap = (logprobs.detach() - rollout_logprobs).abs()
     fresh, old = gap[sampled & ~stale], gap[sampled & stale]
     return (float(fresh.double().sum()), fresh.numel(), float(fresh.max()) if fresh.numel() else 0.0,
@@ -111,18 +107,15 @@ def parity_sums(logprobs, rollout_logprobs, sampled, stale) -> tuple:
 
 
 def parity_metrics(parts: list[tuple]) -> dict:
-    """The logprob_diff_* metrics of parity_sums parts: mean and max None when no row was sampled with
-    the trainer's weights (async: every row one version back), stale_mean None when every row was."""
+    """The logprob_diff_* metrics of parity_sums parts (None where no row counts)."""
     n, stale_n = sum(p[1] for p in parts), sum(p[4] for p in parts)
     return {"logprob_diff_mean": sum(p[0] for p in parts) / n if n else None,
             "logprob_diff_max": max(p[2] for p in parts if p[1]) if n else None,
             "logprob_diff_stale_mean": sum(p[3] for p in parts) / stale_n if stale_n else None}
 
 
-# ---------------------------------------------------------------------------------- policy loss
-
 def loss_normalizer(loss_mask: torch.Tensor, cfg: LossConfig) -> float:
-    """The denominator of the whole batch for cfg.aggregation (computed once, before micro-batching)."""
+    """The whole batch's denominator for cfg.aggregation."""
     if cfg.aggregation == "token-mean":
         return float(max(int(loss_mask.sum()), 1))
     if cfg.aggregation == "seq-mean-token-mean":
@@ -131,7 +124,7 @@ def loss_normalizer(loss_mask: torch.Tensor, cfg: LossConfig) -> float:
 
 
 def aggregate(values: torch.Tensor, loss_mask: torch.Tensor, cfg: LossConfig, normalizer: float) -> torch.Tensor:
-    """Reduce per-token values [B, T] to this micro-batch's share of the batch loss."""
+    """Per-token values [B, T] -> this micro-batch's share of the batch loss."""
     mask = loss_mask.to(values.dtype)
     if cfg.aggregation == "seq-mean-token-mean":
         per_seq = (values * mask).sum(-1) / mask.sum(-1).clamp(min=1)
@@ -144,11 +137,10 @@ def _masked_mean(values, mask):
 
 
 def clip_cov_mask(logprobs, adv, loss_mask, clipped, cfg: LossConfig):
-    """Clip-Cov's tokens (bool [B, T]): entropy falls where a token's log-prob and its advantage
-    co-vary most (a likely token pushed up, an unlikely one pushed down). A random clip_cov_ratio of the
-    tokens whose centred product lies in [lb, ub], among those the PPO clip left alone, is chosen;
-    their gradient is dropped. With one update a step the ratio is 1 and clip-higher never acts; this
-    still does. Means are over this call's (micro-batch's) tokens, as in verl."""
+    """Clip-Cov's tokens (bool [B, T]), whose gradient is dropped: entropy falls where a token's log-prob
+    and advantage co-vary most. A random clip_cov_ratio of the tokens the PPO clip left alone whose
+    centred product lies in [lb, ub]; means over this micro-batch's tokens, as in verl. (With one update
+    a step the ratio is 1 and clip-higher never acts; this still does.)"""
     mask = loss_mask.to(torch.float32)
     logp = logprobs.detach().float()
     cov = (adv - _masked_mean(adv, mask)) * (logp - _masked_mean(logp, mask))
@@ -164,11 +156,9 @@ def clip_cov_mask(logprobs, adv, loss_mask, clipped, cfg: LossConfig):
 
 def policy_loss(logprobs, old_logprobs, advantages, loss_mask, cfg: LossConfig | None = None, *,
                 normalizer: float | None = None, rollout_logprobs=None, ref_logprobs=None, entropy=None):
-    """Dual-clip PPO loss with clip-higher, optional TIS, k3 KL, entropy bonus and Clip-Cov. logprobs
-    [B, T] (with grad), old_logprobs [B, T] (the trainer's, before the update), advantages [B] or [B, T],
-    loss_mask [B, T] bool. rollout_logprobs (the engine's) turn on TIS when cfg.tis_cap is set. Returns
-    (loss, metrics): "pg_loss" is this call's share of the batch loss (summed over micro-batches it gives
-    the batch's), "ratio_max" a max, the others means over this call's masked tokens, and "tokens" their
+    """Dual-clip PPO loss with clip-higher, optional TIS (given the engine's rollout_logprobs), k3 KL,
+    entropy bonus and Clip-Cov; advantages [B] or [B, T]. Returns (loss, metrics): "pg_loss" this call's
+    share of the batch loss, "ratio_max" a max, the others means over the masked tokens, "tokens" their
     count (so callers can weight micro-batches)."""
     cfg = cfg or LossConfig()
     if logprobs.shape != loss_mask.shape or old_logprobs.shape != loss_mask.shape:

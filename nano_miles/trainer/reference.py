@@ -1,10 +1,7 @@
-"""The reference policy of the KL penalty (loss.kl_coef > 0): a frozen copy of the initial policy.
-
-Its log-probs come from the trainer's own chunked FP32 path (Trainer.logprobs) run on the frozen copy,
-so the KL term compares like with like: same micro-batches, same lm_head precision. The copy is in
-the compute dtype, as the trainer's compute model is. With N ranks it is sharded as the policy is:
-each rank copies its own shards into a second set of FSDP modules, and Trainer.logprobs runs over them
-(the same split of groups, the same lockstep), so no rank holds the whole reference.
+"""The reference policy of the KL penalty (loss.kl_coef > 0): a frozen copy of the initial policy, in
+the compute dtype, scored by the trainer's own chunked FP32 path (Trainer.logprobs), so the KL term
+compares like with like. With N ranks each rank copies its own shards into a second set of FSDP
+modules, so no rank holds the whole reference.
 """
 from __future__ import annotations
 
@@ -20,10 +17,9 @@ from nano_miles.trainer import fsdp
 class ReferencePolicy:
     @torch.no_grad()
     def __init__(self, trainer):
-        """Freeze the trainer's current weights (build it before any update or checkpoint load: the
-        reference of a resumed run is still the initial policy). Every rank builds it."""
-        # A shallow copy of the trainer that sees the frozen model: Trainer.logprobs reads the model
-        # (through FSDP's root with N ranks), never the optimizer or the masters.
+        """Freeze the trainer's current weights: build it before any update or checkpoint load (the
+        reference of a resumed run is still the initial policy), on every rank."""
+        # A shallow copy of the trainer that sees the frozen model: Trainer.logprobs reads only the model.
         self.view = view = copy.copy(trainer)
         if trainer.env is None:
             view.model = copy.deepcopy(trainer.model).requires_grad_(False)

@@ -1,31 +1,23 @@
 """The trainer: FP32 log-probs of the sampled tokens, micro-batches, FP32 master weights, AdamW; in one
 process or on each of N ranks (SPMD: every rank builds it alike and makes the same calls with the same
-whole batch, which rank 0 has broadcast: nano_miles/train.py).
+whole batch, which rank 0 has broadcast). docs/design.md tells the why of each; in short:
 
-- Log-probs: the decoder runs on a micro-batch of right-padded sequences (causal attention: a real
-  token never sees the padding after it, so no attention mask); then only the scored positions' hidden
-  states go through lm_head, a chunk at a time, with log_softmax in float32 (logprob_head.py), so no
-  pass ever holds [batch, length, vocab] logits: at most [chunk, vocab].
-- Master weights: an lr 1e-6 AdamW step is far below a bf16 weight's spacing (2^-8 relative), so the
-  optimizer owns FP32 masters and moments, gradients accumulate in FP32, and the compute model gets
-  masters.to(bfloat16) after each step (with dtype float32 the masters are the model's parameters).
-- One process: no FSDP. Plain parameters, FP32 masters apart that each micro-batch's gradients are
-  added into, the fused AdamW (no full-size temporaries, unlike the foreach step). On CPU,
-  share_weights() moves what an engine serves into shared memory that a CPU engine on this machine
-  maps (nano_miles/engine/shared_weights.py), and freed memory goes back to the kernel (heap.py).
-- N ranks (fsdp.py): the sharded parameters ARE the FP32 masters (AdamW's moments sharded with them);
-  gradients are reduce-scattered in FP32 and SUMMED over ranks. Whole groups go to each rank
-  (fsdp.assign_groups) and the loss is normalised by the whole batch's count, so N ranks make the
-  update of one; a rank with fewer micro-batches runs zero-loss fillers (FSDP's collectives need the
-  same forwards and backwards on every rank). Clipping uses the global norm.
-- True on-policy (one process): the log-probs come from the ENGINE's model code over these parameters
-  with its batch-invariant ops (nano_miles/engine/batch_invariant.py): the engine's, bit for bit.
+- Log-probs: the decoder runs on right-padded micro-batches (causal: no attention mask needed), then
+  only the scored positions go through lm_head, a chunk at a time, in float32 (logprob_head.py).
+- Master weights: an lr 1e-6 step is far below a bf16 weight's spacing, so AdamW owns FP32 masters and
+  moments, gradients accumulate in FP32, and the compute model gets masters.to(bfloat16) after a step.
+- N ranks (fsdp.py): the sharded parameters ARE the masters; gradients are SUMMED over ranks, whole
+  groups go to each rank and the loss is normalised by the whole batch, so N ranks make the update of
+  one; a rank with fewer micro-batches runs zero-loss fillers (FSDP needs the same passes everywhere).
+- True on-policy (one process): the log-probs come from the ENGINE's model code with its
+  batch-invariant ops: the engine's, bit for bit.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 import time
+from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -38,7 +30,7 @@ from nano_miles.engine.shared_weights import SharedWeights
 from nano_miles.engine.weights import NonFiniteWeights, non_finite
 from nano_miles.trainer import fsdp, heap
 from nano_miles.trainer.config import OptimConfig, TrainerConfig, checkpoints_layers  # noqa: F401 (also imported from here)
-from nano_miles.trainer.logprob_head import exact_head_logprobs, head_logprobs
+from nano_miles.trainer.logprob_head import head_logprobs
 from nano_miles.trainer.loss import loss_normalizer, parity_metrics, parity_sums, policy_loss
 from nano_miles.trainer.lr_schedule import lr_at
 
@@ -47,8 +39,8 @@ BUCKET_BYTES = 512 * 2**20
 
 class Trainer:
     def __init__(self, cfg: TrainerConfig, env=None, model: torch.nn.Module | None = None, config=None):
-        """env: this rank's DistEnv (distributed.py); None, or a world of one, is one process. The weights:
-        `model` (one process), or random ones of a transformers `config` (benchmarks), or cfg.model's."""
+        """env: this rank's DistEnv (None, or a world of one: one process). The weights: `model` (one
+        process), random ones of a transformers `config` (benchmarks), or cfg.model's."""
         self.env = env if env is not None and env.world_size > 1 else None
         self.world_size, self.rank = (env.world_size, env.rank) if self.env else (1, 0)
         self.device = env.device if env is not None else torch.device(cfg.device)
@@ -112,8 +104,7 @@ class Trainer:
 
     def _place(self, model) -> None:
         """One process: the model on the device, its parameters (and only they) in the compute dtype:
-        model.to(dtype) would also round RoPE's inv_freq to bf16, every rotation angle at position p
-        then p * (inv_freq +- 2^-9 relative), radians off at a thousand tokens."""
+        model.to(dtype) would also round RoPE's inv_freq to bf16, radians off at a thousand tokens."""
         model.to(device=self.device)
         for p in model.parameters():
             if p.is_floating_point() and p.dtype != self.dtype:
@@ -124,8 +115,6 @@ class Trainer:
                              ".to(dtype); load it with from_pretrained(dtype=...) or cast parameters only")
         if self.cfg.true_on_policy:  # the engine's model code over these very parameters (shared, not copied)
             self.exact_model = CausalLM.sharing_parameters(model).use_batch_invariant_ops()
-
-    # ------------------------------------------------------------------ log-probs
 
     def _score(self, tokens, score_mask, need_grad: bool, with_entropy: bool):
         """Log-probs [b, l-1] (float32, 0 where score_mask is False) and entropy (or None)."""
@@ -139,9 +128,9 @@ class Trainer:
             hidden = self.model.base_model(input_ids=tokens).last_hidden_state[:, :-1]  # position t predicts t+1
             weight = self.model.get_output_embeddings().weight
         rows, cols = score_mask.nonzero(as_tuple=True)
-        head = head_logprobs if exact is None else exact_head_logprobs
-        logp, ent = head(hidden[rows, cols], tokens[:, 1:][rows, cols], weight, self.cfg.logprob_chunk, with_entropy,
-                         need_grad, self.cfg.temperature)
+        logp, ent = head_logprobs(hidden[rows, cols], tokens[:, 1:][rows, cols], weight,
+                                  self.cfg.logprob_chunk, with_entropy, need_grad, self.cfg.temperature,
+                                  exact=exact is not None)
         out = torch.zeros(score_mask.shape, dtype=torch.float32, device=self.device).index_put((rows, cols), logp)
         entropy = torch.zeros_like(out).index_put((rows, cols), ent) if with_entropy else None
         return out, entropy
@@ -163,7 +152,7 @@ class Trainer:
             raise ValueError("loss_mask marks padding positions")
 
     def _plan(self, batch) -> list:
-        """This rank's micro-batches as (rows, length), longest rows first (padding stays small), then a None
+        """This rank's micro-batches as (rows, length), longest rows first (little padding), then a None
         for each filler pass it makes to keep up with the rank that has the most."""
         lengths = batch.attention_mask.sum(-1).tolist()
         shares = fsdp.assign_groups(batch.group_ids, lengths, self.world_size) if self.env else [range(len(lengths))]
@@ -173,8 +162,7 @@ class Trainer:
         return mine + [None] * (max(-(-len(rows) // mbs) for rows in shares) - len(mine))
 
     def _filler_pass(self, batch, need_grad: bool) -> None:
-        """A micro-batch that changes nothing (lockstep: FSDP's collectives need the same passes on every
-        rank): a 2-token forward and a zero-loss backward."""
+        """A 2-token forward and a zero-loss backward (FSDP needs the same passes on every rank)."""
         mask = torch.ones((1, 1), dtype=torch.bool, device=self.device)
         logp, _ = self._logprobs(batch.tokens[:1, :2], mask, need_grad=need_grad, with_entropy=False)
         if need_grad:
@@ -200,11 +188,9 @@ class Trainer:
             dist.all_reduce(out)  # each row from the rank that has it, exact zeros from the others
         return out.cpu()
 
-    # ------------------------------------------------------------------ the step
-
     def train_step(self, batch, advantages, old_logprobs=None, ref_logprobs=None, on_micro_batch=None) -> dict:
-        """One optimizer step on the whole batch (accumulated over micro-batches). Returns metrics.
-        on_micro_batch(n_done, n_total), if given, is called after each micro-batch (progress bars)."""
+        """One optimizer step on the whole batch; returns metrics. on_micro_batch(n_done, n_total) is
+        called after each micro-batch."""
         self._check_batch(batch)
         self.wait_for_save()
         t0 = time.perf_counter()
@@ -220,7 +206,7 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
-        sums, tokens, pg_loss, ratio_max, parity = {}, 0, 0.0, 1.0, []
+        sums, tokens, pg_loss, ratio_max, parity = Counter(), 0, 0.0, 1.0, []  # sums: metric x tokens
         plan = self._plan(batch)
         for done, micro in enumerate(plan, start=1):
             if micro is None:
@@ -245,8 +231,7 @@ class Trainer:
                 ratio_max = max(ratio_max, m.pop("ratio_max"))
                 n_tok = m.pop("tokens")
                 tokens += n_tok
-                for k, v in m.items():
-                    sums[k] = sums.get(k, 0.0) + v * n_tok
+                sums.update({k: v * n_tok for k, v in m.items()})
             if on_micro_batch is not None:
                 on_micro_batch(done, len(plan))
 
@@ -258,10 +243,9 @@ class Trainer:
         if self.env:
             mine, parts = parts[0], [None] * self.world_size
             dist.all_gather_object(parts, mine, group=self.env.cpu_group)
-        sums, tokens = {}, sum(p[1] for p in parts)
+        sums, tokens = Counter(), sum(p[1] for p in parts)
         for part in parts:
-            for k, v in part[0].items():
-                sums[k] = sums.get(k, 0.0) + v
+            sums.update(part[0])  # adds (keeping zeros and negatives, unlike Counter's +)
         metrics = {k: v / max(tokens, 1) for k, v in sums.items()}
         metrics.update(
             parity_metrics([s for p in parts for s in p[4]]),
@@ -273,8 +257,7 @@ class Trainer:
         return metrics
 
     def _accumulate_master_grads(self):
-        """One process, FP32 masters apart: each micro-batch's gradients move into them (else the masters'
-        .grad is the gradient already: the model's own, or FSDP's reduce-scatter into the shards)."""
+        """FP32 masters apart from the model: each micro-batch's gradients move into them."""
         if self.masters[0] is self.params[0]:
             return
         with torch.no_grad():
@@ -289,7 +272,7 @@ class Trainer:
 
     @torch.no_grad()  # (DTensor.to_local() of every gradient outside it: an autograd Function each)
     def _clip_and_step(self) -> float:
-        """Clip on the norm of the whole gradient (every rank's shards), then one AdamW step."""
+        """Clip on the global gradient norm, then one AdamW step."""
         grads = [m.grad.to_local() if self.env else m.grad for m in self.masters if m.grad is not None]
         square = torch.stack(torch._foreach_norm(grads)).square().sum() if grads else torch.zeros((), device=self.device)
         if self.env:
@@ -311,10 +294,9 @@ class Trainer:
         return norm
 
     def _check_weights_finite(self) -> None:
-        """After an optimizer step: a finite gradient can still step the weights to NaN or inf (an absurd
-        lr overflows AdamW's step); every later step would be lost and every engine would serve them.
-        With N ranks one all_reduce of a flag makes every rank raise at once (a NaN may be in one rank's
-        shards only), so no rank goes on alone into collectives the others never join."""
+        """A finite gradient can still step the weights to NaN or inf (an absurd lr), which every engine
+        would then serve. With N ranks a flag's all_reduce makes every rank raise at once, so no rank goes
+        on alone into collectives the others never join."""
         bad = non_finite(zip(self.names, (m.to_local() if self.env else m for m in self.masters)))
         if self.env:
             flag = torch.tensor(float(bad is not None), device=self.device)
@@ -328,37 +310,31 @@ class Trainer:
         if self.masters[0] is not self.params[0]:
             torch._foreach_copy_(list(self.params), self.masters)  # FP32 -> bf16, round to nearest
 
-    # ------------------------------------------------------------------ weights
-
     def _local_weights(self, dtype: torch.dtype) -> list:
-        """One process: what a `dtype` engine serves: a float32 one the FP32 masters (every small update
-        included), any other the compute model cast to it (bf16: exactly masters.to(bfloat16))."""
+        """One process: a float32 engine serves the FP32 masters, any other the compute model cast."""
         src = self.masters if dtype == torch.float32 else self.params
         return [(n, t.detach() if t.dtype == dtype else t.detach().to(dtype)) for n, t in zip(self.names, src)]
 
     def iter_full_weights(self, dtype: torch.dtype | None = None, bucket_bytes: int = BUCKET_BYTES):
-        """Whole tensors in HF names, in `dtype` (default: the compute dtype), in buckets of at most
-        `bucket_bytes` (a larger tensor alone): what a weight sync sends. N ranks: gathered to rank 0 a
-        bucket at a time (the others get [] per bucket); collective: every rank iterates it to the end,
-        and closing it early (a failed send) finishes the gathers the other ranks are in. on_gather, if
-        set, is called with (dtype, bucket_bytes) as it starts (so train's rank 0 calls the others in)."""
+        """What a weight sync sends: whole tensors by HF name in `dtype` (default: the compute dtype), in
+        buckets of at most `bucket_bytes`. N ranks: gathered to rank 0 ([] per bucket on the others),
+        every rank iterating to the end. on_gather(dtype, bucket_bytes) is called as it starts (so
+        train's rank 0 calls the others in)."""
         dtype = dtype or self.dtype
         if self.on_gather is not None:
             self.on_gather(dtype, bucket_bytes)
         if not self.env:
             yield from fsdp.split_buckets(self._local_weights(dtype), bucket_bytes, dtype)
         else:
-            yield from fsdp.gather_buckets(fsdp.split_buckets(zip(self.names, self.params), bucket_bytes, dtype), dtype,
-                                           self.device)
+            yield from fsdp.gather_buckets(zip(self.names, self.params), bucket_bytes, dtype, self.device)
 
     def named_weights(self, dtype: torch.dtype | None = None) -> list:
-        """(name, tensor) in HF names: what an inference engine of `dtype` should serve. N ranks: gathered
-        to rank 0's CPU memory a bucket at a time ([] on the others; collective)."""
+        """(name, tensor) by HF name, what a `dtype` engine serves; N ranks: on rank 0's CPU, [] elsewhere."""
         dtype = dtype or self.dtype
         if not self.env:
             return self._local_weights(dtype)
-        buckets = fsdp.split_buckets(zip(self.names, self.params), BUCKET_BYTES, dtype)
-        return [(n, t.cpu()) for bucket in fsdp.gather_buckets(buckets, dtype, self.device) for n, t in bucket]
+        buckets = fsdp.gather_buckets(zip(self.names, self.params), BUCKET_BYTES, dtype, self.device)
+        return [(n, t.cpu()) for bucket in buckets for n, t in bucket]
 
     def shareable(self, dtype: torch.dtype) -> bool:
         """Can a `dtype` engine map our tensors (one CPU process, and no cast between them)?"""
@@ -366,8 +342,7 @@ class Trainer:
         return not self.env and self.device.type == "cpu" and tensors[0].dtype == dtype
 
     def share_weights(self, dtype: torch.dtype) -> SharedWeights | None:
-        """Move what a `dtype` engine serves into shared memory, once, and return it; None where it
-        cannot be shared (see shareable)."""
+        """Move what a `dtype` engine serves into shared memory, once; None where not shareable."""
         if not self.shareable(dtype):
             return None
         if self.shared is None:

@@ -1,31 +1,23 @@
-"""The policy update of one training step: GRPO advantages over the batch, then one or several
-optimizer steps (PPO mini-batches of whole groups)."""
+"""The policy update of one training step: GRPO advantages, then one or several optimizer steps."""
 from __future__ import annotations
 
 import torch
 from tqdm import tqdm
 
-from nano_miles.trainer.loss import AdvantageConfig, compute_advantages, parity_metrics, parity_sums
+from nano_miles.trainer.loss import (AdvantageConfig, compute_advantages, group_rows, parity_metrics,
+                                     parity_sums)
 from nano_miles.rollout.batch import build_rollout_batch
 
 
 def policy_update(trainer, trajs, advantage_cfg: AdvantageConfig, pad_id: int, echo=print,
                   updates: int = 1, reference=None, train_on: list[bool] | None = None) -> tuple[dict, str | None]:
-    """Advantages and `updates` optimizer steps on the batch; returns the trainer's metrics and why
-    the update was skipped. `reference` (a ReferencePolicy) gives the KL penalty's log-probs. With N
-    ranks every rank calls it with the same trajectories and computes the same advantages.
+    """Advantages and `updates` optimizer steps on the batch (on every rank, the same trajectories);
+    returns the trainer's metrics and why the update was skipped. `reference` (a ReferencePolicy) gives
+    the KL penalty's log-probs. With updates > 1, mini-batches of whole groups, one AdamW step each
+    (PPO's mini-batch epoch), every ratio against the policy before the first step.
 
-    With updates > 1 the batch is split into that many mini-batches of whole groups, one AdamW step
-    each (PPO's mini-batch epoch, verl's ppo_mini_batch_size, slime's num_steps_per_rollout). Every
-    mini-batch's ratio is taken against the trainer's policy before this step's first update (in sync
-    mode the one that sampled), its log-probs computed once: from the second step on the ratio moves
-    away from 1 and the clipping engages. With one update the ratio is 1 by construction; TIS
-    (against the engine's own log-probs) corrects the train/inference mismatch either way.
-
-    `train_on` marks the trajectories the update trains on (None: all); the others (async: sampled
-    more than max_staleness versions back) still count in their group's advantage baseline. Leaving
-    them out of it would bias every group they belong to: the stale ones are its slowest episodes
-    (the most turns, the longest outputs), and the baseline would be the fast ones' alone."""
+    `train_on` marks the trajectories trained on (None: all); the others (async: too stale) still
+    count in their group's baseline: they are its slowest episodes, and leaving them out would bias it."""
     train_on = [True] * len(trajs) if train_on is None else train_on
     if not any(train_on):
         return {}, "no trajectory within the staleness bound"
@@ -71,14 +63,11 @@ def policy_update(trainer, trajs, advantage_cfg: AdvantageConfig, pad_id: int, e
 
 
 def _minibatches(group_ids: list[str], updates: int) -> list[list[int]]:
-    """Row indices of `updates` mini-batches (fewer if there are fewer groups), whole groups each,
-    groups dealt in order so the sizes differ by at most one group."""
-    groups: dict[str, list[int]] = {}
-    for i, g in enumerate(group_ids):
-        groups.setdefault(g, []).append(i)
+    """Row indices of up to `updates` mini-batches of whole groups, dealt in order (sizes within a group)."""
+    groups = group_rows(group_ids)
     k = max(1, min(updates, len(groups)))
     chunks = [[] for _ in range(k)]
-    for n, rows in enumerate(groups.values()):
+    for n, rows in enumerate(groups):
         chunks[n * k // len(groups)].extend(rows)
     return chunks
 
