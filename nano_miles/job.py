@@ -46,7 +46,8 @@ class RolloutCommandConfig:
 
 def add_job_arguments(p, cls, flags: dict[str, str]) -> None:
     """rollout's and eval's flags: the shorthands they share, theirs (`flags`), --results-jsonl."""
-    shared = {"--model": "model", "--engine-url": "engine.url", "--tasks": "tasks", "--tasks-module": "tasks_module"}
+    shared = {"--model": "model", "--engine-url": "engine.url", "--tasks": "tasks",
+              "--tasks-module": "tasks_module"}
     add_config_arguments(p, cls, {**shared, **flags}, repeatable=("--engine-url", "--tasks-module"))
     p.add_argument("--results-jsonl", default=None,
                    help="append a summary line (date, commit, machine, figures) to this file")
@@ -88,8 +89,9 @@ def run_rollouts(cls, args, command: str):
         print(f"starting an engine for {cfg.model} on {layout.engine_device} ...", flush=True)
     with EnginePool(cfg.engine, layout, model_path, ready_timeout=900) as urls:
         t0, stats = time.monotonic(), {}
-        trajs = roll_out(urls, tok, [t for t in tasks for _ in range(getattr(cfg, "instances", 1))], cfg.rollout,
-                         cfg.seed, command, stats=stats, sandbox_factory=sandbox_factory(cfg.sandbox))
+        copies = [t for t in tasks for _ in range(getattr(cfg, "instances", 1))]
+        trajs = roll_out(urls, tok, copies, cfg.rollout, cfg.seed, command, stats=stats,
+                         sandbox_factory=sandbox_factory(cfg.sandbox))
         secs = time.monotonic() - t0
     if args.out:
         with open(args.out, "w") as f:
