@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+import psutil
 import torch
 
 from nano_miles.dtypes import DTYPES
@@ -66,11 +67,7 @@ class MemoryPlan:
 
 def machine_memory() -> tuple[int, str]:
     """(bytes this process may still use, where the figure comes from)."""
-    options = _cgroup_room()
-    info = {line.split(":")[0]: line.split()[1] for line in _read("/proc/meminfo").splitlines() if line.split()[1:]}
-    if info.get("MemAvailable", "").isdigit():
-        options.append((int(info["MemAvailable"]) * 1024, "MemAvailable"))
-    return min(options) if options else (0, "unknown")
+    return min([*_cgroup_room(), (psutil.virtual_memory().available, "MemAvailable")])
 
 
 def _read(path: str) -> str:

@@ -288,10 +288,10 @@ def compare_curves(runs: dict[str, str | Path], out_dir: str | Path) -> list[Pat
     return written
 
 
-def task_split(rows: list[dict], last: int = 10) -> str | None:
-    """Over the last `last` steps, how many tasks were always, never or sometimes solved (only those
-    still teach the policy anything)."""
-    rows, counts = rows[-last:], {}
+def task_split(rows: list[dict]) -> str | None:
+    """Over the last 10 steps, how many tasks were always, never or sometimes solved (only those still
+    teach the policy anything)."""
+    rows, counts = rows[-10:], {}
     for row in rows:
         for task_id, (solved, samples) in (row.get("train_by_task") or {}).items():
             counts[task_id] = [a + b for a, b in zip(counts.get(task_id, [0, 0]), (solved, samples))]
