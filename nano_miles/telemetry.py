@@ -260,20 +260,17 @@ def _plot(out_dir: str | Path, name: str, title: str, series: dict[str, list[tup
     return path
 
 
-def write_curves(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
+def write_curves(metrics_path: str | Path, out_dir: str | Path) -> None:
     """PNG curves of TRAIN_CURVES and the evaluations. Entropy is drawn because its collapse is what
     ends learning in GRPO runs: once it nears 0, every group's samples agree and carry no signal."""
-    rows = read_metrics(metrics_path)
-    if not rows:
-        return []
-    written = []
+    if not (rows := read_metrics(metrics_path)):
+        return
     for key, title in TRAIN_CURVES:
         points = _points(rows, key)
         log = key == "parity_mean" and any(v is not None and v > 0 for _, v in points)  # true on-policy: all 0.0
-        written.append(_plot(out_dir, key, title, {key: points}, log))
+        _plot(out_dir, key, title, {key: points}, log)
     if evals := {label: p for key, label in EVAL_CURVES if (p := _points(rows, key))}:  # the steps that evaluated
-        written.append(_plot(out_dir, "eval_pass_at_1", "pass@1 during training (eval_every)", evals))
-    return written
+        _plot(out_dir, "eval_pass_at_1", "pass@1 during training (eval_every)", evals)
 
 
 def compare_curves(runs: dict[str, str | Path], out_dir: str | Path) -> list[Path]:
