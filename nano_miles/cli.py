@@ -1,10 +1,7 @@
-"""`nano-miles`: one command per concept (nano_miles.COMMANDS), each in its own module, imported only
-when it runs (torch imports are slow).
-
-Bad input (a ValueError from a command, or a command line argparse refuses) is one line on stderr,
-`nano-miles <command>: <what is wrong>`, and exit status 2. SIGTERM (a scheduler, `timeout`, `kill`)
-stops a command the way Ctrl-C does, so what it holds is released on the way out (sandboxes, engines;
-`train` checkpoints first) instead of left behind.
+"""`nano-miles`: the commands of nano_miles.COMMANDS, each module imported only when it runs (torch
+imports are slow). Bad input is one line on stderr, `nano-miles <command>: <what is wrong>`, exit 2.
+SIGTERM (a scheduler, `timeout`) stops a command as Ctrl-C does, so what it holds (sandboxes, engines)
+is released on the way out and `train` checkpoints first.
 """
 from __future__ import annotations
 

@@ -1,13 +1,10 @@
-"""One config system for every command: dotted keys over nested dataclasses.
+"""One config system for every command: dotted keys (`optim.lr`) over nested dataclasses.
 
-Every field of the nested dataclasses is a key (`optim.lr`, `rollout.env.max_turns`). Its value is,
-later winning: the default (for `train --resume`, the run's saved config.json), `--config FILE.toml`,
-`--set key=value`. A command's few flags (`--model`, `--tasks`, serve's SGLang names) are shorthands
-of the keys they set. Values are coerced to the field's type (a float must be finite), then every
-dataclass's __post_init__ validates. Anything wrong is a ConfigError, one line naming the key: an
-unknown key suggests the nearest one, a renamed one (the root class's `renamed_keys`, old -> new)
-names its new name. A key's meaning is its field's trailing comment (or metadata["help"]);
-docs/config.md is generated from them: `python -m nano_miles.config --write-docs docs/config.md`.
+Later wins: the default (for `train --resume`, the run's saved config.json), `--config FILE.toml`, the
+command's shorthand flags, `--set key=value`. Values are coerced to the field's type, then every
+__post_init__ validates; anything wrong is a one-line ConfigError naming the key (an unknown one
+suggests the nearest, a renamed one names its new name). A key's meaning is its field's trailing
+comment (or metadata["help"]): `python -m nano_miles.config --write-docs docs/config.md`.
 """
 from __future__ import annotations
 
@@ -33,15 +30,12 @@ from nano_miles import COMMANDS
 
 
 class ConfigError(ValueError):
-    """Bad configuration input; str(e) is one line that names the key."""
-
     def __init__(self, message: str):
         super().__init__(" ".join(str(message).split()))
 
 
 def filled_in(help: str) -> dict:
-    """Field metadata for a field the program fills in itself: not a config key (e.g. the trainer's
-    model folder, which `train` resolves from its own `model` key)."""
+    """Metadata of a field the program fills in itself (e.g. the trainer's model folder): not a key."""
     return {"config_key": False, "help": help}
 
 
@@ -95,7 +89,6 @@ def _value(raw, typ):
 # ----------------------------------------------------------------------------- keys
 
 def all_keys(cfg) -> list[str]:
-    """Every dotted key of a dataclass (class or instance), in declaration order."""
     return [key for key, *_ in describe(cfg)]
 
 
@@ -112,7 +105,6 @@ def _unknown(cfg, key: str) -> ConfigError:
 
 
 def set_key(cfg, key: str, raw) -> None:
-    """Set a dotted key on a nested dataclass instance, coercing the value."""
     target, parts = cfg, key.split(".")
     for i, part in enumerate(parts):
         if not dataclasses.is_dataclass(target) or part not in {f.name for f in _key_fields(target)}:
@@ -167,7 +159,7 @@ def load_config(cls, path: str | Path | None = None, overrides: dict[str, typing
 
 
 def validate(cfg) -> None:
-    """Re-run __post_init__ checks of every nested dataclass after overrides were applied."""
+    """Every nested dataclass's __post_init__ again, now that the overrides are set."""
     for f in dataclasses.fields(cfg):
         if dataclasses.is_dataclass(getattr(cfg, f.name)):
             validate(getattr(cfg, f.name))
@@ -178,7 +170,7 @@ def validate(cfg) -> None:
 
 
 def to_dict(cfg) -> dict:
-    """The config keys and their values, nested like the dataclasses (what config.json holds)."""
+    """The keys' values, nested like the dataclasses (what config.json holds)."""
     return {f.name: to_dict(v) if dataclasses.is_dataclass(v := getattr(cfg, f.name)) else v for f in _key_fields(cfg)}
 
 
@@ -223,12 +215,6 @@ def _source_comments(cls) -> dict[str, str]:
     return out
 
 
-def field_help(cls, f: dataclasses.Field) -> str:
-    """The one-line meaning of field `f` of `cls`: metadata["help"], else its trailing comment."""
-    declared = next(k for k in cls.__mro__ if f.name in inspect.get_annotations(k))  # the last (re-)declaration
-    return f.metadata.get("help") or _source_comments(declared).get(f.name, "")
-
-
 def describe(cfg, prefix: str = "") -> list[tuple[str, str, typing.Any, str]]:
     """(key, type, default, meaning) of every key of a config class (or instance: its values)."""
     cfg = cfg() if isinstance(cfg, type) else cfg
@@ -237,8 +223,11 @@ def describe(cfg, prefix: str = "") -> list[tuple[str, str, typing.Any, str]]:
         value = getattr(cfg, f.name)
         if dataclasses.is_dataclass(value):
             rows += describe(value, f"{prefix}{f.name}.")
-        else:
-            rows.append((prefix + f.name, _type_name(hints[f.name]), value, field_help(type(cfg), f)))
+            continue
+        # the class of the field's last (re-)declaration holds its comment
+        declared = next(k for k in type(cfg).__mro__ if f.name in inspect.get_annotations(k))
+        meaning = f.metadata.get("help") or _source_comments(declared).get(f.name, "")
+        rows.append((prefix + f.name, _type_name(hints[f.name]), value, meaning))
     return rows
 
 
@@ -260,9 +249,8 @@ def _default_text(value) -> str:
 
 def add_config_arguments(parser: argparse.ArgumentParser, cls, flags: dict[str, str] | None = None,
                          repeatable: tuple[str, ...] = (), switches: dict[str, tuple[str, str]] | None = None) -> None:
-    """--config FILE, --set KEY=VALUE (repeatable), --print-config, and the command's shorthand flags:
-    `flags` (flag -> the key it sets; one in `repeatable` may be given again, its values joined with
-    commas) and `switches`, flags without a value (flag -> (key, the value it sets))."""
+    """--config, --set, --print-config and the shorthands: `flags` (flag -> key; one in `repeatable`
+    may be given again, its values joined with commas) and `switches` (flag -> (key, value it sets))."""
     parser.add_argument("--config", metavar="FILE.toml",
                         help="a TOML file of config keys (sections for dotted keys, e.g. [optim] lr = 1e-6)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -282,8 +270,7 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls, flags: dict[str, 
 
 
 def config_from_args(cls, args: argparse.Namespace, base: dict | None = None):
-    """The validated config of a command line made by add_config_arguments: the defaults (or `base`)
-    <- --config <- the shorthand flags <- --set."""
+    """The validated config of a command line made by add_config_arguments."""
     overrides = {dest[4:]: ",".join(value) if isinstance(value, list) else value
                  for dest, value in vars(args).items() if dest.startswith("set:")}  # the flags given
     overrides.update(parse_set(getattr(args, "overrides", [])))
@@ -291,8 +278,7 @@ def config_from_args(cls, args: argparse.Namespace, base: dict | None = None):
 
 
 def not_a_flag(cls, command: str, words: list[str]) -> str:
-    """One line for command-line words no flag took: the `--set` form of the key an unknown flag names
-    (`rollout --max-new-tokens 16`: use --set rollout.max_new_tokens=16)."""
+    """One line for words no flag took: the `--set` form of the key an unknown flag names."""
     flag, _, value = words[0].partition("=")
     value = value or (words[1] if len(words) > 1 and not words[1].startswith("-") else "VALUE")
     name = flag.lstrip("-").replace("-", "_")
@@ -306,8 +292,7 @@ def not_a_flag(cls, command: str, words: list[str]) -> str:
 # ----------------------------------------------------------------------------- docs/config.md
 
 def commands() -> dict[str, tuple[type, dict[str, str]]]:
-    """command -> (its root config dataclass, its shorthand flags: flag -> key), for every command
-    that takes config keys."""
+    """command -> (its root config dataclass, its shorthand flags), for each command that takes keys."""
     found = {}
     for name, (module_name, _) in COMMANDS.items():
         module = importlib.import_module(module_name)

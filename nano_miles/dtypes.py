@@ -1,7 +1,6 @@
-"""Dtypes by name, and the one rule for "auto": bfloat16 on a GPU, float32 on the CPU.
-
-The trainer, the engine and the weight payloads all name dtypes with these strings; this is the only
-table that maps them to torch dtypes and the only place that decides what "auto" means.
+"""Dtypes by name (as the trainer, the engine and weight payloads name them), and the one rule for
+"auto": bfloat16 on a GPU (the tensor cores' format, FP32's range), float32 on the CPU (no fast bf16
+matmuls there, and exact parity between trainer and engine).
 """
 from __future__ import annotations
 
@@ -14,9 +13,6 @@ TRAINABLE = ("float32", "bfloat16")
 
 
 def resolve_dtype_name(name: str, device: torch.device | str) -> str:
-    """A dtype name with "auto" resolved for `device`: bfloat16 on a GPU (the tensor cores' format,
-    FP32's range), float32 on the CPU (no fast bf16 matmuls there, and exact parity between trainer
-    and engine); ValueError for an unknown name."""
     if name == "auto":
         return "bfloat16" if torch.device(device).type == "cuda" else "float32"
     if name not in DTYPES:
@@ -29,5 +25,5 @@ def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """torch.bfloat16 -> "bfloat16" (the inverse of DTYPES; the name a payload or a config writes)."""
+    """torch.bfloat16 -> "bfloat16" (the inverse of DTYPES)."""
     return str(dtype).removeprefix("torch.")

@@ -50,8 +50,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def lost(trajs) -> str:
-    """'' when every episode was scored, else one line: how many episodes an infrastructure failure
-    (sandbox, engine) took out of the scores, and the first reasons."""
+    """One line on the episodes an infrastructure failure took out of the scores ('' when none did)."""
     if not (failed := [t for t in trajs if t.broken]):
         return ""
     why = list(dict.fromkeys(str(t.reward_components.get("error", "?"))[:160] for t in failed))
@@ -61,8 +60,7 @@ def lost(trajs) -> str:
 
 def per_family(trajs, tasks, k: int) -> dict[str, dict]:
     """{family: {tasks, pass@1, pass@k}} plus "all". A task's scores are means over its instances
-    (group_id) of the estimator on that instance's scored() samples: each instance weighs the same, also
-    when a setup failure left it fewer samples."""
+    (group_id): each weighs the same, also when a setup failure left it fewer samples."""
     family = {t.id: t.family for t in tasks}
     instances: dict[str, dict[str, list[bool]]] = {}
     for t in scored(trajs):
@@ -78,8 +76,7 @@ def per_family(trajs, tasks, k: int) -> dict[str, dict]:
 
 
 def alfa_subset(n: int, echo=print) -> list:
-    """`n` ALFA tasks, the same ones in every run (a fixed-seed sample, in registry order); [] with one
-    line saying why when the icalfa package is not installed."""
+    """`n` ALFA tasks, the same ones in every run; [] (with one line why) without the icalfa package."""
     if n <= 0:
         return []
     try:
@@ -93,15 +90,10 @@ def alfa_subset(n: int, echo=print) -> list:
 
 
 class RunEvaluation:
-    """Evaluation inside a training run: before the first step (the base policy, logged as step 0),
-    every `eval_every` steps and after the last one, pass@1 of the policy the run's engines serve (the
-    weights just synced) on `eval_tasks` (`eval_instances` instances of each) and on the ALFA subset (one
-    each: its set-ups are fixed), with `eval_samples` samples an instance at the run's rollout settings.
-    Its task instances are seeded by the run seed alone, the same at every evaluation, so the curve moves
-    with the policy only; it never touches the training task stream (a resumed run sees the same training tasks).
-
-    keep_best: new_best() says when a trained policy beats every earlier one on eval_tasks (the run
-    then exports it to best/; ALFA never picks it: that would be choosing on the benchmark)."""
+    """Evaluation inside a training run (step 0, every `eval_every` steps, the last): pass@1 of the
+    policy the engines serve on `eval_tasks` and the ALFA subset. Its instances are seeded by the run
+    seed alone, so the curve moves with the policy only, and it never touches the training task stream.
+    keep_best: new_best() picks on eval_tasks only (choosing on ALFA would be choosing on the benchmark)."""
 
     def __init__(self, cfg, echo=print):
         self.every, self.last_step, self.seed, self.echo = cfg.eval_every, cfg.steps, cfg.seed, echo
@@ -150,14 +142,13 @@ class RunEvaluation:
         return out
 
     def episodes(self, engines, tokenizer, sandbox_factory=None, desc: str = "eval", stats: dict | None = None) -> list:
-        """Every eval task on its instances, then the ALFA subset (one instance each)."""
+        # the ALFA subset's set-ups are fixed: one instance each
         tasks = [t for t in self.tasks for _ in range(self.instances)] + self.alfa
         return roll_out(engines, tokenizer, tasks, self.rollout, self.seed, desc, sandbox_factory=sandbox_factory,
                         stats=stats)
 
     def new_best(self, step: int, evaluated: dict, best_dir: Path) -> bool:
-        """keep_best: is the trained policy after `step` better on eval_tasks than any before, including
-        those of a resumed run's earlier part (best_dir/best.json)?"""
+        """keep_best: does the policy after `step` beat every earlier one (a resumed run's: best.json)?"""
         score = evaluated.get("eval_pass_at_1")
         if not self.keep_best or step == 0 or score is None:
             return False

@@ -44,12 +44,11 @@ class RolloutCommandConfig:
             raise ValueError(f"dtype must be one of {list(DTYPE_NAMES)}, got {self.dtype!r}")
 
 
-# The shorthand flags rollout and eval share; each sets the key it names.
-SHORTHANDS = {"--model": "model", "--engine-url": "engine.url", "--tasks": "tasks", "--tasks-module": "tasks_module"}
-
-
 def add_job_arguments(p, cls, flags: dict[str, str]) -> None:
-    add_config_arguments(p, cls, {**SHORTHANDS, **flags}, repeatable=("--engine-url", "--tasks-module"))
+    """rollout's and eval's flags: the shorthands they share, theirs (`flags`), --results-jsonl."""
+    shared = {"--model": "model", "--engine-url": "engine.url", "--tasks": "tasks",
+              "--tasks-module": "tasks_module"}
+    add_config_arguments(p, cls, {**shared, **flags}, repeatable=("--engine-url", "--tasks-module"))
     p.add_argument("--results-jsonl", default=None,
                    help="append a summary line (date, commit, machine, figures) to this file")
 
@@ -63,9 +62,8 @@ def model_folder(name: str) -> str:
 
 
 def selected_tasks(command: str, which: str, modules=(), select=select_tasks) -> list:
-    """The tasks `which` (the tasks key) selects after loading the user's task `modules` (one line
-    per bad task; the rest loads), or a ConfigError naming the module that cannot be loaded or the
-    unknown task (one line)."""
+    """The tasks `which` selects after loading the user's task `modules` (one line per bad task; the
+    rest loads), or a ConfigError naming the module that cannot load or the unknown task."""
     report_load_errors(modules, f"nano-miles {command}")
     try:
         return select(which)
@@ -74,27 +72,15 @@ def selected_tasks(command: str, which: str, modules=(), select=select_tasks) ->
 
 
 def run_rollouts(cls, args, command: str):
-    """What `rollout` and `eval` start with: the config (None once --print-config printed it), the
-    selected tasks, their rollouts (each task `instances` times in a row with eval: rollout_groups gives
-    every copy a task seed, an instance, of its own), --out written. Returns (cfg, tasks, trajectories,
-    seconds, summary)."""
+    """rollout's and eval's work: (cfg, tasks, trajectories, seconds, summary), or None once
+    --print-config printed the config. With eval each task runs `instances` times in a row
+    (rollout_groups gives every copy a task seed of its own). The rollouts run on cfg.engine.url, or
+    on an engine started for them; the sandbox is checked first: where it cannot run, nothing would."""
     cfg = config_from_args(cls, args)
     if args.print_config:
         print(to_toml(cfg), end="")
         return None
     tasks = selected_tasks(command, cfg.tasks, cfg.tasks_module)
-    trajs, secs, setup_failures = collect(cfg, [t for t in tasks for _ in range(getattr(cfg, "instances", 1))],
-                                          desc=command)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.writelines(t.to_json() + "\n" for t in trajs)
-    return cfg, tasks, trajs, secs, summarize(trajs, setup_failures)
-
-
-def collect(cfg: RolloutCommandConfig, tasks, desc: str = "rollout"):
-    """Run the rollouts on cfg.engine.url, or on an engine started for them (stopped after), with a
-    progress bar (episodes done, ETA) on stderr; returns (trajectories, seconds, setup failures).
-    The sandbox is checked before the model is touched: where it cannot run, nothing would."""
     check_sandbox(cfg.sandbox)
     model_path = model_folder(cfg.model)
     tok = AutoTokenizer.from_pretrained(model_path)
@@ -103,9 +89,14 @@ def collect(cfg: RolloutCommandConfig, tasks, desc: str = "rollout"):
         print(f"starting an engine for {cfg.model} on {layout.engine_device} ...", flush=True)
     with EnginePool(cfg.engine, layout, model_path, ready_timeout=900) as urls:
         t0, stats = time.monotonic(), {}
-        trajs = roll_out(urls, tok, tasks, cfg.rollout, cfg.seed, desc, stats=stats,
+        copies = [t for t in tasks for _ in range(getattr(cfg, "instances", 1))]
+        trajs = roll_out(urls, tok, copies, cfg.rollout, cfg.seed, command, stats=stats,
                          sandbox_factory=sandbox_factory(cfg.sandbox))
-        return trajs, time.monotonic() - t0, stats["setup_failures"]
+        secs = time.monotonic() - t0
+    if args.out:
+        with open(args.out, "w") as f:
+            f.writelines(t.to_json() + "\n" for t in trajs)
+    return cfg, tasks, trajs, secs, summarize(trajs, stats["setup_failures"])
 
 
 def roll_out(engines, tokenizer, tasks, rollout: RolloutConfig, seed: int, desc: str, **kwargs) -> list:

@@ -1,11 +1,9 @@
 """What a training run needs in host memory, decided before anything heavy loads.
 
-`plan_memory` reads only the model's config.json, estimates the peak host memory of the run's
-processes (trainer, engine, sandboxes, term by term in `estimate`; GPU memory is not counted),
-compares it with what the machine can give (MemAvailable, and the room under this process's cgroup
-memory limits) and refuses in one line with the numbers when it does not fit, before any model
-loads. `memory_limit_gb` sets the budget instead; `memory_check=false` runs anyway. In mode=sync the
-rollout and the update do not overlap, so the peak is what is resident plus the larger phase.
+`plan_memory` estimates from the model's config.json the peak host memory of the run's processes
+(term by term in `estimate`; GPU memory is not counted) and refuses in one line with the numbers when
+it exceeds MemAvailable and the room under this process's cgroup limits (or `memory_limit_gb`). In
+mode=sync rollout and update do not overlap: the peak is what is resident plus the larger phase.
 bench/main_job_memory.py measures how close the estimate comes (docs/benchmarks.md).
 """
 from __future__ import annotations
@@ -13,6 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+import psutil
 import torch
 
 from nano_miles.dtypes import DTYPES
@@ -28,7 +27,7 @@ CPU_LOGPROB_CHUNK = 128          # what trainer.logprob_chunk = 0 means on CPU
 
 
 class MemoryCheckError(RuntimeError):
-    """The run does not fit the machine's memory; str(e) is one line with the numbers."""
+    pass
 
 
 def num_params(mc: ModelConfig) -> int:
@@ -37,10 +36,6 @@ def num_params(mc: ModelConfig) -> int:
     attention = 2 * H * q + 2 * H * kv + ((q + 2 * kv) if mc.attention_bias else 0)
     embed = mc.vocab_size * H * (1 if mc.tie_word_embeddings else 2)
     return embed + L * (attention + 3 * H * mc.intermediate_size + 2 * H) + H
-
-
-def kv_bytes_per_token(mc: ModelConfig, dtype: torch.dtype) -> int:
-    return 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * dtype.itemsize
 
 
 def activation_bytes_per_token(mc: ModelConfig, checkpointing: bool) -> int:
@@ -72,11 +67,7 @@ class MemoryPlan:
 
 def machine_memory() -> tuple[int, str]:
     """(bytes this process may still use, where the figure comes from)."""
-    options = _cgroup_room()
-    info = {line.split(":")[0]: line.split()[1] for line in _read("/proc/meminfo").splitlines() if line.split()[1:]}
-    if info.get("MemAvailable", "").isdigit():
-        options.append((int(info["MemAvailable"]) * 1024, "MemAvailable"))
-    return min(options) if options else (0, "unknown")
+    return min([*_cgroup_room(), (psutil.virtual_memory().available, "MemAvailable")])
 
 
 def _read(path: str) -> str:
@@ -88,8 +79,8 @@ def _read(path: str) -> str:
 
 
 def _cgroup_room() -> list[tuple[int, str]]:
-    """Room left under every memory limit on this process's cgroup path (v2 and v1), page cache
-    that can be reclaimed counted as room."""
+    """Room under every memory limit on this process's cgroup path (v2 and v1), reclaimable page
+    cache counted as room."""
     room = []
     lines = _read("/proc/self/cgroup").splitlines()
     for _, controllers, path in (line.split(":", 2) for line in lines if line.count(":") >= 2):
@@ -116,15 +107,13 @@ def _cgroup_room() -> list[tuple[int, str]]:
 
 
 def _in_flight(cfg) -> int:
-    """Episodes a step has in flight at most: its first wave (rollout.oversample makes it larger); a
-    dynamic sampling refill starts only in place of a group that came back."""
+    """Episodes a step has in flight at most: its first wave (a refill replaces a group that came back)."""
     return min(cfg.rollout.max_concurrency, cfg.rollout.round_size(cfg.tasks_per_step) * cfg.rollout.group_size)
 
 
 def estimate(cfg, layout, model_path: str, shared: bool) -> MemoryPlan:
-    """The plan for a TrainConfig `cfg` whose devices are `layout` (engine/layout.py's plan_layout), for
-    a model of P parameters. A CPU trainer's weights are shared with a colocated CPU engine (`shared`);
-    with trainer.nproc = N ranks the sharded state counts once, the runtime and activations once a rank."""
+    """The plan for a TrainConfig on `layout`. A CPU trainer's weights are shared with a colocated CPU
+    engine (`shared`); with N ranks the sharded state counts once, runtime and activations once a rank."""
     mc = ModelConfig.from_pretrained(model_path)
     P, dtype = num_params(mc), DTYPES[layout.dtype]
     weights, plan = P * dtype.itemsize, MemoryPlan(num_params=P, overlap=cfg.mode == "async")
@@ -167,16 +156,15 @@ def uses_shared_weights(cfg, layout) -> bool:
 
 
 def job_kv_cache_bytes(cfg, mc: ModelConfig, dtype: torch.dtype) -> int:
-    """A CPU engine's KV cache sized for the job: every episode in flight at its token budget (twice
-    as many episodes in async mode, which rolls out the next step during an update), never more than
-    the engine's default."""
+    """A CPU engine's KV cache for every episode in flight at its token budget (twice as many in async
+    mode, which rolls out the next step during an update), never more than the engine's default."""
     episodes = min(cfg.rollout.max_concurrency, 2 * _in_flight(cfg)) if cfg.mode == "async" else _in_flight(cfg)
-    return min(CPU_KV_DEFAULT, episodes * cfg.rollout.env.max_total_tokens * kv_bytes_per_token(mc, dtype))
+    per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * dtype.itemsize  # K and V
+    return min(CPU_KV_DEFAULT, episodes * cfg.rollout.env.max_total_tokens * per_token)
 
 
 def plan_memory(cfg, layout, model_path: str, shared: bool, echo=print) -> MemoryPlan:
-    """Estimate, size a CPU engine's KV cache for the job (layout.engine_args), and refuse with the
-    numbers when the estimate does not fit (unless cfg.memory_check is false)."""
+    """Estimate, size a CPU engine's KV cache for the job (layout.engine_args), refuse if it won't fit."""
     plan = estimate(cfg, layout, model_path, shared)
     if not cfg.engine.url and layout.engine_device == "cpu":
         kv = {**plan.resident, **plan.rollout}["engine KV cache"] // max(1, layout.engine_devices.count("cpu"))

@@ -3,9 +3,8 @@
     nano-miles rollout --model qwen2.5-coder-0.5b-instruct --tasks seed --group-size 8 --out r.jsonl
     nano-miles rollout --model M --engine-url http://h1:30000 --engine-url http://h2:30000 ...
 
-Without --engine-url an engine (`nano-miles serve`) is started for the run and stopped after it.
-Prints pass rate, mean reward and mean turns. Its keys are in docs/config.md; the flags are shorthands
-(`--group-size 8` is `--set rollout.group_size=8`).
+Without --engine-url an engine is started for the run and stopped after it. The flags are shorthands
+of config keys (`--group-size 8` is `--set rollout.group_size=8`).
 """
 from __future__ import annotations
 

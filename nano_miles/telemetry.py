@@ -1,12 +1,9 @@
 """Run telemetry: the live per-step table, metrics.jsonl, TensorBoard scalars, Weights & Biases
 (optional), the PNG curves and the end-of-run summary.
 
-metrics.jsonl is the source of truth (one JSON object per step, flushed as it is written);
-TensorBoard, W&B and the PNG curves are derived views of the same numbers. `report_to` names the
-views a run writes besides metrics.jsonl, as TRL's and verl's option of that name does:
-"tensorboard" (the default), "wandb" (when the wandb package is installed; WANDB_MODE=offline
-writes the run under run_dir/wandb/ without a network, `wandb sync` uploads it later), both
-comma-separated, or "none".
+metrics.jsonl is the source of truth (one JSON object per step, flushed as it is written); the others
+are views of the same numbers. `report_to` (as TRL's and verl's option) names the views besides it:
+tensorboard, wandb (WANDB_MODE=offline writes under run_dir/wandb/, `wandb sync` uploads later), none.
 """
 from __future__ import annotations
 
@@ -50,7 +47,6 @@ STEP_CURVES = (("step_s", "step seconds"), ("engine_busy_share", "engine busy sh
 
 
 def parse_report_to(value: str) -> list[str]:
-    """`report_to` ("tensorboard,wandb", "none") as a list of reporter names."""
     names = [n.strip() for n in value.split(",") if n.strip() not in ("", "none")]
     if unknown := [n for n in names if n not in REPORTERS]:
         raise ValueError(f"report_to: unknown {unknown[0]!r}; comma-separated names of {', '.join(REPORTERS)}, or none")
@@ -58,7 +54,7 @@ def parse_report_to(value: str) -> list[str]:
 
 
 def check_report_to(value: str) -> list[str]:
-    """The reporters of `report_to`, each one usable here (checked before a run loads anything)."""
+    """parse_report_to, and each reporter usable here (checked before a run loads anything)."""
     names = parse_report_to(value)
     if "wandb" in names and importlib.util.find_spec("wandb") is None:
         raise ConfigError("report_to=wandb needs the wandb package: `pip install wandb` (WANDB_MODE=offline "
@@ -80,13 +76,10 @@ def _mean(xs) -> float:
 
 def step_metrics(step: int, rollout, staleness: list[int], max_staleness: int, train: dict, skipped: str | None,
                  sync: dict, **extra) -> dict:
-    """The metrics.jsonl row of one training step: what was rolled out (`rollout`: a StepRollout),
-    how stale it was, what the update did (`train`: the trainer's metrics, {} if `skipped`), and
-    the weight sync; `extra` (timings, memory, restarts) is added as is. Reward, accuracy and
-    throughput are of every trajectory rolled out, those dynamic sampling dropped included (the
-    policy's, not the filtered batch's); `trajectories` and `task_ids` are what was trained on.
-    response_tokens counts every rolled-out trajectory's response (model and observation tokens), so
-    a trajectory's length is response_tokens_mean, never response_tokens / trajectories."""
+    """The metrics.jsonl row of one training step (`rollout`: a StepRollout; `train`: the trainer's
+    metrics, {} if `skipped`; `extra` added as is). Reward, accuracy and throughput are of every
+    trajectory rolled out (the policy's, dynamic sampling's drops included); `trajectories` and
+    `task_ids` are what was trained on (a trajectory's length is response_tokens_mean, not the ratio)."""
     trajs = rollout.generated
     response_tokens = sum(len(t.response_ids) for t in trajs)
     return {
@@ -99,8 +92,7 @@ def step_metrics(step: int, rollout, staleness: list[int], max_staleness: int, t
         "staleness_trained_max": max((s for s in staleness if s <= max_staleness), default=0),
         "reward_mean": _mean(t.reward for t in trajs),
         "acc": _mean(float(t.solved) for t in trajs),
-        # [solved, samples] of each training task: one the policy always solves or always fails gives
-        # dynamic sampling nothing to keep (metrics.jsonl only: not a scalar)
+        # [solved, samples] of each training task (metrics.jsonl only: not a scalar)
         "train_by_task": {task: [sum(s), len(s)] for task, s in sorted(solved_by_task(trajs).items())},
         "turns_mean": _mean(t.num_turns for t in trajs),
         **{key: train.get(key) for key in ("pg_loss", "clip_frac", "clip_cov_frac", "approx_kl", "kl_ref", "entropy",
@@ -111,10 +103,8 @@ def step_metrics(step: int, rollout, staleness: list[int], max_staleness: int, t
         "update_skipped": skipped, "updates": train.get("updates", 1) if train else 0,
         "sync_ms": sync["ms"], "sync_transport": sync["transport"], "sync_verified": sync["verified"],
         "sync_engines": sync.get("engines"),  # the replicas the sync reached
-        # where the sync's milliseconds went: pause, prepare, pack, send, free, resume (trainer/weight_sync.py)
+        # where the sync's milliseconds went: trainer/weight_sync.py, engine/weight_receiver.py
         **{f"sync_{phase}_ms": ms for phase, ms in (sync.get("phases_ms") or {}).items()},
-        # and the engine's side of its send: total, and parse, decode, wait, copy, release, answer where the
-        # transport has them (engine/weight_receiver.py)
         **{f"sync_engine_{phase}_ms": ms for phase, ms in (sync.get("engine_ms") or {}).items()},
         "weight_version": sync["weight_version"], "rollout_s": rollout.seconds, "response_tokens": response_tokens,
         "response_tokens_mean": response_tokens / len(trajs) if trajs else None,
@@ -130,12 +120,11 @@ def memory_gb(device: torch.device | str) -> float:
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    return psutil.Process(os.getpid()).memory_info().rss / 2**30
+    return psutil.Process().memory_info().rss / 2**30
 
 
 def parity_error(metrics: dict) -> str | None:
-    """The table's error line when a true on-policy step's log-probs were not bit-identical: in that
-    mode parity_max must be exactly 0.0, and any other value (even 1e-9) is a bug, not noise."""
+    """The error line when a true on-policy step's parity_max is not exactly 0.0 (even 1e-9 is a bug)."""
     value = metrics.get("parity_max")
     if not metrics.get("true_on_policy") or value is None or value == 0.0:
         return None
@@ -162,8 +151,7 @@ def format_header() -> str:
 
 
 class MetricsLog:
-    """Appends one object per step to run_dir/metrics.jsonl and mirrors its scalars to the
-    `report_to` reporters (TensorBoard, W&B); `config` is the run's, for W&B."""
+    """run_dir/metrics.jsonl, a line a step, its scalars mirrored to the `report_to` reporters."""
 
     def __init__(self, run_dir: str | Path, resume_after_step: int | None = None, echo=print,
                  report_to: str = "tensorboard", config: dict | None = None):
@@ -225,8 +213,7 @@ class MetricsLog:
 
 
 def start_wandb(run_dir: Path, config: dict):
-    """A W&B run for run_dir (project $WANDB_PROJECT or nano-miles, named after the run directory),
-    the same W&B run again after --resume; its local files go under run_dir/wandb/."""
+    """A W&B run named after run_dir (project $WANDB_PROJECT or nano-miles), the same one after --resume."""
     import wandb  # optional: imported only when report_to names it
 
     id_file = run_dir / "wandb_id"
@@ -246,15 +233,13 @@ def read_metrics(path: str | Path) -> list[dict]:
 
 
 def _points(rows: list[dict], key: str) -> list[tuple]:
-    """(step, value) of one curve: every training step for a training curve (None where it has no value;
-    step 0's row is an evaluation, not a step), only the steps that evaluated for an evaluation."""
+    """(step, value) of one curve: every training step (None: no value), or the steps that evaluated."""
     if key in dict(EVAL_CURVES):
         return [(r["step"], r[key]) for r in rows if r.get(key) is not None]
     return [(r["step"], r.get(key)) for r in rows if "reward_mean" in r]
 
 
 def _plot(out_dir: str | Path, name: str, title: str, series: dict[str, list[tuple]], log: bool = False) -> Path:
-    """One PNG, out_dir/name.png: a line a series of (step, value) points (None: a gap)."""
     import matplotlib  # a slow import, and the Agg backend must be chosen before pyplot loads
 
     matplotlib.use("Agg")
@@ -275,27 +260,21 @@ def _plot(out_dir: str | Path, name: str, title: str, series: dict[str, list[tup
     return path
 
 
-def write_curves(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
-    """PNG curves of reward, accuracy, policy entropy and parity over steps, and of the evaluations
-    (eval_every), if any. Entropy is drawn because its collapse is what ends learning in GRPO runs:
-    once it nears 0, every group's samples agree and carry no signal."""
-    rows = read_metrics(metrics_path)
-    if not rows:
-        return []
-    written = []
+def write_curves(metrics_path: str | Path, out_dir: str | Path) -> None:
+    """PNG curves of TRAIN_CURVES and the evaluations. Entropy is drawn because its collapse is what
+    ends learning in GRPO runs: once it nears 0, every group's samples agree and carry no signal."""
+    if not (rows := read_metrics(metrics_path)):
+        return
     for key, title in TRAIN_CURVES:
         points = _points(rows, key)
         log = key == "parity_mean" and any(v is not None and v > 0 for _, v in points)  # true on-policy: all 0.0
-        written.append(_plot(out_dir, key, title, {key: points}, log))
+        _plot(out_dir, key, title, {key: points}, log)
     if evals := {label: p for key, label in EVAL_CURVES if (p := _points(rows, key))}:  # the steps that evaluated
-        written.append(_plot(out_dir, "eval_pass_at_1", "pass@1 during training (eval_every)", evals))
-    return written
+        _plot(out_dir, "eval_pass_at_1", "pass@1 during training (eval_every)", evals)
 
 
 def compare_curves(runs: dict[str, str | Path], out_dir: str | Path) -> list[Path]:
-    """Several runs on one set of axes, a line a run (its label): compare_<key>.png for each training
-    curve, each evaluation (eval_every) and each part of the step's time (STEP_CURVES) that any run has.
-    Runs that differ in one setting (a seed, a learning-rate schedule) read best side by side."""
+    """Several runs on one set of axes, a line a run: compare_<key>.png for each curve any run has."""
     rows = {label: read_metrics(path) for label, path in runs.items()}
     written = []
     evals = tuple((key, f"{label} pass@1 during training") for key, label in EVAL_CURVES)
@@ -306,10 +285,10 @@ def compare_curves(runs: dict[str, str | Path], out_dir: str | Path) -> list[Pat
     return written
 
 
-def task_split(rows: list[dict], last: int = 10) -> str | None:
-    """One summary line: over the last `last` steps, how many training tasks the policy always
-    solved, never solved, or split on. Only the split ones still teach it anything."""
-    rows, counts = rows[-last:], {}
+def task_split(rows: list[dict]) -> str | None:
+    """Over the last 10 steps, how many tasks were always, never or sometimes solved (only those still
+    teach the policy anything)."""
+    rows, counts = rows[-10:], {}
     for row in rows:
         for task_id, (solved, samples) in (row.get("train_by_task") or {}).items():
             counts[task_id] = [a + b for a, b in zip(counts.get(task_id, [0, 0]), (solved, samples))]
@@ -322,7 +301,6 @@ def task_split(rows: list[dict], last: int = 10) -> str | None:
 
 
 def run_summary(rows: list[dict], wall_s: float, run_dir: Path) -> list[str]:
-    """The lines a run ends with: first vs last reward and accuracy, the wall time, where the files are."""
     run_dir = Path(run_dir)
     evaluations, rows = rows, [r for r in rows if "reward_mean" in r]  # training steps, without step 0's eval
     if not rows:

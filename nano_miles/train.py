@@ -4,13 +4,10 @@
     nano-miles train --set trainer.nproc=N ...           the trainer on N ranks of this host
     torchrun --nproc-per-node N -m nano_miles.train ...  the same ranks, started by torchrun
 
-Every rank runs this loop. Rank 0 owns the engines, rollouts, telemetry, evaluation and state.json; it
-hands each step's trajectories and its decisions to the others (Run.share), and every rank makes the
-same update, weight sync and checkpoint. The run's parts, and how rank 0 restarts engines that die:
-nano_miles/train_setup.py. Modes: `sync` (every rollout uses the latest weights) and `async` (step v+1
-rolls out while step v trains; a trajectory more than `max_staleness` versions behind is not trained on
-but keeps its place in its group's advantage baseline, newer ones are corrected by truncated importance
-sampling: nano_miles/trainer/update.py).
+Every rank runs this loop. Rank 0 owns the engines, rollouts, telemetry and evaluation and hands each
+step's trajectories and decisions to the others (Run.share, nano_miles/train_setup.py); every rank makes
+the same update, weight sync and checkpoint. mode=async rolls out step v+1 while step v trains; a
+trajectory over `max_staleness` versions behind is not trained on but stays in its group's baseline.
 """
 from __future__ import annotations
 
@@ -53,7 +50,9 @@ class TrainingRun(Run):
                                         f"(from step {self.checkpointed + 1})") from None
                     if self.lead:  # rank 0: the evaluation, the metrics row, what every rank does next
                         metrics.update(self.evaluation.after_step(step, self.engines, self.tokenizer, self.make_sandbox))
-                        metrics.update(self.timing(step, loop_started))
+                        now = time.monotonic()  # the run so far, and the rest at this process's pace
+                        per_step = (now - loop_started) / (step - self.start_step)
+                        metrics.update(elapsed_s=now - self.started, eta_s=per_step * (cfg.steps - step))
                         self.log.log(metrics)
                     plan = self.share(self.plan(step, metrics) if self.lead else None)
                     completed = step
@@ -122,9 +121,8 @@ class TrainingRun(Run):
                             true_on_policy=self.cfg.true_on_policy)  # parity_max != 0 is then an error
 
     def plan(self, step: int, metrics: dict) -> dict:
-        """Rank 0, after a step: what every rank does next. Export best/; checkpoint (which step); stop
-        (Ctrl-C); fail (max_infra_failed_steps steps in a row lost every episode to the infrastructure:
-        the checkpoint is from before them, the trainer has not changed since, --resume redoes them)."""
+        """Rank 0, after a step: what every rank does next (export best/, checkpoint, stop, fail). After
+        max_infra_failed_steps lost steps the checkpoint is from before them: --resume redoes them."""
         self.lost = self.lost + 1 if metrics["all_lost"] else 0
         best = self.evaluation.new_best(step, metrics, self.run_dir / "best")
         if self.lost >= self.cfg.max_infra_failed_steps:
@@ -137,12 +135,6 @@ class TrainingRun(Run):
         due = step == self.cfg.steps or self.checkpointer.due(step)
         return {"best": best, "checkpoint": step if due else None, "failed": None,
                 "stop": self.stop_requested and step < self.cfg.steps}
-
-    def timing(self, step: int, loop_started: float) -> dict:
-        """The whole run's elapsed time so far and the remaining steps' estimate (this process's pace)."""
-        now = time.monotonic()
-        per_step = (now - loop_started) / (step - self.start_step)
-        return {"elapsed_s": now - self.started, "eta_s": per_step * (self.cfg.steps - step)}
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -182,8 +174,8 @@ def run(args) -> int:
 
 
 def train_config(args) -> TrainConfig:
-    """The command line's config; with --resume, on the run's own config.json less its tasks modules (code
-    this host would run, which a run directory is not trusted to ask for: the command line must name them)."""
+    """The command line's config; with --resume, on the run's config.json less its tasks modules (code this
+    host would run, which a run directory is not trusted to ask for: the command line must name them)."""
     saved, modules, config_json = None, [], Path(args.resume or ".") / "config.json"
     if args.resume:
         if not config_json.is_file():
@@ -200,8 +192,8 @@ def train_config(args) -> TrainConfig:
 
 
 def _train(env, cfg: TrainConfig, resume_dir: str | None) -> int:
-    """The run's exit code. With N ranks rank 0 says how the run ended and the others end with it
-    quietly (a failure of their own is raised, for run_rank to name the rank)."""
+    """The run's exit code. With N ranks rank 0 says how the run ended and the others end quietly (a
+    failure of their own is raised, for run_rank to name the rank)."""
     lead = env is None or env.rank == 0
     if not lead:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's: it tells the others
@@ -224,7 +216,7 @@ def _train(env, cfg: TrainConfig, resume_dir: str | None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m nano_miles.train ARGS` is `nano-miles train ARGS`; under torchrun every rank runs it."""
+    """`python -m nano_miles.train ARGS`: what torchrun and launch_ranks start on every rank."""
     parser = argparse.ArgumentParser(prog="python -m nano_miles.train", description=__doc__.splitlines()[0])
     add_arguments(parser)
     args = parser.parse_args(argv)

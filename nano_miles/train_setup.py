@@ -1,9 +1,9 @@
 """What a training run is made of, and what its loop (nano_miles/train.py) asks of it.
 
-`Run` builds the trainer on every rank and, on rank 0 alone, the engines, the weight sync, the task
-stream, the metrics and the evaluation. Rank 0 decides; `share` hands its decisions to the other ranks
-at fixed points, so that every rank reaches the same collectives. Rank 0 restarts engines that die and
-re-syncs them; a step whose rollout lost every engine is retried with the same tasks and seeds.
+`Run` builds the trainer on every rank and, on rank 0 alone, the engines, weight sync, task stream,
+metrics and evaluation. Rank 0 decides; `share` hands its decisions to the others at fixed points, so
+every rank reaches the same collectives. Rank 0 restarts engines that die; a step whose rollout lost
+every engine is retried with the same tasks and seeds.
 """
 from __future__ import annotations
 
@@ -42,11 +42,10 @@ from nano_miles.trainer.weight_sync import WeightSync, WeightSyncError
 # Ranks > 0 wait on it for rank 0's rollouts, evaluations and engine restarts, which no collective timeout
 # can bound. Should rank 0 die, the elastic agent (torchrun's, launch_ranks') stops every rank at once.
 CONTROL_TIMEOUT = timedelta(days=1)
-SYNC_ERRORS = (EngineUnavailable, WeightSyncError, ConnectionError)
 
 
 class RunFailed(RuntimeError):
-    """The run stopped, or ended, without a policy to show for it; the message says why and what to do."""
+    """The run stopped without a policy to show for it; the message says why and what to do."""
 
 
 class Stopped(KeyboardInterrupt):
@@ -54,8 +53,7 @@ class Stopped(KeyboardInterrupt):
 
 
 class Run:
-    """One run directory. lead: rank 0 (or the one process); env: this rank's DistEnv with N ranks;
-    make_sandbox: what makes an episode's sandbox (default: sandbox.min_tier's)."""
+    """One run directory. lead: rank 0 (or the one process); env: this rank's DistEnv with N ranks."""
 
     def __init__(self, cfg: TrainConfig, resume_dir: str | None = None, echo=print, make_sandbox=None, env=None):
         self.cfg, self.env, self.started = cfg, env, time.monotonic()
@@ -179,9 +177,8 @@ class Run:
                                        cfg.rollout, cfg.seed, desc, sandbox_factory=self.make_sandbox, carry=carry)
 
     def collect(self, step: int):
-        """(rollout, staleness, trajectories, which to train on, skip reason) of `step`, the first two rank 0's:
-        every trajectory the sandbox did not break, the ones within max_staleness marked. A dead
-        replica's episodes move to the others; with none left, a restart, a sync, the same tasks again."""
+        """(rollout, staleness, trajectories, which to train on, skip reason) of `step`, the first two rank
+        0's. With every replica dead: a restart, a sync, the same tasks again."""
         attempt = 0
         while True:
             message = None
@@ -217,8 +214,8 @@ class Run:
                 self.producer.restart(step)
 
     def sync(self, step: int) -> dict | None:
-        """The weights to the engines; rank 0's result. Rank 0 sends (restarting engines that died first);
-        the others join each gather it announces as it starts (Trainer.on_gather) until it is done."""
+        """The weights to the engines; rank 0's result. The other ranks join each gather rank 0 announces
+        as it starts (Trainer.on_gather) until it is done."""
         if not self.lead:
             while (message := self.share(None))[0] == "gather":
                 for _ in self.trainer.iter_full_weights(*message[1:]):
@@ -233,13 +230,13 @@ class Run:
                 self.engines.synced(self.synced_replicas)  # restarted replicas take rollouts again
                 self.share(("synced",))
                 return result
-            except SYNC_ERRORS as e:
+            except (EngineUnavailable, WeightSyncError, ConnectionError) as e:
                 attempt += 1
                 self._recover(e, attempt, f"step {step} weight sync")
 
     def begin(self) -> float:
-        """Rank 0: a fresh run's evaluation of the base policy (step 0, as every later one), then the
-        first rollouts. Returns when the training steps' pace starts (the ETA's)."""
+        """Rank 0: a fresh run's evaluation of the base policy (step 0), then the first rollouts. Returns
+        when the training steps' pace starts (the ETA's)."""
         if self.lead and self.start_step == 0:
             self.interruptible = True
             try:
