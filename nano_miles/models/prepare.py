@@ -154,10 +154,12 @@ def _commit(out: pathlib.Path, target: pathlib.Path) -> None:
         target.rename(old)
     try:
         out.rename(target)
-    except OSError:
+    except OSError as e:
         if old is not None:
-            old.rename(target)  # put the previous entry back
-        elif not target.is_dir():  # another process finishing the same entry first is fine
+            old.rename(target)  # put the previous entry back, and say the new one did not land
+            raise ModelError(f"cannot move the new {target.name} into {target.parent}: {e}; "
+                             f"the previous entry stays") from None
+        if not target.is_dir():  # another process finishing the same entry first is fine
             raise
 
 

@@ -356,3 +356,15 @@ def test_qwen_default_model_converts_and_writes_shell_commands():
     # Qwen's own chat template (with its default system prompt) came along from the GGUF.
     rendered = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert rendered.startswith("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud.")
+
+
+def test_a_rebuild_that_cannot_land_says_so_and_keeps_the_previous_entry(tmp_path):
+    target = tmp_path / "cache" / TINY_MODEL
+    target.mkdir(parents=True)
+    (target / "weights").write_text("the previous entry")
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    # the new folder is gone before the rename (a full disk, a cleaner): the rename fails
+    with pytest.raises(ModelError, match="cannot move the new .* the previous entry stays"):
+        models._commit(staging / "model", target)
+    assert (target / "weights").read_text() == "the previous entry"
