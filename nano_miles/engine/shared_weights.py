@@ -14,7 +14,7 @@ import warnings
 import torch
 
 from nano_miles.dtypes import DTYPES, dtype_name
-from nano_miles.trainer.heap import release_free_heap  # the copies freed once weights move here
+from nano_miles.engine.heap import release_free_heap  # the copies freed once weights move here
 
 ALIGN_BYTES = 64  # every tensor starts on a cache line (and any dtype's alignment)
 

@@ -14,7 +14,7 @@ import traceback
 
 from nano_miles.engine.engine import FinishedRequest
 from nano_miles.engine.protocol import RequestError
-from nano_miles.trainer import heap
+from nano_miles.engine import heap
 
 
 class EngineWorker:

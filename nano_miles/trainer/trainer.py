@@ -25,10 +25,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from nano_miles.dtypes import DTYPES
+from nano_miles.engine import heap
 from nano_miles.engine.model import CausalLM
 from nano_miles.engine.shared_weights import SharedWeights
 from nano_miles.engine.weights import NonFiniteWeights, non_finite
-from nano_miles.trainer import fsdp, heap
+from nano_miles.trainer import fsdp
 from nano_miles.trainer.config import OptimConfig, TrainerConfig, checkpoints_layers  # noqa: F401 (also imported from here)
 from nano_miles.trainer.logprob_head import head_logprobs
 from nano_miles.trainer.loss import loss_normalizer, parity_metrics, parity_sums, policy_loss

@@ -1,5 +1,5 @@
 """A CPU trainer gives the memory of freed tensors back to the kernel, and a CPU engine keeps its
-step's buffers in the heap (nano_miles/trainer/heap.py).
+step's buffers in the heap (nano_miles/engine/heap.py).
 
 The trainer's cases run in a fresh Python (glibc's malloc state is per process): a 16 MB tensor is freed, which
 raises glibc's mmap threshold to 16 MB, then 100 tensors of 2 MB are allocated and all but the last
@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from nano_miles.trainer import heap
+from nano_miles.engine import heap
 
 pytestmark = pytest.mark.skipif(heap._libc() is None, reason="glibc only")
 
@@ -45,7 +45,7 @@ def test_without_it_freed_tensors_stay_resident():
 
 
 def test_return_large_frees_gives_them_back():
-    assert kept_bytes("from nano_miles.trainer import heap; assert heap.return_large_frees()") < 20 * MB
+    assert kept_bytes("from nano_miles.engine import heap; assert heap.return_large_frees()") < 20 * MB
 
 
 def test_a_cpu_trainer_sets_it_up():
@@ -55,7 +55,7 @@ def test_a_cpu_trainer_sets_it_up():
 
 
 def test_release_free_heap_gives_back_the_free_pages_inside_the_heap():
-    assert kept_bytes("pass", "from nano_miles.trainer import heap; heap.release_free_heap()") < 20 * MB
+    assert kept_bytes("pass", "from nano_miles.engine import heap; heap.release_free_heap()") < 20 * MB
 
 
 # A CPU engine wants the opposite: its step's temporaries of a few MB from the heap, not mmap'd afresh.
@@ -93,11 +93,11 @@ def test_without_it_a_step_sized_block_gets_a_mapping_of_its_own():
 
 
 def test_keep_step_buffers_serves_them_from_the_heap():
-    assert mmapped("from nano_miles.trainer import heap; heap.keep_step_buffers()") == [True, False]
+    assert mmapped("from nano_miles.engine import heap; heap.keep_step_buffers()") == [True, False]
 
 
 def test_a_threshold_the_user_set_stays():
-    assert mmapped("from nano_miles.trainer import heap; heap.keep_step_buffers()",
+    assert mmapped("from nano_miles.engine import heap; heap.keep_step_buffers()",
                    MALLOC_MMAP_THRESHOLD_="65536") == [True, True]
 
 
