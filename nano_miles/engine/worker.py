@@ -202,13 +202,15 @@ class EngineWorker:
         n = self.engine.abort_all(message) if rid is None else int(self.engine.abort_request(rid, message))
         version, parked, self.parked = self.engine.weight_version, self.parked, []
         for batch in parked:  # requests not yet in the engine finish as aborted too
+            rest = []
             for it, f in batch:
-                if rid is None or it.rid == rid:
-                    never_started = FinishedRequest(it.rid, [], [] if it.return_logprob else None,
-                                                    {"type": "abort", "message": message}, len(it.input_ids), 0, 0)
-                    self._resolve(f, (never_started, version, version))
-                    n += 1
-            rest = [(it, f) for it, f in batch if rid is not None and it.rid != rid]
+                if rid is not None and it.rid != rid:
+                    rest.append((it, f))
+                    continue
+                never_started = FinishedRequest(it.rid, [], [] if it.return_logprob else None,
+                                                {"type": "abort", "message": message}, len(it.input_ids), 0, 0)
+                self._resolve(f, (never_started, version, version))
+                n += 1
             if rest:
                 self.parked.append(rest)
         self._deliver(self._take_aborted())
