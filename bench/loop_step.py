@@ -37,7 +37,8 @@ TINY = ["model=tiny-random-qwen2", "mode=async", "tasks=kernel_name,word_count_t
         "optim.min_lr_ratio=0.1", "trainer_device=cpu", "engine.device=cpu", "dtype=float32", "seed=1"]
 RECIPES = {"ninth": NINTH, "tiny": TINY}
 BREAKDOWN = ("rollout_s", "engine_prefill_s", "engine_decode_s", "engine_idle_s", "engine_busy_share",
-             "generate_s", "sandbox_s", "env_s", "episode_s", "critical_path_s", "straggler_s", "refill_rounds",
+             "generate_s", "sandbox_s", "env_s", "episode_s", "critical_path_s", "critical_generate_s",
+             "critical_sandbox_s", "critical_turns", "commands_timed_out", "straggler_s", "refill_rounds",
              "refill_groups", "refill_s", "guide_s")
 
 

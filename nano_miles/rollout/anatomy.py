@@ -18,6 +18,8 @@ class EpisodeClock:
     ended: float = 0.0
     generate_s: float = 0.0   # awaiting /generate: the engine's work on it plus its queueing there
     sandbox_s: float = 0.0    # sandbox setup, commands and close
+    turns: int = 0            # /generate calls
+    timed_out: int = 0        # commands that ran to the env's command_timeout
     busy_first: dict | None = None  # the engine's busy_s counters in its first and last answers
     busy_last: dict | None = None
     replica: str = ""  # the engine URL it ran on
@@ -42,6 +44,12 @@ class RolloutAnatomy:
     env_s: float = 0.0
     episode_s: float = 0.0
     critical_path_s: float = 0.0  # the step's slowest episode: what its rollout could not beat
+    # ...and where that episode's wall went: its turns run one after another, so a straggler is
+    # either long decodes (many turns, long replies) or slow commands (a timeout costs command_timeout)
+    critical_generate_s: float = 0.0
+    critical_sandbox_s: float = 0.0
+    critical_turns: int = 0
+    commands_timed_out: int = 0   # over all the step's episodes
     straggler_s: float = 0.0      # wall after half the step's episodes had ended (waiting on the slowest)
     refill_s: float = 0.0         # wall after the step's first wave of groups ended: what refills added
     guide_s: float = 0.0          # scripted episodes of guided groups, summed over the groups (they overlap)
@@ -55,11 +63,16 @@ class RolloutAnatomy:
         last step's end (updated here), so the engines' busy seconds are the step's own."""
         done = [c for c in clocks if c.ended]
         if done:
-            self.critical_path_s += max(c.ended - max(c.started, started) for c in done)
+            slowest = max(done, key=lambda c: c.ended - max(c.started, started))
+            self.critical_path_s += slowest.ended - max(slowest.started, started)
+            self.critical_generate_s += slowest.generate_s
+            self.critical_sandbox_s += slowest.sandbox_s
+            self.critical_turns += slowest.turns
             self.straggler_s += max(0.0, ended - statistics.median(c.ended for c in done))
         first: dict = {}  # per (replica, phase): its counter's span over the rollout
         last: dict = {}
         for c in done:
+            self.commands_timed_out += c.timed_out
             self.generate_s += c.generate_s
             self.sandbox_s += c.sandbox_s
             self.episode_s += c.wall
@@ -80,6 +93,8 @@ class RolloutAnatomy:
     def metrics(self, wall: float) -> dict:
         out = {"generate_s": self.generate_s, "sandbox_s": self.sandbox_s, "env_s": self.env_s,
                "episode_s": self.episode_s, "critical_path_s": self.critical_path_s,
+               "critical_generate_s": self.critical_generate_s, "critical_sandbox_s": self.critical_sandbox_s,
+               "critical_turns": self.critical_turns, "commands_timed_out": self.commands_timed_out,
                "straggler_s": self.straggler_s, "refill_s": self.refill_s, "guide_s": self.guide_s,
                "sandbox_share": self.sandbox_s / self.episode_s if self.episode_s else None,
                "env_share": self.env_s / self.episode_s if self.episode_s else None}

@@ -150,6 +150,7 @@ async def run_episode(client, fmt: ChatFormat, task: Task, seed: int, group_id: 
                 break
             finally:
                 clock.generate_s += time.perf_counter() - t
+                clock.turns += 1
             clock.answered(out.get("meta_info") or {})
             out_ids, out_lps, finish, version = parse_generate_response(out)
             versions.append(version)
@@ -162,6 +163,7 @@ async def run_episode(client, fmt: ChatFormat, task: Task, seed: int, group_id: 
                 break
             action = fmt.tokenizer.decode(out_ids, skip_special_tokens=True)
             step = await loop.run_in_executor(executor, env.step, action)  # commands and verifiers block
+            clock.timed_out += step.kind == "timeout"
             if step.done:
                 break
             obs = fmt.observation_ids(step.observation, out_ids[-1] if out_ids else None)

@@ -2,6 +2,7 @@
 tiny-random-qwen2 and the real sandbox, its breakdown read from the episodes' clocks and the engine's
 own busy counters (meta_info.busy_s)."""
 from nano_miles.models.prepare import load_tokenizer
+from nano_miles.rollout.anatomy import EpisodeClock, RolloutAnatomy
 from nano_miles.rollout.dynamic_sampling import TrainRolloutConfig
 from nano_miles.rollout.env import EnvConfig
 from nano_miles.rollout.producer import AsyncProducer, play_step_rollout, roll_out_step
@@ -29,6 +30,8 @@ def test_a_steps_metrics_say_where_its_rollout_wall_went(engine_server, tiny_mod
     assert abs(m["generate_s"] + m["sandbox_s"] + m["env_s"] - m["episode_s"]) < 1e-6 * episodes + 1e-3
     assert 0 < m["critical_path_s"] <= rollout.seconds and m["straggler_s"] <= rollout.seconds
     assert 0 < m["sandbox_share"] < 1
+    assert 0 < m["critical_generate_s"] + m["critical_sandbox_s"] <= m["critical_path_s"] + 1e-6
+    assert 1 <= m["critical_turns"] <= 2 and m["commands_timed_out"] == 0
     header, row = format_header().split(), format_row(m).split()
     assert {"eng%", "sbx%", "crit_s", "refill"} <= set(header) and len(row) == len(header)
 
@@ -52,3 +55,18 @@ def test_with_carry_over_a_step_counts_only_its_own_window(engine_server, tiny_m
     for r in rollouts:
         m = r.anatomy.metrics(r.seconds)
         assert 0 < m["critical_path_s"] <= r.seconds and 0 < m["engine_busy_share"] <= 1
+
+
+def test_the_slowest_episode_says_whether_it_decoded_or_waited_on_commands():
+    """Its turns run one after another: the breakdown names the straggler's generate and sandbox
+    seconds and turns, and counts every episode's timed-out commands."""
+    start = 100.0
+    quick = EpisodeClock(started=start, ended=start + 1.0, generate_s=0.8, sandbox_s=0.1, turns=1)
+    slow = EpisodeClock(started=start, ended=start + 12.0, generate_s=1.5, sandbox_s=10.2, turns=3, timed_out=1)
+    other = EpisodeClock(started=start, ended=start + 2.0, generate_s=1.0, sandbox_s=0.9, turns=2, timed_out=1)
+    anatomy = RolloutAnatomy()
+    anatomy.add_rollout([quick, slow, other], start, start + 12.0)
+    m = anatomy.metrics(12.0)
+    assert m["critical_path_s"] == 12.0
+    assert (m["critical_generate_s"], m["critical_sandbox_s"], m["critical_turns"]) == (1.5, 10.2, 3)
+    assert m["commands_timed_out"] == 2

@@ -15,6 +15,7 @@ import threading
 
 import pytest
 
+from nano_miles.rollout.anatomy import EpisodeClock
 from nano_miles.rollout.batch import Trajectory, build_rollout_batch
 from nano_miles.engine.client import EngineUnavailable
 from nano_miles.rollout.chat_format import ChatFormat
@@ -250,9 +251,11 @@ def test_garbage_turns_then_a_correct_answer(fmt):
     ])
     cfg = RolloutConfig(max_new_tokens=64, env=EnvConfig(max_turns=10, command_timeout=1.0,
                                                          max_observation_chars=400))
-    t = asyncio.run(run_episode(policy, fmt, get_task("kernel_name"), 0, "g", cfg))
+    clock = EpisodeClock()
+    t = asyncio.run(run_episode(policy, fmt, get_task("kernel_name"), 0, "g", cfg, clock=clock))
     check_invariants(t, fmt)
     assert t.finish_reason == "answer" and t.num_turns == 8
+    assert clock.turns == 8 and clock.timed_out == 1 and clock.sandbox_s >= 1.0  # the timeout is sandbox time
     c = t.reward_components
     assert (c["correct"], c["exec_ok"], c["format"], c["timeout"]) == (1.0, 0.1, -0.2, -0.1)
     assert t.reward == pytest.approx(0.8)
