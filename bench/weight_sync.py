@@ -172,7 +172,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="qwen2.5-0.5b", choices=sorted(SHAPES))
     ap.add_argument("--trainer-device", default="cuda:0")
-    ap.add_argument("--engine-device", default="cuda:1")
+    ap.add_argument("--engine-device", default="cuda:1" if torch.cuda.device_count() > 1 else "cuda:0",
+                    help="default: the second GPU, the trainer's own on a one-GPU machine")
     ap.add_argument("--engines", type=int, default=1, help="engine processes; M > 1 also measures the sync to all M")
     ap.add_argument("--engine-devices", default="", help="comma-separated, one per engine (cycled); "
                     "default: --engine-device for every engine")

@@ -251,7 +251,7 @@ class Engine:
         return finished
 
     def _num_blocks(self, work) -> int:
-        return max(self.blocks.blocks_needed(s.num_computed_tokens + n) for s, n in work)
+        return self.blocks.blocks_needed(max(s.num_computed_tokens + n for s, n in work))
 
     def _prepare(self, work, rows: int | None = None, blocks: int | None = None) -> Batch:
         """Pad `work` ([(seq, num_new_tokens)]) into a Batch of `rows` x max-new-tokens queries over

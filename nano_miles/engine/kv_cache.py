@@ -106,6 +106,8 @@ class BlockManager:
     def ensure_slots(self, seq, num_tokens: int) -> bool:
         """Make seq's blocks cover num_tokens tokens. False (nothing taken) if out of blocks."""
         need = self.blocks_needed(num_tokens) - len(seq.block_table)
+        if need <= 0:  # the common case: the last block has room
+            return True
         if need > self.num_free:
             return False
         seq.block_table += [self._take_free() for _ in range(need)]
