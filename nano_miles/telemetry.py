@@ -106,6 +106,7 @@ def step_metrics(step: int, rollout, staleness: list[int], max_staleness: int, t
         # where the sync's milliseconds went: trainer/weight_sync.py, engine/weight_receiver.py
         **{f"sync_{phase}_ms": ms for phase, ms in (sync.get("phases_ms") or {}).items()},
         **{f"sync_engine_{phase}_ms": ms for phase, ms in (sync.get("engine_ms") or {}).items()},
+        **{f"sync_send_{part}_ms": ms for part, ms in (sync.get("send_ms") or {}).items()},
         "weight_version": sync["weight_version"], "rollout_s": rollout.seconds, "response_tokens": response_tokens,
         "response_tokens_mean": response_tokens / len(trajs) if trajs else None,
         "tokens_per_s": response_tokens / max(rollout.seconds, 1e-9),

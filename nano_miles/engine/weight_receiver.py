@@ -141,10 +141,12 @@ class WeightReceiver:
                 p.data = p.data.clone()
         self.shared_key = None
 
-    async def _apply(self, update: _Update, body, source: str, timings: dict, t0: float):
+    async def _apply(self, request, update: _Update, body, source: str, timings: dict, t0: float):
         """Swap `update` in on the engine thread once in-flight work allows; bump the version. Answers
         with timings_ms: parse, decode or receive, wait (hand-off to the engine thread and drain), copy
-        (until complete, and the KV flush), release (of the trainer's buffer), answer, total."""
+        (until complete, and the KV flush), release (of the trainer's buffer), answer, total; and the
+        wall-clock times the request reached the server and its answer left the handler (a sender on
+        this machine tells its time in transit from its own clock)."""
         abort_first, given = self._update_fields(body)
         # one bucket of several: the version moves with the last one (the KV cache is flushed regardless)
         partial = body.get("flush_cache") is False and given is None
@@ -169,6 +171,7 @@ class WeightReceiver:
                        answer=_ms(released), total=_ms(t0))
         return json_response({
             "success": True, "fast_path": update.fast, "timings_ms": timings,
+            "received_at": request.get("received_at"), "answered_at": time.time(),
             "message": f"Succeeded to update {update.count} tensors from {source}"
                        f"{' with one copy' if update.fast else ''}. Weight version updated to {version}."})
 
@@ -183,7 +186,8 @@ class WeightReceiver:
             return _Update(named=self._check(W.decode_tensor_payload(payload, fmt)))
 
         update = await asyncio.to_thread(decode)
-        return await self._apply(update, body, "tensor", {"parse": _ms(t0, parsed), "decode": _ms(parsed)}, t0)
+        timings = {"parse": _ms(t0, parsed), "decode": _ms(parsed)}
+        return await self._apply(request, update, body, "tensor", timings, t0)
 
     async def update_from_disk(self, request):
         t0 = time.perf_counter()
@@ -203,7 +207,7 @@ class WeightReceiver:
 
         t = time.perf_counter()
         named = await asyncio.to_thread(load)
-        return await self._apply(_Update(named=named), body, f"disk ({path})", {"decode": _ms(t)}, t0)
+        return await self._apply(request, _Update(named=named), body, f"disk ({path})", {"decode": _ms(t)}, t0)
 
     async def update_from_shared(self, request):
         t0 = time.perf_counter()
@@ -332,7 +336,7 @@ class WeightReceiver:
                 raise W.WeightPayloadError(f"receiving over {name!r}: {type(e).__name__}: {e}; the group was "
                                            "dropped, call /init_weights_update_group again") from None
             timings = {"parse": _ms(t0, parsed), "receive": _ms(parsed)}
-            return await self._apply(update, body, f"distributed group {name!r}", timings, t0)
+            return await self._apply(request, update, body, f"distributed group {name!r}", timings, t0)
 
     def _receive(self, name, names, dtypes, shapes, fmt):
         device, pg = self.worker.engine.device, self.groups[name]

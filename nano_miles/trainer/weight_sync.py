@@ -89,6 +89,7 @@ class WeightSync:
         self._send_buf = None  # distributed: the persistent flattened send buffer
         self._phases: dict = {}
         self._answers: list = []  # the engines' answers to the last update call (the last bucket's)
+        self._send_split: dict | None = None  # the last bucket's send, split (_split_send)
         self._pausing: list | None = None  # the pause calls of the running sync, until waited for
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
@@ -99,10 +100,11 @@ class WeightSync:
 
     def sync(self, weight_version) -> dict:
         """Send the current weights to every engine; return {ms, bytes, transport, verified, buckets,
-        weight_version, engines, phases_ms, engine_ms, fast_path}."""
+        weight_version, engines, phases_ms, engine_ms, send_ms, fast_path}."""
         version, t0 = str(weight_version), time.perf_counter()
         self._phases = dict.fromkeys(("pause", "prepare", "pack", "send", "free", "resume"), 0.0)
         self._answers, sent = [], {"bytes": 0, "buckets": 0, "checksums": None}
+        self._send_split = None
         # The engines finish their running forward step while the first bucket is prepared and packed;
         # each transport waits for the pause (self._paused) just before it sends.
         self._pausing = self._start_all(lambda c: c.pause("in_place"))
@@ -128,6 +130,7 @@ class WeightSync:
                 "buckets": sent["buckets"], "weight_version": version, "engines": len(self.urls),
                 "phases_ms": {k: round(v, 3) for k, v in self._phases.items()},
                 "engine_ms": answers[0].get("timings_ms") if answers else None,
+                "send_ms": self._send_split,
                 "fast_path": bool(answers) and all(a.get("fast_path", True) for a in answers)}
 
     def before_update(self) -> None:
@@ -238,15 +241,29 @@ class WeightSync:
             payload, flat = W.serialize_bucket(bucket)
             self._phase("pack", t)
             t = self._paused()
-            self._answers = self._on_all(lambda c: c.update_weights_from_tensor(
+            submitted = time.time()
+            self._answers = self._on_all(lambda c: _stamped(c.update_weights_from_tensor)(
                 payload, load_format="flattened_bucket", flush_cache=last, weight_version=version if last else None))
             t = self._phase("send", t)
+            self._split_send(submitted)
             del flat, payload  # acknowledged: the engines copied, synchronised, closed it
             if self.device.type == "cuda":
                 # Frees the buffers engines have released since (torch's IPC limbo). No empty_cache():
                 # the next bucket or training step reuses the cached block, a cudaMalloc would cost ms.
                 torch.cuda.ipc_collect()
             self._phase("free", t)
+
+    def _split_send(self, submitted: float) -> None:
+        """The first engine's send, split by the wall-clock stamps on both sides (one machine, one
+        clock): the sending thread's wake-up, the way to the engine's handler (the HTTP request, and
+        the engine's event loop getting to it), the handler, the way back."""
+        a = self._answers[0] if self._answers else None
+        if not (isinstance(a, dict) and a.get("received_at") and a.get("timings_ms")
+                and urlparse(self.urls[0]).hostname in _LOCAL_HOSTS):
+            return
+        ms = lambda start, end: round((end - start) * 1000.0, 3)  # noqa: E731
+        self._send_split = {"wake": ms(submitted, a["sent_at"]), "to_engine": ms(a["sent_at"], a["received_at"]),
+                            "engine": a["timings_ms"].get("total"), "from_engine": ms(a["answered_at"], a["back_at"])}
 
     def _init_group(self):
         backend = "nccl" if self.device.type == "cuda" else "gloo"
@@ -350,6 +367,15 @@ class WeightSync:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _stamped(call):
+    """call, its answer (a dict) stamped with the wall-clock times it was sent and came back."""
+    def stamped(*args, **kwargs):
+        sent_at = time.time()
+        answer = call(*args, **kwargs)
+        return {**answer, "sent_at": sent_at, "back_at": time.time()} if isinstance(answer, dict) else answer
+    return stamped
 
 
 def _refuse_non_finite(named, version: str) -> None:

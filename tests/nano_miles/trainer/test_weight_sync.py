@@ -67,6 +67,12 @@ def test_engine_serves_the_trainers_weights_after_each_update(transport, engine_
             assert set(stats["phases_ms"]) == {"pause", "prepare", "pack", "send", "free", "resume"}
             assert stats["engine_ms"]["total"] <= stats["phases_ms"]["send"]
             assert sum(stats["phases_ms"].values()) <= stats["ms"] + 0.01  # no millisecond counted twice
+            if transport == "ipc":  # its send, split by both sides' clocks (one machine): parts of the send
+                split = stats["send_ms"]
+                assert set(split) == {"wake", "to_engine", "engine", "from_engine"}
+                assert split["engine"] == stats["engine_ms"]["total"]
+                assert all(ms >= 0 for ms in split.values())
+                assert sum(split.values()) <= stats["phases_ms"]["send"] * 1.05 + 0.5  # (stamps vs one bucket's send)
             assert engine_client.weight_version() == f"{transport}-{step}"
         batch = engine_rollouts(engine_client, seed=99)
         assert batch.weight_versions[0] == [f"{transport}-2"]
