@@ -55,7 +55,8 @@ def p90(values: list) -> float | None:
 def summarise(rows: list[dict]) -> dict:
     """The figures of a run's step rows: medians, and the step seconds' p90."""
     sync_keys = [k for k in (rows[0] if rows else {}) if k.startswith("sync_") and k.endswith("_ms") and k != "sync_ms"]
-    send_parts = [k for k in sync_keys if k.startswith("sync_send_") and k != "sync_send_ms"]  # the send phase's parts
+    # the send phase's parts (sync_send_ms is the phase itself)
+    send_parts = [k for k in sync_keys if k.startswith("sync_send_") and k != "sync_send_ms"]
     engine_phases = [k for k in sync_keys if k.startswith("sync_engine_")]
     sync_phases = [k for k in sync_keys if k not in send_parts and k not in engine_phases]
     return {"steps_measured": len(rows),
@@ -72,7 +73,8 @@ def summarise(rows: list[dict]) -> dict:
             "sync_engine_ms_median": {k[len("sync_engine_"):-len("_ms")]: median([r.get(k) for r in rows])
                                       for k in engine_phases},
             # the send phase split by wall-clock stamps: wake, to_engine, engine, from_engine
-            "sync_send_ms_median": {k[len("sync_send_"):-len("_ms")]: median([r.get(k) for r in rows]) for k in send_parts},
+            "sync_send_ms_median": {k[len("sync_send_"):-len("_ms")]: median([r.get(k) for r in rows])
+                                    for k in send_parts},
             "parity_mean_median": median([r.get("parity_mean") for r in rows]),
             "parity_stale_mean_median": median([r.get("parity_stale_mean") for r in rows]),
             "parity_max": max((r["parity_max"] for r in rows if r.get("parity_max") is not None), default=None)}

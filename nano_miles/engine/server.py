@@ -121,7 +121,7 @@ class Server:
 
     @web.middleware
     async def _errors(self, request, handler):
-        request["received_at"] = time.time()  # wall clock: a weight answer reports it (its sender splits its wait)
+        request["received_at"] = time.time()  # wall clock: weight answers report it (weight_sync splits its send)
         if self.authorization is not None and request.path not in UNAUTHENTICATED_ROUTES and not hmac.compare_digest(
                 request.headers.get("Authorization", "").encode(), self.authorization):
             return error("unauthorized: this server needs the header 'Authorization: Bearer <api key>'", 401)

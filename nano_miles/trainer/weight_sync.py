@@ -262,8 +262,10 @@ class WeightSync:
                 and urlparse(self.urls[0]).hostname in _LOCAL_HOSTS):
             return
         ms = lambda start, end: round((end - start) * 1000.0, 3)  # noqa: E731
-        self._send_split = {"wake": ms(submitted, a["sent_at"]), "to_engine": ms(a["sent_at"], a["received_at"]),
-                            "engine": a["timings_ms"].get("total"), "from_engine": ms(a["answered_at"], a["back_at"])}
+        self._send_split = {"wake": ms(submitted, a["sent_at"]),
+                            "to_engine": ms(a["sent_at"], a["received_at"]),
+                            "engine": a["timings_ms"].get("total"),
+                            "from_engine": ms(a["answered_at"], a["back_at"])}
 
     def _init_group(self):
         backend = "nccl" if self.device.type == "cuda" else "gloo"
