@@ -45,7 +45,8 @@ class RolloutAnatomy:
     episode_s: float = 0.0
     critical_path_s: float = 0.0  # the step's slowest episode: what its rollout could not beat
     # ...and where that episode's wall went: its turns run one after another, so a straggler is
-    # either long decodes (many turns, long replies) or slow commands (a timeout costs command_timeout)
+    # either long decodes (many turns, long replies) or slow commands (a timeout costs command_timeout).
+    # Over its whole life: one carried in from the last step brings its seconds from before this step.
     critical_generate_s: float = 0.0
     critical_sandbox_s: float = 0.0
     critical_turns: int = 0
