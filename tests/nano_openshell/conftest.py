@@ -94,6 +94,16 @@ def wait_gone(text: str, within: float = 2.0) -> list[int]:
         time.sleep(0.05)
 
 
+def wait_until(condition, what: str, within: float = 20.0):
+    """Poll condition() until it holds and return its value; fail saying `what` was awaited after
+    `within` seconds. For a test that waits on an event: no fixed sleep, however slow the host."""
+    end = time.monotonic() + within
+    while not (value := condition()):
+        assert time.monotonic() < end, f"{what}: not within {within:g} s"
+        time.sleep(0.01)
+    return value
+
+
 _PTRACE_SEIZE, _WALL = 0x4206, 0x40000000
 
 
@@ -124,5 +134,5 @@ def exec_held_past_its_deadline(sandbox):
     return r
 
 
-__all__ = ["MARK", "ISOLATED", "Limits", "started", "token", "sleep_arg", "processes_with", "wait_gone",
+__all__ = ["MARK", "ISOLATED", "Limits", "started", "token", "sleep_arg", "processes_with", "wait_gone", "wait_until",
            "exec_held_past_its_deadline"]

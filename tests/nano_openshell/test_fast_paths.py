@@ -15,8 +15,9 @@ import time
 import pytest
 
 from nano_openshell import namespaced
+from nano_openshell.workspace import FRESH_NS
 
-from .conftest import MARK, processes_with, sleep_arg, started, token
+from .conftest import MARK, processes_with, sleep_arg, started, token, wait_until
 
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="only a root supervisor drops to another uid")
 
@@ -81,7 +82,8 @@ def test_host_writes_between_commands_are_handed_over(sandbox):
     with open(os.path.join(ws, "right_after"), "w") as f:
         f.write("host\n")
     assert sandbox.exec("echo more >> right_after && echo ok", timeout=10).stdout == "ok\n"
-    time.sleep(0.4)  # let the directory state settle, so read-only commands take the short path
+    # until the handover trusts the directory state, so that read-only commands take the short path
+    wait_until(lambda: _settled(ws), "the workspace's mtimes grow old enough to trust")
     for _ in range(3):
         assert sandbox.exec("cat right_after > /dev/null", timeout=10).exit_code == 0
     os.makedirs(os.path.join(ws, "new/deeper"))
@@ -93,6 +95,13 @@ def test_host_writes_between_commands_are_handed_over(sandbox):
     assert r.stdout == "ok\n", r.stderr
     for rel in ("made_by_command", "right_after", "new", "new/deeper", "new/deeper/file", "new/deeper/d"):
         assert _owner(sandbox, rel) == sandbox.uid, rel
+
+
+def _settled(root):
+    """Every directory under root has an mtime the handover trusts (older than FRESH_NS, by the clock it
+    reads): the next handover records the tree, and those after it skip the walk while nothing changes."""
+    newest = max(os.stat(d).st_mtime_ns for d, _, _ in os.walk(root))
+    return time.time_ns() - newest > FRESH_NS
 
 
 def _host_file(ws, name):
@@ -111,7 +120,7 @@ def test_handover_walk_is_skipped_only_while_no_directory_changed(sandbox):
     with open(path, "w") as f:
         f.write("host\n")
     sandbox.exec("true", timeout=10)
-    time.sleep(0.4)
+    wait_until(lambda: _settled(sandbox.workspace), "the workspace's mtimes grow old enough to trust")
     sandbox.exec("true", timeout=10)  # settled: this handover records the directory state
     os.chown(path, 0, 0)
     sandbox.exec("true", timeout=10)
