@@ -19,6 +19,8 @@ from nano_openshell.policy import Policy, PolicyError
 from nano_openshell.proxy import (PROTOCOL_VERSION, HandshakeError, ProxyServer, default_resolve,
                                   handshake)
 
+from .conftest import wait_until
+
 
 class Upstream(http.server.BaseHTTPRequestHandler):
     seen: list  # (method, path, headers, body) of every request the server received
@@ -396,7 +398,8 @@ def test_connection_limit_answers_503(make_proxy):
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.connect(proxy.socket_path)
         idle.append(s)
-    time.sleep(0.1)
+    # both idle connections hold their slots (taken before their threads start, which then record them)
+    wait_until(lambda: len(proxy._conns) == 2, "the proxy serves both idle connections")
     assert status(send(proxy, get("example.com"))) == 503
     for s in idle:
         s.close()
