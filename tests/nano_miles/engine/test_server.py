@@ -206,7 +206,7 @@ def test_pause_abort_mode_aborts_running_and_holds_new_requests(engine_server, e
     t1.join(30)
     assert box["p-running"]["meta_info"]["finish_reason"]["type"] == "abort"
     t2 = _long_request(engine_server.client(), "p-queued", box, n=5)
-    time.sleep(0.5)
+    time.sleep(0.5)  # a negative check: 5 tokens take milliseconds, so one not held would be answered by now
     assert "p-queued" not in box  # held while paused
     engine_client.resume()
     t2.join(30)
@@ -219,7 +219,7 @@ def test_pause_keeps_requests_and_continue_finishes_them(engine_server, engine_c
     t = _long_request(engine_server.client(), f"keep-{mode}", box, n=1000)
     _wait_running(engine_client)
     engine_client.pause(mode)
-    time.sleep(0.5)
+    time.sleep(0.5)  # a negative check: an aborted request would be answered within this window
     assert f"keep-{mode}" not in box  # frozen, not aborted
     engine_client.resume()
     t.join(60)
@@ -372,7 +372,7 @@ def test_abort_a_request_held_by_a_pause(engine_server, engine_client):
     engine_client.pause("in_place")
     box = {}
     held = [_long_request(engine_server.client(), rid, box, n=4) for rid in ("held-a", "held-b")]
-    time.sleep(0.5)
+    time.sleep(0.5)  # until both reach the engine: held requests are parked, which no route counts
     assert engine_client.abort(rid="held-a")["num_aborted"] == 1
     held[0].join(10)
     out = box["held-a"]
