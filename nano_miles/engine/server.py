@@ -211,6 +211,7 @@ class Server:
     async def server_info(self, request):
         state = await self.worker.call(lambda eng: {
             "running": len(eng.scheduler.running), "waiting": len(eng.scheduler.waiting),
+            "parked": sum(len(batch) for batch in self.worker.parked),  # held by a pause, not yet admitted
             "paused": self.worker.paused, "pause_mode": self.worker.pause_mode,
             "num_kv_blocks": eng.num_kv_blocks, "block_size": eng.config.block_size})
         keys = to_dict(self.cfg)  # flat, as SGLang's server_args: the engine's keys beside the server's

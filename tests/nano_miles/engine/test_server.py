@@ -372,7 +372,10 @@ def test_abort_a_request_held_by_a_pause(engine_server, engine_client):
     engine_client.pause("in_place")
     box = {}
     held = [_long_request(engine_server.client(), rid, box, n=4) for rid in ("held-a", "held-b")]
-    time.sleep(0.5)  # until both reach the engine: held requests are parked, which no route counts
+    deadline = time.time() + 30  # until both reach the engine, which parks them while paused
+    while engine_client.server_info()["internal_states"][0]["parked"] < 2:
+        assert time.time() < deadline, "the held requests never reached the engine"
+        time.sleep(0.02)
     assert engine_client.abort(rid="held-a")["num_aborted"] == 1
     held[0].join(10)
     out = box["held-a"]
