@@ -42,6 +42,7 @@ EVAL_CURVES = (("eval_pass_at_1", "eval_tasks"), ("eval_alfa_pass_at_1", "ALFA s
 STEP_CURVES = (("step_s", "step seconds"), ("engine_busy_share", "engine busy share of the rollout wall"),
                ("engine_decode_s", "engine decode seconds a step"), ("sandbox_share", "sandbox share of episode time"),
                ("env_share", "env's own share of episode time"), ("critical_path_s", "slowest episode a step (s)"),
+               ("critical_sandbox_s", "the slowest episode's sandbox seconds"),
                ("straggler_s", "wait on the slowest half of a step's episodes (s)"),
                ("refill_s", "wall refills added after the first wave (s)"))
 
