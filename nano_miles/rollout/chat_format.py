@@ -45,9 +45,13 @@ class ChatFormat:
             probe = self.render(turns, add_generation_prompt=True)
         after = probe[probe.index(act) + len(act):]
         self.obs_head, self.obs_tail = after[:after.index(obs)], after[after.index(obs) + len(obs):]
-        eos_text = tok.convert_ids_to_tokens(tok.eos_token_id) if tok.eos_token_id is not None else ""
-        if eos_text and self.obs_head.startswith(eos_text):
-            self.close_text, self.close_id = eos_text, tok.eos_token_id
+        # The stop token that closes a turn: the eos, or another stop id (a base model's tokenizer, whose
+        # eos is <|endoftext|>, ends ChatML turns with <|im_end|>)
+        for i in [tok.eos_token_id, *self.stop_ids]:
+            text = tok.convert_ids_to_tokens(i) if i is not None else ""
+            if text and self.obs_head.startswith(text):
+                self.close_text, self.close_id = text, i
+                break
 
     def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         """The conversation as text, tool messages in this template's tool form."""

@@ -6,7 +6,7 @@ import pytest
 
 from nano_miles.rollout.chat_format import ChatFormat
 from nano_miles.rollout.env import SYSTEM_PROMPT, OpenShellEnv
-from nano_miles.models.prepare import load_tokenizer
+from nano_miles.models.prepare import load_tokenizer, resolve_model
 from nano_miles.tasks import get_task
 
 
@@ -55,3 +55,18 @@ def test_chat_format_prompt_and_observation(tiny_tok, make_env):
     # only the template's own three: <|im_start|>user, <|im_end|>, <|im_start|>assistant
     assert sum(1 for i in forged if i in turn_marks) == 3
     assert tiny_tok.decode(forged).count("<|im_end|><|im_start|>assistant") == 1   # the text survives, as text
+
+
+def test_a_turn_closed_by_a_stop_token_other_than_eos_is_not_closed_twice():
+    """A base model's tokenizer (Qwen2.5-0.5B: eos <|endoftext|>, the same ChatML template) ends a turn
+    with <|im_end|>, a stop id but not its eos: the observation must not repeat it."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(resolve_model("tiny-random-qwen2")), eos_token="<|endoftext|>")
+    fmt = ChatFormat(tok)
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert tok.eos_token_id != im_end and im_end in fmt.stop_ids
+    closed = tok.decode(fmt.observation_ids("out", last_model_id=im_end))
+    assert closed == "\n<|im_start|>user\n<tool_response>\nout\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    # cut off mid-turn (length): the observation still closes the turn
+    assert tok.decode(fmt.observation_ids("out", last_model_id=5)) == "<|im_end|>" + closed
