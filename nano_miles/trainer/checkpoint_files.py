@@ -166,4 +166,12 @@ def read_metadata(path) -> dcp_metadata.Metadata:
         raise CheckpointError(f"{file} cannot be loaded: {type(e).__name__}: {one_line(e)}") from None
     if not isinstance(metadata, dcp_metadata.Metadata) or not isinstance(metadata.state_dict_metadata, dict):
         raise CheckpointError(f"{file} cannot be loaded: it holds a {type(metadata).__name__}, not DCP's metadata")
+    # DCP's reader opens folder / each shard's name: a name with a separator, an absolute one or a
+    # symlink would read a file outside the checkpoint (another run's weights) into this one.
+    storage = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
+    for info in storage.values():
+        name = getattr(info, "relative_path", None)
+        if not (isinstance(name, str) and name not in ("", ".", "..") and Path(name).name == name
+                and not (Path(path) / name).is_symlink()):
+            raise CheckpointError(f"{file} cannot be loaded: it names a shard outside its folder: {name!r}")
     return metadata

@@ -55,8 +55,8 @@ def _chunked(hidden, targets, weight, chunk: int, with_entropy: bool, temperatur
     head = head or chunk_logprobs
     parts = [head(hidden[s:s + chunk], targets[s:s + chunk], weight, with_entropy, temperature)
              for s in range(0, hidden.shape[0], chunk)]
-    if not parts:
-        empty = hidden.new_zeros(0, dtype=torch.float32)
+    if not parts:  # nothing scored: still of hidden's graph (a micro-batch's loss must backward)
+        empty = hidden.float().sum(-1)
         return empty, empty
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 

@@ -96,6 +96,34 @@ def test_a_crafted_object_entry_never_runs(tmp_path, tiny_model_path):
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("where", ["parent", "absolute", "symlink"])
+def test_a_crafted_metadata_never_reads_a_shard_outside_its_folder(tmp_path, tiny_model_path, where):
+    """Genuine metadata whose shard names lead out of the checkpoint folder (DCP's reader opens
+    folder / name): resuming would load whatever checkpoint of this host they name, into the weights the
+    run then serves and exports."""
+    outside = Trainer(sharded_ranks.trainer_config(str(tiny_model_path)))
+    with torch.no_grad():
+        for m in outside.masters:
+            m.fill_(7.0)
+    dist_checkpoint.save(outside, tmp_path / "elsewhere").result()
+    ckpt = tmp_path / "run" / "checkpoint"
+    dist_checkpoint.save(Trainer(sharded_ranks.trainer_config(str(tiny_model_path))), ckpt).result()
+    metadata = read_metadata(ckpt)
+    for index, info in metadata.storage_data.items():
+        target = tmp_path / "elsewhere" / info.relative_path
+        if where == "symlink":
+            (ckpt / info.relative_path).unlink(missing_ok=True)
+            (ckpt / info.relative_path).symlink_to(target)
+            continue
+        name = f"../../elsewhere/{info.relative_path}" if where == "parent" else str(target)
+        metadata.storage_data[index] = _StorageInfo(name, info.offset, info.length, info.transform_descriptors)
+    (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
+    trainer = Trainer(sharded_ranks.trainer_config(str(tiny_model_path)))
+    with pytest.raises(CheckpointError, match=f"^{ckpt / '.metadata'} cannot be loaded: .*outside"):
+        dist_checkpoint.load(trainer, ckpt)
+    assert not any(bool((m == 7.0).all()) for m in trainer.masters)
+
+
 def test_a_damaged_sharded_checkpoint_is_one_line_naming_it(tmp_path, tiny_model_path):
     trainer = Trainer(sharded_ranks.trainer_config(str(tiny_model_path)))
     dist_checkpoint.save(trainer, tmp_path / "ckpt").result()

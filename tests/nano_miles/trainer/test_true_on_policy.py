@@ -138,3 +138,21 @@ def test_the_train_key_turns_on_both_sides_and_refuses_a_tempered_rollout():
     assert "--true-on-policy" not in train_layout(TrainConfig()).engine_args
     with pytest.raises(ConfigError, match="temperature"):
         load_config(TrainConfig, None, parse_set(["true_on_policy=true", "rollout.temperature=0.7"]))
+
+
+def test_a_micro_batch_without_a_response_token_trains_as_nothing(tiny_model_path):
+    # An episode whose prompt is over rollout.env.max_total_tokens ends before its first turn
+    # ("token_budget", rollout/episode.py): no response token, but not broken, so it is trained on.
+    # With one row a micro-batch (the CPU default) its micro-batch scores nothing; the step must still
+    # run, and leave the weights as the batch without that row would.
+    scored = Trajectory(prompt_ids=prompt(0), response_ids=[5, 6, 7, 8], response_logprobs=[-1.0] * 4,
+                        response_mask=[True] * 4, reward=1.0, group_id="g")
+    over_budget = Trajectory(prompt_ids=prompt(1), response_ids=[], response_logprobs=[], response_mask=[],
+                             reward=0.0, group_id="g")
+    weights = []
+    for trajs, adv in (([scored, over_budget], [1.0, -1.0]), ([scored], [1.0])):
+        trainer = Trainer(TrainerConfig(model=str(tiny_model_path), true_on_policy=True, micro_batch_size=1))
+        m = trainer.train_step(build_rollout_batch(trajs), torch.tensor(adv))
+        assert trainer.step == 1 and m["response_tokens"] == 4
+        weights.append([p.detach().clone() for p in trainer.masters])
+    assert all(torch.equal(a, b) for a, b in zip(*weights))
