@@ -51,6 +51,7 @@ class RolloutAnatomy:
     critical_sandbox_s: float = 0.0
     critical_turns: int = 0
     commands_timed_out: int = 0   # over all the step's episodes
+    episodes: int = 0             # the episodes counted (with carry: those that ended since the last step)
     straggler_s: float = 0.0      # wall after half the step's episodes had ended (waiting on the slowest)
     refill_s: float = 0.0         # wall after the step's first wave of groups ended: what refills added
     guide_s: float = 0.0          # scripted episodes of guided groups, summed over the groups (they overlap)
@@ -72,6 +73,7 @@ class RolloutAnatomy:
             self.straggler_s += max(0.0, ended - statistics.median(c.ended for c in done))
         first: dict = {}  # per (replica, phase): its counter's span over the rollout
         last: dict = {}
+        self.episodes += len(done)
         for c in done:
             self.commands_timed_out += c.timed_out
             self.generate_s += c.generate_s
@@ -96,6 +98,7 @@ class RolloutAnatomy:
                "episode_s": self.episode_s, "critical_path_s": self.critical_path_s,
                "critical_generate_s": self.critical_generate_s, "critical_sandbox_s": self.critical_sandbox_s,
                "critical_turns": self.critical_turns, "commands_timed_out": self.commands_timed_out,
+               "episodes_timed": self.episodes,
                "straggler_s": self.straggler_s, "refill_s": self.refill_s, "guide_s": self.guide_s,
                "sandbox_share": self.sandbox_s / self.episode_s if self.episode_s else None,
                "env_share": self.env_s / self.episode_s if self.episode_s else None}

@@ -199,7 +199,7 @@ async def play_step_rollout(step: int, stream: TaskStream, tasks_per_step: int, 
     the last one left and leaves it what its batch does not need (see _play_step)."""
     before = stream.state(carry.task_ids() if carry else None)
     tally = SamplingTally(cfg.dynamic_sampling, tasks_per_step, max_rounds=cfg.max_sampling_rounds)
-    anatomy, clocks = RolloutAnatomy(), []
+    anatomy = RolloutAnatomy()
     t0 = time.perf_counter()
     runner = (carry.runner if carry is not None else None) or GroupRunner(engines, tokenizer, cfg, sandbox_factory)
     if carry is not None:  # it plays on across steps: Carry.close() closes it
@@ -210,7 +210,7 @@ async def play_step_rollout(step: int, stream: TaskStream, tasks_per_step: int, 
                 bar.total += cfg.group_size
                 bar.set_description(f"{desc} ({refills} refill(s))" if refills > 0 and carry is None else desc)
 
-            runner.on_episode_done, runner.clocks = lambda: bar.update(1), clocks
+            runner.on_episode_done = lambda: bar.update(1)
             try:
                 groups = await _play_step(runner, stream, tasks_per_step, cfg, step_seed(run_seed, step), tally,
                                           anatomy, on_start, carry)
@@ -220,6 +220,9 @@ async def play_step_rollout(step: int, stream: TaskStream, tasks_per_step: int, 
     except BaseException:
         stream.restore(before)
         raise
+    # The episodes that ended since the last step took its clocks: with carry, those of groups that
+    # finished between two steps count in this one (the runner plays on in between)
+    clocks, runner.clocks = runner.clocks, []
     anatomy.add_rollout(clocks, t0, time.perf_counter(), carry.busy_seen if carry is not None else None)
     if carry is not None:  # usable groups beyond the batch are the next step's, not dropped
         surplus = set(_usable(groups, cfg.dynamic_sampling)[tasks_per_step:])

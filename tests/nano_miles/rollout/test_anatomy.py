@@ -1,11 +1,13 @@
 """Where a step's rollout wall went (nano_miles/rollout/anatomy.py): a real step on the real engine with
 tiny-random-qwen2 and the real sandbox, its breakdown read from the episodes' clocks and the engine's
 own busy counters (meta_info.busy_s)."""
+import asyncio
+
 from nano_miles.models.prepare import load_tokenizer
 from nano_miles.rollout.anatomy import EpisodeClock, RolloutAnatomy
 from nano_miles.rollout.dynamic_sampling import TrainRolloutConfig
 from nano_miles.rollout.env import EnvConfig
-from nano_miles.rollout.producer import AsyncProducer, play_step_rollout, roll_out_step
+from nano_miles.rollout.producer import AsyncProducer, Carry, play_step_rollout, roll_out_step
 from nano_miles.rollout.task_stream import TaskStream
 from nano_miles.tasks import select_tasks
 from nano_miles.telemetry import format_header, format_row, step_metrics
@@ -70,3 +72,34 @@ def test_the_slowest_episode_says_whether_it_decoded_or_waited_on_commands():
     assert m["critical_path_s"] == 12.0
     assert (m["critical_generate_s"], m["critical_sandbox_s"], m["critical_turns"]) == (1.5, 10.2, 3)
     assert m["commands_timed_out"] == 2
+
+
+def test_with_carry_over_an_episode_that_ends_between_two_steps_counts_in_the_next(engine_server, tiny_model_path):
+    """A carried group plays on between steps: its episodes that end after one step took its clocks
+    and before the next starts count in the next step's breakdown, not in none."""
+    tok = load_tokenizer(tiny_model_path)
+    # a random model never solves: no group has a signal, so a step ends when the bound's worth (4
+    # groups) came back, the width of 2 still running (carried)
+    cfg = TrainRolloutConfig(group_size=2, max_new_tokens=8, temperature=1.0, dynamic_sampling=True, oversample=2.0,
+                             max_sampling_rounds=2, env=EnvConfig(max_turns=2))
+    stream = TaskStream(select_tasks("kernel_name,word_count_total"), seed=0)
+
+    async def steps():
+        carry, counted = Carry(), []
+        try:
+            for step in range(1, 6):
+                r = await play_step_rollout(step, stream, 1, [engine_server.url], tok, cfg, run_seed=0, carry=carry)
+                counted.append(r.anatomy.episodes)
+                if carry.running:
+                    at_most = 2 * len(carry.running)  # (some may have ended within the step: counted there)
+                    await asyncio.wait(list(carry.running))  # the rest end between this step and the next
+                    pending = len(carry.runner.clocks)  # what the next step is to count: only those
+                    r = await play_step_rollout(step + 1, stream, 1, [engine_server.url], tok, cfg, run_seed=0,
+                                                carry=carry)
+                    return pending, at_most, r.anatomy.episodes
+        finally:
+            await carry.close()
+        raise AssertionError(f"no step carried a group on (episodes counted: {counted})")
+
+    pending, at_most, counted = asyncio.run(steps())
+    assert 0 < pending <= at_most and counted >= pending
