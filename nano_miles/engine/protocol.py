@@ -65,8 +65,8 @@ def _bool(d: dict, key: str, default: bool, where: str) -> bool:
     return _value(d, key, default, lambda v: isinstance(v, bool), "true or false", where)
 
 
-def _number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+def _number(x) -> bool:  # an int too large for a float is no number either (math.isfinite would raise)
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and abs(x) <= 1e308 and math.isfinite(x)
 
 
 def parse_sampling_params(sp, prompt_len: int, vocab_size: int, max_model_len: int, where: str = "") -> SamplingParams:

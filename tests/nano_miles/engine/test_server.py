@@ -289,6 +289,8 @@ BAD_GENERATE = [
     ({"input_ids": [1, 2], "sampling_params": {"temperature": -1}}, "temperature"),
     ({"input_ids": [1, 2], "sampling_params": {"top_p": 0}}, "top_p"),
     ({"input_ids": [1, 2], "sampling_params": {"top_k": 0}}, "top_k"),
+    ({"input_ids": [1, 2], "sampling_params": {"temperature": 10**400}}, "temperature"),  # no float holds it
+    ({"input_ids": [1, 2], "sampling_params": {"top_p": 10**400}}, "top_p"),
     ({"input_ids": [1, 2], "sampling_params": {"n": 4}}, "not supported"),
     ({"input_ids": [1, 2], "sampling_params": {"stop_token_ids": [99999]}}, "vocabulary"),
     ({"input_ids": [1, 2], "sampling_params": {"stop": [""]}}, "stop must be"),
