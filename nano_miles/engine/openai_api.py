@@ -63,6 +63,8 @@ def _check_request(body: dict) -> tuple[int, list[str], bool]:
     stream = body.get("stream") or False
     if not isinstance(stream, bool):
         raise RequestError("stream must be true or false")
+    if not isinstance(body.get("stream_options") or {}, dict):  # read once the stream has begun: checked now
+        raise RequestError("stream_options must be an object")
     seed = body.get("seed")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
         raise RequestError(f"seed must be an integer, got {seed!r}")

@@ -82,6 +82,7 @@ def test_stream_gives_the_same_text_as_server_sent_events(engine_server):
     ({"messages": [{"role": "robot", "content": "x"}]}, "role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "text parts"),
     ({"max_tokens": 10**6}, "context"),
+    ({"stream": True, "stream_options": True}, "stream_options"),  # refused before the stream starts
 ])
 def test_what_it_cannot_do_is_a_clear_400(engine_server, extra, needle):
     with pytest.raises(openai.BadRequestError, match=needle):
