@@ -63,6 +63,8 @@ def _check_request(body: dict) -> tuple[int, list[str], bool]:
     stream = body.get("stream") or False
     if not isinstance(stream, bool):
         raise RequestError("stream must be true or false")
+    if not isinstance(body.get("stream_options") or {}, dict):  # read once the stream has begun: checked now
+        raise RequestError("stream_options must be an object")
     seed = body.get("seed")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
         raise RequestError(f"seed must be an integer, got {seed!r}")
@@ -113,8 +115,9 @@ class OpenAIRoutes:
         n, stop, stream = _check_request(body)
         prompt = await asyncio.to_thread(self._prompt, _messages(body.get("messages")))
         # no max_tokens: up to the context length, as OpenAI's API; the engine stops at a stop string
+        max_tokens = body.get("max_completion_tokens")  # null: not given, max_tokens then holds
         sampling = {"temperature": body.get("temperature"), "top_p": body.get("top_p"), "stop": stop,
-                    "max_new_tokens": body.get("max_completion_tokens", body.get("max_tokens"))}
+                    "max_new_tokens": body.get("max_tokens") if max_tokens is None else max_tokens}
         eng, rid, seed = self.worker.engine, f"chatcmpl-{uuid.uuid4().hex}", body.get("seed")
         items = [GenerateItem(f"{rid}-{i}", prompt, parse_sampling_params(  # n samples: distinct seeds
             {**sampling, "sampling_seed": None if seed is None else seed + i}, len(prompt), eng.vocab_size,

@@ -65,8 +65,8 @@ def _bool(d: dict, key: str, default: bool, where: str) -> bool:
     return _value(d, key, default, lambda v: isinstance(v, bool), "true or false", where)
 
 
-def _number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+def _number(x) -> bool:  # an int too large for a float is no number either (math.isfinite would raise)
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and abs(x) <= 1e308 and math.isfinite(x)
 
 
 def parse_sampling_params(sp, prompt_len: int, vocab_size: int, max_model_len: int, where: str = "") -> SamplingParams:
@@ -86,6 +86,7 @@ def parse_sampling_params(sp, prompt_len: int, vocab_size: int, max_model_len: i
     top_k = -1 if sp.get("top_k") == 1 << 30 else sp.get("top_k")
     top_k = _value({"top_k": top_k}, "top_k", -1, lambda v: _is_int(v) and (v >= 1 or v == -1),
                    "-1 (off) or an integer >= 1", where)
+    top_k = -1 if top_k >= vocab_size else top_k  # keeps every token: off (and no int64 overflow in the step)
     room = max_model_len - prompt_len
     if room < 1:
         raise RequestError(f"{where}the prompt has {prompt_len} tokens; the model's context is {max_model_len} "

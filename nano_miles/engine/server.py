@@ -123,7 +123,7 @@ class Server:
     async def _errors(self, request, handler):
         request["received_at"] = time.time()  # wall clock: weight answers report it (weight_sync splits its send)
         if self.authorization is not None and request.path not in UNAUTHENTICATED_ROUTES and not hmac.compare_digest(
-                request.headers.get("Authorization", "").encode(), self.authorization):
+                request.headers.get("Authorization", "").encode(errors="surrogateescape"), self.authorization):
             return error("unauthorized: this server needs the header 'Authorization: Bearer <api key>'", 401)
         if request.path != "/health" and not self.worker.loaded.is_set():
             return error("the model is still loading", 503)

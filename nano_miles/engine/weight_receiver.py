@@ -257,6 +257,9 @@ class WeightReceiver:
             return weight_answer(True, "Nothing released: weights stay resident (shared with the trainer, or ours)")
 
         def release(eng):
+            if any(eng.blocks.ref_count):  # runs at once while paused: requests paused in place keep their KV
+                raise W.WeightPayloadError("requests paused in place hold KV blocks; continue them first "
+                                           "(or pause with mode retract)")
             eng.flush_cache()  # every cached prefix is forgotten before its pages are
             return eng.kv.drop_pages()
 

@@ -64,6 +64,13 @@ def test_the_text_ends_before_a_stop_string(engine_server):
     assert cut.usage.completion_tokens < free.usage.completion_tokens
 
 
+def test_max_tokens_holds_beside_a_null_max_completion_tokens(engine_server):
+    """null means "not given" in OpenAI's API: max_tokens still bounds the completion."""
+    reply = openai_client(engine_server).chat.completions.create(model="any", messages=CHAT, temperature=0,
+                                                                 max_completion_tokens=None, max_tokens=3)
+    assert reply.usage.completion_tokens <= 3
+
+
 def test_stream_gives_the_same_text_as_server_sent_events(engine_server):
     client = openai_client(engine_server)
     whole = client.chat.completions.create(model="any", messages=CHAT, temperature=0, max_tokens=10)
@@ -82,6 +89,7 @@ def test_stream_gives_the_same_text_as_server_sent_events(engine_server):
     ({"messages": [{"role": "robot", "content": "x"}]}, "role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "text parts"),
     ({"max_tokens": 10**6}, "context"),
+    ({"stream": True, "stream_options": True}, "stream_options"),  # refused before the stream starts
 ])
 def test_what_it_cannot_do_is_a_clear_400(engine_server, extra, needle):
     with pytest.raises(openai.BadRequestError, match=needle):

@@ -213,6 +213,19 @@ def test_pause_abort_mode_aborts_running_and_holds_new_requests(engine_server, e
     assert box["p-queued"]["meta_info"]["finish_reason"]["type"] == "length"
 
 
+def test_a_top_k_beyond_int64_samples_unfiltered_and_fails_no_other_request(engine_server, engine_client):
+    """A top_k over the vocabulary filters nothing, however large: 2**63 must not fail the engine's
+    step (an int64 tensor cannot hold it), which would abort every request running beside it."""
+    box = {}
+    t = _long_request(engine_server.client(), "bystander", box, n=200)
+    _wait_running(engine_client)
+    r = post(engine_server, "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2,
+                                                                                    "top_k": 2**63}})
+    assert r.status_code == 200, r.text
+    t.join(60)
+    assert box["bystander"]["meta_info"]["finish_reason"] == {"type": "length", "length": 200}
+
+
 @pytest.mark.parametrize("mode", ["in_place", "retract"])
 def test_pause_keeps_requests_and_continue_finishes_them(engine_server, engine_client, mode):
     box = {}
@@ -276,6 +289,8 @@ BAD_GENERATE = [
     ({"input_ids": [1, 2], "sampling_params": {"temperature": -1}}, "temperature"),
     ({"input_ids": [1, 2], "sampling_params": {"top_p": 0}}, "top_p"),
     ({"input_ids": [1, 2], "sampling_params": {"top_k": 0}}, "top_k"),
+    ({"input_ids": [1, 2], "sampling_params": {"temperature": 10**400}}, "temperature"),  # no float holds it
+    ({"input_ids": [1, 2], "sampling_params": {"top_p": 10**400}}, "top_p"),
     ({"input_ids": [1, 2], "sampling_params": {"n": 4}}, "not supported"),
     ({"input_ids": [1, 2], "sampling_params": {"stop_token_ids": [99999]}}, "vocabulary"),
     ({"input_ids": [1, 2], "sampling_params": {"stop": [""]}}, "stop must be"),

@@ -136,6 +136,18 @@ def test_every_route_but_health_needs_the_api_key(server):
                 assert "Authorization: Bearer" in r.json()["error"]["message"]
 
 
+def test_a_key_that_is_not_utf8_is_refused_with_401(server):
+    """Header bytes are not text: a key of bytes invalid in UTF-8 is a wrong key (401), not a 500."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        s.sendall(b"GET /model_info HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\r\n"
+                  b"Connection: close\r\n\r\n")
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 401 "), answer[:200]
+    assert b"Authorization: Bearer" in answer
+
+
 def test_unauthenticated_weights_from_disk_change_nothing(server, tiny_model_path, tmp_path):
     """The attack: zeroed weights loaded through /update_weights_from_disk changed every later answer."""
     client = server.client()

@@ -5,6 +5,9 @@ trainer's weights (checksums equal, parity ~0); it is the SAME memory (a write o
 by the engine without any sync); any other weight update gives the engine a private copy first, so
 nothing the engine loads can change the trainer's weights; a manifest that does not fit is refused.
 """
+import threading
+import time
+
 import pytest
 import torch
 
@@ -154,3 +157,27 @@ def test_a_cpu_engine_releases_its_kv_cache_memory_and_still_answers_the_same(en
     assert engine_client.resume_memory_occupation()["success"]
     with pytest.raises(EngineRequestError, match="tags"):
         engine_client.release_memory_occupation(["everything"])
+
+
+def test_releasing_the_kv_cache_while_paused_in_place_keeps_the_paused_requests_kv(engine_server, engine_client):
+    """A request paused in place keeps its KV to go on from it: releasing the cache's pages then
+    (which runs at once while paused) must not zero them under it, which changed its later tokens."""
+    prompt, params = [5, 6, 7, 8, 9], {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}
+    expected = engine_client.generate(prompt, params)["output_ids"]
+    box = {}
+    t = threading.Thread(target=lambda: box.update(out=engine_server.client().generate(prompt, params, rid="kept")))
+    t.start()
+    deadline = time.time() + 30
+    while engine_client.server_info()["internal_states"][0]["running"] < 1:
+        assert time.time() < deadline, "the request never started"
+        time.sleep(0.02)
+    engine_client.pause("in_place")
+    try:
+        try:
+            engine_client.release_memory_occupation(["kv_cache"])
+        except EngineRequestError as e:  # refused is fine too: what it must not do is drop the pages
+            assert "paused" in str(e), e
+    finally:
+        engine_client.resume()
+    t.join(60)
+    assert box["out"]["output_ids"] == expected
