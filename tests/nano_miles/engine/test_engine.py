@@ -78,28 +78,29 @@ def hf_cached_decoding_logprobs(hf_model, prompt, output):
     return torch.tensor(lps)
 
 
-def test_logprobs_close_to_hf_in_bf16(tiny):
-    """bf16: within 2e-2 max / 2e-3 mean of HF's teacher-forced bf16 forward, or, where bf16 rounding of
-    this 64-wide random model makes that unreachable even for HF itself, about as far as HF's own
-    KV-cached decoding of the same tokens. Pooled over 16 sampled sequences, since which tokens are
-    drawn moves both: over six prompt seeds ours was 0.036-0.049 max / 0.0071-0.0090 mean, HF cached
-    0.053-0.067 / 0.0055-0.0088 (hence 2x on the noisy maxima, 1.5x on the means). The real default
-    model misses the bound the same way: test_engine_real_bf16.py."""
+def test_bf16_logprobs_are_as_close_to_the_exact_ones_as_hf_bf16(tiny, hf):
+    """bf16: measured against the exact (FP32) log-probs of the same tokens, the engine errs no more
+    than HF's own bf16 forward does, teacher-forced or KV-cached, whichever errs more. Pooled over 16
+    sampled sequences, since which tokens are drawn moves both: over six prompt seeds ours was
+    0.014-0.017 mean / 0.068-0.112 max, HF's 0.015-0.018 / 0.071-0.115 (hence 1.1x on the means,
+    1.5x on the noisy maxima). Against HF's bf16 forward itself the gap is 0.007 mean: two roundings
+    apart, as the real default model is (test_engine_real_bf16.py)."""
     hf16 = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.bfloat16).eval()
     eng = make_engine(tiny, dtype="bfloat16")
     ps = prompts(16, eng.vocab_size, seed=3)
     for i, p in enumerate(ps):
         eng.add_request(f"r{i}", p, SamplingParams(max_new_tokens=16, ignore_eos=True))
     done = run_all(eng)
-    ours, floor = [], []
+    ours, hf_teacher_forced, hf_cached = [], [], []
     for i, p in enumerate(ps):
         r = done[f"r{i}"]
-        ref = teacher_forced_logprobs(hf16, p, r.output_ids)
-        ours.append((torch.tensor(r.output_logprobs) - ref).abs())
-        floor.append((hf_cached_decoding_logprobs(hf16, p, r.output_ids) - ref).abs())
-    ours, floor = torch.cat(ours), torch.cat(floor)
-    assert ours.max() <= max(2e-2, 2 * floor.max()), (ours.max(), floor.max())
-    assert ours.mean() <= max(2e-3, 1.5 * floor.mean()), (ours.mean(), floor.mean())
+        exact = teacher_forced_logprobs(hf, p, r.output_ids)
+        ours.append((torch.tensor(r.output_logprobs) - exact).abs())
+        hf_teacher_forced.append((teacher_forced_logprobs(hf16, p, r.output_ids) - exact).abs())
+        hf_cached.append((hf_cached_decoding_logprobs(hf16, p, r.output_ids) - exact).abs())
+    ours, hf_teacher_forced, hf_cached = (torch.cat(x) for x in (ours, hf_teacher_forced, hf_cached))
+    assert ours.mean() <= 1.1 * max(hf_teacher_forced.mean(), hf_cached.mean()), (ours.mean(), hf_cached.mean())
+    assert ours.max() <= 1.5 * max(hf_teacher_forced.max(), hf_cached.max()), (ours.max(), hf_cached.max())
 
 
 def test_greedy_equals_hf_generate(tiny, hf):
@@ -425,3 +426,4 @@ def test_packed_prefill_is_refused_where_it_cannot_run(tiny):
     with pytest.raises(ValueError, match="packed_prefill needs triton, a CUDA device"):
         make_engine(tiny, packed_prefill=True)
     assert not make_engine(tiny).packed_prefill  # left unset: on only where it can run (a GPU)
+
