@@ -162,6 +162,8 @@ def main():
     ap.add_argument("--shapes", default="qwen2.5-0.5b", choices=sorted(SHAPES))
     ap.add_argument("--true-on-policy", action="store_true",
                     help="also run the requests in true on-policy mode (batch-invariant kernels) and report the slowdown")
+    ap.add_argument("--enable-torch-compile", action="store_true",
+                    help="also run the requests with engine.enable_torch_compile and report the decode step against normal mode")
     add_dry_run(ap)
     args = ap.parse_args()
     gpu = args.device.startswith("cuda")
@@ -177,12 +179,13 @@ def main():
         hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(args.device).eval()
 
     rows = []
-    for mode in ("normal", "true_on_policy") if args.true_on_policy else ("normal",):
+    modes = ["normal"] + ["torch_compile"] * args.enable_torch_compile + ["true_on_policy"] * args.true_on_policy
+    for mode in modes:
         top = mode == "true_on_policy"
         eng = Engine(EngineConfig(model=folder, device=args.device, dtype="bfloat16" if gpu else "float32",
                                   max_running_requests=max(conc), cuda_graph=not args.no_cuda_graph,
                                   max_model_len=plen + new + 16, attention_backend=args.attention,
-                                  true_on_policy=top))
+                                  true_on_policy=top, enable_torch_compile=mode == "torch_compile"))
         exact_model = CausalLM.sharing_parameters(hf).use_batch_invariant_ops() if top else None
         for c in conc:
             ps = prompts(c, plen, shapes["vocab_size"], seed=c)
@@ -192,18 +195,19 @@ def main():
             row = dict(mode=mode, concurrency=c, prompt_len=plen, new_tokens=new, engine_tok_s=round(tps, 1),
                        engine_seconds=round(secs, 3), decode_step_ms=round(decode_ms, 3))
             by_rid = {f"c{c}-{i}": p for i, p in enumerate(ps)}
+            base = next(r for r in rows if r["mode"] == "normal" and r["concurrency"] == c) if mode != "normal" else None
+            if base:
+                row.update(slower_pct=round(100 * (base["engine_tok_s"] / tps - 1), 1))
             if top:
-                base = next(r for r in rows if r["mode"] == "normal" and r["concurrency"] == c)
-                row.update(slower_pct=round(100 * (base["engine_tok_s"] / tps - 1), 1),
-                           trainer_parity_max=trainer_parity(exact_model, done, by_rid, args.device))
+                row.update(trainer_parity_max=trainer_parity(exact_model, done, by_rid, args.device))
             elif not args.skip_hf:
-                hf_tps = bench_hf(hf, ps, new, args.device)
+                hf_tps = bench_hf(hf, ps, new, args.device) if mode == "normal" else base["hf_tok_s"]
                 row.update(hf_tok_s=round(hf_tps, 1), ratio=round(tps / hf_tps, 2))
                 gap_max, gap_mean = logprob_gap(hf, done, by_rid, args.device)
                 row.update(logprob_gap_max=round(gap_max, 5), logprob_gap_mean=round(gap_mean, 5))
             rows.append(row)
             print(json.dumps(row), flush=True)
-        if mode == "normal" and args.true_on_policy:
+        if mode != modes[-1]:
             del eng
             if gpu:
                 torch.cuda.empty_cache()

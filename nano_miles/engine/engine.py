@@ -34,6 +34,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192  # prefill token budget of one step (longer prompts are chunked)
     num_continuous_decode_steps: int = 1  # decode steps run back to back before a waiting prefill is taken (SGLang's); 1 = prefill at once
     cuda_graph: bool = True             # capture decode steps as CUDA graphs (GPU only)
+    enable_torch_compile: bool = False  # torch.compile the decode forward (fused norms, RoPE, SiLU*mul), under the CUDA graphs; normal mode only
     attention_backend: str = "auto"     # decode attention: torch (gather + SDPA) | triton (paged kernel, GPU) | auto
     packed_prefill: bool | None = None  # prefill steps packed (no padding), decoding sequences riding in them; none = wherever the triton backend runs in normal mode
     kv_cache_memory_fraction: float = 0.85  # share of the GPU's free memory for the KV cache (ignored on CPU)
@@ -60,6 +61,8 @@ class EngineConfig:
         if self.packed_prefill and (self.true_on_policy or self.attention_backend == "torch"):
             raise ValueError("engine.packed_prefill needs the triton attention backend and normal mode "
                              "(true on-policy serves every row through its batch-invariant loop)")
+        if self.enable_torch_compile and self.true_on_policy:
+            raise ValueError("engine.enable_torch_compile needs normal mode: fused kernels are not batch-invariant")
         if not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError(f"engine.kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
         for key in ("max_running_requests", "block_size", "max_num_batched_tokens", "num_kv_blocks", "max_model_len",
@@ -135,6 +138,9 @@ class Engine:
         self.pending: list[FinishedRequest] = []  # aborted requests, returned by the next step()
         self.busy_s = {"prefill": 0.0, "decode": 0.0}  # seconds spent in step() per phase, since start
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        # dynamic: one compiled graph serves every batch-size and block-table bucket
+        self._decode_hidden = torch.compile(self.model.last_hidden, dynamic=True) if config.enable_torch_compile \
+            else self.model.last_hidden
         self.graphs = DecodeGraphs(self) if config.cuda_graph and self.device.type == "cuda" else None
 
     def _auto_num_blocks(self) -> int:
@@ -228,6 +234,8 @@ class Engine:
             logits = self.graphs.run(self._prepare(work, *pad))[:len(work)]
         elif kind == "prefill" and self.packed_prefill:
             logits = self.model(self._prepare_packed(work), self.kv.k, self.kv.v)
+        elif kind == "decode":
+            logits = self.decode_forward(self._prepare(work))
         else:
             logits = self.model(self._prepare(work), self.kv.k, self.kv.v).float()
         rows = []
@@ -249,6 +257,10 @@ class Engine:
                 finished.append(self._finish(seq, reason))
         self.busy_s[kind] += time.perf_counter() - t0  # busy seconds per phase, in every /generate answer (busy_s)
         return finished
+
+    def decode_forward(self, batch) -> torch.Tensor:
+        """FP32 logits of a decode batch: the compiled forward where enable_torch_compile is on."""
+        return self.model.logits(self._decode_hidden(batch, self.kv.k, self.kv.v))
 
     def _num_blocks(self, work) -> int:
         return self.blocks.blocks_needed(max(s.num_computed_tokens + n for s, n in work))

@@ -245,14 +245,13 @@ class CausalLM(nn.Module):
         finally:
             torch.set_float32_matmul_precision(before)
 
-    def paged_attention(self, batch: Batch, k_cache, v_cache, attn_info, q, k, v):
-        """The engine's attention (one layer's `attend`): this step's keys/values into the cache, then
-        read over its pages."""
+    def paged_attention(self, batch: Batch, k_caches, v_caches, layer, attn_info, q, k, v):
+        """The engine's attention (layer `layer`'s `attend`): this step's keys/values into the cache,
+        then read over its pages."""
         B, Q, H, D = q.shape
         KV = k.shape[2]
-        slots = batch.slot_mapping.reshape(-1)
-        k_cache.view(-1, KV, D).index_copy_(0, slots, k.reshape(-1, KV, D).to(k_cache.dtype))
-        v_cache.view(-1, KV, D).index_copy_(0, slots, v.reshape(-1, KV, D).to(v_cache.dtype))
+        write_kv(k_caches, v_caches, layer, batch.slot_mapping.reshape(-1), k, v)
+        k_cache, v_cache = k_caches[layer], v_caches[layer]
         if batch.tiles is not None:  # packed prefill: [1, T] tokens of many sequences
             return self.prefill_attention(q.view(Q, H, D), k_cache, v_cache, batch.block_tables,
                                           batch.positions.view(Q), batch.tiles).view(B, Q, H * D)
@@ -274,6 +273,10 @@ class CausalLM(nn.Module):
     def forward(self, batch: Batch, k_caches, v_caches) -> torch.Tensor:
         """FP32 logits [B, V] of the query column `batch.last_index` of each row (packed: [S, V], one a
         sequence)."""
+        return self.logits(self.last_hidden(batch, k_caches, v_caches))
+
+    def last_hidden(self, batch: Batch, k_caches, v_caches) -> torch.Tensor:
+        """Final-normed hidden states [B, hidden] of those columns: the part torch.compile may fuse."""
         cos, sin = (c[batch.positions].unsqueeze(2) for c in self.rope_cache)  # [B, Q, 1, D]: over every head
         B, Q = batch.input_ids.shape
         if batch.tiles is not None or self.batch_invariant:
@@ -285,10 +288,10 @@ class CausalLM(nn.Module):
             attn_info = torch.arange(L, device=batch.positions.device).view(1, 1, L) <= batch.positions.unsqueeze(-1)
             attn_info = attn_info.unsqueeze(2).expand(B, Q, G, L).reshape(B, 1, Q * G, L)
         x = self.model.embed_tokens(batch.input_ids)
-        for layer, kc, vc in zip(self.model.layers, k_caches, v_caches):
-            x = layer(x, cos, sin, partial(self.paged_attention, batch, kc, vc, attn_info))
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, partial(self.paged_attention, batch, k_caches, v_caches, i, attn_info))
         last = x[0, batch.last_index] if batch.tiles is not None else x[torch.arange(B, device=x.device), batch.last_index]
-        return self.logits(self.model.norm(last))
+        return self.model.norm(last)
 
     def forward_sequences(self, input_ids: torch.Tensor, checkpoint_layers: bool = False) -> torch.Tensor:
         """The trainer's forward: final-normed hidden states [B, L, hidden] of whole right-padded
@@ -308,6 +311,22 @@ class CausalLM(nn.Module):
             else:
                 x = layer(x, cos, sin, attend)
         return self.model.norm(x)
+
+
+@torch.library.custom_op("nano_miles::write_kv", mutates_args=("k_caches", "v_caches"))
+def write_kv(k_caches: torch.Tensor, v_caches: torch.Tensor, layer: int, slots: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """One layer's keys/values of this step [B, Q, KV, D] into their flat slots of the caches
+    [layers, blocks, block_size, KV, D]. An opaque op over the whole caches (not a layer's view), so a
+    compiled forward writes them in place: torch.compile functionalises mutations of its inputs."""
+    KV, D = k.shape[-2:]
+    k_caches[layer].view(-1, KV, D).index_copy_(0, slots, k.reshape(-1, KV, D).to(k_caches.dtype))
+    v_caches[layer].view(-1, KV, D).index_copy_(0, slots, v.reshape(-1, KV, D).to(v_caches.dtype))
+
+
+@write_kv.register_fake
+def _(k_caches, v_caches, layer, slots, k, v) -> None:
+    return None
 
 
 def load_safetensors(model: CausalLM, folder: str):

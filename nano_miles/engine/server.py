@@ -76,7 +76,8 @@ FLAGS = {"--model": "engine.model", "--model-path": "engine.model", "--device": 
          "--num-continuous-decode-steps": "engine.num_continuous_decode_steps"}
 SWITCHES = {"--no-cuda-graph": ("engine.cuda_graph", "false"), "--disable-cuda-graph": ("engine.cuda_graph", "false"),
             "--allow-unauthenticated": ("allow_unauthenticated", "true"),
-            "--true-on-policy": ("engine.true_on_policy", "true")}
+            "--true-on-policy": ("engine.true_on_policy", "true"),
+            "--enable-torch-compile": ("engine.enable_torch_compile", "true")}
 UNAUTHENTICATED_ROUTES = ("/health",)  # a load balancer's probe; it reveals nothing and costs nothing
 
 

@@ -427,3 +427,23 @@ def test_packed_prefill_is_refused_where_it_cannot_run(tiny):
         make_engine(tiny, packed_prefill=True)
     assert not make_engine(tiny).packed_prefill  # left unset: on only where it can run (a GPU)
 
+
+def test_a_compiled_decode_forward_gives_the_eager_tokens_and_logprobs(tiny):
+    """engine.enable_torch_compile: inductor's fused decode writes the KV cache in place and samples
+    what the eager forward samples, with log-probs equal up to FP32 reduction order."""
+    reqs = prompts(4, 500, seed=3)
+
+    def generate(**kw):
+        eng = make_engine(tiny, **kw)
+        for i, p in enumerate(reqs):
+            eng.add_request(f"r{i}", p, SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True))
+        return eng, run_all(eng)
+
+    eager_engine, eager = generate()
+    compiled_engine, compiled = generate(enable_torch_compile=True)
+    for rid, r in eager.items():
+        assert compiled[rid].output_ids == r.output_ids
+        assert torch.allclose(torch.tensor(compiled[rid].output_logprobs), torch.tensor(r.output_logprobs), atol=1e-4)
+    assert torch.allclose(compiled_engine.kv.k, eager_engine.kv.k, atol=1e-5)  # the cache written in place
+    with pytest.raises(ValueError, match="normal mode"):
+        EngineConfig(model=tiny, enable_torch_compile=True, true_on_policy=True)

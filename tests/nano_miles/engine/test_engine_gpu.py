@@ -42,6 +42,20 @@ def test_graph_decode_equals_eager_decode_fp32(tiny):
         assert torch.allclose(torch.tensor(graphed[rid].output_logprobs), torch.tensor(eager[rid].output_logprobs), atol=1e-4)
 
 
+def test_a_compiled_graph_decode_equals_eager_decode_fp32(tiny):
+    """engine.enable_torch_compile: the inductor-fused forward (the paged Triton kernel inside it) under
+    CUDA graphs decodes what eager decode does."""
+    reqs = requests(37, 1024)
+    eager = run(Engine(EngineConfig(model=tiny, device="cuda", dtype="float32", cuda_graph=False, block_size=16)), reqs)
+    eng = Engine(EngineConfig(model=tiny, device="cuda", dtype="float32", block_size=16, max_running_requests=64,
+                              enable_torch_compile=True))
+    compiled = run(eng, reqs)
+    assert eng.attention_backend == "triton" and len(eng.graphs.graphs) > 1
+    for rid in eager:
+        assert compiled[rid].output_ids == eager[rid].output_ids
+        assert torch.allclose(torch.tensor(compiled[rid].output_logprobs), torch.tensor(eager[rid].output_logprobs), atol=1e-4)
+
+
 def test_gpu_logprobs_match_hf_teacher_forcing(tiny):
     hf = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).cuda().eval()
     eng = Engine(EngineConfig(model=tiny, device="cuda", dtype="float32"))
