@@ -119,8 +119,10 @@ class WeightSync:
         finally:
             resumed = time.perf_counter()
             pausing, self._pausing = self._pausing, None  # not None: failed before waiting for the pause
-            if pausing is None or all(f.exception(timeout=self.cfg.timeout_s + 5) is None for f in pausing):
-                self._on_all(lambda c: c.resume())  # (an engine that could not pause is not continued)
+            # every engine that paused is continued, also when another could not pause (restarted by the loop)
+            paused = range(len(self.clients)) if pausing is None else \
+                [i for i, f in enumerate(pausing) if f.exception(timeout=self.cfg.timeout_s + 5) is None]
+            self._collect([self._pool.submit(self.clients[i].resume) for i in paused], [self.urls[i] for i in paused])
             self._phase("resume", resumed)
         ms = (time.perf_counter() - t0) * 1000.0
         if self.cfg.verify:
@@ -214,11 +216,11 @@ class WeightSync:
     def _on_all(self, fn) -> list:
         return self._collect(self._start_all(fn))
 
-    def _collect(self, futures) -> list:
-        """The engines' answers to calls started with _start_all; WeightSyncError naming the engines
-        that failed (EngineUnavailable when one could not be reached: the caller restarts it)."""
+    def _collect(self, futures, urls=None) -> list:
+        """The engines' answers to calls started with _start_all (or on the engines at `urls`); WeightSyncError
+        naming the engines that failed (EngineUnavailable when one could not be reached: the caller restarts it)."""
         errors, answers, unreachable = [], [], False
-        for url, f in zip(self.urls, futures):
+        for url, f in zip(self.urls if urls is None else urls, futures):
             try:
                 answer = f.result(timeout=self.cfg.timeout_s + 5)
             except Exception as e:  # refused update, dead engine, timeout

@@ -329,3 +329,22 @@ def test_a_dead_engine_is_unavailable_not_a_reason_to_change_transport(engine_se
         with pytest.raises(EngineUnavailable, match="unavailable"):
             ws.sync("1")
         assert ws.transport == "shared"
+
+
+def test_an_engine_that_paused_is_resumed_when_another_could_not_pause(engine_server, engine_client,
+                                                                        tiny_model_path, restore_engine_weights):
+    """With several engines, one unreachable at a sync's pause must not leave the others paused: the
+    loop restarts the dead one, and a live one left paused would park every request sent to it."""
+    import socket
+
+    from nano_miles.engine.client import EngineClient, EngineUnavailable
+
+    trainer = Trainer(TrainerConfig(model=tiny_model_path, device="cpu"))
+    with WeightSync(trainer, engine_server.url, transport="disk") as ws:
+        with socket.socket() as s:  # a port nobody listens on: that engine is gone
+            s.bind(("127.0.0.1", 0))
+            dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+        ws.urls, ws.clients = [engine_server.url, dead], [ws.clients[0], EngineClient(dead, timeout=5)]
+        with pytest.raises(EngineUnavailable, match="unavailable"):
+            ws.sync("1")
+    assert engine_client.server_info()["internal_states"][0]["paused"] is False
