@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import hashlib
 import io
+import os
 import pickle
 import sys
 import threading
@@ -181,8 +182,25 @@ def serialize(obj) -> str:
 def serialize_bucket(bucket) -> tuple[str, FlattenedTensorBucket]:
     """One "flattened_bucket" payload entry of `bucket`, (name, tensor) pairs, and the bucket whose
     memory it shares: keep that alive until the engine answered."""
-    bucket = FlattenedTensorBucket(named_tensors=bucket)
+    with plain_cuda_segments():
+        bucket = FlattenedTensorBucket(named_tensors=bucket)
     return serialize({"flattened_tensor": bucket.flattened_tensor, "metadata": bucket.metadata}), bucket
+
+
+@contextlib.contextmanager
+def plain_cuda_segments():
+    """CUDA allocations inside come from ordinary cudaMalloc segments even where the process runs with
+    expandable segments (nano-miles sets them): an engine opens and closes a CUDA IPC handle of an
+    expandable segment ~2 ms slower each (bench/weight_sync.py), on every bucket of every sync."""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_ALLOC_CONF", ""))
+    if not torch.cuda.is_available() or "expandable_segments:true" not in conf.replace(" ", "").lower():
+        yield
+        return
+    torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+    try:
+        yield
+    finally:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
 
 
 def _rebuild_cuda_tensor(*args):
