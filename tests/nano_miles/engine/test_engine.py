@@ -428,22 +428,29 @@ def test_packed_prefill_is_refused_where_it_cannot_run(tiny):
     assert not make_engine(tiny).packed_prefill  # left unset: on only where it can run (a GPU)
 
 
-def test_a_compiled_decode_forward_gives_the_eager_tokens_and_logprobs(tiny):
+def test_a_compiled_decode_forward_gives_the_eager_tokens_and_logprobs(tiny, hf):
     """engine.enable_torch_compile: inductor's fused decode writes the KV cache in place and samples
-    what the eager forward samples, with log-probs equal up to FP32 reduction order."""
+    what the eager forward samples, with log-probs equal up to FP32 reduction order, also after a
+    weight update (the compiled graph reads the parameters, it does not bake them in)."""
     reqs = prompts(4, 500, seed=3)
+    torch.manual_seed(12)
+    new = [(n, t + 0.05 * torch.randn_like(t)) for n, t in hf.named_parameters()]
+    engines = {"eager": make_engine(tiny), "compiled": make_engine(tiny, enable_torch_compile=True)}
 
-    def generate(**kw):
-        eng = make_engine(tiny, **kw)
+    def generate(eng, tag):
         for i, p in enumerate(reqs):
-            eng.add_request(f"r{i}", p, SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True))
-        return eng, run_all(eng)
+            eng.add_request(f"{tag}{i}", p, SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True))
+        return run_all(eng)
 
-    eager_engine, eager = generate()
-    compiled_engine, compiled = generate(enable_torch_compile=True)
-    for rid, r in eager.items():
-        assert compiled[rid].output_ids == r.output_ids
-        assert torch.allclose(torch.tensor(compiled[rid].output_logprobs), torch.tensor(r.output_logprobs), atol=1e-4)
-    assert torch.allclose(compiled_engine.kv.k, eager_engine.kv.k, atol=1e-5)  # the cache written in place
+    for tag in ("before", "after"):
+        eager, compiled = (generate(eng, tag) for eng in engines.values())
+        for rid, r in eager.items():
+            assert compiled[rid].output_ids == r.output_ids
+            assert torch.allclose(torch.tensor(compiled[rid].output_logprobs), torch.tensor(r.output_logprobs), atol=1e-4)
+        assert torch.allclose(engines["compiled"].kv.k, engines["eager"].kv.k, atol=1e-5)  # the cache written in place
+        if tag == "before":
+            for eng in engines.values():
+                eng.load_weights(new)
+    assert eager["after0"].output_ids != generate(make_engine(tiny), "x")["x0"].output_ids  # the update mattered
     with pytest.raises(ValueError, match="normal mode"):
         EngineConfig(model=tiny, enable_torch_compile=True, true_on_policy=True)
