@@ -15,7 +15,7 @@ from nano_miles.engine.cuda_graph import DecodeGraphs
 from nano_miles.engine.flat_params import FlatParameters, wait_for_copies
 from nano_miles.engine.kv_cache import BlockManager, KVCache
 from nano_miles.engine.model import Batch, CausalLM, ModelConfig, load_safetensors, skip_weight_name
-from nano_miles.engine.sampling import SamplingParams, sample
+from nano_miles.engine.sampling import SamplingParams, gumbel_max, sample
 from nano_miles.engine.scheduler import Scheduler, Sequence
 
 __all__ = ["Engine", "EngineConfig", "SamplingParams", "FinishedRequest"]
@@ -141,6 +141,7 @@ class Engine:
         # dynamic: one compiled graph serves every batch-size and block-table bucket
         self._decode_hidden = torch.compile(self.model.last_hidden, dynamic=True) if config.enable_torch_compile \
             else self.model.last_hidden
+        self._fused_sample = torch.compile(gumbel_max, dynamic=True) if config.enable_torch_compile else None
         self.graphs = DecodeGraphs(self) if config.cuda_graph and self.device.type == "cuda" else None
 
     def _auto_num_blocks(self) -> int:
@@ -311,7 +312,8 @@ class Engine:
                 logits[i, list(p.stop_token_ids or []) + self.eos_token_ids] = float("-inf")
         tokens, logprobs = sample(logits, [s.params.temperature for s in seqs], [s.params.top_p for s in seqs],
                                   [s.params.top_k for s in seqs], [s.generator for s in seqs], self.generator,
-                                  log_softmax=batch_invariant.log_softmax if self.config.true_on_policy else None)
+                                  log_softmax=batch_invariant.log_softmax if self.config.true_on_policy else None,
+                                  fused=self._fused_sample)
         out = torch.stack([tokens.double(), logprobs.double()]).cpu()  # the step's one host sync
         return [int(x) for x in out[0].tolist()], out[1].tolist()
 

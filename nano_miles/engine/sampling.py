@@ -26,13 +26,19 @@ class SamplingParams:
 
 
 def sample(logits: torch.Tensor, temperatures: list, top_ps: list, top_ks: list, generators: list,
-           default_generator: torch.Generator | None, log_softmax=None):
+           default_generator: torch.Generator | None, log_softmax=None, fused=None):
     """logits: [B, V] fp32. temperatures, top_ps, top_ks (<= 0 = off), generators (a torch.Generator or
     None = default_generator): per-row Python lists, so deciding what to do needs no device sync.
     log_softmax: the function over the last dim (true on-policy mode passes the batch-invariant one).
+    fused: gumbel_max compiled (engine.enable_torch_compile), taken where no row filters by top-k/top-p.
     Returns (tokens [B] int64, logprobs [B] fp32), both still on the device."""
     device = logits.device
     greedy_rows = [t == 0 for t in temperatures]
+    filtered = any(k > 0 for k in top_ks) or any(p < 1 for p in top_ps)
+    if fused is not None and log_softmax is None and not filtered and not all(greedy_rows):
+        temps = torch.tensor([1.0 if t == 0 else float(t) for t in temperatures], dtype=torch.float32)
+        return fused(logits, temps.to(device, non_blocking=True), _noise(logits, generators, default_generator),
+                     torch.tensor(greedy_rows).to(device, non_blocking=True))
     if any(t not in (0, 1) for t in temperatures):
         temps = torch.tensor([1.0 if t == 0 else float(t) for t in temperatures], dtype=torch.float32)
         logits = logits / temps.to(device, non_blocking=True).unsqueeze(1)
@@ -41,18 +47,32 @@ def sample(logits: torch.Tensor, temperatures: list, top_ps: list, top_ks: list,
         tokens = logits.argmax(dim=-1)
     else:
         probs = logprobs.exp()
-        if any(k > 0 for k in top_ks) or any(p < 1 for p in top_ps):
+        if filtered:
             probs = filter_top_k_top_p(probs, torch.tensor(top_ks, dtype=torch.int64).to(device),
                                        torch.tensor(top_ps, dtype=torch.float32).to(device))
         # Gumbel-max in its exponential form: argmax(p / E), E ~ Exp(1), is a draw from p.
-        noise = _exponential(torch.empty_like(probs), default_generator)
-        for i, g in enumerate(generators):
-            if g is not None:
-                _exponential(noise[i], g)
-        tokens = (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)
+        tokens = (probs / _noise(probs, generators, default_generator)).argmax(dim=-1)
         if any(greedy_rows):
             tokens = torch.where(torch.tensor(greedy_rows).to(device), logits.argmax(dim=-1), tokens)
     return tokens, logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+
+
+def gumbel_max(logits: torch.Tensor, temps: torch.Tensor, noise: torch.Tensor, greedy: torch.Tensor):
+    """sample()'s common case as one traceable function, for torch.compile to fuse into a few passes
+    over the vocabulary: log_softmax(logits / T) and the draw argmax(log p - log E) (= argmax(p / E));
+    greedy rows (T = 0, temps 1 there) take argmax(logits)."""
+    logprobs = torch.log_softmax(logits / temps.unsqueeze(1), dim=-1)
+    tokens = torch.where(greedy, logits.argmax(dim=-1), (logprobs - noise.log()).argmax(dim=-1))
+    return tokens, logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+
+
+def _noise(like: torch.Tensor, generators: list, default_generator) -> torch.Tensor:
+    """Exp(1) draws shaped like `like`: each row from its request's generator, else the default one."""
+    noise = _exponential(torch.empty_like(like), default_generator)
+    for i, g in enumerate(generators):
+        if g is not None:
+            _exponential(noise[i], g)
+    return noise.clamp_min_(1e-20)  # an exact 0 would pick its token whatever its probability
 
 
 def _exponential(noise: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

@@ -439,7 +439,8 @@ def test_a_compiled_decode_forward_gives_the_eager_tokens_and_logprobs(tiny, hf)
 
     def generate(eng, tag):
         for i, p in enumerate(reqs):
-            eng.add_request(f"{tag}{i}", p, SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True))
+            eng.add_request(f"{tag}{i}", p, SamplingParams(max_new_tokens=6, temperature=i % 2, ignore_eos=True,
+                                                           sampling_seed=i))  # greedy and drawn rows (the fused draw)
         return run_all(eng)
 
     for tag in ("before", "after"):
@@ -452,5 +453,6 @@ def test_a_compiled_decode_forward_gives_the_eager_tokens_and_logprobs(tiny, hf)
             for eng in engines.values():
                 eng.load_weights(new)
     assert eager["after0"].output_ids != generate(make_engine(tiny), "x")["x0"].output_ids  # the update mattered
+    assert engines["compiled"]._fused_sample is not None
     with pytest.raises(ValueError, match="normal mode"):
         EngineConfig(model=tiny, enable_torch_compile=True, true_on_policy=True)

@@ -42,10 +42,11 @@ def test_graph_decode_equals_eager_decode_fp32(tiny):
         assert torch.allclose(torch.tensor(graphed[rid].output_logprobs), torch.tensor(eager[rid].output_logprobs), atol=1e-4)
 
 
-def test_a_compiled_graph_decode_equals_eager_decode_fp32(tiny):
+@pytest.mark.parametrize("greedy", [True, False])
+def test_a_compiled_graph_decode_equals_eager_decode_fp32(tiny, greedy):
     """engine.enable_torch_compile: the inductor-fused forward (the paged Triton kernel inside it) under
-    CUDA graphs decodes what eager decode does."""
-    reqs = requests(37, 1024)
+    CUDA graphs decodes what eager decode does, and the fused draw samples what the eager one does."""
+    reqs = requests(37, 1024, greedy=greedy)
     eager = run(Engine(EngineConfig(model=tiny, device="cuda", dtype="float32", cuda_graph=False, block_size=16)), reqs)
     eng = Engine(EngineConfig(model=tiny, device="cuda", dtype="float32", block_size=16, max_running_requests=64,
                               enable_torch_compile=True))

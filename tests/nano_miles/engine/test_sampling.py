@@ -4,7 +4,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nano_miles.engine.engine import Engine, EngineConfig, SamplingParams
-from nano_miles.engine.sampling import filter_top_k_top_p, sample
+from nano_miles.engine.sampling import filter_top_k_top_p, gumbel_max, sample
 
 
 def draw(logits, n, temperature=1.0, top_p=1.0, top_k=-1, seed=0):
@@ -47,6 +47,24 @@ def test_greedy_rows_and_sampled_rows_mix_in_one_batch():
     tokens, lps = sample(logits, [0.0, 1.0], [1.0, 1.0], [-1, -1], [None, None], torch.Generator().manual_seed(0))
     assert tokens[0] == 1
     assert torch.allclose(lps[0], torch.log_softmax(logits[0], -1)[1])
+
+
+def test_the_fused_draw_picks_the_eager_tokens_and_logprobs_from_the_same_noise():
+    """engine.enable_torch_compile samples through gumbel_max compiled: from the same generators it
+    draws what the eager path draws (argmax(log p - log E) = argmax(p / E)), greedy and seeded rows too."""
+    g = torch.Generator().manual_seed(5)
+    logits = 3 * torch.randn(64, 300, generator=g)
+    temps = [0.0, 1.0, 0.7, 1.3] * 16
+    seeded = [torch.Generator().manual_seed(i) if i % 5 == 0 else None for i in range(64)]
+
+    def draw(fused):
+        gens = [None if s is None else torch.Generator().manual_seed(s.initial_seed()) for s in seeded]
+        return sample(logits.clone(), temps, [1.0] * 64, [-1] * 64, gens, torch.Generator().manual_seed(9), fused=fused)
+
+    eager_tokens, eager_lps = draw(None)
+    tokens, lps = draw(torch.compile(gumbel_max, dynamic=True))
+    assert torch.equal(tokens, eager_tokens) and len(set(tokens.tolist())) > 32  # draws, not one token
+    assert torch.allclose(lps, eager_lps, atol=1e-5)
 
 
 def run(eng, reqs):
