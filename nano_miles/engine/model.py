@@ -313,20 +313,21 @@ class CausalLM(nn.Module):
         return self.model.norm(x)
 
 
-@torch.library.custom_op("nano_miles::write_kv", mutates_args=("k_caches", "v_caches"))
 def write_kv(k_caches: torch.Tensor, v_caches: torch.Tensor, layer: int, slots: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor) -> None:
     """One layer's keys/values of this step [B, Q, KV, D] into their flat slots of the caches
-    [layers, blocks, block_size, KV, D]. An opaque op over the whole caches (not a layer's view), so a
-    compiled forward writes them in place: torch.compile functionalises mutations of its inputs."""
+    [layers, blocks, block_size, KV, D]. Under torch.compile an opaque op over the whole caches (not a
+    layer's view), so the compiled forward writes them in place (it functionalises mutations of its
+    inputs); eager, a plain call (the op's dispatch costs tens of microseconds a layer)."""
+    if torch.compiler.is_compiling():
+        return _write_kv_op(k_caches, v_caches, layer, slots, k, v)
     KV, D = k.shape[-2:]
     k_caches[layer].view(-1, KV, D).index_copy_(0, slots, k.reshape(-1, KV, D).to(k_caches.dtype))
     v_caches[layer].view(-1, KV, D).index_copy_(0, slots, v.reshape(-1, KV, D).to(v_caches.dtype))
 
 
-@write_kv.register_fake
-def _(k_caches, v_caches, layer, slots, k, v) -> None:
-    return None
+_write_kv_op = torch.library.custom_op("nano_miles::write_kv", write_kv, mutates_args=("k_caches", "v_caches"))
+_write_kv_op.register_fake(lambda k_caches, v_caches, layer, slots, k, v: None)
 
 
 def load_safetensors(model: CausalLM, folder: str):

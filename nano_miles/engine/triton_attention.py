@@ -125,12 +125,13 @@ def packed_prefill_attention(q, k_cache, v_cache, block_tables, positions, tiles
     return out
 
 
-@torch.library.custom_op("nano_miles::paged_decode_attention", mutates_args=())
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor) -> torch.Tensor:
     """q: [B, H, D]; k_cache/v_cache: [num_blocks, block_size, KV, D]; block_tables: [B, N];
-    context_lens: [B] (keys at positions < context_len are attended). Returns [B, H, D]. An opaque op
-    to torch.compile (engine.enable_torch_compile), which fuses the work around it."""
+    context_lens: [B] (keys at positions < context_len are attended). Returns [B, H, D]. Under
+    torch.compile (engine.enable_torch_compile) an opaque op, which it fuses the work around."""
+    if torch.compiler.is_compiling():
+        return _paged_decode_attention_op(q, k_cache, v_cache, block_tables, context_lens)
     B, H, D = q.shape
     _, BS, KV, _ = k_cache.shape
     G = H // KV
@@ -147,6 +148,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out
 
 
-@paged_decode_attention.register_fake
-def _(q, k_cache, v_cache, block_tables, context_lens):
-    return torch.empty_like(q, memory_format=torch.contiguous_format)
+_paged_decode_attention_op = torch.library.custom_op("nano_miles::paged_decode_attention", paged_decode_attention,
+                                                     mutates_args=())
+_paged_decode_attention_op.register_fake(
+    lambda q, k_cache, v_cache, block_tables, context_lens: torch.empty_like(q, memory_format=torch.contiguous_format))
