@@ -35,13 +35,15 @@ def sample(logits: torch.Tensor, temperatures: list, top_ps: list, top_ks: list,
     device = logits.device
     greedy_rows = [t == 0 for t in temperatures]
     filtered = any(k > 0 for k in top_ks) or any(p < 1 for p in top_ps)
-    # greedy rows divide by 1: their log-prob is the model's own (SGLang: temperature 1 + top_k 1)
-    temps = torch.tensor([1.0 if t == 0 else float(t) for t in temperatures], dtype=torch.float32)
-    if fused is not None and log_softmax is None and not filtered and not all(greedy_rows):
-        return fused(logits, temps.to(device, non_blocking=True), _noise(logits, generators, default_generator),
-                     torch.tensor(greedy_rows).to(device, non_blocking=True))
-    if any(t not in (0, 1) for t in temperatures):
-        logits = logits / temps.to(device, non_blocking=True).unsqueeze(1)
+    use_fused = fused is not None and log_softmax is None and not filtered and not all(greedy_rows)
+    if use_fused or any(t not in (0, 1) for t in temperatures):
+        # greedy rows divide by 1: their log-prob is the model's own (SGLang: temperature 1 + top_k 1)
+        temps = torch.tensor([1.0 if t == 0 else float(t) for t in temperatures], dtype=torch.float32)
+        temps = temps.to(device, non_blocking=True)
+        if use_fused:
+            return fused(logits, temps, _noise(logits, generators, default_generator),
+                         torch.tensor(greedy_rows).to(device, non_blocking=True))
+        logits = logits / temps.unsqueeze(1)
     logprobs = log_softmax(logits) if log_softmax is not None else torch.log_softmax(logits, dim=-1)
     if all(greedy_rows):
         tokens = logits.argmax(dim=-1)
