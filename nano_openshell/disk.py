@@ -21,6 +21,7 @@ SETTLE_S = 0.1          # the pass at a command's end may run this long past its
 WALK_SHARE = 0.1        # this share of the time goes into passes (more near the limit), as much into refreshes
 WATCH_S = 2.0           # a file seen growing is looked at on every pass until it stops for this long
 MAX_MOVES = 3           # passes in a row cut short by moving directories before the check gives up
+FREEZE_WAIT_S = 0.1     # how long freezing a command's cgroup may take before the pass goes on without it
 
 
 def usage(roots: list[str]) -> int:
@@ -248,7 +249,7 @@ class DiskCheck:
     at its end. The first over() at FIRST_CHECK_S starts the thread that runs the passes. Allowed is the
     limit, or what the files took when the command started if that was more."""
 
-    def __init__(self, meter: Meter, roots: list[str], limit: int):
+    def __init__(self, meter: Meter, roots: list[str], limit: int, leaf=None):
         self.meter, self.roots, self.limit = meter, roots, limit
         self.allowed = max(limit, meter.total)
         self.killed = False
@@ -256,6 +257,9 @@ class DiskCheck:
         self._stop = threading.Event()
         self._thread = None
         self._failed = None  # why the files cannot be measured: as good as over
+        self._leaf = leaf if leaf is not None and leaf.can_freeze() else None  # the command's cgroup
+        self._freeze_lock = threading.Lock()  # stop() thaws: no freeze may follow it
+        self._frozen = False
 
     def over(self, now: float) -> str | None:
         if self._thread is None and now >= self._start_at:
@@ -268,20 +272,54 @@ class DiskCheck:
         return f"nano-openshell: killed: {why}, over Limits.disk_bytes={self.limit}\n"
 
     def _watch(self) -> None:
+        last_end, last_total = time.monotonic(), self.meter.total
+        rate, cost = 0.0, 0.0  # bytes a second the files grew by while the command ran; a plain pass's seconds
         while not self._stop.is_set():
             with self.meter.lock:
                 try:
-                    self.meter.measure(self.roots, self._stop.is_set)
+                    began = time.monotonic()
+                    # What a writer adds while a plain pass lags behind it lands on disk past the count (and
+                    # past the limit, at the kill). So where the next pass could cross the limit, the
+                    # command's processes are frozen for it, if they have a cgroup: the count is what is there.
+                    frozen = self.meter.total + 2 * rate * (2 * cost + MIN_INTERVAL_S) > self.allowed and self._freeze()
+                    while not self.meter.measure(self.roots, self._stop.is_set) and frozen and not self._stop.is_set():
+                        self.meter.check_moves()  # frozen: until one whole pass
                     self.meter.check_moves()
+                    if not frozen and self.meter.total > self.allowed:
+                        self._freeze()  # now, not at the drain's next look: it writes no more until the kill
+                    now = time.monotonic()
+                    cost = cost if frozen else now - began
+                    rate = max(0, self.meter.total - last_total) / max(1e-3, (began if frozen else now) - last_end)
+                    last_end, last_total = now, self.meter.total
                 except Exception as e:  # EACCES on a directory that is not ours, EMFILE...: no check, so killed
                     self._failed = f"the sandbox's files cannot be measured ({getattr(e, 'strerror', None) or e})"
                     return
+                finally:  # over the limit a frozen command stays so until its kill (stop() thaws it then)
+                    if self.meter.total <= self.allowed and self._failed is None:
+                        self._thaw()
             # ten times what a pass takes, less as the files near what is allowed (back to back there)
             free = max(0.0, 1.0 - self.meter.total / self.allowed)
             self._stop.wait(max(MIN_INTERVAL_S, self.meter.pass_cost / WALK_SHARE * free))
 
-    def stop(self) -> None:  # within CHECK_EVERY entries; the thread is not waited for
+    def _freeze(self) -> bool:
+        with self._freeze_lock:
+            if self._leaf is None or self._stop.is_set():
+                return False
+            self._frozen = True
+            if not self._leaf.freeze(FREEZE_WAIT_S):  # a process that would not stop in time: a plain pass
+                self._leaf.thaw()
+                self._frozen = False
+            return self._frozen
+
+    def _thaw(self) -> None:
+        with self._freeze_lock:
+            if self._frozen:
+                self._leaf.thaw()
+                self._frozen = False
+
+    def stop(self) -> None:  # within CHECK_EVERY entries; the thread is not waited for; a frozen command thawed
         self._stop.set()
+        self._thaw()
 
     def finish(self, deadline: float) -> str | None:
         """At the command's end (by the deadline, or SETTLE_S from now if later) one more pass, so that the

@@ -62,6 +62,7 @@ def drain(proc: subprocess.Popen, deadline: float, cap: int, kill, disk, ended,
         nonlocal killed, give_up
         killed, give_up = True, now + KILL_GRACE
         kill()
+        disk.stop()  # after the kill: a command the check froze goes on only to die (a namespaced init must run to kill it)
 
     def check_disk(now: float) -> float:
         """Kill when the files are over the limit; the time to look again (only reads DiskCheck's total)."""

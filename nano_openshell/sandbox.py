@@ -184,7 +184,8 @@ class Sandbox:
                               f"command's timeout ({seen} entries looked at); the command did not run\n", True,
                               False, round((time.monotonic() - start) * 1000, 3), self.tier, list(self.gaps))
         if self.tier == "namespaced":
-            code, out, err, timed_out = self._exec_namespaced(command, start + timeout, self._disk_check([]))
+            code, out, err, timed_out = self._exec_namespaced(command, start + timeout,
+                                                                   self._disk_check([], self._namespaces.leaf))
         else:
             code, out, err, timed_out = self._exec_init(command, start + timeout)
         return ExecResult(code, out.text(), err.text(), timed_out, out.truncated or err.truncated,
@@ -204,8 +205,9 @@ class Sandbox:
         finally:
             self._handover_lock.release()
 
-    def _disk_check(self, extra_roots: list[str]) -> DiskCheck:  # over every host directory it can write
-        return DiskCheck(self._disk, [self.workspace, *self._mounts.values(), *extra_roots], self.limits.disk_bytes)
+    def _disk_check(self, extra_roots: list[str], leaf) -> DiskCheck:  # over every host directory it can write
+        return DiskCheck(self._disk, [self.workspace, *self._mounts.values(), *extra_roots], self.limits.disk_bytes,
+                         leaf)
 
     def _exec_namespaced(self, command: str, deadline: float, disk: DiskCheck):
         script = self.limits.ulimit_line()
@@ -231,8 +233,9 @@ class Sandbox:
             cfg = {"rlimits": self.limits.rlimits(), "workspace": self.workspace, "tmpdir": tmpdir, "uid": self.uid,
                    "gid": self.uid, "landlock": isolated and caps["landlock_abi"] > 0,
                    "seccomp": isolated and caps["seccomp"], "env": self._env(self.workspace, tmpdir)}
-            return fallback.run(command, cfg, self.cgroup.leaf() if self.cgroup else None, SAFE_PATH, deadline,
-                                self.limits.output_bytes, self._owned, self._disk_check([tmpdir]))
+            leaf = self.cgroup.leaf() if self.cgroup else None
+            return fallback.run(command, cfg, leaf, SAFE_PATH, deadline, self.limits.output_bytes, self._owned,
+                                self._disk_check([tmpdir], leaf))
         finally:
             with self._disk.lock:  # it goes with the command: no longer counted (drain stopped the passes)
                 self._disk.forget(tmpdir)

@@ -5,6 +5,9 @@ one and says so: cgroup_reason, and the memory gap in probe() and Sandbox.gaps.
 """
 
 import os
+import select
+import subprocess
+import sys
 import threading
 import time
 
@@ -77,3 +80,36 @@ def test_a_sandbox_without_a_cgroup_says_so():
         assert sb.cgroup is None and "use_cgroup=False" in sb.cgroup_reason
         r = sb.exec("true", timeout=10)
         assert any(g.startswith("memory is capped per process") for g in r.gaps)
+
+
+def test_a_frozen_leaf_stops_its_processes_where_they_are_until_thawed():
+    """The disk check freezes a command near the limit while it counts (docs/design.md, Disk): frozen,
+    a writer adds nothing; thawed, it goes on; killed frozen, it dies."""
+    from nano_openshell.cgroup import SandboxCgroup
+
+    cg, why = SandboxCgroup.create(1 << 30, 64)
+    if cg is None:
+        assert not probe()["capabilities"]["cgroup"]["usable"] and why
+        return
+    leaf = cg.leaf()
+    writer = subprocess.Popen([sys.executable, "-c", "import sys\nwhile True: print('x', flush=True)"],
+                              stdout=subprocess.PIPE)
+    try:
+        leaf.add(writer.pid)
+        assert leaf.can_freeze()
+        assert leaf.freeze(timeout=5)
+        os.set_blocking(writer.stdout.fileno(), False)
+        while writer.stdout.read(1 << 16):  # what it wrote before it froze
+            pass
+        assert select.select([writer.stdout], [], [], 0.3)[0] == [], "a frozen process wrote on"
+        leaf.thaw()
+        assert select.select([writer.stdout], [], [], 5)[0] == [writer.stdout], "a thawed process goes on"
+        leaf.freeze(timeout=5)
+        leaf.kill()
+        assert writer.wait(timeout=5) == -9
+    finally:
+        writer.kill()
+        writer.wait()
+        writer.stdout.close()
+        leaf.close()
+        cg.close()
