@@ -164,6 +164,9 @@ def main():
                     help="also run the requests in true on-policy mode (batch-invariant kernels) and report the slowdown")
     ap.add_argument("--enable-torch-compile", action="store_true",
                     help="also run the requests with engine.enable_torch_compile and report the decode step against normal mode")
+    ap.add_argument("--overlap-schedule", action="store_true",
+                    help="also run the requests with engine.overlap_schedule (with compile too, if asked for: mode "
+                         "overlap_compile) and report the decode step against normal mode")
     add_dry_run(ap)
     args = ap.parse_args()
     gpu = args.device.startswith("cuda")
@@ -179,13 +182,16 @@ def main():
         hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(args.device).eval()
 
     rows = []
-    modes = ["normal"] + ["torch_compile"] * args.enable_torch_compile + ["true_on_policy"] * args.true_on_policy
+    overlap = ("overlap_compile" if args.enable_torch_compile else "overlap") if args.overlap_schedule else None
+    modes = ["normal"] + ["torch_compile"] * args.enable_torch_compile + [overlap] * args.overlap_schedule + \
+        ["true_on_policy"] * args.true_on_policy
     for mode in modes:
         top = mode == "true_on_policy"
         eng = Engine(EngineConfig(model=folder, device=args.device, dtype="bfloat16" if gpu else "float32",
                                   max_running_requests=max(conc), cuda_graph=not args.no_cuda_graph,
                                   max_model_len=plen + new + 16, attention_backend=args.attention,
-                                  true_on_policy=top, enable_torch_compile=mode == "torch_compile"))
+                                  true_on_policy=top, enable_torch_compile=mode in ("torch_compile", "overlap_compile"),
+                                  overlap_schedule=mode in ("overlap", "overlap_compile")))
         exact_model = CausalLM.sharing_parameters(hf).use_batch_invariant_ops() if top else None
         for c in conc:
             ps = prompts(c, plen, shapes["vocab_size"], seed=c)

@@ -15,7 +15,7 @@ from nano_miles.engine.cuda_graph import DecodeGraphs
 from nano_miles.engine.flat_params import FlatParameters, wait_for_copies
 from nano_miles.engine.kv_cache import BlockManager, KVCache
 from nano_miles.engine.model import Batch, CausalLM, ModelConfig, load_safetensors, skip_weight_name
-from nano_miles.engine.sampling import SamplingParams, gumbel_max, sample
+from nano_miles.engine.sampling import SamplingParams, gumbel_max, sample, to_device
 from nano_miles.engine.scheduler import Scheduler, Sequence
 
 __all__ = ["Engine", "EngineConfig", "SamplingParams", "FinishedRequest"]
@@ -35,6 +35,7 @@ class EngineConfig:
     num_continuous_decode_steps: int = 1  # decode steps run back to back before a waiting prefill is taken (SGLang's); 1 = prefill at once
     cuda_graph: bool = True             # capture decode steps as CUDA graphs (GPU only)
     enable_torch_compile: bool = False  # torch.compile the decode forward (fused norms, RoPE, SiLU*mul), under the CUDA graphs; normal mode only
+    overlap_schedule: bool = False      # SGLang's overlap scheduler: step n+1 is scheduled and launched while step n runs on the GPU
     attention_backend: str = "auto"     # decode attention: torch (gather + SDPA) | triton (paged kernel, GPU) | auto
     packed_prefill: bool | None = None  # prefill steps packed (no padding), decoding sequences riding in them; none = wherever the triton backend runs in normal mode
     kv_cache_memory_fraction: float = 0.85  # share of the GPU's free memory for the KV cache (ignored on CPU)
@@ -136,6 +137,7 @@ class Engine:
                                    continuous_decode_steps=config.num_continuous_decode_steps)
         self.seqs: dict[str, Sequence] = {}
         self.pending: list[FinishedRequest] = []  # aborted requests, returned by the next step()
+        self._inflight: _Launched | None = None   # overlap_schedule: the step launched, its tokens not yet read
         self.busy_s = {"prefill": 0.0, "decode": 0.0}  # seconds spent in step() per phase, since start
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         # dynamic: one compiled graph serves every batch-size and block-table bucket
@@ -178,10 +180,20 @@ class Engine:
         self.scheduler.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.pending) or self.scheduler.has_unfinished()
+        return bool(self.pending) or self._inflight is not None or self.scheduler.has_unfinished()
+
+    def drain(self) -> list:
+        """overlap_schedule: wait for the step in flight and take in its tokens; the requests it finished
+        (with any aborted ones). Pause, weight loads and aborts drain first: no token is left unknown."""
+        launched, self._inflight = self._inflight, None
+        if launched is not None:
+            self.pending += self._complete(launched)
+        finished, self.pending = self.pending, []
+        return finished
 
     def abort_request(self, rid: str, message: str = "aborted by request", status_code: int | None = None) -> bool:
         """status_code (SGLang's field): None when asked for, 500 when the engine failed."""
+        self.pending = self.drain()
         seq = self.seqs.get(rid)
         if seq is None:
             return False
@@ -219,45 +231,115 @@ class Engine:
         self.flush_cache()
 
     def flush_cache(self) -> None:
+        self.pending = self.drain()  # (load_weights and load_flat end here: the step in flight used the old weights)
         self.blocks.flush()
 
     # ---- the step -------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list:
+        """Schedule and run one forward; the requests that finished. With overlap_schedule the step is
+        launched before the one in flight is read back, so the host's work for step n+1 (scheduling,
+        inputs, and taking in step n's tokens) runs while the GPU computes: a decode row's input token is
+        then the previous step's, gathered on the device, and a request is found finished one step late
+        (its extra row is dropped). Without it, a step is launched and read back at once."""
         t0 = time.perf_counter()
         finished, self.pending = self.pending, []
         self.model.refresh_lm_head_fp32()  # a no-op unless the weights changed since the last step
         kind, work = self.scheduler.schedule()
-        if kind is None:
-            return finished
-        pad = self.graphs.bucket(len(work), self._num_blocks(work)) if kind == "decode" and self.graphs else None
-        if pad is not None:
-            logits = self.graphs.run(self._prepare(work, *pad))[:len(work)]
-        elif kind == "prefill" and self.packed_prefill:
-            logits = self.model(self._prepare_packed(work), self.kv.k, self.kv.v)
-        elif kind == "decode":
-            logits = self.decode_forward(self._prepare(work))
+        previous, self._inflight = self._inflight, None
+        if previous is not None and kind != "decode":  # a prefill step reads its tokens from the host
+            finished += self._complete(previous)
+            previous, work = None, [(seq, n) for seq, n in work if not seq.finished]
+        # a row whose length limit its in-flight token reaches would run past its blocks and positions
+        work = [(seq, n) for seq, n in work if not self._length_reached(seq)]
+        if not work:
+            return finished + (self._complete(previous) if previous is not None else [])
+        launched = self._launch(kind, work, previous)
+        if previous is not None:
+            finished += self._complete(previous)
+        if self.config.overlap_schedule:
+            self._inflight = launched
         else:
-            logits = self.model(self._prepare(work), self.kv.k, self.kv.v).float()
+            finished += self._complete(launched)
+        self.busy_s[kind] += time.perf_counter() - t0  # busy seconds per phase, in every /generate answer (busy_s)
+        return finished
+
+    def _launch(self, kind, work, previous) -> "_Launched":
+        """Run the forward and the draw of `work`; each sampling row gets a placeholder token for now."""
+        pad = self.graphs.bucket(len(work), self._num_blocks(work)) if kind == "decode" and self.graphs else None
+        batch = self._prepare_packed(work) if kind == "prefill" and self.packed_prefill else \
+            self._prepare(work, *(pad or ()))
+        if previous is not None:  # rows whose input token is the one in flight: taken on the device
+            rows = [(i, seq.pending_row) for i, (seq, _) in enumerate(work) if seq.pending_step is previous]
+            if rows:
+                dst, src = to_device(rows, self.device, torch.int64).unbind(1)
+                batch.input_ids[dst, 0] = previous.tokens[src]
+        if pad is not None:
+            logits = self.graphs.run(batch)[:len(work)]
+        elif kind == "prefill" and self.packed_prefill:
+            logits = self.model(batch, self.kv.k, self.kv.v)
+        elif kind == "decode":
+            logits = self.decode_forward(batch)
+        else:
+            logits = self.model(batch, self.kv.k, self.kv.v).float()
         rows = []
         for i, (seq, n) in enumerate(work):
             seq.num_computed_tokens += n
-            self.blocks.publish(seq)
+            if previous is None or seq.pending_step is not previous:  # (else its input token is not known yet)
+                self.blocks.publish(seq)  # now, so that a request admitted at the next step finds them
             if seq.num_computed_tokens == len(seq.token_ids):
                 rows.append(i)  # its prompt is done: it samples a token
         seqs = [work[i][0] for i in rows]
-        tokens, logprobs = self._sample(logits if len(rows) == len(work) else
-                                        logits[torch.tensor(rows, device=self.device)], seqs) if rows else ([], [])
-        for seq, tok, lp in zip(seqs, tokens, logprobs):
-            seq.token_ids.append(tok)
+        launched = _Launched([seq for seq, _ in work], seqs, [len(seq.token_ids) for seq in seqs])
+        if not rows:
+            return launched
+        launched.tokens, logprobs = self._sample(logits if len(rows) == len(work) else
+                                                 logits[to_device(rows, self.device)], seqs)
+        out = torch.stack([launched.tokens.double(), logprobs.double()])
+        if self.device.type == "cuda" and self.config.overlap_schedule:
+            launched.out = torch.empty(out.shape, dtype=out.dtype, pin_memory=True).copy_(out, non_blocking=True)
+            launched.ready = torch.cuda.Event()
+            launched.ready.record()
+        else:
+            launched.out = out.cpu()  # the step's one host sync
+        for j, seq in enumerate(seqs):
+            seq.token_ids.append(-1)  # until _complete: an id no embedding takes, should one ever read it
             if seq.return_logprob:
-                seq.output_logprobs.append(lp)
-            reason = self._finish_reason(seq, tok)
+                seq.output_logprobs.append(0.0)
+            seq.pending_step, seq.pending_row = launched, j
+        return launched
+
+    def _complete(self, launched: "_Launched") -> list:
+        """Take in a launched step's tokens: placeholders filled, full blocks published to the prefix
+        cache, finished requests (cut at their last token) returned."""
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        tokens, logprobs = ([int(x) for x in launched.out[0].tolist()], launched.out[1].tolist()) if launched.seqs \
+            else ([], [])
+        rows = [(seq, at, tok, lp) for seq, at, tok, lp in zip(launched.seqs, launched.at, tokens, logprobs)
+                if not seq.finished]  # one that ended at the step before ran this row on its last token for nothing
+        for seq, at, tok, lp in rows:
+            seq.token_ids[at] = tok
+            if seq.return_logprob:
+                seq.output_logprobs[at - seq.num_prompt_tokens] = lp
+            if seq.pending_step is launched:
+                seq.pending_step = None
+        for seq in launched.work:
+            if not seq.finished:  # finishing too: a later turn's prompt reuses its blocks
+                self.blocks.publish(seq)  # rows whose input token was this step's: their blocks now
+        finished = []
+        for seq, at, tok, _ in rows:
+            reason = self._finish_reason(seq, tok, at + 1)
             if reason is not None:
+                del seq.token_ids[at + 1:]  # the next step's row, if one was launched
+                del seq.output_logprobs[max(0, at + 1 - seq.num_prompt_tokens):]
                 self.scheduler.finish(seq)
                 finished.append(self._finish(seq, reason))
-        self.busy_s[kind] += time.perf_counter() - t0  # busy seconds per phase, in every /generate answer (busy_s)
         return finished
+
+    def _length_reached(self, seq) -> bool:
+        n = len(seq.token_ids)
+        return n - seq.num_prompt_tokens >= seq.params.max_new_tokens or n >= self.max_model_len
 
     def decode_forward(self, batch) -> torch.Tensor:
         """FP32 logits of a decode batch: the compiled forward where enable_torch_compile is on."""
@@ -283,7 +365,7 @@ class Engine:
             else:
                 p = np.arange(start, start + n)
                 ids[i, :n], pos[i, :n], slots[i, :n] = seq.token_ids[start:start + n], p, tables[i, p // bs] * bs + p % bs
-        return Batch(*(torch.from_numpy(x).to(self.device, non_blocking=True) for x in (ids, pos, slots, tables, last)))
+        return Batch(*(to_device(x, self.device) for x in (ids, pos, slots, tables, last)))
 
     def _prepare_packed(self, work) -> Batch:
         """`work` as one packed row: every sequence's new tokens side by side, cut into tiles of at most
@@ -303,32 +385,35 @@ class Engine:
             at += n
             last[i] = at - 1
         arrays = (ids[None], pos[None], slots[None], tables, last, np.array(tiles, dtype=np.int32))
-        return Batch(*(torch.from_numpy(x).to(self.device, non_blocking=True) for x in arrays))
+        return Batch(*(to_device(x, self.device) for x in arrays))
 
     def _sample(self, logits, seqs):
+        masked = []  # (row, token): stop tokens held back by min_new_tokens
         for i, seq in enumerate(seqs):
             p = seq.params  # ignore_eos turns every stop token off (as in SGLang): nothing to mask then
-            if not p.ignore_eos and len(seq.output_ids) < p.min_new_tokens:
-                logits[i, list(p.stop_token_ids or []) + self.eos_token_ids] = float("-inf")
-        tokens, logprobs = sample(logits, [s.params.temperature for s in seqs], [s.params.top_p for s in seqs],
-                                  [s.params.top_k for s in seqs], [s.generator for s in seqs], self.generator,
-                                  log_softmax=batch_invariant.log_softmax if self.config.true_on_policy else None,
-                                  fused=self._fused_sample)
-        out = torch.stack([tokens.double(), logprobs.double()]).cpu()  # the step's one host sync
-        return [int(x) for x in out[0].tolist()], out[1].tolist()
+            if not p.ignore_eos and len(seq.token_ids) - seq.num_prompt_tokens < p.min_new_tokens:
+                masked += [(i, t) for t in list(p.stop_token_ids or []) + self.eos_token_ids]
+        if masked:
+            rows, cols = to_device(masked, self.device, torch.int64).unbind(1)
+            logits[rows, cols] = float("-inf")
+        return sample(logits, [s.params.temperature for s in seqs], [s.params.top_p for s in seqs],
+                      [s.params.top_k for s in seqs], [s.generator for s in seqs], self.generator,
+                      log_softmax=batch_invariant.log_softmax if self.config.true_on_policy else None,
+                      fused=self._fused_sample)  # (tokens, logprobs), on the device
 
-    def _finish_reason(self, seq, tok):
-        p, n_out = seq.params, len(seq.token_ids) - seq.num_prompt_tokens
+    def _finish_reason(self, seq, tok, end: int):
+        """Why seq ends at its token tok, token_ids[end - 1], or None."""
+        p, n_out = seq.params, end - seq.num_prompt_tokens
         if n_out >= p.max_new_tokens:
             return {"type": "length", "length": p.max_new_tokens}
         if not p.ignore_eos and (tok in (p.stop_token_ids or ()) or tok in self.eos_token_ids):
             return {"type": "stop", "matched": tok}
-        matched = self._completed_stop_string(seq, tok) if p.stop and n_out >= p.min_new_tokens else None
+        matched = self._completed_stop_string(seq, tok, end) if p.stop and n_out >= p.min_new_tokens else None
         if matched is not None:
             return {"type": "stop", "matched": matched}
-        return {"type": "length", "length": n_out} if len(seq.token_ids) >= self.max_model_len else None
+        return {"type": "length", "length": n_out} if end >= self.max_model_len else None
 
-    def _completed_stop_string(self, seq, tok) -> str | None:
+    def _completed_stop_string(self, seq, tok, end: int) -> str | None:
         """The stop string the newest token completes (SGLang's rule: it is in the decoded tail of the
         output), else None. A match must end inside the newest token's text, so the tail is decoded
         only when that text holds the string's last character."""
@@ -338,13 +423,28 @@ class Engine:
         for s in seq.params.stop:
             # a non-ASCII character may span several byte tokens; a lone token's text may drop its spaces
             if s[-1] in piece or not s[-1].isascii() or s[-1].isspace():
-                start = max(seq.num_prompt_tokens, len(seq.token_ids) - 4 * len(s) - 1)  # <= 4 byte tokens a char
-                if s in self.tokenizer.decode(seq.token_ids[start:]):
+                start = max(seq.num_prompt_tokens, end - 4 * len(s) - 1)  # <= 4 byte tokens a char
+                if s in self.tokenizer.decode(seq.token_ids[start:end]):
                     return s
         return None
 
     def _finish(self, seq, reason) -> FinishedRequest:
         del self.seqs[seq.rid]
+        seq.finished = True
+        while seq.token_ids[-1] == -1:  # aborted with a token not taken in (a step that failed)
+            seq.token_ids.pop()
+            if seq.return_logprob:
+                seq.output_logprobs.pop()
         out = list(seq.output_ids)
         return FinishedRequest(seq.rid, out, list(seq.output_logprobs) if seq.return_logprob else None, reason,
                                seq.num_prompt_tokens, len(out), seq.num_cached_tokens)
+
+
+class _Launched:
+    """A step on its way: the sequences it ran (work), those it samples a token for (seqs) and where in
+    their token_ids each token goes (at); the tokens on the device (tokens), and read back (out, once
+    the ready event has fired: overlap_schedule on a GPU)."""
+
+    def __init__(self, work: list, seqs: list, at: list):
+        self.work, self.seqs, self.at = work, seqs, at
+        self.tokens, self.out, self.ready = None, None, None

@@ -38,11 +38,9 @@ def sample(logits: torch.Tensor, temperatures: list, top_ps: list, top_ks: list,
     use_fused = fused is not None and log_softmax is None and not filtered and not all(greedy_rows)
     if use_fused or any(t not in (0, 1) for t in temperatures):
         # greedy rows divide by 1: their log-prob is the model's own (SGLang: temperature 1 + top_k 1)
-        temps = torch.tensor([1.0 if t == 0 else float(t) for t in temperatures], dtype=torch.float32)
-        temps = temps.to(device, non_blocking=True)
+        temps = to_device([1.0 if t == 0 else float(t) for t in temperatures], device, torch.float32)
         if use_fused:
-            return fused(logits, temps, _noise(logits, generators, default_generator),
-                         torch.tensor(greedy_rows).to(device, non_blocking=True))
+            return fused(logits, temps, _noise(logits, generators, default_generator), to_device(greedy_rows, device))
         logits = logits / temps.unsqueeze(1)
     logprobs = log_softmax(logits) if log_softmax is not None else torch.log_softmax(logits, dim=-1)
     if all(greedy_rows):
@@ -50,12 +48,12 @@ def sample(logits: torch.Tensor, temperatures: list, top_ps: list, top_ks: list,
     else:
         probs = logprobs.exp()
         if filtered:
-            probs = filter_top_k_top_p(probs, torch.tensor(top_ks, dtype=torch.int64).to(device),
-                                       torch.tensor(top_ps, dtype=torch.float32).to(device))
+            probs = filter_top_k_top_p(probs, to_device(top_ks, device, torch.int64),
+                                       to_device(top_ps, device, torch.float32))
         # Gumbel-max in its exponential form: argmax(p / E), E ~ Exp(1), is a draw from p.
         tokens = (probs / _noise(probs, generators, default_generator)).argmax(dim=-1)
         if any(greedy_rows):
-            tokens = torch.where(torch.tensor(greedy_rows).to(device), logits.argmax(dim=-1), tokens)
+            tokens = torch.where(to_device(greedy_rows, device), logits.argmax(dim=-1), tokens)
     return tokens, logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
 
 
@@ -66,6 +64,14 @@ def gumbel_max(logits: torch.Tensor, temps: torch.Tensor, noise: torch.Tensor, g
     logprobs = torch.log_softmax(logits / temps.unsqueeze(1), dim=-1)
     tokens = torch.where(greedy, logits.argmax(dim=-1), (logprobs - noise.log()).argmax(dim=-1))
     return tokens, logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+
+
+def to_device(values, device: torch.device, dtype=None) -> torch.Tensor:
+    """values (a list or a numpy array) on device without waiting for the GPU: CUDA syncs the stream
+    before a copy from pageable memory, which would stall an overlapped step (engine.overlap_schedule),
+    so on a GPU the copy goes through pinned memory (torch's caching host allocator)."""
+    t = torch.as_tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 def _noise(like: torch.Tensor, generators: list, default_generator) -> torch.Tensor:

@@ -28,6 +28,10 @@ class Sequence:
     prefix_hash: int = 0
     cache_epoch: int = -1
     admitted: bool = False
+    finished: bool = False
+    # overlap_schedule (engine.py): the launched step whose token is this sequence's last, and its row there
+    pending_step: object = None
+    pending_row: int = 0
 
     @property
     def output_ids(self):

@@ -181,6 +181,7 @@ class EngineWorker:
         """abort: running requests finish now (partial output). retract: their KV is freed and
         recomputed, with the weights of that moment, on continue; their tokens are kept. in_place:
         they keep their KV, computed with the old weights if an update comes (as SGLang)."""
+        self._deliver(self.engine.drain())  # overlap_schedule: the step in flight, taken in with the weights it ran
         n = self._abort(None, "aborted by pause_generation") if mode == "abort" else 0
         if mode == "retract":
             for seq in reversed(list(self.engine.scheduler.running)):

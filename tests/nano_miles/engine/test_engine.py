@@ -456,3 +456,49 @@ def test_a_compiled_decode_forward_gives_the_eager_tokens_and_logprobs(tiny, hf)
     assert engines["compiled"]._fused_sample is not None
     with pytest.raises(ValueError, match="normal mode"):
         EngineConfig(model=tiny, enable_torch_compile=True, true_on_policy=True)
+
+
+def run_script(eng) -> dict:
+    """Requests of every kind arriving over the steps, an abort, a weight update and a cache small
+    enough to preempt: what each request ends with. Greedy or seeded rows only (a dropped row in an
+    overlapped step draws from no one else's generator)."""
+    ps = prompts(12, eng.vocab_size, seed=11, lo=6, hi=30)
+    kinds = [SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True),
+             SamplingParams(max_new_tokens=16, temperature=0.8, sampling_seed=3, ignore_eos=True),
+             SamplingParams(max_new_tokens=20, temperature=0, stop_token_ids=list(range(0, eng.vocab_size, 4)),
+                            min_new_tokens=2),
+             SamplingParams(max_new_tokens=24, temperature=1.0, sampling_seed=9, ignore_eos=True, stop=("e",)),
+             SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True)]
+    done, step = {}, 0
+    while step < 12 or eng.has_unfinished():
+        if step < 12:  # a request a step, the first few at once
+            for i in range(4 if step == 0 else 1):
+                eng.add_request(f"r{step}.{i}", ps[(step + i) % len(ps)], kinds[(step + i) % len(kinds)])
+        if step == 6:
+            eng.abort_request("r2.0")
+        if step == 9:
+            params = dict(eng.model.named_parameters())
+            eng.load_weights([("model.norm.weight", params["model.norm.weight"] * 1.5)])
+        for r in eng.step():
+            done[r.rid] = r
+        step += 1
+    return done
+
+
+def test_the_overlap_scheduler_ends_every_request_as_the_plain_step_does(tiny):
+    """engine.overlap_schedule launches step n+1 before reading step n back: a row's input token comes
+    from the device, a request is seen finished one step late and its extra row dropped. Batch-invariant
+    kernels (true on-policy), so that a dropped row changes no other row's bits: the same tokens, log-probs,
+    finish reasons and prefix-cache hits, through stops, stop strings, preemption, an abort and an update."""
+    plain = make_engine(tiny, true_on_policy=True, num_kv_blocks=48)
+    overlapped = make_engine(tiny, true_on_policy=True, num_kv_blocks=48, overlap_schedule=True)
+    a, b = run_script(plain), run_script(overlapped)
+    reasons = [r.finish_reason for r in a.values()]
+    assert plain.scheduler.num_preemptions > 0 and {r["type"] for r in reasons} == {"stop", "length", "abort"}
+    assert {"type": "stop", "matched": "e"} in reasons and any(isinstance(r.get("matched"), int) for r in reasons)
+    assert sum(r.cached_tokens for r in a.values()) > 0
+    assert sorted(a) == sorted(b)
+    for rid in a:
+        assert b[rid] == a[rid], rid
+    for eng in (plain, overlapped):
+        assert not eng.has_unfinished() and eng.blocks.num_free == eng.num_kv_blocks

@@ -6,6 +6,8 @@ from transformers import AutoModelForCausalLM
 
 from nano_miles.engine.engine import Engine, EngineConfig, SamplingParams
 
+from .test_engine import run_script
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -55,6 +57,30 @@ def test_a_compiled_graph_decode_equals_eager_decode_fp32(tiny, greedy):
     for rid in eager:
         assert compiled[rid].output_ids == eager[rid].output_ids
         assert torch.allclose(torch.tensor(compiled[rid].output_logprobs), torch.tensor(eager[rid].output_logprobs), atol=1e-4)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_an_overlapped_graph_decode_equals_the_plain_step_fp32(tiny, compiled):
+    """engine.overlap_schedule on a GPU: step n+1 launched (its input tokens gathered on the device, its
+    graph replayed) before step n's tokens are read back through pinned memory, as plain steps decode;
+    and through stops, preemption, an abort and a weight update (test_engine.py's script)."""
+    reqs = requests(37, 1024)
+    kw = dict(model=tiny, device="cuda", dtype="float32", block_size=16, max_running_requests=64,
+              enable_torch_compile=compiled)
+    plain = run(Engine(EngineConfig(**kw)), reqs)
+    eng = Engine(EngineConfig(**kw, overlap_schedule=True))
+    overlapped = run(eng, reqs)
+    assert len(eng.graphs.graphs) > 1 and eng._inflight is None
+    for rid in plain:
+        assert overlapped[rid].output_ids == plain[rid].output_ids
+        assert torch.allclose(torch.tensor(overlapped[rid].output_logprobs), torch.tensor(plain[rid].output_logprobs), atol=1e-4)
+    small = dict(kw, block_size=4, num_kv_blocks=48)
+    a, b = run_script(Engine(EngineConfig(**small))), run_script(Engine(EngineConfig(**small, overlap_schedule=True)))
+    assert sorted(a) == sorted(b)
+    for rid in a:
+        assert (b[rid].output_ids, b[rid].finish_reason, b[rid].cached_tokens) == \
+            (a[rid].output_ids, a[rid].finish_reason, a[rid].cached_tokens), rid
+        assert torch.allclose(torch.tensor(b[rid].output_logprobs), torch.tensor(a[rid].output_logprobs), atol=1e-4)
 
 
 def test_gpu_logprobs_match_hf_teacher_forcing(tiny):
@@ -180,10 +206,10 @@ def test_a_weight_bucket_is_packed_outside_expandable_segments(monkeypatch):
         return next(s for s in torch.cuda.memory_snapshot() if s["address"] <= ptr < s["address"] + s["total_size"])
 
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    torch._C._accelerator_setAllocatorSettings("expandable_segments:True")
     try:
         _, bucket = W.serialize_bucket([("w", torch.randn(1024, 1024, device="cuda"))])
         assert segment_of(bucket.flattened_tensor)["is_expandable"] is False
         assert segment_of(torch.empty(16 << 20, device="cuda"))["is_expandable"] is True  # the rest stays expandable
     finally:
-        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+        torch._C._accelerator_setAllocatorSettings("expandable_segments:False")
