@@ -196,15 +196,19 @@ def plain_cuda_segments():
     if not torch.cuda.is_available() or "expandable_segments:true" not in conf.replace(" ", "").lower():
         yield
         return
-    try:  # a private torch API: a torch without it packs in expandable segments, only slower to open
-        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
-    except (AttributeError, RuntimeError):
+    # a private torch API (torch.cuda.memory's spelling is deprecated since torch 2.10): a torch with
+    # neither packs in expandable segments, only slower to open
+    settings = (getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+                or getattr(torch.cuda.memory, "_set_allocator_settings", None))
+    try:
+        settings("expandable_segments:False")
+    except (TypeError, RuntimeError):
         yield
         return
     try:
         yield
     finally:
-        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+        settings("expandable_segments:True")
 
 
 def _rebuild_cuda_tensor(*args):
