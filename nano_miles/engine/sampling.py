@@ -40,7 +40,8 @@ def sample(logits: torch.Tensor, temperatures: list, top_ps: list, top_ks: list,
         # greedy rows divide by 1: their log-prob is the model's own (SGLang: temperature 1 + top_k 1)
         temps = to_device([1.0 if t == 0 else float(t) for t in temperatures], device, torch.float32)
         if use_fused:
-            return fused(logits, temps, _noise(logits, generators, default_generator), to_device(greedy_rows, device))
+            return fused(logits, temps, _noise(logits, generators, default_generator, clamp=False),
+                         to_device(greedy_rows, device))
         logits = logits / temps.unsqueeze(1)
     logprobs = log_softmax(logits) if log_softmax is not None else torch.log_softmax(logits, dim=-1)
     if all(greedy_rows):
@@ -62,7 +63,8 @@ def gumbel_max(logits: torch.Tensor, temps: torch.Tensor, noise: torch.Tensor, g
     over the vocabulary: log_softmax(logits / T) and the draw argmax(log p - log E) (= argmax(p / E));
     greedy rows (T = 0, temps 1 there) take argmax(logits)."""
     logprobs = torch.log_softmax(logits / temps.unsqueeze(1), dim=-1)
-    tokens = torch.where(greedy, logits.argmax(dim=-1), (logprobs - noise.log()).argmax(dim=-1))
+    # the clamp is _noise's, here where it fuses into the pass (one pass less over [rows, vocab])
+    tokens = torch.where(greedy, logits.argmax(dim=-1), (logprobs - noise.clamp_min(1e-20).log()).argmax(dim=-1))
     return tokens, logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
 
 
@@ -74,13 +76,14 @@ def to_device(values, device: torch.device, dtype=None) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
-def _noise(like: torch.Tensor, generators: list, default_generator) -> torch.Tensor:
-    """Exp(1) draws shaped like `like`: each row from its request's generator, else the default one."""
+def _noise(like: torch.Tensor, generators: list, default_generator, clamp: bool = True) -> torch.Tensor:
+    """Exp(1) draws shaped like `like`: each row from its request's generator, else the default one.
+    clamp=False leaves the clamp to the caller (gumbel_max fuses it)."""
     noise = _exponential(torch.empty_like(like), default_generator)
     for i, g in enumerate(generators):
         if g is not None:
             _exponential(noise[i], g)
-    return noise.clamp_min_(1e-20)  # an exact 0 would pick its token whatever its probability
+    return noise.clamp_min_(1e-20) if clamp else noise  # an exact 0 would pick its token whatever its probability
 
 
 def _exponential(noise: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
