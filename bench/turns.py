@@ -7,7 +7,8 @@ decoded (as a policy stops where it stops), then the tool "runs" for 0.5-1.5 T m
 the wall until every episode ended, the engine's prefill and decode busy seconds, and its prefill
 and decode steps, for each
 --continuous-decode-steps value (engine.num_continuous_decode_steps: decode steps run back to back
-before a waiting prefill is taken), one after the other on the same engine.
+before a waiting prefill is taken), one after the other on the same engine; with --overlap-schedule,
+then again on an engine with engine.overlap_schedule.
 
   PYTHONPATH=. python3 bench/turns.py --continuous-decode-steps 1,2,4,8       # GPU: 0.5B shapes, bf16
   PYTHONPATH=. python3 bench/turns.py --device cpu --shapes tiny --episodes 8 --turns 2 --decode 8 --dry-run
@@ -96,25 +97,33 @@ def main(argv=None) -> int:
     ap.add_argument("--tool-ms", type=float, default=150.0, help="mean time a tool call keeps an episode off the engine")
     ap.add_argument("--continuous-decode-steps", type=step_counts, default="1,4",
                     help="comma-separated values to measure")
+    ap.add_argument("--enable-torch-compile", action="store_true", help="engine.enable_torch_compile on every engine")
+    ap.add_argument("--overlap-schedule", action="store_true",
+                    help="then the same runs on a second engine with engine.overlap_schedule")
     add_dry_run(ap)
     args = ap.parse_args(argv)
     dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    vocab, rows, engines = SHAPES[args.shapes]["vocab_size"], [], []
     with tempfile.TemporaryDirectory(prefix="bench_turns_") as folder:  # the weights, loaded once
         torch.manual_seed(0)
         Qwen2ForCausalLM(model_config(args.shapes)).save_pretrained(folder)
-        engine = Engine(EngineConfig(model=folder, device=args.device, dtype=dtype, num_kv_blocks=8192))
-    vocab = SHAPES[args.shapes]["vocab_size"]
-    run(engine, args, vocab)  # warm-up: CUDA graphs, kernels, allocator
-    rows = []
-    for n in args.continuous_decode_steps:
-        engine.flush_cache()
-        engine.scheduler.continuous_decode_steps = n
-        r = {"continuous_decode_steps": n, **run(engine, args, vocab)}
-        rows.append(r)
-        print(f"continuous decode steps {n}: {r['wall_s']:.2f} s wall, prefill {r['prefill_s']:.2f} s in "
-              f"{r['prefill_steps']} steps, decode {r['decode_s']:.2f} s in {r['decode_steps']} steps, "
-              f"{r['turns_per_s']:.1f} turns/s")
+        for overlap in [False] + [True] * args.overlap_schedule:
+            engines.append(Engine(EngineConfig(model=folder, device=args.device, dtype=dtype, num_kv_blocks=8192,
+                                               enable_torch_compile=args.enable_torch_compile,
+                                               overlap_schedule=overlap)))
+    for engine in engines:
+        overlap = engine.config.overlap_schedule
+        run(engine, args, vocab)  # warm-up: CUDA graphs, kernels, allocator
+        for n in args.continuous_decode_steps:
+            engine.flush_cache()
+            engine.scheduler.continuous_decode_steps = n
+            r = {"continuous_decode_steps": n, "overlap_schedule": overlap, **run(engine, args, vocab)}
+            rows.append(r)
+            print(f"{'overlapped, ' if overlap else ''}continuous decode steps {n}: {r['wall_s']:.2f} s wall, prefill "
+                  f"{r['prefill_s']:.2f} s in {r['prefill_steps']} steps, decode {r['decode_s']:.2f} s in "
+                  f"{r['decode_steps']} steps, {r['turns_per_s']:.1f} turns/s")
     record = {"bench": "turns", "shapes": args.shapes, "dtype": dtype, "packed": engine.packed_prefill,
+              "torch_compile": args.enable_torch_compile,
               "episodes": args.episodes, "turns": args.turns, "system": args.system, "task": args.task,
               "decode": args.decode, "observation": args.observation, "tool_ms": args.tool_ms,
               "runs": rows, "date": utc_now(), "commit": git_commit(),
