@@ -4,6 +4,7 @@ import asyncio
 import contextlib
 
 import aiohttp
+import pytest
 import torch
 from aiohttp.test_utils import TestServer
 
@@ -107,3 +108,35 @@ def test_the_openai_route_answers_http_500_too(tiny_model_path):
     (status, answer), (status_after, after) = asyncio.run(scenario())
     assert status == 500 and answer["error"]["message"] == f"engine error: OutOfMemoryError: {OOM}"
     assert status_after == 200 and after["usage"]["completion_tokens"] == 4
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+def test_an_overlapped_engine_pauses_takes_an_update_and_finishes_every_request(tiny_model_path, mode):
+    """engine.overlap_schedule: a pause takes the step in flight in first, so that an update while
+    paused finds every token known (retract recomputes each sequence's cache from its tokens), and
+    every request finishes whole after the continue."""
+    async def scenario():
+        worker = EngineWorker(lambda: Engine(EngineConfig(model=str(tiny_model_path), device="cpu", dtype="float32",
+                                                          num_kv_blocks=64, overlap_schedule=True)),
+                              asyncio.get_running_loop())
+        worker.thread.start()
+        await asyncio.to_thread(worker.loaded.wait)
+        params = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
+        futs = worker.add([Item(f"r{i}", [5, 6, 7 + i], params) for i in range(4)])
+        while await worker.call(lambda e: min((len(s.output_ids) for s in e.seqs.values()), default=0)) < 3:
+            pass  # each call runs between two steps: no sleep
+        await worker.pause(mode)
+        paused = await worker.call(lambda e: (e._inflight, [list(s.token_ids) for s in e.seqs.values()]))
+        norm = await worker.call(lambda e: e.model.model.norm.weight.clone())
+        await worker.update(lambda e: e.load_weights([("model.norm.weight", norm * 1.5)]), abort_first=False)
+        await worker.resume()
+        done = await asyncio.gather(*futs)
+        worker.stop()
+        await asyncio.to_thread(worker.thread.join, 30)
+        return paused, [fin for fin, *_ in done], worker.engine
+
+    (inflight, tokens), done, engine = asyncio.run(scenario())
+    assert inflight is None and tokens and all(-1 not in t for t in tokens)
+    assert all(f.finish_reason == {"type": "length", "length": 40} and len(f.output_ids) == 40 and
+               -1 not in f.output_ids and len(f.output_logprobs) == 40 for f in done)
+    assert engine.blocks.num_free == engine.num_kv_blocks and not engine.has_unfinished()
