@@ -6,15 +6,14 @@ import os
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from nano_miles.dtypes import DTYPE_NAMES, resolve_dtype
-from nano_miles.engine import batch_invariant, triton_attention
+from nano_miles.engine import batch_invariant, inputs, triton_attention
 from nano_miles.engine.cuda_graph import DecodeGraphs
 from nano_miles.engine.flat_params import FlatParameters, wait_for_copies
-from nano_miles.engine.kv_cache import BlockManager, KVCache
-from nano_miles.engine.model import Batch, CausalLM, ModelConfig, load_safetensors, skip_weight_name
+from nano_miles.engine.kv_cache import BlockManager, KVCache, auto_num_blocks
+from nano_miles.engine.model import CausalLM, ModelConfig, load_safetensors, skip_weight_name
 from nano_miles.engine.sampling import SamplingParams, gumbel_max, sample, to_device
 from nano_miles.engine.scheduler import Scheduler, Sequence
 
@@ -128,7 +127,7 @@ class Engine:
             self.attention_backend == "triton" and not config.true_on_policy
         if self.packed_prefill:
             self.model.prefill_attention = triton_attention.packed_prefill_attention
-        self.num_kv_blocks = config.num_kv_blocks or self._auto_num_blocks()
+        self.num_kv_blocks = config.num_kv_blocks or auto_num_blocks(config, mc, self.dtype, self.device, self.max_model_len)
         self.kv = KVCache(mc.num_layers, self.num_kv_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
                           self.dtype, self.device)
         self.blocks = BlockManager(self.num_kv_blocks, config.block_size)
@@ -145,17 +144,6 @@ class Engine:
             else self.model.last_hidden
         self._fused_sample = torch.compile(gumbel_max, dynamic=True) if config.enable_torch_compile else None
         self.graphs = DecodeGraphs(self) if config.cuda_graph and self.device.type == "cuda" else None
-
-    def _auto_num_blocks(self) -> int:
-        mc, bs = self.model_config, self.config.block_size
-        per_block = 2 * mc.num_layers * bs * mc.num_kv_heads * mc.head_dim * self.dtype.itemsize  # K and V
-        wanted = self.config.max_running_requests * -(-self.max_model_len // bs)
-        budget = self.config.cpu_kv_cache_bytes
-        if self.device.type == "cuda":
-            # leave room for activations, logits of a full prefill chunk, sampling and CUDA graphs
-            reserve = 4 * self.config.max_num_batched_tokens * mc.vocab_size + (2 << 30)
-            budget = int(torch.cuda.mem_get_info(self.device)[0] * self.config.kv_cache_memory_fraction) - reserve
-        return max(1, min(wanted, budget // per_block))
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, rid: str, input_ids: list, params: SamplingParams, return_logprob: bool = True):
@@ -266,9 +254,10 @@ class Engine:
 
     def _launch(self, kind, work, previous) -> "_Launched":
         """Run the forward and the draw of `work`; each sampling row gets a placeholder token for now."""
-        pad = self.graphs.bucket(len(work), self._num_blocks(work)) if kind == "decode" and self.graphs else None
-        batch = self._prepare_packed(work) if kind == "prefill" and self.packed_prefill else \
-            self._prepare(work, *(pad or ()))
+        bs, trash = self.config.block_size, self.kv.trash_block
+        pad = self.graphs.bucket(len(work), inputs.blocks_spanned(work, bs)) if kind == "decode" and self.graphs else None
+        batch = inputs.packed(work, bs, trash, self.device) if kind == "prefill" and self.packed_prefill else \
+            inputs.padded(work, bs, trash, self.device, *(pad or ()))
         if previous is not None:  # rows whose input token is the one in flight: taken on the device
             rows = [(i, seq.pending_row) for i, (seq, _) in enumerate(work) if seq.pending_step is previous]
             if rows:
@@ -344,48 +333,6 @@ class Engine:
     def decode_forward(self, batch) -> torch.Tensor:
         """FP32 logits of a decode batch: the compiled forward where enable_torch_compile is on."""
         return self.model.logits(self._decode_hidden(batch, self.kv.k, self.kv.v))
-
-    def _num_blocks(self, work) -> int:
-        return self.blocks.blocks_needed(max(s.num_computed_tokens + n for s, n in work))
-
-    def _prepare(self, work, rows: int | None = None, blocks: int | None = None) -> Batch:
-        """Pad `work` ([(seq, num_new_tokens)]) into a Batch of `rows` x max-new-tokens queries over
-        `blocks`-wide block tables. Padding writes into the trash block and reads position 0."""
-        bs, trash, Q, R = self.config.block_size, self.kv.trash_block, max(n for _, n in work), rows or len(work)
-        ids, pos = np.zeros((R, Q), dtype=np.int64), np.zeros((R, Q), dtype=np.int64)
-        slots = np.full((R, Q), trash * bs, dtype=np.int64)
-        tables = np.full((R, blocks or self._num_blocks(work)), trash, dtype=np.int64)
-        last = np.zeros(R, dtype=np.int64)
-        for i, (seq, n) in enumerate(work):
-            start, table = seq.num_computed_tokens, seq.block_table
-            used = (start + n + bs - 1) // bs
-            tables[i, :used], last[i] = table[:used], n - 1
-            if n == 1:  # decode: the common case, kept cheap
-                ids[i, 0], pos[i, 0], slots[i, 0] = seq.token_ids[start], start, table[start // bs] * bs + start % bs
-            else:
-                p = np.arange(start, start + n)
-                ids[i, :n], pos[i, :n], slots[i, :n] = seq.token_ids[start:start + n], p, tables[i, p // bs] * bs + p % bs
-        return Batch(*(to_device(x, self.device) for x in (ids, pos, slots, tables, last)))
-
-    def _prepare_packed(self, work) -> Batch:
-        """`work` as one packed row: every sequence's new tokens side by side, cut into tiles of at most
-        TILE_ROWS tokens of one sequence for the prefill kernel (model.py, triton_attention.py)."""
-        bs, rows = self.config.block_size, triton_attention.TILE_ROWS
-        T = sum(n for _, n in work)
-        ids, pos, slots = (np.empty(T, dtype=np.int64) for _ in range(3))
-        tables = np.full((len(work), self._num_blocks(work)), self.kv.trash_block, dtype=np.int64)
-        last, tiles, at = np.empty(len(work), dtype=np.int64), [], 0
-        for i, (seq, n) in enumerate(work):
-            start, table = seq.num_computed_tokens, seq.block_table
-            used = (start + n + bs - 1) // bs
-            tables[i, :used] = table[:used]
-            p = np.arange(start, start + n)
-            ids[at:at + n], pos[at:at + n], slots[at:at + n] = seq.token_ids[start:start + n], p, tables[i, p // bs] * bs + p % bs
-            tiles.extend((i, at + j, min(rows, n - j)) for j in range(0, n, rows))
-            at += n
-            last[i] = at - 1
-        arrays = (ids[None], pos[None], slots[None], tables, last, np.array(tiles, dtype=np.int32))
-        return Batch(*(to_device(x, self.device) for x in arrays))
 
     def _sample(self, logits, seqs):
         masked = []  # (row, token): stop tokens held back by min_new_tokens

@@ -19,6 +19,21 @@ def block_hash(prev_hash: int, token_ids) -> int:
     return hash((prev_hash, tuple(token_ids)))
 
 
+
+def auto_num_blocks(config, mc, dtype: torch.dtype, device: torch.device, max_model_len: int) -> int:
+    """KV-cache blocks when engine.num_kv_blocks is none (config: the EngineConfig, mc: the ModelConfig):
+    enough for max_running_requests full contexts, within kv_cache_memory_fraction of the GPU's free
+    memory (less a reserve) or cpu_kv_cache_bytes on CPU."""
+    bs = config.block_size
+    per_block = 2 * mc.num_layers * bs * mc.num_kv_heads * mc.head_dim * dtype.itemsize  # K and V
+    wanted = config.max_running_requests * -(-max_model_len // bs)
+    budget = config.cpu_kv_cache_bytes
+    if device.type == "cuda":
+        # leave room for activations, logits of a full prefill chunk, sampling and CUDA graphs
+        reserve = 4 * config.max_num_batched_tokens * mc.vocab_size + (2 << 30)
+        budget = int(torch.cuda.mem_get_info(device)[0] * config.kv_cache_memory_fraction) - reserve
+    return max(1, min(wanted, budget // per_block))
+
 class KVCache:
     """K and V for every layer: [num_layers, num_blocks + 1, block_size, kv_heads, head_dim].
     The extra last block is the trash block that padded rows write into."""

@@ -5,6 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+from nano_miles.engine import inputs
 from nano_miles.engine.engine import Engine, EngineConfig, FinishedRequest, SamplingParams
 
 
@@ -361,9 +362,11 @@ def test_decode_padded_to_graph_buckets_gives_the_same_logits(tiny):
     kind, work = eng.scheduler.schedule()
     assert kind == "decode" and len(work) == 3
     with torch.no_grad():
-        exact = eng.model(eng._prepare(work), eng.kv.k, eng.kv.v)
+        layout = (eng.config.block_size, eng.kv.trash_block, eng.device)
+        exact = eng.model(inputs.padded(work, *layout), eng.kv.k, eng.kv.v)
         trash_before = eng.kv.k[:, :-1].clone()
-        padded = eng.model(eng._prepare(work, 8, eng._num_blocks(work) + 5), eng.kv.k, eng.kv.v)
+        blocks = inputs.blocks_spanned(work, eng.config.block_size) + 5
+        padded = eng.model(inputs.padded(work, *layout, 8, blocks), eng.kv.k, eng.kv.v)
     assert padded.shape[0] == 8
     assert torch.allclose(padded[:3], exact, atol=2e-5)  # only fp32 reduction-order noise
     # padding rows wrote only into the trash block (real rows rewrote their own slot, equal up to noise)
@@ -392,7 +395,7 @@ def test_bf16_logits_are_fp32_and_follow_weight_updates(tiny):
 
 
 def test_a_packed_prefill_step_lays_every_token_out_once(tiny):
-    """The packed row a Triton engine runs (engine._prepare_packed): each sequence's new tokens side by
+    """The packed row a Triton engine runs (inputs.packed): each sequence's new tokens side by
     side with the slots the padded layout writes, its last token's index, and tiles of at most
     TILE_ROWS tokens within one sequence that cover every token once."""
     from nano_miles.engine.triton_attention import TILE_ROWS
@@ -401,7 +404,8 @@ def test_a_packed_prefill_step_lays_every_token_out_once(tiny):
         eng.add_request(f"r{i}", list(range(5 + i, 5 + i + n)), SamplingParams(max_new_tokens=1))
     eng.scheduler._admit()
     work = [(eng.seqs["r0"], 150), (eng.seqs["r1"], 1), (eng.seqs["r2"], 70)]
-    packed, padded = eng._prepare_packed(work), eng._prepare(work)
+    layout = (eng.config.block_size, eng.kv.trash_block, eng.device)
+    packed, padded = inputs.packed(work, *layout), inputs.padded(work, *layout)
     assert packed.input_ids.shape == (1, 221) and packed.block_tables.shape[0] == 3
     assert packed.last_index.tolist() == [149, 150, 220]
     starts = [0, 150, 151]
