@@ -77,7 +77,10 @@ FLAGS = {"--model": "engine.model", "--model-path": "engine.model", "--device": 
 SWITCHES = {"--no-cuda-graph": ("engine.cuda_graph", "false"), "--disable-cuda-graph": ("engine.cuda_graph", "false"),
             "--allow-unauthenticated": ("allow_unauthenticated", "true"),
             "--true-on-policy": ("engine.true_on_policy", "true"),
-            "--enable-torch-compile": ("engine.enable_torch_compile", "true")}
+            "--enable-torch-compile": ("engine.enable_torch_compile", "true"),
+            # SGLang's flag for it in either of its versions (opt-in, then on by default)
+            "--enable-overlap-schedule": ("engine.overlap_schedule", "true"),
+            "--disable-overlap-schedule": ("engine.overlap_schedule", "false")}
 UNAUTHENTICATED_ROUTES = ("/health",)  # a load balancer's probe; it reveals nothing and costs nothing
 
 

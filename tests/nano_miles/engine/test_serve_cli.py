@@ -37,6 +37,8 @@ def test_sglang_flags_are_aliases_of_config_keys():
     assert (cfg.engine.cuda_graph, cfg.engine.max_running_requests, cfg.port, cfg.host) == (False, 8, 0, "127.0.0.2")
     assert parse("--model", "m", "--mem-fraction-static", "0.3",
                  "--set", "engine.kv_cache_memory_fraction=0.5").engine.kv_cache_memory_fraction == 0.5  # --set wins
+    assert parse("--model", "m", "--enable-torch-compile", "--enable-overlap-schedule").engine.overlap_schedule
+    assert not parse("--model", "m", "--disable-overlap-schedule").engine.overlap_schedule
     keys = set(FLAGS.values()) | {key for key, _ in SWITCHES.values()}
     assert {"engine.model", "engine.device", "engine.dtype", "host", "port", "engine.kv_cache_memory_fraction",
             "engine.max_running_requests"} <= keys
