@@ -22,6 +22,7 @@ WALK_SHARE = 0.1        # this share of the time goes into passes (more near the
 WATCH_S = 2.0           # a file seen growing is looked at on every pass until it stops for this long
 MAX_MOVES = 3           # passes in a row cut short by moving directories before the check gives up
 FREEZE_WAIT_S = 0.1     # how long freezing a command's cgroup may take before the pass goes on without it
+FREEZE_FROM = 0.8       # share of what is allowed past which every pass after growth is frozen
 
 
 def usage(roots: list[str]) -> int:
@@ -281,7 +282,11 @@ class DiskCheck:
                     # What a writer adds while a plain pass lags behind it lands on disk past the count (and
                     # past the limit, at the kill). So where the next pass could cross the limit, the
                     # command's processes are frozen for it, if they have a cgroup: the count is what is there.
-                    frozen = self.meter.total + 2 * rate * (2 * cost + MIN_INTERVAL_S) > self.allowed and self._freeze()
+                    # (the rate and cost are a prediction a load spike can beat: past FREEZE_FROM of what is
+                    # allowed, a pass is frozen whenever the files grew since the last one)
+                    near = self.meter.total + 2 * rate * (2 * cost + MIN_INTERVAL_S) > self.allowed or \
+                        (rate > 0 and self.meter.total > FREEZE_FROM * self.allowed)
+                    frozen = near and self._freeze()
                     while not self.meter.measure(self.roots, self._stop.is_set) and frozen and not self._stop.is_set():
                         self.meter.check_moves()  # frozen: until one whole pass
                     self.meter.check_moves()

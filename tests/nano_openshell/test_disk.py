@@ -234,9 +234,8 @@ def test_many_small_files_are_stopped_within_a_tenth_of_the_limit(make_sandbox):
     """Issue 31, item 5: 50,000 files of 100 bytes under a 100 MiB limit ended at twice the limit: the
     walk's interval grew with the time a walk took. Written at up to 20,000 files a second (80 MiB/s
     counted, paced as the large files above are), the command is killed with its files within 10% of
-    the limit. Under CI's load the writer outruns the walk: 11-13% past the limit in 3 of 8 CI runs, once
-    since the passes that could cross the limit freeze a command with a cgroup (disk.DiskCheck): an open
-    defect, docs/design.md (Disk)."""
+    the limit. Under CI's load the writer outran the walk (11-13% past the limit in 3 of 8 CI runs); a
+    command with a cgroup is now frozen for the passes near the limit (disk.DiskCheck, docs/design.md)."""
     sb = make_sandbox(limits=Limits(disk_bytes=SMALL_LIMIT))
     r = started(sb.exec(f"echo {MARK}; mkdir small && cd small && {make_files(50_000, 200, 0.01)} echo finished",
                         timeout=120))
