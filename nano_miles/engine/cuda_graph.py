@@ -64,11 +64,11 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self.logits[:rows].copy_(eng.decode_forward(static))  # copy_ also casts to fp32
+                eng.decode_forward(static, out=self.logits[:rows])
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            self.logits[:rows].copy_(eng.decode_forward(static))
+            eng.decode_forward(static, out=self.logits[:rows])
         if self.pool is None:
             self.pool = graph.pool()
         return graph

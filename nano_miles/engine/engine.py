@@ -14,7 +14,7 @@ from nano_miles.engine.cuda_graph import DecodeGraphs
 from nano_miles.engine.flat_params import FlatParameters, wait_for_copies
 from nano_miles.engine.kv_cache import BlockManager, KVCache, auto_num_blocks
 from nano_miles.engine.model import CausalLM, ModelConfig, load_safetensors, skip_weight_name
-from nano_miles.engine.sampling import SamplingParams, gumbel_max, sample, to_device
+from nano_miles.engine.sampling import SamplingParams, gumbel_max, gumbel_max_hashed, sample, to_device
 from nano_miles.engine.scheduler import Scheduler, Sequence
 
 __all__ = ["Engine", "EngineConfig", "SamplingParams", "FinishedRequest"]
@@ -142,7 +142,8 @@ class Engine:
         # dynamic: one compiled graph serves every batch-size and block-table bucket
         self._decode_hidden = torch.compile(self.model.last_hidden, dynamic=True) if config.enable_torch_compile \
             else self.model.last_hidden
-        self._fused_sample = torch.compile(gumbel_max, dynamic=True) if config.enable_torch_compile else None
+        self._fused_sample = (torch.compile(gumbel_max, dynamic=True), torch.compile(gumbel_max_hashed, dynamic=True)) \
+            if config.enable_torch_compile else None
         self.graphs = DecodeGraphs(self) if config.cuda_graph and self.device.type == "cuda" else None
 
     # ---- requests -------------------------------------------------------------------------------
@@ -330,9 +331,10 @@ class Engine:
         n = len(seq.token_ids)
         return n - seq.num_prompt_tokens >= seq.params.max_new_tokens or n >= self.max_model_len
 
-    def decode_forward(self, batch) -> torch.Tensor:
-        """FP32 logits of a decode batch: the compiled forward where enable_torch_compile is on."""
-        return self.model.logits(self._decode_hidden(batch, self.kv.k, self.kv.v))
+    def decode_forward(self, batch, out: torch.Tensor | None = None) -> torch.Tensor:
+        """FP32 logits of a decode batch (into out, if given): the compiled forward where
+        enable_torch_compile is on."""
+        return self.model.logits(self._decode_hidden(batch, self.kv.k, self.kv.v), out=out)
 
     def _sample(self, logits, seqs):
         masked = []  # (row, token): stop tokens held back by min_new_tokens

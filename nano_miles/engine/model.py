@@ -229,19 +229,22 @@ class CausalLM(nn.Module):
             self._lm_head_version = w._version
         return self._lm_head_fp32
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """FP32 logits of final-normed hidden states [..., hidden]."""
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """FP32 logits of final-normed hidden states [..., hidden]; out: [B, vocab] to write them into
+        (a CUDA graph's static buffer: no copy of [B, vocab] after the matmul)."""
         if self.batch_invariant:  # bf16 operands, FP32 products and sums: the same values as the FP32 copy
-            return batch_invariant.linear(hidden, self.lm_head_weight(), out_dtype=torch.float32)
+            logits = batch_invariant.linear(hidden, self.lm_head_weight(), out_dtype=torch.float32)
+            return logits if out is None else out.copy_(logits)
         w = self.refresh_lm_head_fp32() if self._lm_head_fp32 is None else self._lm_head_fp32
+        project = (lambda h: F.linear(h, w)) if out is None else (lambda h: torch.mm(h, w.t(), out=out))
         if self._lm_head_fp32 is None or w.device.type != "cuda":  # FP32 weights, or a CPU engine
-            return F.linear(hidden.float(), w)
+            return project(hidden.float())
         # bf16-valued operands are exact in TF32: the FP32-accumulated result at bf16-like speed. Only
         # for this matmul: the process's own setting (an FP32 engine or trainer beside us) stays as it was.
         before = torch.get_float32_matmul_precision()
         torch.set_float32_matmul_precision("high")
         try:
-            return F.linear(hidden.float(), w)
+            return project(hidden.float())
         finally:
             torch.set_float32_matmul_precision(before)
 

@@ -30,7 +30,8 @@ def sample(logits: torch.Tensor, temperatures: list, top_ps: list, top_ks: list,
     """logits: [B, V] fp32. temperatures, top_ps, top_ks (<= 0 = off), generators (a torch.Generator or
     None = default_generator): per-row Python lists, so deciding what to do needs no device sync.
     log_softmax: the function over the last dim (true on-policy mode passes the batch-invariant one).
-    fused: gumbel_max compiled (engine.enable_torch_compile), taken where no row filters by top-k/top-p.
+    fused: (gumbel_max, gumbel_max_hashed) compiled (engine.enable_torch_compile), taken where no row
+    filters by top-k/top-p; the hashed one where no row brings its own generator either.
     Returns (tokens [B] int64, logprobs [B] fp32), both still on the device."""
     device = logits.device
     greedy_rows = [t == 0 for t in temperatures]
@@ -40,8 +41,12 @@ def sample(logits: torch.Tensor, temperatures: list, top_ps: list, top_ks: list,
         # greedy rows divide by 1: their log-prob is the model's own (SGLang: temperature 1 + top_k 1)
         temps = to_device([1.0 if t == 0 else float(t) for t in temperatures], device, torch.float32)
         if use_fused:
-            return fused(logits, temps, _noise(logits, generators, default_generator, clamp=False),
-                         to_device(greedy_rows, device))
+            with_noise, hashed = fused
+            if all(g is None for g in generators):
+                seed = torch.randint(1 << 32, (1,), generator=default_generator, device=device)
+                return hashed(logits, temps, seed, to_device(greedy_rows, device))
+            return with_noise(logits, temps, _noise(logits, generators, default_generator, clamp=False),
+                              to_device(greedy_rows, device))
         logits = logits / temps.unsqueeze(1)
     logprobs = log_softmax(logits) if log_softmax is not None else torch.log_softmax(logits, dim=-1)
     if all(greedy_rows):
@@ -66,6 +71,39 @@ def gumbel_max(logits: torch.Tensor, temps: torch.Tensor, noise: torch.Tensor, g
     # the clamp is _noise's, here where it fuses into the pass (one pass less over [rows, vocab])
     tokens = torch.where(greedy, logits.argmax(dim=-1), (logprobs - noise.clamp_min(1e-20).log()).argmax(dim=-1))
     return tokens, logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+
+
+def gumbel_max_hashed(logits: torch.Tensor, temps: torch.Tensor, seed: torch.Tensor, greedy: torch.Tensor):
+    """gumbel_max with its noise made inside the pass instead of read from a [rows, vocab] tensor of
+    draws: Gumbel noise from a hash of (seed, row, column), so that compiled, the draw and the log-prob
+    are one read of the logits. seed: int64 [1], a new one each step from the engine's generator.
+    argmax(logits / T + G) is a draw from softmax(logits / T) (the Gumbel-max trick); greedy rows add
+    no noise. The log-prob is logits / T at the token less their logsumexp."""
+    rows, vocab = logits.shape
+    scaled = logits / temps.unsqueeze(1)
+    key = _hash32((seed + torch.arange(rows, device=logits.device)) & _MASK32).unsqueeze(1)  # a row's
+    bits = _hash32(_hash32(torch.arange(vocab, device=logits.device).unsqueeze(0) ^ key) ^ _hash32(key ^ 0x9E3779B9))
+    uniform = ((bits >> 8).float() + 0.5) * 2.0 ** -24  # 24 bits, in (0, 1): both logs are finite
+    noise = torch.where(greedy.unsqueeze(1), 0.0, -torch.log(-torch.log(uniform)))
+    tokens = (scaled + noise).argmax(dim=-1)
+    return tokens, scaled.gather(1, tokens.unsqueeze(1)).squeeze(1) - torch.logsumexp(scaled, dim=-1)
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """Wellons' lowbias32, a bijective hash of 32-bit integers held in int64 (no int64 overflow)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """x * c mod 2^32, in two halves of c so that no product passes 2^63."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _MASK32
 
 
 def to_device(values, device: torch.device, dtype=None) -> torch.Tensor:

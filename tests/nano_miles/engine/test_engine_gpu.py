@@ -5,6 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nano_miles.engine.engine import Engine, EngineConfig, SamplingParams
+from nano_miles.engine.sampling import gumbel_max_hashed
 
 from .test_engine import run_script
 
@@ -21,15 +22,21 @@ def run(eng, reqs):
     return done
 
 
-def requests(n, vocab, greedy=True):
+def requests(n, vocab, greedy=True, seeded=False):
     g = torch.Generator().manual_seed(0)
     out = []
     for i in range(n):
         length = int(torch.randint(3, 60, (1,), generator=g))
         ids = torch.randint(3, vocab, (length,), generator=g).tolist()
         out.append((f"r{i}", ids, SamplingParams(max_new_tokens=5 + 7 * (i % 5), temperature=0 if greedy else 1,
-                                                 ignore_eos=True)))
+                                                 ignore_eos=True, sampling_seed=i if seeded else None)))
     return out
+
+
+def teacher_forced_logprobs(hf, ids, output_ids):
+    with torch.no_grad():
+        lp = torch.log_softmax(hf(torch.tensor([ids + output_ids], device="cuda")).logits[0].float(), -1)
+    return torch.tensor([lp[len(ids) - 1 + i, t].item() for i, t in enumerate(output_ids)])
 
 
 def test_graph_decode_equals_eager_decode_fp32(tiny):
@@ -44,11 +51,12 @@ def test_graph_decode_equals_eager_decode_fp32(tiny):
         assert torch.allclose(torch.tensor(graphed[rid].output_logprobs), torch.tensor(eager[rid].output_logprobs), atol=1e-4)
 
 
-@pytest.mark.parametrize("greedy", [True, False])
-def test_a_compiled_graph_decode_equals_eager_decode_fp32(tiny, greedy):
+@pytest.mark.parametrize("rows", ["greedy", "seeded"])
+def test_a_compiled_graph_decode_equals_eager_decode_fp32(tiny, rows):
     """engine.enable_torch_compile: the inductor-fused forward (the paged Triton kernel inside it) under
-    CUDA graphs decodes what eager decode does, and the fused draw samples what the eager one does."""
-    reqs = requests(37, 1024, greedy=greedy)
+    CUDA graphs decodes what eager decode does, and the fused draw from a request's own generator
+    samples what the eager one does."""
+    reqs = requests(37, 1024, greedy=rows == "greedy", seeded=rows == "seeded")
     eager = run(Engine(EngineConfig(model=tiny, device="cuda", dtype="float32", cuda_graph=False, block_size=16)), reqs)
     eng = Engine(EngineConfig(model=tiny, device="cuda", dtype="float32", block_size=16, max_running_requests=64,
                               enable_torch_compile=True))
@@ -57,6 +65,29 @@ def test_a_compiled_graph_decode_equals_eager_decode_fp32(tiny, greedy):
     for rid in eager:
         assert compiled[rid].output_ids == eager[rid].output_ids
         assert torch.allclose(torch.tensor(compiled[rid].output_logprobs), torch.tensor(eager[rid].output_logprobs), atol=1e-4)
+
+
+def test_the_compiled_hashed_draw_reports_the_models_logprobs_of_what_it_draws(tiny):
+    """Rows without a generator of their own take the hashed draw (noise made inside the fused pass):
+    its tokens are draws, not the argmax, and each log-prob is HF's at the token drawn; on the GPU the
+    compiled draw picks the tokens the eager one picks on the CPU from the same seed."""
+    hf = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).cuda().eval()
+    reqs = requests(37, 1024, greedy=False)
+    eng = Engine(EngineConfig(model=tiny, device="cuda", dtype="float32", block_size=16, max_running_requests=64,
+                              enable_torch_compile=True))
+    drawn = run(eng, reqs)
+    greedy = run(Engine(EngineConfig(model=tiny, device="cuda", dtype="float32", block_size=16)),
+                 requests(37, 1024, greedy=True))
+    assert sum(drawn[rid].output_ids != greedy[rid].output_ids for rid in drawn) > 30
+    for rid, ids, _ in reqs:
+        ref = teacher_forced_logprobs(hf, ids, drawn[rid].output_ids)
+        assert torch.allclose(torch.tensor(drawn[rid].output_logprobs), ref, atol=1e-4), rid
+    logits, temps = 3 * torch.randn(256, 151936, device="cuda"), torch.full((256,), 0.7, device="cuda")
+    greedy_rows, seed = torch.arange(256, device="cuda") % 8 == 0, torch.tensor([99], device="cuda")
+    tokens, lps = eng._fused_sample[1](logits, temps, seed, greedy_rows)
+    cpu_tokens, cpu_lps = gumbel_max_hashed(logits.cpu(), temps.cpu(), seed.cpu(), greedy_rows.cpu())
+    assert (tokens.cpu() == cpu_tokens).float().mean() > 0.99  # a last-bit tie of two logs may flip a row
+    assert torch.allclose(lps.cpu(), cpu_lps, atol=1e-4)
 
 
 @pytest.mark.parametrize("compiled", [False, True])
@@ -89,11 +120,8 @@ def test_gpu_logprobs_match_hf_teacher_forcing(tiny):
     reqs = requests(8, 1024, greedy=False)
     done = run(eng, reqs)
     for rid, ids, _ in reqs:
-        r = done[rid]
-        with torch.no_grad():
-            lp = torch.log_softmax(hf(torch.tensor([ids + r.output_ids], device="cuda")).logits[0].float(), -1)
-        ref = torch.tensor([lp[len(ids) - 1 + i, t].item() for i, t in enumerate(r.output_ids)])
-        assert torch.allclose(torch.tensor(r.output_logprobs), ref, atol=1e-4), rid
+        ref = teacher_forced_logprobs(hf, ids, done[rid].output_ids)
+        assert torch.allclose(torch.tensor(done[rid].output_logprobs), ref, atol=1e-4), rid
 
 
 def test_gpu_weight_update_keeps_graphs_valid(tiny):

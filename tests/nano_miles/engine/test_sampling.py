@@ -4,7 +4,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nano_miles.engine.engine import Engine, EngineConfig, SamplingParams
-from nano_miles.engine.sampling import filter_top_k_top_p, gumbel_max, sample
+from nano_miles.engine.sampling import filter_top_k_top_p, gumbel_max, gumbel_max_hashed, sample
 
 
 def draw(logits, n, temperature=1.0, top_p=1.0, top_k=-1, seed=0):
@@ -62,9 +62,62 @@ def test_the_fused_draw_picks_the_eager_tokens_and_logprobs_from_the_same_noise(
         return sample(logits.clone(), temps, [1.0] * 64, [-1] * 64, gens, torch.Generator().manual_seed(9), fused=fused)
 
     eager_tokens, eager_lps = draw(None)
-    tokens, lps = draw(torch.compile(gumbel_max, dynamic=True))
+    tokens, lps = draw((torch.compile(gumbel_max, dynamic=True), None))  # seeded rows: the draw from noise
     assert torch.equal(tokens, eager_tokens) and len(set(tokens.tolist())) > 32  # draws, not one token
     assert torch.allclose(lps, eager_lps, atol=1e-5)
+
+
+def test_the_hashed_draw_follows_the_temperature_scaled_distribution_and_reports_its_logprob():
+    """With no request's own generator, the compiled draw hashes its Gumbel noise from (seed, row,
+    column): a draw from softmax(logits / T) in every column, greedy rows take the argmax, and the
+    log-prob is log_softmax(logits / T) at the token, as the draw from noise reports it."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -3.0]]).repeat(40000, 1)
+    temps, greedy = torch.full((40000,), 0.7), torch.arange(40000) % 8 == 0
+    tokens, lps = gumbel_max_hashed(logits, temps.masked_fill(greedy, 1.0), torch.tensor([12345]), greedy)
+    assert (tokens[greedy] == 0).all()
+    want = torch.softmax(logits[0] / 0.7, -1)
+    drawn = tokens[~greedy]
+    freq = torch.bincount(drawn, minlength=5).float() / drawn.numel()
+    assert torch.allclose(freq, want, atol=0.006), (freq, want)
+    assert torch.allclose(lps[~greedy], torch.log(want)[drawn], atol=1e-6)
+    assert torch.allclose(lps[greedy], torch.log_softmax(logits[0], -1)[0], atol=1e-6)
+
+
+def test_the_hashed_draw_is_independent_across_rows_and_steps_and_the_same_compiled():
+    """Rows of one step with the same logits (a GRPO group's first token) draw independently; the
+    same seed draws the same tokens, another seed others; compiled it draws what it draws eagerly."""
+    even = torch.zeros(20000, 2)  # two equally likely tokens: rows agree half the time if independent
+    ones, no_greedy = torch.ones(20000), torch.zeros(20000, dtype=torch.bool)
+    a, _ = gumbel_max_hashed(even, ones, torch.tensor([3]), no_greedy)
+    b, _ = gumbel_max_hashed(even, ones, torch.tensor([4_000_000_000]), no_greedy)
+    assert abs(a.float().mean() - 0.5) < 0.015
+    assert abs((a[0::2] == a[1::2]).float().mean() - 0.5) < 0.015  # neighbouring rows
+    assert abs((a == b).float().mean() - 0.5) < 0.015               # two steps
+    assert torch.equal(a, gumbel_max_hashed(even, ones, torch.tensor([3]), no_greedy)[0])
+    g = torch.Generator().manual_seed(5)
+    logits, temps = 3 * torch.randn(64, 3000, generator=g), torch.tensor([1.0, 0.7, 1.3, 1.0] * 16)
+    greedy = torch.arange(64) % 4 == 3
+    tokens, lps = gumbel_max_hashed(logits, temps, torch.tensor([77]), greedy)
+    compiled = torch.compile(gumbel_max_hashed, dynamic=True)(logits, temps, torch.tensor([77]), greedy)
+    assert torch.equal(compiled[0], tokens) and len(set(tokens.tolist())) > 32
+    assert torch.allclose(compiled[1], lps, atol=1e-5)
+
+
+def test_sample_takes_the_hashed_draw_where_no_row_brings_a_generator():
+    g = torch.Generator().manual_seed(1)
+    logits, temps = 3 * torch.randn(16, 50, generator=g), [0.0, 0.7, 1.0, 1.3] * 4
+
+    def fused_sample(logits, generators, seed):
+        return sample(logits.clone(), temps, [1.0] * 16, [-1] * 16, generators, torch.Generator().manual_seed(seed),
+                      fused=(gumbel_max, gumbel_max_hashed))
+
+    tokens, lps = fused_sample(logits, [None] * 16, 0)
+    seed = torch.randint(1 << 32, (1,), generator=torch.Generator().manual_seed(0))  # what sample draws
+    hashed = gumbel_max_hashed(logits, torch.tensor([1.0 if t == 0 else t for t in temps]), seed,
+                               torch.tensor([t == 0 for t in temps]))
+    assert torch.equal(tokens, hashed[0]) and torch.equal(lps, hashed[1])
+    seeded = fused_sample(logits, [torch.Generator().manual_seed(2)] + [None] * 15, 0)
+    assert not torch.equal(seeded[0], tokens)  # one request's own generator: the draw from noise
 
 
 def run(eng, reqs):
