@@ -81,7 +81,9 @@ def gumbel_max_hashed(logits: torch.Tensor, temps: torch.Tensor, seed: torch.Ten
     no noise. The log-prob is logits / T at the token less their logsumexp."""
     rows, vocab = logits.shape
     scaled = logits / temps.unsqueeze(1)
-    key = _hash32((seed + torch.arange(rows, device=logits.device)) & _MASK32).unsqueeze(1)  # a row's
+    key = _hash32((seed + torch.arange(rows, device=logits.device)) & _MASK32).unsqueeze(1)  # one a row
+    # a second key of the row's, mixed in after the column: with the same key twice, H(0 ^ key) ^ H(key)
+    # would be 0 in every row, and column 0 would always draw the least noise
     bits = _hash32(_hash32(torch.arange(vocab, device=logits.device).unsqueeze(0) ^ key) ^ _hash32(key ^ 0x9E3779B9))
     uniform = ((bits >> 8).float() + 0.5) * 2.0 ** -24  # 24 bits, in (0, 1): both logs are finite
     noise = torch.where(greedy.unsqueeze(1), 0.0, -torch.log(-torch.log(uniform)))
