@@ -42,11 +42,11 @@ def sample(logits: torch.Tensor, temperatures: list, top_ps: list, top_ks: list,
         temps = to_device([1.0 if t == 0 else float(t) for t in temperatures], device, torch.float32)
         if use_fused:
             with_noise, hashed = fused
+            greedy = to_device(greedy_rows, device)
             if all(g is None for g in generators):
                 seed = torch.randint(1 << 32, (1,), generator=default_generator, device=device)
-                return hashed(logits, temps, seed, to_device(greedy_rows, device))
-            return with_noise(logits, temps, _noise(logits, generators, default_generator, clamp=False),
-                              to_device(greedy_rows, device))
+                return hashed(logits, temps, seed, greedy)
+            return with_noise(logits, temps, _noise(logits, generators, default_generator, clamp=False), greedy)
         logits = logits / temps.unsqueeze(1)
     logprobs = log_softmax(logits) if log_softmax is not None else torch.log_softmax(logits, dim=-1)
     if all(greedy_rows):
