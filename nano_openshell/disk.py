@@ -245,6 +245,14 @@ def _leave(_parent: int, _name: str, d: int, mode) -> None:
         os.fchmod(d, mode)
 
 
+def freeze_next_pass(total: int, allowed: int, rate: float, cost: float) -> bool:
+    """Whether the next pass runs with the command frozen: where the files, growing at rate (bytes a
+    second) while a pass takes cost seconds, could cross what is allowed before the pass after it; and,
+    since rate and cost are a prediction a load spike can beat, past FREEZE_FROM of what is allowed
+    whenever the files grew at all."""
+    return total + 2 * rate * (2 * cost + MIN_INTERVAL_S) > allowed or (rate > 0 and total > FREEZE_FROM * allowed)
+
+
 class DiskCheck:
     """One command's check, on the Sandbox's Meter: drain() calls over() while the command runs, finish()
     at its end. The first over() at FIRST_CHECK_S starts the thread that runs the passes. Allowed is the
@@ -282,11 +290,7 @@ class DiskCheck:
                     # What a writer adds while a plain pass lags behind it lands on disk past the count (and
                     # past the limit, at the kill). So where the next pass could cross the limit, the
                     # command's processes are frozen for it, if they have a cgroup: the count is what is there.
-                    # (the rate and cost are a prediction a load spike can beat: past FREEZE_FROM of what is
-                    # allowed, a pass is frozen whenever the files grew since the last one)
-                    near = self.meter.total + 2 * rate * (2 * cost + MIN_INTERVAL_S) > self.allowed or \
-                        (rate > 0 and self.meter.total > FREEZE_FROM * self.allowed)
-                    frozen = near and self._freeze()
+                    frozen = freeze_next_pass(self.meter.total, self.allowed, rate, cost) and self._freeze()
                     while not self.meter.measure(self.roots, self._stop.is_set) and frozen and not self._stop.is_set():
                         self.meter.check_moves()  # frozen: until one whole pass
                     self.meter.check_moves()

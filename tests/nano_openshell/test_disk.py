@@ -16,7 +16,7 @@ import pytest
 
 from nano_openshell import Limits
 from nano_openshell import workspace as workspace_mod
-from nano_openshell.disk import MIN_ENTRY_BYTES, usage
+from nano_openshell.disk import FREEZE_FROM, MIN_ENTRY_BYTES, freeze_next_pass, usage
 
 from .conftest import MARK, started
 
@@ -285,6 +285,18 @@ def test_the_running_total_follows_the_files_pass_by_pass(tmp_path):
     while one_pass() != usage([root]) and time.monotonic() < end:
         time.sleep(0.01)
     assert meter.total == usage([root]) >= MIB
+
+
+def test_a_pass_is_frozen_where_growth_could_cross_the_limit_or_past_the_freeze_share():
+    allowed = 100 * MIB
+    # the prediction: at half the limit, growth that could add the other half before the next pass
+    assert freeze_next_pass(50 * MIB, allowed, rate=1000 * MIB, cost=0.05)
+    assert not freeze_next_pass(50 * MIB, allowed, rate=MIB, cost=0.05)
+    # past FREEZE_FROM of what is allowed, any growth at all freezes, however slow the prediction says it is
+    past_share = int((FREEZE_FROM + 0.05) * allowed)
+    assert freeze_next_pass(past_share, allowed, rate=1.0, cost=0.0)
+    assert not freeze_next_pass(past_share, allowed, rate=0.0, cost=0.0)  # files that stopped growing
+    assert not freeze_next_pass(int((FREEZE_FROM - 0.05) * allowed), allowed, rate=1.0, cost=0.0)
 
 
 def test_usage_counts_blocks_held_links_once_and_a_block_per_entry(tmp_path):
