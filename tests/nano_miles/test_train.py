@@ -337,6 +337,8 @@ def test_bad_command_lines_are_clear_errors(tmp_path, capsys):
              (["--set", "updates_per_step=0"], "updates_per_step must be >= 1"),
              (["--set", "engine.attention_backend=fast"], "engine.attention_backend must be auto"),
              (["--set", "engine.num_continuous_decode_steps=0"], "engine.num_continuous_decode_steps must be >= 1"),
+             (["--set", "engine.overlap_schedule=maybe"], "engine.overlap_schedule: expected true/false, got 'maybe'"),
+             (["--set", "engine.enable_torch_compile=2"], "engine.enable_torch_compile: expected true/false, got '2'"),
              (["--set", "rollout.temperature=0"], "rollout.temperature must be > 0 to train"),
              (["--set", "rollout.temperature=inf"], "rollout.temperature: expected a finite number, got 'inf'"),
              (["--set", f'tasks_module=["{broken_tasks}"]'],
