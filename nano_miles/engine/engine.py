@@ -100,8 +100,11 @@ class Engine:
             from transformers import AutoTokenizer  # deferred: heavy, and a folder may have no tokenizer
             self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         self._token_texts: dict[int, str] = {}  # token id -> its text alone (stop strings)
-        with torch.device(self.device):
+        # built on meta and given uninitialised memory: load_safetensors writes every parameter (it raises
+        # on one missing), so a random init would be thrown away (seconds of CPU for 0.5B)
+        with torch.device("meta"):
             self.model = CausalLM(mc).to(self.dtype)
+        self.model.to_empty(device=self.device)
         if config.true_on_policy:
             self.model.use_batch_invariant_ops()
         load_safetensors(self.model, config.model)

@@ -1,8 +1,13 @@
 """The engine core against Hugging Face transformers on CPU: log-prob contract, greedy equality,
 continuous batching, stops, abort, prefix caching, weight updates and bad input."""
 
+import os
+import re
+import shutil
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from nano_miles.engine import inputs
@@ -114,6 +119,22 @@ def test_greedy_equals_hf_generate(tiny, hf):
         ref = hf.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False, eos_token_id=None,
                           pad_token_id=0, min_new_tokens=20)[0, len(p):].tolist()
         assert done[f"g{i}"].output_ids == ref
+
+
+def test_a_checkpoint_missing_a_weight_refuses_to_start(tiny, tmp_path):
+    """The engine's parameters start as uninitialised memory that the checkpoint overwrites: a weight
+    the checkpoint lacks is refused by name, never served from whatever the memory held."""
+    for f in os.listdir(tiny):
+        if not f.endswith(".safetensors"):
+            shutil.copy(os.path.join(tiny, f), tmp_path / f)
+    weights = {}
+    for f in sorted(x for x in os.listdir(tiny) if x.endswith(".safetensors")):
+        weights.update(load_file(os.path.join(tiny, f)))
+    dropped = "model.layers.0.mlp.up_proj.weight"
+    del weights[dropped]
+    save_file(weights, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=re.escape(dropped)):
+        make_engine(str(tmp_path))
 
 
 def test_llama_architecture_matches_hf(tiny_llama):
