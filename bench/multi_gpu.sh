@@ -31,7 +31,8 @@
 # fixed, so its evals stay at one), TRAJ=1 (learn-run: the final policy's held-out episodes as JSONL),
 # GREEDY=1 (learn-run: the final policy's greedy pass@1 on held-out and full ALFA; `base-start` does the base model's),
 # ALFA_TASKS (alfa: the ALFA tasks the final policy and the base model are scored on; tests/bench/test_multi_gpu.py
-# rehearses with two).
+# rehearses with two), HELDOUT (the held-out tasks every held-out evaluation runs: the held-out split; the
+# rehearsal runs two).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 phase="${1:?usage: multi_gpu.sh stage NN|prepare|checks|benches|sync|async|alfa}"
@@ -50,6 +51,7 @@ gpus=$("$py" -c 'import torch; print(torch.cuda.device_count())')
 TRAINER_DEVICE="${TRAINER_DEVICE:-$([ "$gpus" -ge 1 ] && echo cuda:0 || echo cpu)}"
 ENGINE_DEVICE="${ENGINE_DEVICE:-$([ "$gpus" -ge 2 ] && echo cuda:1 || echo "$TRAINER_DEVICE")}"
 STEPS="${STEPS:-40}" LR="${LR:-3e-6}" SAMPLES="${SAMPLES:-8}" INSTANCES="${INSTANCES:-1}" ALFA_TASKS="${ALFA_TASKS:-alfa}"
+HELDOUT="${HELDOUT:-heldout}"
 read -r -a extra <<<"${EXTRA:-}"
 read -r -a eval_extra <<<"${EVAL_EXTRA:-}"   # eval --set pairs a trained policy needs (e.g. its prompt_example)
 run="$MG/learn${ARM:+-$ARM}" bg="$MG/bg${ARM:+-$ARM}"   # learn-*: one run (an arm) and its background files
@@ -59,7 +61,7 @@ step() { local name=$1 limit=$2; shift 2; echo "=== $name (limit ${limit}s)"; ti
 # (held-out: INSTANCES instances a task; ALFA: one, its set-ups are fixed)
 evaluate() {
     local model=$1 name=$2 tasks=$3; shift 3   # then more eval flags
-    local instances=(); [ "$tasks" = heldout ] && instances=(--set instances="$INSTANCES")
+    local instances=(); [ "$tasks" = "$HELDOUT" ] && instances=(--set instances="$INSTANCES")
     echo "=== eval $name on $tasks"
     nm eval --model "$model" --set engine.device="$ENGINE_DEVICE" --tasks "$tasks" --samples "$SAMPLES" "${instances[@]}" \
         --results-jsonl "$OUT/evals.jsonl" "${eval_extra[@]}" "$@" 2>&1 | grep -v "it/s\]$" | tee -a "$OUT/eval_$name.log"
@@ -69,7 +71,7 @@ evaluate() {
 # held-out and on full ALFA (one a task: the same set-up every time). Greedy samples of one instance
 # are the same answer, so held-out spends its INSTANCES x SAMPLES episodes on that many instances of one sample.
 greedy_evals() {
-    INSTANCES=$((INSTANCES * SAMPLES)) SAMPLES=1 evaluate "$1" "$2_heldout_greedy" heldout --set rollout.temperature=0 >/dev/null
+    INSTANCES=$((INSTANCES * SAMPLES)) SAMPLES=1 evaluate "$1" "$2_heldout_greedy" "$HELDOUT" --set rollout.temperature=0 >/dev/null
     SAMPLES=1 evaluate "$1" "$2_alfa_greedy" "$ALFA_TASKS" --set rollout.temperature=0 >/dev/null
 }
 
@@ -93,7 +95,7 @@ print(f"{sys.argv[2]}: {len(rows)} steps, {wall:.0f} s of steps, {3600 * len(row
       f"acc first/last {rows[0]['acc']:.2f}/{rows[-1]['acc']:.2f}, parity mean "
       f"{statistics.mean(r['parity_mean'] for r in rows if r.get('parity_mean') is not None):.2e}")
 PY
-    [ -d "$run/final" ] && evaluate "$run/final" "${mode}_final" heldout
+    [ -d "$run/final" ] && evaluate "$run/final" "${mode}_final" "$HELDOUT"
 }
 
 case "$phase" in
@@ -115,7 +117,7 @@ benches)
     step train_step_top 60 "$py" bench/train_step.py --true-on-policy
     step engine_top 120 "$py" bench/engine_throughput.py --true-on-policy --skip-hf ;;
 sync)
-    evaluate "$MODEL" base heldout
+    evaluate "$MODEL" base "$HELDOUT"
     train_run sync ;;
 async)
     train_run async ;;
@@ -138,7 +140,7 @@ learn)
     fi
     cp "$run/metrics.jsonl" "$OUT/learn_metrics.jsonl" 2>/dev/null
     if [ -d "$run/final" ]; then
-        evaluate "$run/final" learn_final heldout
+        evaluate "$run/final" learn_final "$HELDOUT"
         SAMPLES="${ALFA_SAMPLES:-2}" evaluate "$run/final" learn_alfa alfa
     fi ;;
 learn-start)
@@ -162,12 +164,12 @@ learn-run)
     [ -d "$run/final" ] && SAMPLES="${ALFA_SAMPLES:-2}" evaluate "$run/final" learn_alfa "$ALFA_TASKS" \
         --out "$OUT/alfa_final.jsonl" >/dev/null
     # what the final policy does on held-out, episode by episode (TRAJ=1): token ids, rewards, turns
-    [ -d "$run/final" ] && [ "${TRAJ:-0}" = 1 ] && evaluate "$run/final" learn_heldout_traj heldout \
+    [ -d "$run/final" ] && [ "${TRAJ:-0}" = 1 ] && evaluate "$run/final" learn_heldout_traj "$HELDOUT" \
         --out "$OUT/heldout_final.jsonl" >/dev/null
     # keep_best: the policy picked by the in-run held-out evaluations, scored on full ALFA and on held-out
     # (held-out at the final protocol: instances drawn with seed 0, the pick used the run's seed)
     [ -d "$run/best" ] && SAMPLES="${ALFA_SAMPLES:-2}" evaluate "$run/best" learn_alfa_best "$ALFA_TASKS" >/dev/null
-    [ -d "$run/best" ] && evaluate "$run/best" learn_heldout_best heldout >/dev/null
+    [ -d "$run/best" ] && evaluate "$run/best" learn_heldout_best "$HELDOUT" >/dev/null
     # greedy last: the figures above come back first when device time runs short
     [ -d "$run/final" ] && [ "${GREEDY:-0}" = 1 ] && greedy_evals "$run/final" learn
     touch "$OUT/done" ;;
@@ -183,7 +185,7 @@ base-run)
     # SAMPLED=1: first at the arms' sampling settings (EVAL_EXTRA): held-out INSTANCES x SAMPLES, full ALFA
     # ALFA_SAMPLES a task, the figures a trained policy's learn-run gives
     if [ "${SAMPLED:-0}" = 1 ]; then
-        evaluate "$MODEL" base_heldout heldout >/dev/null
+        evaluate "$MODEL" base_heldout "$HELDOUT" >/dev/null
         SAMPLES="${ALFA_SAMPLES:-2}" evaluate "$MODEL" base_alfa "$ALFA_TASKS" >/dev/null
     fi
     greedy_evals "$MODEL" base; touch "$OUT/done" ;;

@@ -1,6 +1,6 @@
 """bench/multi_gpu.sh, the harness of every GPU round, rehearsed on the CPU as the device runs it: one
 training arm and the base model side by side in the background, then a watch call that packs what
-each produced. Tiny model, 2 steps, two ALFA tasks: a broken phase here would cost a GPU session."""
+each produced. Tiny model, 2 steps, two ALFA tasks and two held-out ones: a broken phase here would cost a GPU session."""
 import json
 import os
 import subprocess
@@ -9,12 +9,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 SHORT = "--set rollout.max_new_tokens=8 --set rollout.env.max_turns=1"
+HELDOUT = "md5_file,base64_decode"  # two held-out tasks stand for the split
 
 
 def multi_gpu(phase, tmp_path, **env):
     env = {**os.environ, "MG_DIR": str(tmp_path / "mg"), "OUT": str(tmp_path / "out"), "MODEL": "tiny-random-qwen2",
            "BENCH_COMMIT": "rehearsal", "STEPS": "2", "INSTANCES": "1", "SAMPLES": "2", "TRAJ": "1", "GREEDY": "1",
-           "ALFA_TASKS": "alfa_fs1_0,alfa_fs1_3", "ALFA_SAMPLES": "1", "WATCH": "1",
+           "ALFA_TASKS": "alfa_fs1_0,alfa_fs1_3", "ALFA_SAMPLES": "1", "WATCH": "1", "HELDOUT": HELDOUT,
            "EVAL_EXTRA": f"{SHORT} --set rollout.temperature=0.7", **env}
     out = subprocess.run(["bash", "bench/multi_gpu.sh", phase], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=280)
@@ -48,9 +49,9 @@ def test_an_arm_and_the_base_model_run_in_the_background_and_come_back_packed(tm
     alfa = "alfa_fs1_0,alfa_fs1_3"
     # the final policy: ALFA at the arms' temperature, greedy held-out (INSTANCES x SAMPLES instances of one
     # sample) and ALFA, and held-out at the arms' temperature with its episodes (TRAJ=1)
-    assert evals(arm) == [(alfa, 1, 1, 0.0, 2), (alfa, 1, 1, 0.7, 2), ("heldout", 1, 2, 0.7, 46),
-                          ("heldout", 2, 1, 0.0, 46)]
-    assert len((arm / "heldout_final.jsonl").read_text().splitlines()) == 46
+    assert evals(arm) == [(alfa, 1, 1, 0.0, 2), (alfa, 1, 1, 0.7, 2), (HELDOUT, 1, 2, 0.7, 4),
+                          (HELDOUT, 2, 1, 0.0, 4)]
+    assert len((arm / "heldout_final.jsonl").read_text().splitlines()) == 4
     assert len((arm / "alfa_final.jsonl").read_text().splitlines()) == 2  # what the policy ran on ALFA
     assert {"learn_train.log", "eval_learn_alfa.log", "eval_learn_alfa_greedy.log", "eval_learn_heldout_greedy.log",
             "eval_learn_heldout_traj.log"} <= {p.name for p in arm.iterdir()}
