@@ -36,8 +36,8 @@ def padded(work, block_size: int, trash: int, device, rows: int | None = None, b
 
 
 def _decode_rows(work, bs: int, ids, pos, slots, tables) -> None:
-    """The first len(work) rows of a decode step's arrays (one new token a sequence), written in a few
-    numpy operations: at 256 rows the per-row loop was most of the step's host time spent here."""
+    """The first len(work) rows of a step of one new token a sequence (decode), written in a few numpy
+    operations: at 256 rows the host's work bounds an overlapped GPU step (docs/design.md)."""
     n = len(work)
     start = np.fromiter((seq.num_computed_tokens for seq, _ in work), np.int64, n)
     used = start // bs + 1  # blocks the sequence spans with its new token
