@@ -14,7 +14,7 @@ from nano_miles.engine.cuda_graph import DecodeGraphs
 from nano_miles.engine.flat_params import FlatParameters, wait_for_copies
 from nano_miles.engine.kv_cache import BlockManager, KVCache, auto_num_blocks
 from nano_miles.engine.model import CausalLM, ModelConfig, load_safetensors, skip_weight_name
-from nano_miles.engine.sampling import SamplingParams, gumbel_max, gumbel_max_hashed, sample, to_device
+from nano_miles.engine.sampling import SamplingParams, compiled_draws, sample, to_device
 from nano_miles.engine.scheduler import Scheduler, Sequence
 
 __all__ = ["Engine", "EngineConfig", "SamplingParams", "FinishedRequest"]
@@ -145,8 +145,7 @@ class Engine:
         # dynamic: one compiled graph serves every batch-size and block-table bucket
         self._decode_hidden = torch.compile(self.model.last_hidden, dynamic=True) if config.enable_torch_compile \
             else self.model.last_hidden
-        self._fused_sample = (torch.compile(gumbel_max, dynamic=True), torch.compile(gumbel_max_hashed, dynamic=True)) \
-            if config.enable_torch_compile else None
+        self._fused_sample = compiled_draws() if config.enable_torch_compile else None
         self.graphs = DecodeGraphs(self) if config.cuda_graph and self.device.type == "cuda" else None
 
     # ---- requests -------------------------------------------------------------------------------

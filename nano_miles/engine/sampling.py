@@ -63,6 +63,12 @@ def sample(logits: torch.Tensor, temperatures: list, top_ps: list, top_ks: list,
     return tokens, logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
 
 
+def compiled_draws() -> tuple:
+    """sample()'s `fused` pair, compiled (engine.enable_torch_compile): the draw from noise for batches
+    with seeded rows, the hashed draw for the rest. dynamic: one graph serves every batch size."""
+    return torch.compile(gumbel_max, dynamic=True), torch.compile(gumbel_max_hashed, dynamic=True)
+
+
 def gumbel_max(logits: torch.Tensor, temps: torch.Tensor, noise: torch.Tensor, greedy: torch.Tensor):
     """sample()'s common case as one traceable function, for torch.compile to fuse into a few passes
     over the vocabulary: log_softmax(logits / T) and the draw argmax(log p - log E) (= argmax(p / E));
