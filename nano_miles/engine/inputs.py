@@ -25,13 +25,13 @@ def padded(work, block_size: int, trash: int, device, rows: int | None = None, b
     last = np.zeros(R, dtype=np.int64)
     if Q == 1:  # a decode step: each row's one token and its blocks laid out at once, not row by row
         _decode_rows(work, bs, ids, pos, slots, tables)
-        return Batch(*(to_device(x, device) for x in (ids, pos, slots, tables, last)))
-    for i, (seq, n) in enumerate(work):
-        start, table = seq.num_computed_tokens, seq.block_table
-        used = (start + n + bs - 1) // bs
-        tables[i, :used], last[i] = table[:used], n - 1
-        p = np.arange(start, start + n)
-        ids[i, :n], pos[i, :n], slots[i, :n] = seq.token_ids[start:start + n], p, tables[i, p // bs] * bs + p % bs
+    else:
+        for i, (seq, n) in enumerate(work):
+            start, table = seq.num_computed_tokens, seq.block_table
+            used = (start + n + bs - 1) // bs
+            tables[i, :used], last[i] = table[:used], n - 1
+            p = np.arange(start, start + n)
+            ids[i, :n], pos[i, :n], slots[i, :n] = seq.token_ids[start:start + n], p, tables[i, p // bs] * bs + p % bs
     return Batch(*(to_device(x, device) for x in (ids, pos, slots, tables, last)))
 
 
